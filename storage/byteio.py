@@ -1,0 +1,190 @@
+"""Moving bytes: tensor memory to files, and file ranges back into tensors.
+
+This is the thin I/O layer under the writer and the reader. It takes tensors
+and (path, offset, length) ranges; it knows nothing of manifests. On local
+disks it uses plain ``os.write`` / ``os.preadv`` (which release the GIL, so
+several threads really overlap) and fsyncs before a file counts as written.
+On other filesystems it streams through fsspec, and reads coalesced ranges
+so that many small tensors cost few requests.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import fsspec
+import torch
+
+from .checksum import new_hasher
+
+CHUNK = 8 << 20  # bytes per write/hash step: small enough to pipeline, big enough for syscalls
+COALESCE_GAP = 1 << 20  # remote reads merge ranges separated by less than this
+MAX_REQUEST = 64 << 20  # ... into requests of at most this many bytes
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t``'s elements, in row-major order, as a read-only view.
+
+    Zero-copy for contiguous CPU tensors; a non-contiguous tensor is copied
+    (only its own elements), a device tensor is copied to host memory.
+    """
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).toreadonly()
+
+
+def empty_bytes(nbytes: int) -> torch.Tensor:
+    """A fresh uint8 tensor to read ``nbytes`` into."""
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class Sink(Protocol):
+    def write(self, data: memoryview | bytes) -> None: ...
+    def commit(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class LocalSink:
+    """Sequential writes to a local file, fsynced on commit."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+    def write(self, data: memoryview | bytes) -> None:
+        view = memoryview(data)
+        while view:
+            written = os.write(self.fd, view)
+            view = view[written:]
+
+    def commit(self) -> None:
+        os.fsync(self.fd)
+        os.close(self.fd)
+
+    def abort(self) -> None:
+        os.close(self.fd)
+
+
+class FsspecSink:
+    """Streaming writes through fsspec (multipart upload on object stores)."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, block_size: int = 64 << 20) -> None:
+        self.file = fs.open(path, "wb", block_size=block_size)
+
+    def write(self, data: memoryview | bytes) -> None:
+        self.file.write(data)
+
+    def commit(self) -> None:
+        self.file.close()
+
+    def abort(self) -> None:
+        # Discard the buffered data; an object store creates no object.
+        discard = getattr(self.file, "discard", None)
+        if discard is not None:
+            discard()
+        else:
+            self.file.close()
+
+
+def open_sink(fs: fsspec.AbstractFileSystem, path: str, *, local: bool) -> Sink:
+    return LocalSink(path) if local else FsspecSink(fs, path)
+
+
+def write_hashed(sink: Sink, data: memoryview | bytes, *hashers) -> None:
+    """Write ``data`` in chunks, feeding every hasher as it goes."""
+    view = memoryview(data)
+    for start in range(0, len(view), CHUNK):
+        chunk = view[start:start + CHUNK]
+        for h in hashers:
+            h.update(chunk)
+        sink.write(chunk)
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename or a new file in ``path`` durable (local disks only)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(frozen=True)
+class ReadRange:
+    offset: int
+    out: memoryview  # writable, len == bytes to read
+
+
+def read_ranges(fs: fsspec.AbstractFileSystem, path: str, ranges: list[ReadRange], *, local: bool) -> None:
+    """Fill each range's buffer with the file's bytes at its offset."""
+    if local:
+        _read_local(path, ranges)
+    else:
+        _read_remote(fs, path, ranges)
+
+
+def _read_local(path: str, ranges: Iterable[ReadRange]) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for r in ranges:
+            view, pos = r.out, r.offset
+            while view:
+                n = os.preadv(fd, [view], pos)
+                if n == 0:
+                    raise EOFError(f"{path} ends at byte {pos}, before the data the manifest lists")
+                view, pos = view[n:], pos + n
+    finally:
+        os.close(fd)
+
+
+def _read_remote(fs: fsspec.AbstractFileSystem, path: str, ranges: list[ReadRange]) -> None:
+    for group in coalesce(ranges):
+        start = group[0].offset
+        end = max(r.offset + len(r.out) for r in group)
+        data = fs.cat_file(path, start=start, end=end)
+        if len(data) != end - start:
+            raise EOFError(f"{path} ends before byte {end}, where the manifest lists data")
+        view = memoryview(data)
+        for r in group:
+            r.out[:] = view[r.offset - start:r.offset - start + len(r.out)]
+
+
+def coalesce(ranges: list[ReadRange]) -> list[list[ReadRange]]:
+    """Ranges grouped so that each group is one request of nearby bytes."""
+    ranges = sorted(ranges, key=lambda r: r.offset)
+    groups: list[list[ReadRange]] = []
+    end = -1
+    for r in ranges:
+        r_end = r.offset + len(r.out)
+        if groups and r.offset - end <= COALESCE_GAP and r_end - groups[-1][0].offset <= MAX_REQUEST:
+            groups[-1].append(r)
+            end = max(end, r_end)
+        else:
+            groups.append([r])
+            end = r_end
+    return groups
+
+
+def hash_file(fs: fsspec.AbstractFileSystem, path: str, *, local: bool) -> tuple[int, str]:
+    """Size and checksum of a whole file, streamed."""
+    h = new_hasher()
+    size = 0
+    buf = bytearray(CHUNK)
+    if local:
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(memoryview(buf)[:n])
+                size += n
+    else:
+        with fs.open(path, "rb", block_size=MAX_REQUEST) as f:
+            while chunk := f.read(MAX_REQUEST):
+                h.update(chunk)
+                size += len(chunk)
+    return size, h.hexdigest()

@@ -1,0 +1,189 @@
+"""The commit protocol and the states of a version.
+
+A version is a directory ``v%06d`` under the store's root. Its state is read
+from storage, never remembered:
+
+- ``WRITING``: the directory exists but has no manifest. Either a save is in
+  progress or one crashed; such a version is never loaded and ``gc`` removes
+  it (only one writer per store at a time is supported).
+- ``COMMITTED``: ``manifest.json`` exists and validates. This is the only state
+  readers trust.
+- ``UNREADABLE``: a manifest exists but is corrupt, or was written by a newer
+  ckptflow. Never loaded, never garbage-collected: a person must look at it.
+
+The protocol: every shard is fully written (fsynced on local disks) before
+the manifest is written; on local disks the manifest goes to a temporary name,
+is fsynced and renamed into place, and the directory is fsynced; on object
+stores one PUT is atomic. The ``latest`` pointer is updated after the commit
+and is only a hint for other tools: the truth is "the highest committed
+version".
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass
+
+from .byteio import fsync_dir
+from .errors import CheckpointError, FormatVersionError, ManifestError
+from .location import Location
+from .manifest import MANIFEST_FILE, Manifest, parse_manifest
+
+log = logging.getLogger(__name__)
+
+LATEST_FILE = "latest"
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+
+
+class VersionState(enum.Enum):
+    WRITING = "writing"
+    COMMITTED = "committed"
+    UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    version: int
+    state: VersionState
+    manifest: Manifest | None = None
+    problem: str | None = None
+
+    def is_committed(self) -> bool:
+        return self.state is VersionState.COMMITTED
+
+    def is_writing(self) -> bool:
+        return self.state is VersionState.WRITING
+
+    def is_unreadable(self) -> bool:
+        return self.state is VersionState.UNREADABLE
+
+
+def version_dir(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def parse_version_dir(name: str) -> int | None:
+    match = _VERSION_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def scan(loc: Location) -> dict[int, VersionRecord]:
+    """The state of every version directory under the root, by version number."""
+    if not loc.fs.exists(loc.root):
+        return {}
+    entries = loc.fs.find(loc.root, maxdepth=2, withdirs=True, detail=False)
+    dirs: dict[int, bool] = {}
+    for path in entries:
+        rel = path[len(loc.root):].strip("/").split("/")
+        version = parse_version_dir(rel[0])
+        if version is None:
+            continue
+        dirs[version] = dirs.get(version, False) or (len(rel) == 2 and rel[1] == MANIFEST_FILE)
+    with_manifest = [v for v, has in dirs.items() if has]
+    paths = [loc.path(version_dir(v), MANIFEST_FILE) for v in with_manifest]
+    raw = loc.fs.cat(paths, on_error="return") if paths else {}
+    records = {v: VersionRecord(v, VersionState.WRITING) for v, has in dirs.items() if not has}
+    for v in with_manifest:
+        data = raw[loc.path(version_dir(v), MANIFEST_FILE)]
+        records[v] = _record(loc, v, data)
+    return dict(sorted(records.items()))
+
+
+def _record(loc: Location, version: int, data: bytes | Exception) -> VersionRecord:
+    if isinstance(data, FileNotFoundError):  # vanished between listing and reading
+        return VersionRecord(version, VersionState.WRITING)
+    if isinstance(data, Exception):
+        raise data
+    try:
+        manifest = parse_manifest(data, loc.display(version_dir(version), MANIFEST_FILE))
+    except (ManifestError, FormatVersionError) as exc:
+        log.warning("ignoring version %d: %s", version, exc)
+        return VersionRecord(version, VersionState.UNREADABLE, problem=str(exc))
+    if manifest.version != version:
+        problem = f"manifest of {version_dir(version)} says version {manifest.version}"
+        log.warning("ignoring version %d: %s", version, problem)
+        return VersionRecord(version, VersionState.UNREADABLE, problem=problem)
+    return VersionRecord(version, VersionState.COMMITTED, manifest)
+
+
+def read_record(loc: Location, version: int) -> VersionRecord | None:
+    """The state of one version, reading only its manifest (None: no such directory)."""
+    path = loc.path(version_dir(version), MANIFEST_FILE)
+    try:
+        data: bytes | Exception = loc.fs.cat_file(path)
+    except FileNotFoundError as exc:
+        data = exc
+    record = _record(loc, version, data)
+    if record.is_writing() and not loc.fs.exists(loc.path(version_dir(version))):
+        return None
+    return record
+
+
+def commit(loc: Location, manifest: Manifest) -> None:
+    """Write the manifest of a version whose shards are all durable: the version now exists."""
+    vdir = version_dir(manifest.version)
+    data = manifest.to_json()
+    if loc.is_local:
+        _atomic_local_write(loc.path(vdir), MANIFEST_FILE, data)
+    else:
+        loc.fs.pipe_file(loc.path(vdir, MANIFEST_FILE), data)
+    _write_latest(loc, vdir)
+
+
+def _atomic_local_write(directory: str, name: str, data: bytes) -> None:
+    tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, os.path.join(directory, name))
+    fsync_dir(directory)
+
+
+def _write_latest(loc: Location, vdir: str) -> None:
+    data = f"{vdir}\n".encode()
+    try:
+        if loc.is_local:
+            _atomic_local_write(loc.root, LATEST_FILE, data)
+        else:
+            loc.fs.pipe_file(loc.path(LATEST_FILE), data)
+    except OSError as exc:  # the commit stands; the pointer is only a hint
+        log.warning("could not update %s: %s", loc.display(LATEST_FILE), exc)
+
+
+def refresh_latest(loc: Location, committed: list[int]) -> None:
+    """Point ``latest`` at the newest committed version, or remove it when there is none."""
+    if committed:
+        _write_latest(loc, version_dir(max(committed)))
+    elif loc.fs.exists(loc.path(LATEST_FILE)):
+        loc.fs.rm_file(loc.path(LATEST_FILE))
+
+
+def remove_version(loc: Location, version: int) -> None:
+    """Delete a version directory, manifest first, so a crash midway leaves garbage, not a broken version."""
+    vdir = loc.path(version_dir(version))
+    manifest = loc.path(version_dir(version), MANIFEST_FILE)
+    if loc.fs.exists(manifest):
+        loc.fs.rm_file(manifest)
+        if loc.is_local:
+            fsync_dir(vdir)
+    if loc.fs.exists(vdir):
+        loc.fs.rm(vdir, recursive=True)
+
+
+def clear_leftovers(loc: Location, version: int) -> None:
+    """Remove what a crashed save of ``version`` left behind, before writing it again."""
+    record = read_record(loc, version)
+    if record is None:
+        return
+    if not record.is_writing():
+        raise CheckpointError(f"refusing to clear {version_dir(version)}: it is {record.state.value}")
+    loc.fs.rm(loc.path(version_dir(version)), recursive=True)

@@ -1,0 +1,71 @@
+"""One exception hierarchy for everything the storage library raises.
+
+Every message names the thing that is wrong (a key path, a file, a version, a
+URL) and, where there is one, what the user can do about it. Messages never
+contain credentials: URLs are shown without their query string or user info.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error raised by ckptflow's storage library."""
+
+
+class UnsupportedValueError(CheckpointError, TypeError):
+    """A value in the state cannot be stored; raised before any byte is written."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        super().__init__(f"cannot store the value at {path or '<root>'}: {reason}")
+
+
+class VersionNotFoundError(CheckpointError, LookupError):
+    """The requested version is not committed in this store."""
+
+    def __init__(self, version: int | None, url: str, committed: list[int]) -> None:
+        self.version = version
+        self.committed = committed
+        listing = ", ".join(str(v) for v in committed) if committed else "none"
+        what = "no committed checkpoint" if version is None else f"version {version} is not committed"
+        super().__init__(f"{what} in {url} (committed versions: {listing})")
+
+
+class VersionExistsError(CheckpointError):
+    """A committed version is immutable; saving over it is refused."""
+
+    def __init__(self, version: int, url: str) -> None:
+        self.version = version
+        super().__init__(
+            f"version {version} is already committed in {url}; committed versions are "
+            "immutable: save under a new version or delete this one first"
+        )
+
+
+class FormatVersionError(CheckpointError):
+    """A manifest written by a newer (or unknown) format version."""
+
+
+class ManifestError(CheckpointError):
+    """A manifest exists but cannot be parsed or fails validation."""
+
+
+class CorruptShardError(CheckpointError):
+    """A shard's bytes do not match the checksum or size in its manifest."""
+
+    def __init__(self, file: str, *, expected: str, actual: str, what: str = "checksum") -> None:
+        self.file = file
+        self.expected = expected
+        self.actual = actual
+        super().__init__(
+            f"corrupt checkpoint file {file}: {what} expected {expected}, found {actual}; "
+            "load an earlier version or restore this file from a copy"
+        )
+
+
+class StorageUnavailableError(CheckpointError, OSError):
+    """The storage URL cannot be used: unknown scheme, missing bucket, no permission, disk full."""
+
+
+class SaveFailedError(CheckpointError):
+    """A background (async) save failed; the previous committed version is intact."""

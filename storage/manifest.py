@@ -1,0 +1,151 @@
+"""The manifest: the JSON document that makes a version exist.
+
+A version directory holds HDF5 shards and, written last, ``manifest.json``. The
+manifest lists every shard with its size and checksum, every blob (dataset)
+with its byte offset, size and checksum, every tensor's key path, dtype and
+shape, and the non-tensor structure of the state. A reader needs nothing else
+to rebuild the state, and nothing in it is pickled.
+
+What must always hold: a version without a manifest that parses and validates
+does not exist. A manifest written by a newer format version is refused with a
+message that says which ckptflow can read it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from datetime import datetime, timezone
+from typing import Any
+
+import h5py
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import FormatVersionError, ManifestError
+
+FORMAT_NAME = "ckptflow-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardEntry(_Model):
+    file: str
+    size: int = Field(ge=0)
+    checksum: str
+    rank: int = 0
+
+
+class BlobEntry(_Model):
+    shard: int = Field(ge=0)
+    dataset: str
+    offset: int | None  # None for blobs of zero bytes (HDF5 allocates nothing)
+    nbytes: int = Field(ge=0)
+    dtype: str
+    shape: list[int]
+    checksum: str
+
+
+class TensorEntry(_Model):
+    path: str
+    blob: int = Field(ge=0)
+    dtype: str
+    shape: list[int]
+    stride: list[int] | None = None
+    offset: int = 0
+
+
+class Manifest(_Model):
+    format: str = FORMAT_NAME
+    format_version: int = FORMAT_VERSION
+    version: int = Field(ge=0)
+    epoch: int | None = None
+    step: int | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    created: str
+    writer: dict[str, str] = Field(default_factory=dict)
+    checksum_algorithm: str
+    nbytes: int = Field(ge=0)
+    shards: list[ShardEntry]
+    blobs: list[BlobEntry]
+    tensors: list[TensorEntry]
+    structure: Any
+    user: dict[str, Any] = Field(default_factory=dict)
+
+    @property
+    def total_size(self) -> int:
+        """Bytes on storage: all shards (the manifest itself not counted)."""
+        return sum(s.size for s in self.shards)
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), indent=1, allow_nan=False).encode()
+
+
+def writer_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ours = version("ckptflow")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        ours = "unknown"
+    return {
+        "ckptflow": ours,
+        "torch": torch.__version__,
+        "h5py": h5py.__version__,
+        "hdf5": h5py.version.hdf5_version,
+        "python": platform.python_version(),
+    }
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
+    """Metrics as finite floats; raises ``ValueError`` naming a bad metric."""
+    out: dict[str, float] = {}
+    for name, value in (metrics or {}).items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"metric {name!r} must be a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"metric {name!r} must be finite, got {number}")
+        out[str(name)] = number
+    return out
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate a manifest; ``where`` names it in error messages."""
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"manifest {where} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
+        raise ManifestError(f"{where} is not a ckptflow manifest")
+    found = raw.get("format_version")
+    if not isinstance(found, int) or found > FORMAT_VERSION:
+        raise FormatVersionError(
+            f"manifest {where} has format version {found!r}, but this ckptflow reads versions up to "
+            f"{FORMAT_VERSION}; upgrade ckptflow to load it"
+        )
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as exc:
+        raise ManifestError(f"manifest {where} is invalid: {exc}") from None
+    _check_references(manifest, where)
+    return manifest
+
+
+def _check_references(m: Manifest, where: str) -> None:
+    for i, blob in enumerate(m.blobs):
+        if blob.shard >= len(m.shards):
+            raise ManifestError(f"manifest {where}: blob {i} names shard {blob.shard}, which is not listed")
+    for tensor in m.tensors:
+        if tensor.blob >= len(m.blobs):
+            raise ManifestError(f"manifest {where}: tensor {tensor.path!r} names a missing blob")
