@@ -101,7 +101,7 @@ def write_hashed(sink: Sink, data: memoryview | bytes, *hashers) -> None:
     """Write ``data`` in chunks, feeding every hasher as it goes."""
     view = memoryview(data)
     for start in range(0, len(view), CHUNK):
-        chunk = view[start:start + CHUNK]
+        chunk = view[start : start + CHUNK]
         for h in hashers:
             h.update(chunk)
         sink.write(chunk)
@@ -153,7 +153,7 @@ def _read_remote(fs: fsspec.AbstractFileSystem, path: str, ranges: list[ReadRang
             raise EOFError(f"{path} ends before byte {end}, where the manifest lists data")
         view = memoryview(data)
         for r in group:
-            r.out[:] = view[r.offset - start:r.offset - start + len(r.out)]
+            r.out[:] = view[r.offset - start : r.offset - start + len(r.out)]
 
 
 def coalesce(ranges: list[ReadRange]) -> list[list[ReadRange]]:

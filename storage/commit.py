@@ -78,7 +78,7 @@ def scan(loc: Location) -> dict[int, VersionRecord]:
     entries = loc.fs.find(loc.root, maxdepth=2, withdirs=True, detail=False)
     dirs: dict[int, bool] = {}
     for path in entries:
-        rel = path[len(loc.root):].strip("/").split("/")
+        rel = path[len(loc.root) :].strip("/").split("/")
         version = parse_version_dir(rel[0])
         if version is None:
             continue
@@ -140,7 +140,7 @@ def _atomic_local_write(directory: str, name: str, data: bytes) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -71,4 +71,3 @@ def storage_dtype(dtype: torch.dtype) -> np.dtype:
     if dtype in _BIT_CAST:
         return _BIT_CAST[dtype]
     raise TypeError(f"tensors of dtype {dtype} cannot be stored")
-

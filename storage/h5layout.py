@@ -55,8 +55,9 @@ def build_shard_image(blobs: list[Blob]) -> ShardImage:
         path = os.path.join(tmp, "skeleton.h5")
         offsets = _write_skeleton(path, blobs)
         size = os.path.getsize(path)
-        ranges = sorted((off, b.nbytes, b.index) for b in blobs
-                        if (off := offsets[b.index]) is not None and b.nbytes)
+        ranges = sorted(
+            (off, b.nbytes, b.index) for b in blobs if (off := offsets[b.index]) is not None and b.nbytes
+        )
         with open(path, "rb") as f:
             segments = _segments(f, size, ranges)
     return ShardImage(size, segments, offsets)
@@ -86,7 +87,7 @@ def _write_skeleton(path: str, blobs: list[Blob]) -> dict[int, int | None]:
 def _segments(f, size: int, ranges: list[tuple[int, int, int]]) -> list[Segment]:
     segments: list[Segment] = []
     pos = 0
-    for off, length, index in ranges + [(size, 0, -1)]:
+    for off, length, index in [*ranges, (size, 0, -1)]:
         if off < pos:
             raise AssertionError("HDF5 laid out overlapping datasets")
         if off > pos:

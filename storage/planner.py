@@ -101,8 +101,9 @@ def _view_key(t: torch.Tensor) -> tuple:
     return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
 
 
-def _plan_group(leaves: list[Leaf], members: list[int], blobs: list[Blob],
-                refs: list[TensorRef | None], names: set[str]) -> None:
+def _plan_group(
+    leaves: list[Leaf], members: list[int], blobs: list[Blob], refs: list[TensorRef | None], names: set[str]
+) -> None:
     views: dict[tuple, list[int]] = {}
     for i in members:
         views.setdefault(_view_key(leaves[i].tensor), []).append(i)
@@ -130,8 +131,14 @@ def _extent_end(t: torch.Tensor) -> int:
     return t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
 
 
-def _new_blob(blobs: list[Blob], names: set[str], path: str, dtype: torch.dtype,
-              shape: tuple[int, ...], source: torch.Tensor) -> int:
+def _new_blob(
+    blobs: list[Blob],
+    names: set[str],
+    path: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    source: torch.Tensor,
+) -> int:
     storage_dtype(dtype)  # raises early for dtypes we cannot store
     blobs.append(Blob(len(blobs), dataset_name(path, names), dtype, shape, source))
     return len(blobs) - 1

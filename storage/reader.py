@@ -23,8 +23,9 @@ from .manifest import Manifest
 SPLIT = 64 << 20  # large blobs are read as several ranges, in parallel
 
 
-def read_blobs(loc: Location, version_dir: str, manifest: Manifest, wanted: list[int],
-               *, verify: bool, threads: int) -> dict[int, torch.Tensor]:
+def read_blobs(
+    loc: Location, version_dir: str, manifest: Manifest, wanted: list[int], *, verify: bool, threads: int
+) -> dict[int, torch.Tensor]:
     """uint8 tensors holding the bytes of the ``wanted`` blobs."""
     out = {i: empty_bytes(manifest.blobs[i].nbytes) for i in wanted}
     jobs: list[tuple[str, list[ReadRange]]] = []
@@ -33,8 +34,12 @@ def read_blobs(loc: Location, version_dir: str, manifest: Manifest, wanted: list
         path = loc.path(version_dir, shard.file)
         if verify:
             check_size(loc, path, shard.size)
-        ranges = [r for i in wanted if manifest.blobs[i].shard == shard_index
-                  for r in _ranges(manifest.blobs[i].offset, out[i])]
+        ranges = [
+            r
+            for i in wanted
+            if manifest.blobs[i].shard == shard_index
+            for r in _ranges(manifest.blobs[i].offset, out[i])
+        ]
         jobs.extend((path, batch) for batch in _batches(ranges, loc.is_local))
     _run(jobs, loc, threads)
     if verify:
@@ -47,22 +52,24 @@ def check_size(loc: Location, path: str, expected: int) -> None:
     try:
         actual = loc.fs.size(path)
     except FileNotFoundError:
-        raise CorruptShardError(_display(loc, path), expected=f"{expected} bytes", actual="no file",
-                                what="size") from None
+        raise CorruptShardError(
+            _display(loc, path), expected=f"{expected} bytes", actual="no file", what="size"
+        ) from None
     if actual != expected:
-        raise CorruptShardError(_display(loc, path), expected=f"{expected} bytes",
-                                actual=f"{actual} bytes", what="size")
+        raise CorruptShardError(
+            _display(loc, path), expected=f"{expected} bytes", actual=f"{actual} bytes", what="size"
+        )
 
 
 def _display(loc: Location, path: str) -> str:
-    return loc.display(path[len(loc.root):].lstrip("/")) if path.startswith(loc.root) else path
+    return loc.display(path[len(loc.root) :].lstrip("/")) if path.startswith(loc.root) else path
 
 
 def _ranges(offset: int | None, buf: torch.Tensor) -> list[ReadRange]:
     if offset is None or buf.numel() == 0:
         return []
     view = memoryview(buf.numpy())
-    return [ReadRange(offset + s, view[s:s + SPLIT]) for s in range(0, len(view), SPLIT)]
+    return [ReadRange(offset + s, view[s : s + SPLIT]) for s in range(0, len(view), SPLIT)]
 
 
 def _batches(ranges: list[ReadRange], local: bool) -> list[list[ReadRange]]:
@@ -86,11 +93,13 @@ def _run(jobs: list[tuple[str, list[ReadRange]]], loc: Location, threads: int) -
         try:
             read_ranges(loc.fs, path, ranges, local=loc.is_local)
         except FileNotFoundError:
-            raise CorruptShardError(_display(loc, path), expected="a shard file", actual="no file",
-                                    what="presence") from None
+            raise CorruptShardError(
+                _display(loc, path), expected="a shard file", actual="no file", what="presence"
+            ) from None
         except EOFError as exc:
-            raise CorruptShardError(_display(loc, path), expected="more bytes", actual=str(exc),
-                                    what="size") from None
+            raise CorruptShardError(
+                _display(loc, path), expected="more bytes", actual=str(exc), what="size"
+            ) from None
 
     if threads <= 1 or len(jobs) <= 1:
         for job in jobs:
@@ -107,5 +116,6 @@ def _check_blob(loc: Location, version_dir: str, manifest: Manifest, i: int, dat
         shard = manifest.shards[blob.shard].file
         raise CorruptShardError(
             f"{loc.display(version_dir, shard)} (dataset {blob.dataset})",
-            expected=blob.checksum, actual=actual,
+            expected=blob.checksum,
+            actual=actual,
         )

@@ -53,7 +53,7 @@ class StagingBuffer:
             device_copy = False
             for blob in blobs:
                 n = blob.nbytes
-                region = self._buffer[offset:offset + n]
+                region = self._buffer[offset : offset + n]
                 if n:
                     src = blob.source
                     region.view(src.dtype).view(src.shape).copy_(src, non_blocking=self._pin)

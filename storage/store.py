@@ -72,15 +72,30 @@ class VersionInfo:
     @classmethod
     def from_manifest(cls, m: Manifest, loc: Location) -> VersionInfo:
         seconds = m.user.get("save_seconds")
-        return cls(m.version, m.epoch, m.step, dict(m.metrics), m.created, m.nbytes, m.total_size,
-                   loc.display(version_dir(m.version)), seconds, dict(m.user))
+        return cls(
+            m.version,
+            m.epoch,
+            m.step,
+            dict(m.metrics),
+            m.created,
+            m.nbytes,
+            m.total_size,
+            loc.display(version_dir(m.version)),
+            seconds,
+            dict(m.user),
+        )
 
 
 class CheckpointStore:
     """Checkpoints of one training run under an fsspec URL (path, file://, s3://, memory://)."""
 
-    def __init__(self, url: str | os.PathLike[str], *, storage_options: dict[str, Any] | None = None,
-                 options: StoreOptions | None = None) -> None:
+    def __init__(
+        self,
+        url: str | os.PathLike[str],
+        *,
+        storage_options: dict[str, Any] | None = None,
+        options: StoreOptions | None = None,
+    ) -> None:
         self.loc = open_location(url, storage_options)
         self.options = options or StoreOptions()
         self._staging = StagingBuffer()
@@ -96,9 +111,16 @@ class CheckpointStore:
 
     # -- saving ---------------------------------------------------------------
 
-    def save(self, state: object, *, epoch: int | None = None, step: int | None = None,
-             metrics: dict[str, float] | None = None, version: int | None = None,
-             user: dict[str, Any] | None = None) -> VersionInfo:
+    def save(
+        self,
+        state: object,
+        *,
+        epoch: int | None = None,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        version: int | None = None,
+        user: dict[str, Any] | None = None,
+    ) -> VersionInfo:
         """Write ``state`` as a new committed version and return it."""
         self._saver.wait_previous()
         job = self._prepare(state, epoch, step, metrics, version, user)
@@ -106,9 +128,16 @@ class CheckpointStore:
         staged = self._staging.stage(device) if device else {}
         return self._write(job, lambda b: staged[b.index] if b.index in staged else tensor_bytes(b.source))
 
-    def save_async(self, state: object, *, epoch: int | None = None, step: int | None = None,
-                   metrics: dict[str, float] | None = None, version: int | None = None,
-                   user: dict[str, Any] | None = None) -> SaveHandle:
+    def save_async(
+        self,
+        state: object,
+        *,
+        epoch: int | None = None,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        version: int | None = None,
+        user: dict[str, Any] | None = None,
+    ) -> SaveHandle:
         """Copy ``state`` to host memory, then write and commit it in the background.
 
         Returns once the copy is done: the caller may change its tensors. At
@@ -118,21 +147,32 @@ class CheckpointStore:
         self._saver.wait_previous()
         job = self._prepare(state, epoch, step, metrics, version, user)
         staged = self._staging.stage(job.plan.blobs)
-        return self._saver.submit(lambda: self._write(job, lambda b: staged[b.index]),
-                                  job.version)
+        return self._saver.submit(lambda: self._write(job, lambda b: staged[b.index]), job.version)
 
     def wait(self) -> VersionInfo | None:
         """Wait for the async save in flight, if any; raise its failure."""
         return self._saver.wait_previous()
 
-    def _prepare(self, state: object, epoch: int | None, step: int | None,
-                 metrics: dict[str, float] | None, version: int | None,
-                 user: dict[str, Any] | None) -> _SaveJob:
+    def _prepare(
+        self,
+        state: object,
+        epoch: int | None,
+        step: int | None,
+        metrics: dict[str, float] | None,
+        version: int | None,
+        user: dict[str, Any] | None,
+    ) -> _SaveJob:
         structure, leaves = encode(state)  # raises on unsupported values, before any I/O
         plan = plan_save(leaves, shards=self.options.shards)
         refs = [
-            TensorEntry(path=leaf.path, blob=r.blob, dtype=_name(r.dtype), shape=list(r.shape),
-                        stride=list(r.stride) if r.stride is not None else None, offset=r.offset)
+            TensorEntry(
+                path=leaf.path,
+                blob=r.blob,
+                dtype=_name(r.dtype),
+                shape=list(r.shape),
+                stride=list(r.stride) if r.stride is not None else None,
+                offset=r.offset,
+            )
             for leaf, r in zip(leaves, plan.refs, strict=True)
         ]
         clean = clean_metrics(metrics)
@@ -163,10 +203,19 @@ class CheckpointStore:
             shards, blobs = write_shards(self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads)
             seconds = time.perf_counter() - start
             manifest = Manifest(
-                version=job.version, epoch=job.epoch, step=job.step, metrics=job.metrics,
-                created=utc_now(), writer=writer_versions(), checksum_algorithm=ALGORITHM,
-                nbytes=job.plan.nbytes, shards=shards, blobs=blobs, tensors=job.refs,
-                structure=job.structure, user={**job.user, "save_seconds": round(seconds, 4)},
+                version=job.version,
+                epoch=job.epoch,
+                step=job.step,
+                metrics=job.metrics,
+                created=utc_now(),
+                writer=writer_versions(),
+                checksum_algorithm=ALGORITHM,
+                nbytes=job.plan.nbytes,
+                shards=shards,
+                blobs=blobs,
+                tensors=job.refs,
+                structure=job.structure,
+                user={**job.user, "save_seconds": round(seconds, 4)},
             )
             protocol.commit(self.loc, manifest)
         log.info("committed %s (%d bytes in %.2fs)", self.loc.display(vdir), manifest.total_size, seconds)
@@ -187,8 +236,14 @@ class CheckpointStore:
         """The manifest of a committed version (the newest when ``version`` is None)."""
         return self._record(version).manifest  # type: ignore[return-value]
 
-    def load(self, version: int | None = None, *, keys: Sequence[str] | None = None,
-             map_location: str | torch.device = "cpu", verify: bool | None = None) -> Any:
+    def load(
+        self,
+        version: int | None = None,
+        *,
+        keys: Sequence[str] | None = None,
+        map_location: str | torch.device = "cpu",
+        verify: bool | None = None,
+    ) -> Any:
         """The state saved in ``version`` (default: the newest committed one).
 
         ``keys`` selects parts by slash-separated key path (``["model"]``,
@@ -201,8 +256,14 @@ class CheckpointStore:
         wanted = sorted({manifest.tensors[i].blob for i in leaf_ids})
         check = self.options.verify_on_load if verify is None else verify
         with translate_errors(self.loc, "loading from"):
-            raw = read_blobs(self.loc, version_dir(manifest.version), manifest, wanted,
-                             verify=check, threads=self.options.threads)
+            raw = read_blobs(
+                self.loc,
+                version_dir(manifest.version),
+                manifest,
+                wanted,
+                verify=check,
+                threads=self.options.threads,
+            )
         tensors = _build_tensors(manifest, raw, leaf_ids, torch.device(map_location))
         return decode(structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i])
 
@@ -217,14 +278,23 @@ class CheckpointStore:
                 try:
                     size, checksum = hash_file(self.loc.fs, path, local=self.loc.is_local)
                 except FileNotFoundError:
-                    raise CorruptShardError(self.loc.display(vdir, shard.file), expected="a shard file",
-                                            actual="no file", what="presence") from None
+                    raise CorruptShardError(
+                        self.loc.display(vdir, shard.file),
+                        expected="a shard file",
+                        actual="no file",
+                        what="presence",
+                    ) from None
                 if size != shard.size:
-                    raise CorruptShardError(self.loc.display(vdir, shard.file), expected=f"{shard.size} bytes",
-                                            actual=f"{size} bytes", what="size")
+                    raise CorruptShardError(
+                        self.loc.display(vdir, shard.file),
+                        expected=f"{shard.size} bytes",
+                        actual=f"{size} bytes",
+                        what="size",
+                    )
                 if checksum != shard.checksum:
-                    raise CorruptShardError(self.loc.display(vdir, shard.file), expected=shard.checksum,
-                                            actual=checksum)
+                    raise CorruptShardError(
+                        self.loc.display(vdir, shard.file), expected=shard.checksum, actual=checksum
+                    )
         return VersionInfo.from_manifest(manifest, self.loc)
 
     def _committed(self) -> list[VersionRecord]:
@@ -259,14 +329,20 @@ class CheckpointStore:
             protocol.remove_version(self.loc, version)
             protocol.refresh_latest(self.loc, [v for v in committed if v != version])
 
-    def prune(self, policy: RetentionPolicy | None = None, *, keep_last: int | None = None,
-              keep_every: int | None = None, keep_best: tuple[str, Literal["min", "max"]] | None = None,
-              ) -> list[int]:
+    def prune(
+        self,
+        policy: RetentionPolicy | None = None,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: tuple[str, Literal["min", "max"]] | None = None,
+    ) -> list[int]:
         """Delete committed versions the policy does not keep; return their numbers."""
         if policy is None:
             best, mode = keep_best if keep_best else (None, "min")
-            policy = RetentionPolicy(keep_last=keep_last, keep_every=keep_every, keep_best=best,
-                                     best_mode=mode)
+            policy = RetentionPolicy(
+                keep_last=keep_last, keep_every=keep_every, keep_best=best, best_mode=mode
+            )
         self._saver.wait_previous()
         committed = [r.manifest for r in self._committed() if r.manifest is not None]
         keep = versions_to_keep(committed, policy)
@@ -320,8 +396,9 @@ def _name(dtype: torch.dtype) -> str:
     return dtype_name(dtype)
 
 
-def _build_tensors(manifest: Manifest, raw: dict[int, torch.Tensor], leaf_ids: list[int],
-                   device: torch.device) -> dict[int, torch.Tensor]:
+def _build_tensors(
+    manifest: Manifest, raw: dict[int, torch.Tensor], leaf_ids: list[int], device: torch.device
+) -> dict[int, torch.Tensor]:
     from .dtypes import dtype_from_name
 
     typed: dict[int, torch.Tensor] = {}

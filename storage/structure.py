@@ -116,9 +116,13 @@ def _add_leaf(leaves: list[Leaf], path: str, tensor: torch.Tensor, is_numpy: boo
 
 def _check_tensor(tensor: torch.Tensor, path: str) -> torch.Tensor:
     if tensor.layout != torch.strided:
-        raise UnsupportedValueError(path, f"{tensor.layout} tensors are not supported; convert with .to_dense()")
+        raise UnsupportedValueError(
+            path, f"{tensor.layout} tensors are not supported; convert with .to_dense()"
+        )
     if tensor.is_quantized:
-        raise UnsupportedValueError(path, "quantized tensors are not supported; store .dequantize() or int_repr()")
+        raise UnsupportedValueError(
+            path, "quantized tensors are not supported; store .dequantize() or int_repr()"
+        )
     if tensor.device.type == "meta":
         raise UnsupportedValueError(path, "meta tensors have no data to store")
     if tensor.dtype not in SUPPORTED:

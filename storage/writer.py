@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 BlobBytes = Callable[[Blob], memoryview]
 
 
-def write_shards(loc: Location, version_dir: str, plan: SavePlan, blob_bytes: BlobBytes,
-                 *, threads: int, rank: int = 0) -> tuple[list[ShardEntry], list[BlobEntry]]:
+def write_shards(
+    loc: Location, version_dir: str, plan: SavePlan, blob_bytes: BlobBytes, *, threads: int, rank: int = 0
+) -> tuple[list[ShardEntry], list[BlobEntry]]:
     """Write every shard of ``plan`` under ``version_dir``; return their manifest entries."""
     loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
     blob_entries: dict[int, BlobEntry] = {}
@@ -47,8 +48,9 @@ def write_shards(loc: Location, version_dir: str, plan: SavePlan, blob_bytes: Bl
     return shard_entries, [blob_entries[i] for i in range(len(plan.blobs))]
 
 
-def _write_shard(loc: Location, version_dir: str, shard: ShardPlan, blobs: list[Blob],
-                 blob_bytes: BlobBytes, rank: int) -> tuple[ShardEntry, dict[int, BlobEntry]]:
+def _write_shard(
+    loc: Location, version_dir: str, shard: ShardPlan, blobs: list[Blob], blob_bytes: BlobBytes, rank: int
+) -> tuple[ShardEntry, dict[int, BlobEntry]]:
     members = [blobs[i] for i in shard.blobs]
     image = build_shard_image(members)
     path = loc.path(version_dir, shard.file)
@@ -62,7 +64,9 @@ def _write_shard(loc: Location, version_dir: str, shard: ShardPlan, blobs: list[
                 continue
             data = blob_bytes(blobs[seg.blob])
             if len(data) != seg.length:
-                raise AssertionError(f"blob {blobs[seg.blob].name}: {len(data)} bytes, layout has {seg.length}")
+                raise AssertionError(
+                    f"blob {blobs[seg.blob].name}: {len(data)} bytes, layout has {seg.length}"
+                )
             blob_hash = new_hasher()
             write_hashed(sink, data, file_hash, blob_hash)
             sums[seg.blob] = blob_hash.hexdigest()
@@ -73,8 +77,13 @@ def _write_shard(loc: Location, version_dir: str, shard: ShardPlan, blobs: list[
     empty = new_hasher().hexdigest()
     entries = {
         b.index: BlobEntry(
-            shard=shard.index, dataset=b.name, offset=image.offsets[b.index], nbytes=b.nbytes,
-            dtype=dtype_name(b.dtype), shape=list(b.shape), checksum=sums.get(b.index, empty),
+            shard=shard.index,
+            dataset=b.name,
+            offset=image.offsets[b.index],
+            nbytes=b.nbytes,
+            dtype=dtype_name(b.dtype),
+            shape=list(b.shape),
+            checksum=sums.get(b.index, empty),
         )
         for b in members
     }
