@@ -24,13 +24,35 @@ log = logging.getLogger(__name__)
 class SaveHandle:
     """The result of :meth:`CheckpointStore.save_async`."""
 
-    def __init__(self, future: Future[Any], version: int) -> None:
-        self._future = future
+    def __init__(self, saver: AsyncSaver, job: Callable[[], VersionInfo], version: int) -> None:
+        self._saver = saver
+        self._job = job
+        self._future: Future[Any] = saver._start(job)
         self.version = version
         self._reported = False
+        self.attempts = 1
+
+    def resubmit(self) -> None:
+        """Write the same staged state again after a failure (the staging is kept until the next save)."""
+        if not self._future.done():
+            raise RuntimeError(f"the save of version {self.version} is still running")
+        if self._future.exception() is None:
+            return
+        self._future = self._saver._start(self._job)
+        self._reported = False
+        self.attempts += 1
+        self._saver._inflight = self
 
     def done(self) -> bool:
         return self._future.done()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the save to end, committed or failed, without raising; True if it ended."""
+        try:
+            self._future.exception(timeout)
+        except TimeoutError:
+            return False
+        return True
 
     def wait(self, timeout: float | None = None) -> VersionInfo:
         """Block until the version is committed; raise :class:`SaveFailedError` if it was not."""
@@ -55,11 +77,14 @@ class AsyncSaver:
         self._inflight: SaveHandle | None = None
 
     def submit(self, job: Callable[[], VersionInfo], version: int) -> SaveHandle:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptflow-async-save")
-        handle = SaveHandle(self._pool.submit(job), version)
+        handle = SaveHandle(self, job, version)
         self._inflight = handle
         return handle
+
+    def _start(self, job: Callable[[], VersionInfo]) -> Future[Any]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="ckptflow-async-save")
+        return self._pool.submit(job)
 
     def wait_previous(self) -> VersionInfo | None:
         """Wait for the save in flight; raise its failure unless it was already reported."""

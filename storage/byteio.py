@@ -37,7 +37,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).toreadonly()
+    return t.reshape(-1).view(torch.uint8).numpy().data.toreadonly()
 
 
 def empty_bytes(nbytes: int) -> torch.Tensor:

@@ -30,13 +30,14 @@ from dataclasses import dataclass
 
 from .byteio import fsync_dir
 from .errors import CheckpointError, FormatVersionError, ManifestError
-from .location import Location
+from .location import Location, bucket_missing, missing_bucket_error
 from .manifest import MANIFEST_FILE, Manifest, parse_manifest
 
 log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # what _atomic_local_write leaves when killed
 
 
 class VersionState(enum.Enum):
@@ -50,7 +51,7 @@ class VersionRecord:
     version: int
     state: VersionState
     manifest: Manifest | None = None
-    problem: str | None = None
+    error: CheckpointError | None = None  # why an UNREADABLE version cannot be read
 
     def is_committed(self) -> bool:
         return self.state is VersionState.COMMITTED
@@ -73,7 +74,10 @@ def parse_version_dir(name: str) -> int | None:
 
 def scan(loc: Location) -> dict[int, VersionRecord]:
     """The state of every version directory under the root, by version number."""
+    loc.fs.invalidate_cache()  # listings cached by fsspec (s3fs) miss changes made by other processes
     if not loc.fs.exists(loc.root):
+        if bucket_missing(loc):  # else a mistyped bucket would look like an empty store
+            raise missing_bucket_error(loc)
         return {}
     entries = loc.fs.find(loc.root, maxdepth=2, withdirs=True, detail=False)
     dirs: dict[int, bool] = {}
@@ -102,11 +106,11 @@ def _record(loc: Location, version: int, data: bytes | Exception) -> VersionReco
         manifest = parse_manifest(data, loc.display(version_dir(version), MANIFEST_FILE))
     except (ManifestError, FormatVersionError) as exc:
         log.warning("ignoring version %d: %s", version, exc)
-        return VersionRecord(version, VersionState.UNREADABLE, problem=str(exc))
+        return VersionRecord(version, VersionState.UNREADABLE, error=exc)
     if manifest.version != version:
-        problem = f"manifest of {version_dir(version)} says version {manifest.version}"
-        log.warning("ignoring version %d: %s", version, problem)
-        return VersionRecord(version, VersionState.UNREADABLE, problem=problem)
+        error = ManifestError(f"manifest of {version_dir(version)} says version {manifest.version}")
+        log.warning("ignoring version %d: %s", version, error)
+        return VersionRecord(version, VersionState.UNREADABLE, error=error)
     return VersionRecord(version, VersionState.COMMITTED, manifest)
 
 
@@ -148,13 +152,25 @@ def _atomic_local_write(directory: str, name: str, data: bytes) -> None:
     fsync_dir(directory)
 
 
+def stale_temp_files(loc: Location) -> list[str]:
+    """Temporary files of atomic writes under the root (``.latest.<hex>.tmp``) left by a killed writer."""
+    if not loc.is_local or not os.path.isdir(loc.root):
+        return []
+    return sorted(os.path.join(loc.root, n) for n in os.listdir(loc.root) if _TEMP_FILE.match(n))
+
+
+def write_file_atomic(loc: Location, name: str, data: bytes) -> None:
+    """Write a small file under the root so that readers see the old or the new bytes, never a mix."""
+    if loc.is_local:
+        os.makedirs(loc.root, exist_ok=True)
+        _atomic_local_write(loc.root, name, data)
+    else:
+        loc.fs.pipe_file(loc.path(name), data)
+
+
 def _write_latest(loc: Location, vdir: str) -> None:
-    data = f"{vdir}\n".encode()
     try:
-        if loc.is_local:
-            _atomic_local_write(loc.root, LATEST_FILE, data)
-        else:
-            loc.fs.pipe_file(loc.path(LATEST_FILE), data)
+        write_file_atomic(loc, LATEST_FILE, f"{vdir}\n".encode())
     except OSError as exc:  # the commit stands; the pointer is only a hint
         log.warning("could not update %s: %s", loc.display(LATEST_FILE), exc)
 

@@ -30,7 +30,12 @@ for _name, _np in (("uint16", "<u2"), ("uint32", "<u4"), ("uint64", "<u8")):
     if hasattr(torch, _name):
         _NATIVE[getattr(torch, _name)] = np.dtype(_np)
 
-_UINT_OF_WIDTH = {1: np.dtype("|u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_UINT_OF_WIDTH: dict[int, np.dtype] = {
+    1: np.dtype("|u1"),
+    2: np.dtype("<u2"),
+    4: np.dtype("<u4"),
+    8: np.dtype("<u8"),
+}
 
 # Dtypes without a numpy twin, stored as same-width unsigned bits: name -> width in bytes.
 _BIT_CAST_WIDTHS = {

@@ -93,15 +93,22 @@ def translate_errors(loc: Location, action: str) -> Iterator[None]:
                 f"no space left on the device while {action} {loc.display()}; the previous "
                 "committed version is intact: free space (ckptflow prune/gc) and save again"
             ) from exc
-        if isinstance(exc, FileNotFoundError) and not loc.is_local and _bucket_missing(loc):
-            raise StorageUnavailableError(
-                f"the bucket of {loc.display()} does not exist (or is not visible with these "
-                "credentials): create it first"
-            ) from exc
+        if isinstance(exc, FileNotFoundError) and bucket_missing(loc):
+            raise missing_bucket_error(loc) from exc
         raise
 
 
-def _bucket_missing(loc: Location) -> bool:
+def missing_bucket_error(loc: Location) -> StorageUnavailableError:
+    return StorageUnavailableError(
+        f"the bucket of {loc.display()} does not exist (or is not visible with these "
+        "credentials): create it first"
+    )
+
+
+def bucket_missing(loc: Location) -> bool:
+    """True when ``loc`` is on an object store and the bucket of its root does not exist."""
+    if loc.is_local:
+        return False
     bucket = loc.root.split("/", 1)[0]
     try:
         return not loc.fs.exists(bucket)

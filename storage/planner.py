@@ -118,17 +118,17 @@ def _plan_group(
                 refs[i] = TensorRef(blob, t.dtype, tuple(t.shape))
         return
     first = leaves[members[0]].tensor
-    start = min(leaves[i].tensor.storage_offset() for i in members)
+    start = min(int(leaves[i].tensor.storage_offset()) for i in members)
     end = max(_extent_end(leaves[i].tensor) for i in members)
     span = torch.as_strided(first, (end - start,), (1,), start)
     blob = _new_blob(blobs, names, leaves[members[0]].path, first.dtype, (end - start,), span)
     for i in members:
         t = leaves[i].tensor
-        refs[i] = TensorRef(blob, t.dtype, tuple(t.shape), t.stride(), t.storage_offset() - start)
+        refs[i] = TensorRef(blob, t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset()) - start)
 
 
 def _extent_end(t: torch.Tensor) -> int:
-    return t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
+    return int(t.storage_offset()) + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
 
 
 def _new_blob(
@@ -165,7 +165,7 @@ def assign_shards(blobs: list[Blob], *, shards: int, rank: int = 0) -> list[Shar
         target = min(range(shards), key=lambda s: (loads[s], s))
         bins[target].append(blob.index)
         loads[target] += blob.nbytes
-    plans = []
+    plans: list[ShardPlan] = []
     for members, load in zip(bins, loads, strict=True):
         if members:
             plans.append(ShardPlan(len(plans), shard_file_name(rank, len(plans)), sorted(members), load))

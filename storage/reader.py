@@ -68,7 +68,7 @@ def _display(loc: Location, path: str) -> str:
 def _ranges(offset: int | None, buf: torch.Tensor) -> list[ReadRange]:
     if offset is None or buf.numel() == 0:
         return []
-    view = memoryview(buf.numpy())
+    view = buf.numpy().data
     return [ReadRange(offset + s, view[s : s + SPLIT]) for s in range(0, len(view), SPLIT)]
 
 
@@ -111,7 +111,7 @@ def _run(jobs: list[tuple[str, list[ReadRange]]], loc: Location, threads: int) -
 
 def _check_blob(loc: Location, version_dir: str, manifest: Manifest, i: int, data: torch.Tensor) -> None:
     blob = manifest.blobs[i]
-    actual = digest(memoryview(data.numpy())) if data.numel() else digest(b"")
+    actual = digest(data.numpy().data) if data.numel() else digest(b"")
     if actual != blob.checksum:
         shard = manifest.shards[blob.shard].file
         raise CorruptShardError(

@@ -46,10 +46,11 @@ def versions_to_keep(manifests: list[Manifest], policy: RetentionPolicy) -> set[
         keep.update(m.version for m in ordered[-policy.keep_last :])
     if policy.keep_every:
         keep.update(m.version for m in ordered if _epoch(m) % policy.keep_every == 0)
-    if policy.keep_best:
-        scored = [m for m in ordered if policy.keep_best in m.metrics]
+    metric = policy.keep_best
+    if metric:
+        scored = [m for m in ordered if metric in m.metrics]
         sign = 1 if policy.best_mode == "min" else -1
-        scored.sort(key=lambda m: (sign * m.metrics[policy.keep_best], -m.version))
+        scored.sort(key=lambda m: (sign * m.metrics[metric], -m.version))
         keep.update(m.version for m in scored[: policy.best_count])
     return keep
 

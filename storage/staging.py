@@ -58,7 +58,7 @@ class StagingBuffer:
                     src = blob.source
                     region.view(src.dtype).view(src.shape).copy_(src, non_blocking=self._pin)
                     device_copy |= src.device.type != "cpu"
-                views[blob.index] = memoryview(region.numpy()).toreadonly() if n else memoryview(b"")
+                views[blob.index] = region.numpy().data.toreadonly() if n else memoryview(b"")
                 offset += _aligned(n)
             if device_copy and torch.cuda.is_available():
                 torch.cuda.synchronize()

@@ -13,6 +13,7 @@ one process may write to a store at a time.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -26,8 +27,8 @@ from . import commit as protocol
 from .async_save import AsyncSaver, SaveHandle
 from .byteio import hash_file, tensor_bytes
 from .checksum import ALGORITHM
-from .commit import VersionRecord, version_dir
-from .errors import CorruptShardError, VersionExistsError, VersionNotFoundError
+from .commit import version_dir
+from .errors import CorruptShardError, ManifestError, VersionExistsError, VersionNotFoundError
 from .location import Location, open_location, translate_errors
 from .manifest import Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
 from .planner import SavePlan, plan_save
@@ -147,7 +148,16 @@ class CheckpointStore:
         self._saver.wait_previous()
         job = self._prepare(state, epoch, step, metrics, version, user)
         staged = self._staging.stage(job.plan.blobs)
-        return self._saver.submit(lambda: self._write(job, lambda b: staged[b.index]), job.version)
+        attempts = 0
+
+        def write() -> VersionInfo:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1:  # a resubmitted save: drop what the failed attempt left
+                protocol.clear_leftovers(self.loc, job.version)
+            return self._write(job, lambda b: staged[b.index])
+
+        return self._saver.submit(write, job.version)
 
     def wait(self) -> VersionInfo | None:
         """Wait for the async save in flight, if any; raise its failure."""
@@ -225,16 +235,20 @@ class CheckpointStore:
 
     def versions(self) -> list[VersionInfo]:
         """Committed versions, oldest first."""
-        return [VersionInfo.from_manifest(r.manifest, self.loc) for r in self._committed()]
+        return [VersionInfo.from_manifest(m, self.loc) for m in self._committed()]
 
     def latest(self) -> VersionInfo | None:
         """The newest committed version (the one a resumed run starts from), or None."""
         committed = self._committed()
-        return VersionInfo.from_manifest(committed[-1].manifest, self.loc) if committed else None
+        return VersionInfo.from_manifest(committed[-1], self.loc) if committed else None
+
+    def info(self, version: int | None = None) -> VersionInfo:
+        """One committed version (the newest when ``version`` is None); raises if not committed."""
+        return VersionInfo.from_manifest(self._manifest(version), self.loc)
 
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a committed version (the newest when ``version`` is None)."""
-        return self._record(version).manifest  # type: ignore[return-value]
+        return self._manifest(version)
 
     def load(
         self,
@@ -249,8 +263,7 @@ class CheckpointStore:
         ``keys`` selects parts by slash-separated key path (``["model"]``,
         ``["optimizer/param_groups"]``); only their bytes are read.
         """
-        manifest = self._record(version).manifest
-        assert manifest is not None
+        manifest = self._manifest(version)
         structure = select(manifest.structure, list(keys)) if keys else manifest.structure
         leaf_ids = sorted(set(leaf_refs(structure)))
         wanted = sorted({manifest.tensors[i].blob for i in leaf_ids})
@@ -269,8 +282,7 @@ class CheckpointStore:
 
     def verify(self, version: int | None = None) -> VersionInfo:
         """Check every shard of a version against its size and checksum; raise on mismatch."""
-        manifest = self._record(version).manifest
-        assert manifest is not None
+        manifest = self._manifest(version)
         vdir = version_dir(manifest.version)
         with translate_errors(self.loc, "verifying"):
             for shard in manifest.shards:
@@ -297,11 +309,13 @@ class CheckpointStore:
                     )
         return VersionInfo.from_manifest(manifest, self.loc)
 
-    def _committed(self) -> list[VersionRecord]:
+    def _committed(self) -> list[Manifest]:
+        """Manifests of the committed versions, oldest first."""
         with translate_errors(self.loc, "listing"):
-            return [r for r in protocol.scan(self.loc).values() if r.is_committed()]
+            return [r.manifest for r in protocol.scan(self.loc).values() if r.manifest is not None]
 
-    def _record(self, version: int | None) -> VersionRecord:
+    def _manifest(self, version: int | None) -> Manifest:
+        """The manifest of a committed version; raise a clear error for any other state."""
         with translate_errors(self.loc, "reading"):
             if version is None:
                 committed = self._committed()
@@ -309,20 +323,39 @@ class CheckpointStore:
                     raise VersionNotFoundError(None, self.url, [])
                 return committed[-1]
             record = protocol.read_record(self.loc, version)
-        if record is None or record.is_writing():
-            raise VersionNotFoundError(version, self.url, [r.version for r in self._committed()])
-        if record.is_unreadable():
-            from .errors import ManifestError
+        if record is not None and record.error is not None:
+            raise record.error
+        if record is None or record.manifest is None:
+            raise VersionNotFoundError(version, self.url, [m.version for m in self._committed()])
+        return record.manifest
 
-            raise ManifestError(f"version {version} in {self.url} cannot be read: {record.problem}")
-        return record
+    # -- run metadata ---------------------------------------------------------
+
+    def read_json(self, name: str) -> Any:
+        """A JSON document stored beside the versions (e.g. ``run.json``), or None."""
+        path = self.loc.path(_meta_name(name))
+        with translate_errors(self.loc, "reading"):
+            try:
+                data = self.loc.fs.cat_file(path)
+            except FileNotFoundError:
+                return None
+        try:
+            return json.loads(data)
+        except ValueError as exc:
+            raise ManifestError(f"{self.loc.display(name)} is not valid JSON: {exc}") from None
+
+    def write_json(self, name: str, value: Any) -> None:
+        """Store a JSON document beside the versions, atomically."""
+        data = json.dumps(value, indent=1, sort_keys=True).encode()
+        with translate_errors(self.loc, "writing to"):
+            protocol.write_file_atomic(self.loc, _meta_name(name), data)
 
     # -- deleting -------------------------------------------------------------
 
     def delete(self, version: int) -> None:
         """Delete a committed version (its manifest first, so a crash leaves only garbage)."""
         self._saver.wait_previous()
-        committed = [r.version for r in self._committed()]
+        committed = [m.version for m in self._committed()]
         if version not in committed:
             raise VersionNotFoundError(version, self.url, committed)
         with translate_errors(self.loc, "deleting from"):
@@ -339,12 +372,14 @@ class CheckpointStore:
     ) -> list[int]:
         """Delete committed versions the policy does not keep; return their numbers."""
         if policy is None:
-            best, mode = keep_best if keep_best else (None, "min")
             policy = RetentionPolicy(
-                keep_last=keep_last, keep_every=keep_every, keep_best=best, best_mode=mode
+                keep_last=keep_last,
+                keep_every=keep_every,
+                keep_best=keep_best[0] if keep_best else None,
+                best_mode=keep_best[1] if keep_best else "min",
             )
         self._saver.wait_previous()
-        committed = [r.manifest for r in self._committed() if r.manifest is not None]
+        committed = self._committed()
         keep = versions_to_keep(committed, policy)
         doomed = [m.version for m in committed if m.version not in keep]
         with translate_errors(self.loc, "pruning"):
@@ -354,13 +389,15 @@ class CheckpointStore:
         return doomed
 
     def gc(self) -> list[int]:
-        """Remove version directories left without a manifest by interrupted saves."""
+        """Remove version directories left without a manifest by interrupted saves (and their temp files)."""
         self._saver.wait_previous()
         with translate_errors(self.loc, "collecting garbage in"):
             records = protocol.scan(self.loc)
             garbage = [v for v, r in records.items() if r.is_writing()]
             for v in garbage:
                 self.loc.fs.rm(self.loc.path(version_dir(v)), recursive=True)
+            for path in protocol.stale_temp_files(self.loc):
+                os.remove(path)
         return garbage
 
     def close(self) -> None:
@@ -388,6 +425,12 @@ class _SaveJob:
     refs: list[TensorEntry]
     plan: SavePlan
     user: dict[str, Any]
+
+
+def _meta_name(name: str) -> str:
+    if not name or "/" in name or name.startswith(".") or protocol.parse_version_dir(name) is not None:
+        raise ValueError(f"{name!r} is not a valid metadata file name (a plain name like 'run.json')")
+    return name
 
 
 def _name(dtype: torch.dtype) -> str:

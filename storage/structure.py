@@ -190,10 +190,11 @@ def select(structure: Json, keys: list[str]) -> Json:
     """The part of ``structure`` under the given slash-separated key paths.
 
     ``select(s, ["model", "optimizer/param_groups"])`` keeps those subtrees
-    (and the dicts leading to them) and drops everything else. Raises
-    ``KeyError`` naming a path that does not exist.
+    (and the dicts leading to them) and drops everything else; keys of
+    int-keyed dicts stay ints. Raises ``KeyError`` naming a path that does
+    not exist.
     """
-    result: dict = {}
+    result: dict = _empty_like(structure)
     for key in keys:
         _select_one(structure, key.strip("/").split("/"), result, key)
     return result
@@ -201,29 +202,55 @@ def select(structure: Json, keys: list[str]) -> Json:
 
 def _select_one(node: Json, parts: list[str], out: dict, full: str) -> None:
     head, rest = parts[0], parts[1:]
-    child = _child(node, head)
-    if child is _MISSING:
+    found = _child(node, head)
+    if found is None:
         raise KeyError(f"no key {full!r} in the checkpoint (missing part: {head!r})")
+    key, child = found
     if not rest:
-        out[head] = child
+        _put(out, key, child)
         return
-    sub = out.setdefault(head, {})
-    if not isinstance(sub, dict):
+    sub = _get(out, key)
+    if sub is None:
+        sub = _empty_like(child)
+        _put(out, key, sub)
+    if sub is child:  # the whole subtree is already selected
         return
     _select_one(child, rest, sub, full)
 
 
-_MISSING = object()
+def _is_tagged(node: Json, tag: str) -> bool:
+    return isinstance(node, dict) and len(node) == 1 and tag in node
 
 
-def _child(node: Json, name: str) -> Json:
-    if isinstance(node, dict) and "$dict" in node and len(node) == 1:
+def _empty_like(node: Json) -> dict:
+    """An empty selection of ``node``: a ``$dict`` for dicts with non-string keys, else a plain dict."""
+    return {"$dict": []} if _is_tagged(node, "$dict") else {}
+
+
+def _get(out: dict, key: Json) -> Json:
+    if _is_tagged(out, "$dict"):
+        return next((v for k, v in out["$dict"] if k == key), None)
+    return out.get(key)
+
+
+def _put(out: dict, key: Json, value: Json) -> None:
+    if _is_tagged(out, "$dict"):
+        out["$dict"][:] = [[k, v] for k, v in out["$dict"] if k != key] + [[key, value]]
+    else:
+        out[str(key)] = value
+
+
+def _child(node: Json, name: str) -> tuple[Json, Json] | None:
+    """``(key, child)`` of ``node`` named ``name`` (the key as stored), or None."""
+    if _is_tagged(node, "$dict"):
         for k, v in node["$dict"]:
             if str(k) == name:
-                return v
-        return _MISSING
+                return k, v
+        return None
+    if _is_tagged(node, "$tuple"):
+        node = node["$tuple"]
     if isinstance(node, dict):
-        return node.get(name, _MISSING)
+        return (name, node[name]) if name in node else None
     if isinstance(node, list) and name.isdigit() and int(name) < len(node):
-        return node[int(name)]
-    return _MISSING
+        return name, node[int(name)]
+    return None

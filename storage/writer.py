@@ -31,7 +31,8 @@ def write_shards(
     loc: Location, version_dir: str, plan: SavePlan, blob_bytes: BlobBytes, *, threads: int, rank: int = 0
 ) -> tuple[list[ShardEntry], list[BlobEntry]]:
     """Write every shard of ``plan`` under ``version_dir``; return their manifest entries."""
-    loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
+    if loc.is_local:  # object stores need no directories, and s3fs's makedirs would create a bucket
+        loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
     blob_entries: dict[int, BlobEntry] = {}
 
     def one(shard: ShardPlan) -> ShardEntry:

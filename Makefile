@@ -1,0 +1,40 @@
+# The two commands of the README: `make run` (the demo) and `make test` (the checks CI runs).
+# Both create .venv and install with constraints.txt, which pins the CPU build of torch.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PKGS := storage tasks flows
+ARGS ?=
+
+.PHONY: run test lint typecheck pytest install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e ".[dev,demo]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/ckptflow run $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check $(PKGS) tests bench
+	$(BIN)/ruff format --check $(PKGS) tests bench
+
+# mypy does not follow setuptools' editable import hook, so it checks the packages
+# through a tree of links that spells their installed names (ckptflow.storage, ...).
+typecheck: $(STAMP)
+	@mkdir -p build/typecheck/ckptflow
+	@for p in $(PKGS); do ln -sfn ../../../$$p build/typecheck/ckptflow/$$p; done
+	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p ckptflow
+
+pytest: $(STAMP)
+	$(BIN)/pytest -q -p no:cacheprovider $(ARGS)
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -1,0 +1,140 @@
+"""The training pipeline flow: init, then epochs with saves, then exit.
+
+    init ─► ┌─ train epoch ─► save (sharded, async) ─► commit ─┐ ─► finalize
+            └──────────── until a stop condition ◄─────────────┘
+
+Resume is the default: ``init_model`` restores the newest committed
+checkpoint and the loop continues with the epoch after it. Saves overlap the
+next epoch (async) unless ``async_save`` is off; each is committed by
+``commit_checkpoint`` before the next save starts and before the flow exits.
+
+Stopping: the epoch budget, the stop conditions of the config, or a
+cancellation from Prefect. A cancellation seen between epochs (the UI's
+"Cancel" on a local run) saves the epoch just trained and ends the run as
+Cancelled; a cancellation delivered as SIGTERM by a worker interrupts the
+epoch, and the save in flight still commits before the process exits.
+
+Deployment entrypoint: ``flows/train.py:train_pipeline``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptflow.storage import SaveHandle, VersionInfo
+from ckptflow.tasks.config import PipelineConfig
+from ckptflow.tasks.monitoring import RunMonitor, human_size, metrics_text
+from ckptflow.tasks.steps import (
+    EpochAttempts,
+    RunState,
+    commit_checkpoint,
+    finalize,
+    init_model,
+    save_checkpoint,
+    train_epoch,
+)
+from ckptflow.tasks.stopping import StopTracker
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
+
+CANCELLED = "cancelled from Prefect"
+
+
+@flow(name="ckptflow-train", validate_parameters=True)
+def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
+    """Train with checkpoints; resume from the newest committed one."""
+    logger = get_run_logger()
+    run = init_model(config)
+    monitor = RunMonitor(
+        run_name=flow_run.get_name() or "local", store_url=run.store.url, total_epochs=config.epochs
+    )
+    monitor.start(run.store.versions(), first_epoch=run.epoch + 1)
+    stopper = StopTracker(config.stop, config.epochs)
+    stopper.seed(run.metrics)
+    first_epoch = run.epoch + 1
+    reason = f"already at epoch {run.epoch}" if run.epoch >= config.epochs else None
+    pending: SaveHandle | None = None
+    try:
+        while reason is None:
+            epoch = run.epoch + 1
+            attempts = EpochAttempts(run, keep_snapshot=config.epoch_retries > 0)
+            metrics = train_epoch.with_options(retries=config.epoch_retries)(run, epoch, attempts)
+            logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(metrics))
+            monitor.epoch_done(epoch, metrics)
+            reason = stopper.update(epoch, metrics) or _cancel_requested()
+            if epoch % config.save_every == 0 or reason is not None:
+                pending = _commit(pending, monitor)
+                result = save_checkpoint(run, epoch, async_save=config.async_save)
+                if isinstance(result, SaveHandle):
+                    pending = result
+                else:
+                    monitor.committed(result)
+    finally:
+        if pending is not None:
+            pending.join()  # an interrupted run still commits the save in flight
+    pending = _commit(pending, monitor)
+    removed = finalize(run)
+    summary = _summary(run, first_epoch, reason, removed)
+    monitor.summary(_summary_markdown(summary))
+    logger.info("stopped: %s; latest checkpoint: %s", reason, summary["latest_url"])
+    if reason == CANCELLED:
+        return Cancelled(message=f"cancelled after committing epoch {run.epoch}")
+    return summary
+
+
+def _commit(pending: SaveHandle | None, monitor: RunMonitor) -> None:
+    if pending is not None:
+        monitor.committed(commit_checkpoint(pending))
+    return None
+
+
+def _cancel_requested() -> str | None:
+    """Whether this flow run was asked to cancel (a local run gets no SIGTERM for it)."""
+    run_id = flow_run.get_id()
+    if run_id is None:
+        return None
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(run_id).state
+    except Exception:
+        return None
+    return CANCELLED if state is not None and (state.is_cancelling() or state.is_cancelled()) else None
+
+
+def _summary(run: RunState, first_epoch: int, reason: str | None, removed: list[int]) -> dict[str, Any]:
+    latest: VersionInfo | None = run.store.latest()
+    return {
+        "storage": run.store.url,
+        "first_epoch": first_epoch,
+        "last_epoch": run.epoch,
+        "resumed_from": run.resumed_from.version if run.resumed_from else None,
+        "stop_reason": reason,
+        "latest_version": latest.version if latest else None,
+        "latest_url": latest.url if latest else None,
+        "latest_metrics": latest.metrics if latest else {},
+        "latest_size": latest.size if latest else 0,
+        "pruned": removed,
+    }
+
+
+def _summary_markdown(s: dict[str, Any]) -> str:
+    resumed = f"resumed from version {s['resumed_from']}" if s["resumed_from"] is not None else "new run"
+    return "\n".join(
+        [
+            "# ckptflow run summary",
+            "",
+            "| | |",
+            "|---|---|",
+            f"| storage | `{s['storage']}` |",
+            f"| epochs | {s['first_epoch']}..{s['last_epoch']} ({resumed}) |",
+            f"| stopped because | {s['stop_reason']} |",
+            f"| latest checkpoint | `{s['latest_url']}` ({human_size(s['latest_size'])}) |",
+            f"| latest metrics | {metrics_text(s['latest_metrics'])} |",
+            f"| pruned versions | {', '.join(map(str, s['pruned'])) or 'none'} |",
+            "",
+            f"Restore it: `ckptflow restore {s['storage']} --out model.pt`",
+        ]
+    )

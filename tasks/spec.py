@@ -1,0 +1,91 @@
+"""The protocol between ckptflow and the user's training code.
+
+A user names a :class:`TrainingSpec` subclass by import path,
+``"package.module:ClassName"``, and ckptflow builds it from a JSON config and a
+seed. The spec builds the model and optimizer (and optionally an LR scheduler
+and a grad scaler), trains one epoch and returns metrics, and may evaluate.
+Everything the pipeline saves comes from the objects the spec builds, plus the
+spec's own ``state_dict`` for anything else (a data-loader position, say).
+
+For a resumed run to be bitwise identical to an uninterrupted one, an epoch
+must depend only on the restored state and the epoch number: shuffle data with
+a generator seeded from ``(seed, epoch)`` (see :func:`epoch_generator`), and
+draw any other randomness from the global RNGs, which ckptflow saves and
+restores.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Trainable:
+    """What a spec builds: the objects whose state a checkpoint holds."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: Any = None  # anything with state_dict()/load_state_dict(), e.g. an LRScheduler
+    scaler: Any = None  # e.g. torch.amp.GradScaler
+    extras: dict[str, Any] = field(default_factory=dict)  # more objects with state_dict()
+
+
+class TrainingSpec(ABC):
+    """Subclass this and pass ``"your.module:YourSpec"`` as the pipeline's ``spec``."""
+
+    def __init__(self, config: Mapping[str, Any], *, seed: int) -> None:
+        self.config = dict(config)
+        self.seed = seed
+
+    @abstractmethod
+    def build(self) -> Trainable:
+        """Create the model, optimizer, scheduler and data (called once per run)."""
+
+    @abstractmethod
+    def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
+        """Train one epoch (epochs count from 1) and return its metrics."""
+
+    def evaluate(self, trainable: Trainable, epoch: int) -> dict[str, float]:
+        """Optional evaluation after an epoch; its metrics join the epoch's."""
+        return {}
+
+    def state_dict(self) -> dict[str, Any]:
+        """Extra state of the spec itself to checkpoint (JSON values or tensors)."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+
+class SpecError(ValueError):
+    """The ``spec`` import path does not name a usable TrainingSpec."""
+
+
+def load_spec_class(path: str) -> type[TrainingSpec]:
+    """Import ``"package.module:ClassName"`` and check that it is a TrainingSpec."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise SpecError(f"spec {path!r} must look like 'package.module:ClassName'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise SpecError(f"cannot import the module of spec {path!r}: {exc}") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise SpecError(f"module {module_name!r} has no attribute {attr!r} (spec {path!r})")
+    if not (isinstance(obj, type) and issubclass(obj, TrainingSpec)):
+        raise SpecError(f"spec {path!r} is not a subclass of ckptflow.tasks.TrainingSpec")
+    return obj
+
+
+def epoch_generator(seed: int, epoch: int) -> torch.Generator:
+    """A torch generator that depends only on the run's seed and the epoch."""
+    return torch.Generator().manual_seed(seed * 1_000_003 + epoch)

@@ -1,0 +1,253 @@
+"""The pipeline's Prefect tasks: init, train an epoch, save, commit, finalize.
+
+Each task is a thin wrapper over ``ckptflow.storage`` and the user's spec, and
+each is safe to retry:
+
+- ``init_model`` builds everything from scratch on every attempt.
+- ``train_epoch`` restores the state captured at the start of the epoch
+  before a retried attempt, so a retry never continues a half-updated model.
+- ``save_checkpoint`` writes version number = epoch: a retry after a crash
+  clears the leftovers and writes the same version again, and a retry after
+  the commit finds the version committed and returns it, so one epoch yields
+  one committed version, never two.
+- ``commit_checkpoint`` waits for an async save and, if the background write
+  failed, writes the same staged state again on the next attempt.
+
+A save runs in a helper thread and the task waits for it even when the run is
+being cancelled (Prefect raises ``TerminationSignal`` in the main thread): the
+save in progress finishes and commits, and nothing half-written is exposed.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from ckptflow.storage import (
+    CheckpointStore,
+    RetentionPolicy,
+    SaveHandle,
+    StoreOptions,
+    VersionInfo,
+    VersionNotFoundError,
+)
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from .config import PipelineConfig, identity_differences
+from .spec import Trainable, TrainingSpec, load_spec_class
+from .training_state import Snapshot, capture, restore
+
+RUN_FILE = "run.json"
+
+
+class ConfigMismatchError(ValueError):
+    """A resumed run's spec, spec config or seed differs from the stored run's."""
+
+
+@dataclass
+class RunState:
+    """The live objects of one run, shared by the tasks of one flow run (in memory)."""
+
+    config: PipelineConfig
+    store: CheckpointStore
+    spec: TrainingSpec
+    trainable: Trainable
+    epoch: int = 0  # last completed epoch
+    step: int = 0
+    resumed_from: VersionInfo | None = None
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+
+
+def open_store(config: PipelineConfig) -> CheckpointStore:
+    return CheckpointStore(
+        config.storage, storage_options=config.storage_options, options=StoreOptions(shards=config.shards)
+    )
+
+
+def check_run_identity(store: CheckpointStore, config: PipelineConfig) -> None:
+    """Compare the config with ``run.json`` beside the checkpoints; create it on a first run."""
+    stored = store.read_json(RUN_FILE)
+    current = config.identity()
+    if stored is None:
+        store.write_json(RUN_FILE, current)
+        return
+    diffs = identity_differences(stored, current)
+    if not diffs:
+        return
+    if not config.allow_config_change:
+        raise ConfigMismatchError(
+            f"{store.url} holds a run with a different configuration: {'; '.join(diffs)}. "
+            "Resuming would make a different run: use a new storage URL, or set "
+            "allow_config_change=true (--allow-config-change) to resume anyway"
+        )
+    get_run_logger().warning("resuming with a changed configuration: %s", "; ".join(diffs))
+    store.write_json(RUN_FILE, current)
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+@task(
+    name="init_model",
+    cache_policy=NO_CACHE,
+    retries=2,
+    retry_delay_seconds=exponential_backoff(1),
+    retry_jitter_factor=0.5,
+)
+def init_model(config: PipelineConfig) -> RunState:
+    """Build the spec's objects; restore the newest committed checkpoint if there is one."""
+    logger = get_run_logger()
+    store = open_store(config)
+    check_run_identity(store, config)
+    spec = load_spec_class(config.spec)(config.spec_config, seed=config.seed)
+    seed_everything(config.seed)
+    run = RunState(config, store, spec, spec.build())
+    latest = store.latest()
+    if latest is not None:
+        run.epoch, run.step = restore(run.trainable, spec, store.load(latest.version))
+        run.resumed_from = latest
+        run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
+        logger.info("resuming from %s (epoch %d)", latest.url, run.epoch)
+    else:
+        logger.info("starting a new run in %s", store.url)
+    return run
+
+
+class EpochAttempts:
+    """Tracks attempts of one epoch; from the second on, the start state is restored first."""
+
+    def __init__(self, run: RunState, *, keep_snapshot: bool) -> None:
+        self.snapshot = (
+            Snapshot(run.trainable, run.spec, epoch=run.epoch, step=run.step) if keep_snapshot else None
+        )
+        self.count = 0
+
+
+@task(name="train_epoch", cache_policy=NO_CACHE)
+def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str, float]:
+    """Run the spec's epoch (and evaluation); return finite float metrics."""
+    attempts.count += 1
+    if attempts.count > 1:
+        if attempts.snapshot is None:
+            raise RuntimeError(f"epoch {epoch} cannot be retried: no start state was kept")
+        run.epoch, run.step = attempts.snapshot.restore(run.trainable, run.spec)
+        get_run_logger().warning("retrying epoch %d from its start state (attempt %d)", epoch, attempts.count)
+    metrics = dict(run.spec.train_epoch(run.trainable, epoch))
+    metrics.update(run.spec.evaluate(run.trainable, epoch))
+    steps = int(metrics.pop("steps", 0))
+    clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    run.epoch, run.step = epoch, run.step + steps
+    run.metrics[epoch] = clean
+    return clean
+
+
+@task(
+    name="save_checkpoint",
+    cache_policy=NO_CACHE,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(1),
+    retry_jitter_factor=0.5,
+)
+def save_checkpoint(run: RunState, epoch: int, *, async_save: bool) -> VersionInfo | SaveHandle:
+    """Save the state after ``epoch`` as version ``epoch``; async saves return once the state is copied."""
+    existing = _committed(run.store, epoch)
+    if existing is not None:
+        get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
+        return existing
+    state = capture(run.trainable, run.spec, epoch=run.epoch, step=run.step)
+    kwargs: dict[str, Any] = {
+        "epoch": epoch,
+        "step": run.step,
+        "metrics": run.metrics.get(epoch),
+        "version": epoch,
+    }
+    if async_save:
+        return run.store.save_async(state, **kwargs)
+    return _shielded(lambda: run.store.save(state, **kwargs))
+
+
+@task(
+    name="commit_checkpoint",
+    cache_policy=NO_CACHE,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(1),
+    retry_jitter_factor=0.5,
+)
+def commit_checkpoint(handle: SaveHandle) -> VersionInfo:
+    """Wait until an async save is committed; a failed write is redone on the next attempt."""
+    try:
+        return _shielded(handle.wait)
+    except Exception:
+        handle.resubmit()
+        raise
+
+
+@task(name="finalize", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))
+def finalize(run: RunState) -> list[int]:
+    """Apply the retention policy; return the versions it removed."""
+    run.store.wait()
+    policy = run.config.retention
+    if not policy.enabled():
+        return []
+    removed = run.store.prune(
+        RetentionPolicy(
+            keep_last=policy.keep_last,
+            keep_every=policy.keep_every,
+            keep_best=policy.keep_best,
+            best_mode=policy.best_mode,
+        )
+    )
+    if removed:
+        get_run_logger().info("retention removed versions %s", removed)
+    return removed
+
+
+def _committed(store: CheckpointStore, version: int) -> VersionInfo | None:
+    try:
+        return store.info(version)
+    except VersionNotFoundError:
+        return None
+
+
+def _shielded(call: Any) -> Any:
+    """Run ``call`` in a thread and wait for it, even if this thread is interrupted meanwhile."""
+    future: Future[Any] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(call())
+        except BaseException as exc:
+            future.set_exception(exc)
+
+    worker = threading.Thread(target=run, name="ckptflow-save", daemon=False)
+    worker.start()
+    try:
+        return future.result()
+    except BaseException:
+        worker.join()  # let the save finish (and commit) before the interruption goes on
+        if future.done() and future.exception() is not None:
+            raise future.exception() from None  # type: ignore[misc]
+        raise
+
+
+__all__ = [
+    "ConfigMismatchError",
+    "EpochAttempts",
+    "RunState",
+    "commit_checkpoint",
+    "finalize",
+    "init_model",
+    "save_checkpoint",
+    "train_epoch",
+]

@@ -1,0 +1,87 @@
+"""The full training state: what is saved, and how it is put back.
+
+A checkpoint holds the model, optimizer, scheduler, grad scaler, extra objects,
+the spec's own state, the epoch and step, and the RNG states of torch (CPU and
+every CUDA device), numpy and Python. Restoring all of it is what makes a
+resumed run bitwise identical to one that never stopped.
+
+:class:`Snapshot` is an in-memory copy of that state, taken at the start of an
+epoch so that a retried epoch starts from the same state, never from a
+half-updated model.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from .spec import Trainable, TrainingSpec
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "numpy": np.random.get_state(),
+        "python": random.getstate(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(tuple(state["numpy"]))  # type: ignore[arg-type]
+    random.setstate(_as_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))
+
+
+def _as_tuples(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_as_tuples(v) for v in value)
+    return value
+
+
+def capture(trainable: Trainable, spec: TrainingSpec, *, epoch: int, step: int) -> dict[str, Any]:
+    """The state to checkpoint after ``epoch`` (references to live tensors, not copies)."""
+    state: dict[str, Any] = {"model": trainable.model.state_dict()}
+    for name in ("optimizer", "scheduler", "scaler"):
+        obj = getattr(trainable, name)
+        if obj is not None:
+            state[name] = obj.state_dict()
+    if trainable.extras:
+        state["extras"] = {k: v.state_dict() for k, v in trainable.extras.items()}
+    state["spec"] = spec.state_dict()
+    state["rng"] = rng_state()
+    state["progress"] = {"epoch": epoch, "step": step}
+    return state
+
+
+def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) -> tuple[int, int]:
+    """Put a captured state back; return its (epoch, step)."""
+    trainable.model.load_state_dict(state["model"])
+    for name in ("optimizer", "scheduler", "scaler"):
+        obj = getattr(trainable, name)
+        if obj is not None and name in state:
+            obj.load_state_dict(state[name])
+    for key, obj in trainable.extras.items():
+        obj.load_state_dict(state["extras"][key])
+    spec.load_state_dict(state.get("spec", {}))
+    set_rng_state(state["rng"])
+    return int(state["progress"]["epoch"]), int(state["progress"]["step"])
+
+
+class Snapshot:
+    """A private deep copy of the training state, to restart an epoch from."""
+
+    def __init__(self, trainable: Trainable, spec: TrainingSpec, *, epoch: int, step: int) -> None:
+        self._state = copy.deepcopy(capture(trainable, spec, epoch=epoch, step=step))
+
+    def restore(self, trainable: Trainable, spec: TrainingSpec) -> tuple[int, int]:
+        return restore(trainable, spec, self._state)
