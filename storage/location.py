@@ -72,7 +72,10 @@ def open_location(url: str | os.PathLike[str], storage_options: dict[str, Any] |
         ) from None
     except (TypeError, ValueError) as exc:
         raise StorageUnavailableError(f"cannot open {redact(text)}: {exc}") from None
-    return Location(text, fs, root.rstrip("/") or root)
+    root = root.rstrip("/") or root
+    if isinstance(fs, LocalFileSystem) and not urlsplit(text).scheme:
+        text = root  # show plain paths absolute: messages then say where the files really are
+    return Location(text, fs, root)
 
 
 @contextmanager

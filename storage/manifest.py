@@ -137,7 +137,12 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
-        raise ManifestError(f"manifest {where} is invalid: {exc}") from None
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in e['loc']) or '<root>'}: {e['msg']}"
+            for e in exc.errors(include_url=False)[:5]
+        )
+        more = f" (and {exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+        raise ManifestError(f"manifest {where} is invalid: {problems}{more}") from None
     _check_references(manifest, where)
     return manifest
 

@@ -145,8 +145,11 @@ def _new_blob(
 
 
 def dataset_name(path: str, taken: set[str]) -> str:
-    """A unique, flat HDF5 dataset name for a key path (``model/fc.weight`` -> ``model.fc.weight``)."""
-    base = path.replace("/", ".") or "root"
+    """A unique, flat HDF5 dataset name for a key path (``model/fc.weight`` -> ``model.fc.weight``).
+
+    HDF5 names are NUL-terminated: a NUL in a key is escaped.
+    """
+    base = path.replace("/", ".").replace("\x00", "\\x00") or "root"
     if base in (".", ".."):
         base = f"_{base}"
     name, n = base, 1

@@ -62,8 +62,10 @@ def encode(state: object) -> tuple[Json, list[Leaf]]:
 
 
 def _encode(value: object, path: str, leaves: list[Leaf], active: set[int]) -> Json:
-    if value is None or isinstance(value, (bool, str)):
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, str):
+        return _check_text(value, path)
     if isinstance(value, int):
         return int(value)
     if isinstance(value, float):
@@ -100,13 +102,26 @@ def _encode_container(value: dict | list | tuple, path: str, leaves: list[Leaf],
     if isinstance(value, tuple):
         return {"$tuple": [_encode(v, join_path(path, i), leaves, active) for i, v in enumerate(value)]}
     if all(isinstance(k, str) and not k.startswith("$") for k in value):
-        return {k: _encode(v, join_path(path, k), leaves, active) for k, v in value.items()}
+        return {
+            _check_text(k, path): _encode(v, join_path(path, k), leaves, active) for k, v in value.items()
+        }
     pairs = []
     for k, v in value.items():
         if not isinstance(k, (str, int, float, bool, tuple, type(None))):
             raise UnsupportedValueError(path, f"dict key {k!r} of type {type(k).__qualname__}")
         pairs.append([_encode(k, path, leaves, active), _encode(v, join_path(path, k), leaves, active)])
     return {"$dict": pairs}
+
+
+def _check_text(text: str, path: str) -> str:
+    """Strings must be valid Unicode to be written as JSON (and as HDF5 names)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UnsupportedValueError(
+            path, f"the string {text!r} is not valid Unicode (a lone surrogate)"
+        ) from None
+    return text
 
 
 def _add_leaf(leaves: list[Leaf], path: str, tensor: torch.Tensor, is_numpy: bool) -> int:
@@ -139,7 +154,9 @@ def _numpy_to_tensor(array: np.ndarray, path: str) -> torch.Tensor:
         raise UnsupportedValueError(path, f"numpy arrays of dtype {array.dtype} are not supported")
     if not array.dtype.isnative:
         array = array.astype(array.dtype.newbyteorder("="))
-    return torch.from_numpy(np.ascontiguousarray(array))
+    return torch.from_numpy(
+        np.ascontiguousarray(array).reshape(array.shape)
+    )  # ascontiguousarray makes 0-d 1-d
 
 
 def decode(structure: Json, resolve: Callable[[int, bool], object]) -> object:

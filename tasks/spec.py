@@ -61,6 +61,7 @@ class TrainingSpec(ABC):
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+        return None
 
 
 class SpecError(ValueError):

@@ -1,0 +1,406 @@
+"""ckptflow's command line: list, inspect, verify, restore and tidy a checkpoint store.
+
+Every command takes the store's URL (a path, file://, s3://bucket/prefix,
+memory:// ...) and ``--storage-options JSON`` for what the filesystem needs
+(s3 credentials, ``client_kwargs.endpoint_url``).
+
+What always holds:
+- exit code 0 on success; 1 on a failure, with one line ``error: <message>``
+  on stderr and no traceback; 2 on a usage error (typer's default);
+- URLs are shown without credentials and storage options are never printed;
+- ``restore`` never leaves a half-written file at its target: it writes a
+  temporary file beside it and renames it into place;
+- the storage library (and torch) is imported only when a command runs, and
+  Prefect never on these commands' import path, so ``ckptflow ls --help`` is
+  instant. The ``run`` command (registered where marked below) must keep its
+  Prefect imports inside its body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from enum import Enum
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+from typer.core import TyperGroup
+
+from . import present
+from .run_cmd import run_command
+
+if TYPE_CHECKING:
+    from ckptflow.storage import CheckpointStore, VersionInfo
+    from ckptflow.storage.commit import VersionRecord
+
+
+class _Group(TyperGroup):
+    """Turns storage failures (CheckpointError, OSError) into ``error: ...`` on stderr and exit 1."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (typer.Exit, typer.Abort, typer.TyperException):  # usage errors, exits
+            raise
+        except Exception as exc:
+            from ckptflow.storage import CheckpointError
+
+            if not isinstance(exc, (CheckpointError, OSError)):
+                raise
+            _fail(_one_line(exc))
+
+
+app = typer.Typer(
+    name="ckptflow",
+    cls=_Group,
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log what the storage library does.")]
+
+
+@app.callback()
+def _setup(verbose: Verbose = False) -> None:
+    """Crash-safe, sharded PyTorch checkpoints: list, inspect, verify, restore and tidy a store."""
+    # The commands report every state themselves (leftovers, unreadable versions, corrupt files), so
+    # the library's log lines, which repeat them, are shown only with --verbose.
+    logger = logging.getLogger("ckptflow")
+    for old in [h for h in logger.handlers if h.get_name() == "ckptflow-cli"]:
+        logger.removeHandler(old)
+    handler = logging.StreamHandler() if verbose else logging.NullHandler()
+    handler.set_name("ckptflow-cli")
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    if verbose:
+        logger.setLevel(logging.INFO)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text or type(exc).__name__
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _storage_options(text: str) -> dict[str, Any]:
+    """Parse ``--storage-options``; the message never repeats the value (it may hold secrets)."""
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read {text[1:]}: {exc.strerror or exc}") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter("must be a JSON object, e.g. '{\"anon\": true}'")
+    return value
+
+
+Url = Annotated[
+    str,
+    typer.Argument(
+        metavar="URL",
+        help="The store: a path, file://..., s3://bucket/prefix, memory://...",
+        show_default=False,
+    ),
+]
+StorageOptions = Annotated[
+    Any,
+    typer.Option(
+        "--storage-options",
+        metavar="JSON",
+        parser=_storage_options,
+        envvar="CKPTFLOW_STORAGE_OPTIONS",
+        help="fsspec options for the URL as a JSON object (s3: key, secret, "
+        'client_kwargs={"endpoint_url": ...}), or @FILE holding it. Never printed.',
+        show_default=False,
+    ),
+]
+VersionOpt = Annotated[
+    int | None,
+    typer.Option("--version", min=0, help="Version number (default: the newest committed)."),
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead.")]
+DryRun = Annotated[bool, typer.Option("--dry-run", help="Only print what would be removed.")]
+
+
+def _open(url: str, storage_options: dict[str, Any] | None) -> CheckpointStore:
+    from ckptflow.storage import CheckpointStore
+
+    return CheckpointStore(url, storage_options=storage_options)
+
+
+def _scan(store: CheckpointStore) -> dict[int, VersionRecord]:
+    """Every version directory of the store and its state (committed, writing, unreadable)."""
+    from ckptflow.storage.commit import scan
+    from ckptflow.storage.location import translate_errors
+
+    with translate_errors(store.loc, "listing"):
+        return scan(store.loc)
+
+
+def _committed(store: CheckpointStore, records: dict[int, VersionRecord]) -> list[VersionInfo]:
+    from ckptflow.storage import VersionInfo
+
+    return [VersionInfo.from_manifest(r.manifest, store.loc) for r in records.values() if r.manifest]
+
+
+def _console() -> Console:
+    return Console(highlight=False)
+
+
+def _version_url(store: CheckpointStore, version: int) -> str:
+    from ckptflow.storage.commit import version_dir
+
+    return store.loc.display(version_dir(version))
+
+
+# -- ls -------------------------------------------------------------------------
+
+
+@app.command("ls")
+def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOptions = None) -> None:
+    """List the committed versions of a store, oldest first."""
+    store = _open(url, storage_options)
+    records = _scan(store)
+    infos = _committed(store, records)
+    leftovers = [v for v, r in records.items() if r.is_writing()]
+    unreadable = {v: _one_line(r.error) for v, r in records.items() if r.is_unreadable() and r.error}
+    if as_json:
+        document = {
+            "url": store.url,
+            "versions": [present.version_json(i) for i in infos],
+            "uncommitted": leftovers,
+            "unreadable": [{"version": v, "error": e} for v, e in unreadable.items()],
+        }
+        typer.echo(json.dumps(document, indent=2))
+        return
+    console = _console()
+    if infos:
+        console.print(present.versions_table(infos, title=store.url), markup=False)
+    else:
+        console.print(f"no committed versions in {store.url}", markup=False, soft_wrap=True)
+    if leftovers:
+        listing = ", ".join(str(v) for v in leftovers)
+        console.print(
+            f"note: uncommitted leftovers of interrupted (or running) saves: version {listing}; "
+            f"`ckptflow gc` removes them",
+            markup=False,
+            soft_wrap=True,
+        )
+    for version, error in unreadable.items():
+        console.print(f"note: version {version} is unreadable: {error}", markup=False, soft_wrap=True)
+
+
+# -- show -----------------------------------------------------------------------
+
+
+@app.command("show")
+def show_command(
+    url: Url, version: VersionOpt = None, as_json: JsonFlag = False, storage_options: StorageOptions = None
+) -> None:
+    """Show a version's manifest: summary, shards with sizes and checksums, and its tensors."""
+    store = _open(url, storage_options)
+    manifest = store.manifest(version)
+    if as_json:
+        typer.echo(manifest.to_json().decode())
+        return
+    console = _console()
+    console.print(present.summary_table(manifest, _version_url(store, manifest.version)), markup=False)
+    console.print(present.shards_table(manifest), markup=False)
+    console.print(present.tensors_table(manifest), markup=False)
+
+
+# -- verify ---------------------------------------------------------------------
+
+
+@app.command("verify")
+def verify_command(
+    url: Url,
+    version: VersionOpt = None,
+    all_versions: Annotated[bool, typer.Option("--all", help="Verify every committed version.")] = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Check every shard of a version against the sizes and checksums in its manifest.
+
+    Exit 0 when all match (one line per verified version); exit 1 naming the bad file otherwise.
+    """
+    if all_versions and version is not None:
+        raise typer.BadParameter("give either --version or --all, not both", param_hint="'--all'")
+    store = _open(url, storage_options)
+    if not all_versions:
+        typer.echo(f"ok {present.describe(store.verify(version))}")
+        return
+    from ckptflow.storage import CorruptShardError, VersionNotFoundError
+
+    records = {v: r for v, r in _scan(store).items() if not r.is_writing()}
+    if not records:
+        raise VersionNotFoundError(None, store.url, [])
+    failed = 0
+    for number, record in records.items():
+        if record.error is not None:
+            failed += 1
+            typer.echo(f"error: version {number} is unreadable: {_one_line(record.error)}", err=True)
+            continue
+        try:
+            info = store.verify(number)
+        except CorruptShardError as exc:
+            failed += 1
+            typer.echo(f"error: {_one_line(exc)}", err=True)
+            continue
+        typer.echo(f"ok {present.describe(info)}")
+    if failed:
+        raise typer.Exit(1)
+
+
+# -- restore --------------------------------------------------------------------
+
+
+class Format(str, Enum):
+    torch = "torch"
+    safetensors = "safetensors"
+
+
+@app.command("restore")
+def restore_command(
+    url: Url,
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="The file to write.", dir_okay=False, show_default=False)
+    ],
+    version: VersionOpt = None,
+    file_format: Annotated[
+        Format,
+        typer.Option(
+            "--format",
+            help="torch: the nested state as saved, for torch.load(FILE, weights_only=True) (numpy arrays "
+            "become tensors). safetensors: only the tensors, flat, keyed by slash-joined key path "
+            "(e.g. model/layer.weight); non-tensor values are left out.",
+        ),
+    ] = Format.torch,
+    keys: Annotated[
+        list[str] | None,
+        typer.Option("--keys", help="Restore only these key paths (repeat or comma-separate), e.g. model."),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite FILE if it exists.")] = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Write a version (or part of it) to one torch or safetensors file."""
+    if out.exists() and not force:
+        _fail(f"{out} exists; pass --force to overwrite it")
+    if not out.resolve().parent.is_dir():
+        _fail(f"the directory of {out} does not exist")
+    store = _open(url, storage_options)
+    manifest = store.manifest(version)
+    selected = [k for item in keys or [] for k in item.split(",") if k.strip("/ ")]
+    try:
+        state = store.load(manifest.version, keys=selected or None)
+    except KeyError as exc:
+        _fail(f"{exc.args[0]} (version {manifest.version})")
+    from .export import write_state
+
+    meta = {"format": "pt", "ckptflow.version": str(manifest.version), "ckptflow.source": store.url}
+    tensors = write_state(state, out, fmt=file_format.value, metadata=meta)
+    typer.echo(
+        f"restored version {manifest.version} (epoch {present.optional(manifest.epoch)}) to {out}: "
+        f"{tensors} tensors, {present.human_size(out.stat().st_size)}"
+    )
+
+
+# -- prune and gc ---------------------------------------------------------------
+
+
+class Mode(str, Enum):
+    min = "min"
+    max = "max"
+
+
+@app.command("prune")
+def prune_command(
+    url: Url,
+    keep_last: Annotated[int | None, typer.Option("--keep-last", min=1, help="Keep the newest N.")] = None,
+    keep_every: Annotated[
+        int | None, typer.Option("--keep-every", min=1, help="Keep epochs that are multiples of K.")
+    ] = None,
+    keep_best: Annotated[
+        str | None, typer.Option("--keep-best", metavar="METRIC", help="Keep the best version by METRIC.")
+    ] = None,
+    mode: Annotated[Mode | None, typer.Option("--mode", help="Is the best METRIC the min or max?")] = None,
+    dry_run: DryRun = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Delete the committed versions a retention policy does not keep (the newest is always kept)."""
+    from ckptflow.storage import RetentionPolicy
+    from ckptflow.storage.retention import versions_to_keep
+
+    if keep_last is None and keep_every is None and keep_best is None:
+        raise typer.BadParameter(
+            "give at least one of them", param_hint="'--keep-last' / '--keep-every' / '--keep-best'"
+        )
+    if mode is not None and keep_best is None:
+        raise typer.BadParameter("--mode needs --keep-best", param_hint="'--mode'")
+    policy = RetentionPolicy(
+        keep_last=keep_last,
+        keep_every=keep_every,
+        keep_best=keep_best,
+        best_mode="max" if mode is Mode.max else "min",
+    )
+    store = _open(url, storage_options)
+    records = _scan(store)
+    manifests = [r.manifest for r in records.values() if r.manifest is not None]
+    if keep_best is not None and manifests and not any(keep_best in m.metrics for m in manifests):
+        found = sorted({name for m in manifests for name in m.metrics})
+        _fail(f"no committed version has the metric {keep_best!r} (metrics: {', '.join(found) or 'none'})")
+    infos = {i.version: i for i in _committed(store, records)}
+    if dry_run:
+        keep = versions_to_keep(manifests, policy)
+        removed = [v for v in infos if v not in keep]
+    else:
+        removed = store.prune(policy)
+    verb = "would remove" if dry_run else "removed"
+    for number in removed:
+        typer.echo(f"{verb} {present.describe(infos[number]) if number in infos else number}")
+    kept = ", ".join(str(v) for v in infos if v not in removed) or "none"
+    freed = present.human_size(sum(infos[v].size for v in removed if v in infos))
+    if dry_run:
+        typer.echo(f"would keep versions: {kept}; would free {freed}")
+    else:
+        typer.echo(f"kept versions: {kept}; freed {freed}")
+
+
+@app.command("gc")
+def gc_command(url: Url, dry_run: DryRun = False, storage_options: StorageOptions = None) -> None:
+    """Remove the uncommitted leftovers of interrupted saves.
+
+    A save in progress looks the same as a crashed one: do not run gc while a job writes to this store.
+    """
+    store = _open(url, storage_options)
+    removed = [v for v, r in _scan(store).items() if r.is_writing()] if dry_run else store.gc()
+    for number in removed:
+        typer.echo(f"{'would remove' if dry_run else 'removed'} uncommitted {_version_url(store, number)}")
+    if not removed:
+        typer.echo(f"no uncommitted leftovers in {store.url}")
+
+
+# -- run ------------------------------------------------------------------------
+# The training pipeline; flows/run_cmd.py imports Prefect only inside the command's body.
+app.command("run")(run_command)
+
+
+def main() -> None:
+    """The ``ckptflow`` console script."""
+    app(prog_name="ckptflow")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""`ckptflow run`: the training pipeline, run locally with a progress display.
+
+The flow runs in this process. Without PREFECT_API_URL, Prefect starts its
+temporary local API server; it is started in a background thread right away,
+so its start-up overlaps the import of torch and the building of the model.
+Prefect's own console log lines are shown from WARNING up unless --verbose
+(they all still reach the Prefect API and its UI).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Annotated, Any
+
+import typer
+
+Opt = typer.Option
+
+
+def run_command(
+    storage: Annotated[
+        str, Opt("--storage", "-s", help="Where checkpoints live (path, file://, s3://...).")
+    ] = ("./checkpoints"),
+    epochs: Annotated[int, Opt("--epochs", "-e", min=1, help="Train until this epoch.")] = 5,
+    spec: Annotated[str, Opt("--spec", help="TrainingSpec as package.module:Class.")] = (
+        "ckptflow.flows.demo:DigitsSpec"
+    ),
+    spec_config: Annotated[str, Opt("--spec-config", metavar="JSON", help="The spec's config.")] = "{}",
+    seed: Annotated[int, Opt("--seed")] = 0,
+    shards: Annotated[int, Opt("--shards", min=1, help="HDF5 shard files per checkpoint.")] = 4,
+    async_save: Annotated[
+        bool, Opt("--async-save/--no-async-save", help="Save while the next epoch runs.")
+    ] = True,
+    save_every: Annotated[int, Opt("--save-every", min=1, help="Save every N epochs (and at the end).")] = 1,
+    keep_last: Annotated[int | None, Opt("--keep-last", min=1, help="Retention: keep the newest N.")] = None,
+    keep_every: Annotated[
+        int | None, Opt("--keep-every", min=1, help="Retention: keep every K-th epoch.")
+    ] = None,
+    keep_best: Annotated[
+        str | None, Opt("--keep-best", metavar="METRIC", help="Retention: keep the best.")
+    ] = None,
+    best_mode: Annotated[str, Opt("--best-mode", help="min or max, for --keep-best.")] = "min",
+    stop_metric: Annotated[str | None, Opt("--stop-metric", help="Metric for --target/--patience.")] = None,
+    stop_mode: Annotated[str, Opt("--stop-mode", help="min or max, for --stop-metric.")] = "min",
+    target: Annotated[float | None, Opt("--target", help="Stop when the metric reaches this.")] = None,
+    patience: Annotated[
+        int | None, Opt("--patience", min=1, help="Stop after N epochs without gain.")
+    ] = None,
+    max_seconds: Annotated[float | None, Opt("--max-seconds", help="Wall-clock budget.")] = None,
+    epoch_retries: Annotated[int, Opt("--epoch-retries", min=0, help="Retries of a failed epoch.")] = 1,
+    storage_options: Annotated[
+        str,
+        Opt("--storage-options", metavar="JSON", envvar="CKPTFLOW_STORAGE_OPTIONS", help="fsspec options."),
+    ] = "{}",
+    allow_config_change: Annotated[
+        bool, Opt("--allow-config-change", help="Resume even if spec, spec config or seed changed.")
+    ] = False,
+    verbose: Annotated[bool, Opt("--verbose", "-v", help="Show Prefect's log lines.")] = False,
+) -> None:
+    """Train with checkpoints (resuming from the newest committed one in --storage)."""
+    raw = {
+        "storage": storage,
+        "storage_options": _json_object("--storage-options", storage_options),
+        "spec": spec,
+        "spec_config": _json_object("--spec-config", spec_config),
+        "seed": seed,
+        "epochs": epochs,
+        "save_every": save_every,
+        "shards": shards,
+        "async_save": async_save,
+        "epoch_retries": epoch_retries,
+        "allow_config_change": allow_config_change,
+        "retention": {
+            "keep_last": keep_last,
+            "keep_every": keep_every,
+            "keep_best": keep_best,
+            "best_mode": best_mode,
+        },
+        "stop": {
+            "metric": stop_metric,
+            "mode": stop_mode,
+            "target": target,
+            "patience": patience,
+            "max_seconds": max_seconds,
+        },
+    }
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    warmup = _warm_up_api()
+    from pydantic import ValidationError
+
+    from ckptflow.tasks.config import PipelineConfig
+
+    try:
+        config = PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise typer.BadParameter(_validation_message(exc)) from None
+    result = _run_with_progress(config, warmup)
+    _print_next_steps(config, result)
+
+
+def _json_object(option: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"{option} is not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter(f"{option} must be a JSON object")
+    return value
+
+
+def _validation_message(exc: Any) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def _warm_up_api() -> threading.Thread | None:
+    """Start Prefect's temporary API server in the background when no API is configured."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+
+    def start() -> None:
+        try:
+            from prefect.settings import get_current_settings
+
+            if get_current_settings().api.url:
+                return
+            from prefect.server.api.server import SubprocessASGIServer
+
+            SubprocessASGIServer().start()
+        except Exception:  # noqa: BLE001 - the flow starts it again, and reports errors itself
+            pass
+
+    thread = threading.Thread(target=start, name="ckptflow-api-warmup", daemon=True)
+    thread.start()
+    return thread
+
+
+def _run_with_progress(config: Any, warmup: threading.Thread | None) -> Any:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ckptflow.tasks.monitoring import add_listener, human_size, metrics_text
+
+    console = Console(stderr=True)
+    progress = Progress(
+        TextColumn("[bold]epochs"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("{task.description}"),
+        console=console,
+        transient=False,
+    )
+    task_id = progress.add_task("starting Prefect and building the model...", total=config.epochs)
+
+    def on_event(kind: str, data: dict[str, Any]) -> None:
+        if kind == "start":
+            progress.update(task_id, completed=data["first_epoch"] - 1, description="training")
+            if data["first_epoch"] > 1:
+                console.print(f"resuming in {data['url']} at epoch {data['first_epoch']}")
+        elif kind == "epoch":
+            progress.update(task_id, completed=data["epoch"], description=metrics_text(data["metrics"]))
+            console.print(f"epoch {data['epoch']:>4}  {metrics_text(data['metrics'])}")
+        elif kind == "committed":
+            info = data["info"]
+            console.print(
+                f"  committed {info.url} ({human_size(info.size)} in {info.save_seconds or 0:.2f}s)"
+            )
+
+    remove = add_listener(on_event)
+    started = time.perf_counter()
+    try:
+        if warmup is not None:
+            warmup.join()
+        from ckptflow.flows.train import train_pipeline
+
+        with progress:
+            state = train_pipeline(config, return_state=True)
+    finally:
+        remove()
+    if state.is_cancelled():
+        console.print(f"[yellow]cancelled[/]: {state.message}")
+        raise typer.Exit(1)
+    if not state.is_completed():
+        exc = _exception_of(state)
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1)
+    result = state.result()
+    console.print(f"done in {time.perf_counter() - started:.1f}s: {result['stop_reason']}")
+    return result
+
+
+def _exception_of(state: Any) -> str:
+    try:
+        state.result()
+    except BaseException as exc:  # noqa: BLE001 - we only want its message
+        return " ".join(str(exc).split()) or type(exc).__name__
+    return state.message or "the run did not complete"
+
+
+def _print_next_steps(config: Any, result: dict[str, Any]) -> None:
+    url = result["storage"]
+    quoted = url if " " not in url else f'"{url}"'
+    lines = [
+        "",
+        f"checkpoints: {url}  (latest: {result['latest_url']})",
+        f"  resume / train longer:  ckptflow run --storage {quoted} --epochs {config.epochs + 5}",
+        f"  list checkpoints:       ckptflow ls {quoted}",
+        f"  inspect the latest:     ckptflow show {quoted}",
+        f"  verify checksums:       ckptflow verify {quoted}",
+        f"  restore for torch.load: ckptflow restore {quoted} --out model.pt",
+    ]
+    sys.stdout.write("\n".join(lines) + "\n")

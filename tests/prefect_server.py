@@ -1,0 +1,104 @@
+"""A real Prefect server for tests: `prefect server start` on a free 127.0.0.1 port.
+
+It runs with a temporary PREFECT_HOME (its own SQLite database), analytics off,
+and is stopped (SIGTERM, then SIGKILL) by whoever started it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+STARTUP_TIMEOUT = float(os.environ.get("CKPTFLOW_TEST_PREFECT_STARTUP", "180"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="180",
+        PREFECT_LOGGING_LEVEL="INFO",
+        PREFECT_UI_ENABLED="true",
+    )
+    if api_url:
+        env["PREFECT_API_URL"] = api_url
+    else:
+        env.pop("PREFECT_API_URL", None)
+    return env
+
+
+@dataclass
+class PrefectServer:
+    home: Path
+    port: int
+    process: subprocess.Popen
+    log: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.url}/api"
+
+    def env(self) -> dict[str, str]:
+        return prefect_env(self.home, self.api_url)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+
+
+def start_prefect_server(home: Path) -> PrefectServer:
+    home.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    log = home / "server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "prefect",
+        "server",
+        "start",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--analytics-off",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd, env=prefect_env(home), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    server = PrefectServer(home, port, proc, log)
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited early:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{server.api_url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"prefect server did not answer within {STARTUP_TIMEOUT}s:\n{log.read_text()[-3000:]}")
