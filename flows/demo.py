@@ -11,8 +11,9 @@ Use it as the template for your own spec: ``--spec your.module:YourSpec``.
 from __future__ import annotations
 
 import torch
-from ckptflow.tasks.spec import Trainable, TrainingSpec, epoch_generator
 from torch import nn
+
+from ckptflow.tasks.spec import Trainable, TrainingSpec, epoch_generator
 
 
 class DigitsSpec(TrainingSpec):

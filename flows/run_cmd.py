@@ -135,7 +135,7 @@ def _warm_up_api() -> threading.Thread | None:
             from prefect.server.api.server import SubprocessASGIServer
 
             SubprocessASGIServer().start()
-        except Exception:  # noqa: BLE001 - the flow starts it again, and reports errors itself
+        except Exception:
             pass
 
     thread = threading.Thread(target=start, name="ckptflow-api-warmup", daemon=True)
@@ -201,7 +201,7 @@ def _run_with_progress(config: Any, warmup: threading.Thread | None) -> Any:
 def _exception_of(state: Any) -> str:
     try:
         state.result()
-    except BaseException as exc:  # noqa: BLE001 - we only want its message
+    except BaseException as exc:
         return " ".join(str(exc).split()) or type(exc).__name__
     return state.message or "the run did not complete"
 

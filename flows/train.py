@@ -21,6 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+from prefect.states import Cancelled, State
+
 from ckptflow.storage import SaveHandle, VersionInfo
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.monitoring import RunMonitor, human_size, metrics_text
@@ -34,9 +38,6 @@ from ckptflow.tasks.steps import (
     train_epoch,
 )
 from ckptflow.tasks.stopping import StopTracker
-from prefect import flow, get_run_logger
-from prefect.runtime import flow_run
-from prefect.states import Cancelled, State
 
 CANCELLED = "cancelled from Prefect"
 

@@ -29,6 +29,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
 from ckptflow.storage import (
     CheckpointStore,
     RetentionPolicy,
@@ -37,9 +41,6 @@ from ckptflow.storage import (
     VersionInfo,
     VersionNotFoundError,
 )
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
 
 from .config import PipelineConfig, identity_differences
 from .spec import Trainable, TrainingSpec, load_spec_class
