@@ -1,0 +1,134 @@
+"""Orchestration overhead of the Prefect pipeline against a plain training loop.
+
+Runs the demo (digits MLP) for N epochs, saving every epoch, four ways, each in
+a fresh process:
+
+- plain:      the same spec and CheckpointStore calls in a Python loop, no Prefect
+- floor:      Prefect's own floor: a trivial flow with one task (time to the task body)
+- ephemeral:  `ckptflow run` with Prefect's temporary local API server
+- server:     `ckptflow run` against a running `prefect server start` (PREFECT_API_URL set)
+
+and prints one table: time from process start to the first epoch starting,
+the time the epochs took, and the overhead per epoch against the plain loop.
+
+    .venv/bin/python bench/bench_pipeline.py [--epochs 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.prefect_server import prefect_env, start_prefect_server  # noqa: E402
+
+PLAIN = r"""
+import json, os, sys, time
+from ckptflow.storage import CheckpointStore
+from ckptflow.tasks.steps import seed_everything
+from ckptflow.tasks.training_state import capture
+from bench.timing_spec import TimedDigits
+store = CheckpointStore(sys.argv[1])
+spec = TimedDigits({}, seed=0)
+seed_everything(0)
+t = spec.build()
+handle = None
+for epoch in range(1, int(sys.argv[2]) + 1):
+    m = spec.train_epoch(t, epoch); m.update(spec.evaluate(t, epoch)); m.pop("steps")
+    if handle is not None:
+        handle.wait()
+    handle = store.save_async(capture(t, spec, epoch=epoch, step=0), epoch=epoch, metrics=m, version=epoch)
+handle.wait()
+TimedDigits.mark("end")
+"""
+
+FLOOR = r"""
+import os, time
+from prefect import flow, task
+@task
+def first():
+    with open(os.environ["CKPTFLOW_BENCH_TIMES"], "a") as f:
+        f.write(f"first_epoch {time.time()}\n")
+@flow
+def trivial():
+    first()
+trivial()
+"""
+
+
+def run_child(cmd: list[str], env: dict[str, str], times: Path) -> dict[str, float]:
+    times.write_text("")
+    env = {**env, "CKPTFLOW_BENCH_TIMES": str(times), "PYTHONPATH": str(ROOT)}
+    start = time.time()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True)
+    end = time.time()
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    marks: dict[str, float] = {}
+    for line in times.read_text().splitlines():
+        name, value = line.split()
+        marks.setdefault(name, float(value))
+        if name == "epoch_end":
+            marks["epoch_end"] = float(value)
+    return {
+        "to_first_epoch": marks["first_epoch"] - start,
+        "epochs": marks.get("epoch_end", marks["first_epoch"]) - marks["first_epoch"],
+        "total": end - start,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=20)
+    args = parser.parse_args()
+    py = sys.executable
+    ckptflow = str(Path(py).parent / "ckptflow")
+    spec = "bench.timing_spec:TimedDigits"
+    with tempfile.TemporaryDirectory(prefix="ckptflow-bench-") as tmp_name:
+        tmp = Path(tmp_name)
+        times = tmp / "times.txt"
+        home = tmp / "prefect-home"
+        base = prefect_env(home)
+        results: dict[str, dict[str, float]] = {}
+        results["plain loop"] = run_child([py, "-c", PLAIN, str(tmp / "plain"), str(args.epochs)], base, times)
+        # warm the ephemeral database once (first start creates and migrates it), as a user's second run would
+        run_child([py, "-c", FLOOR], base, times)
+        results["prefect floor, ephemeral"] = run_child([py, "-c", FLOOR], base, times)
+        run_cmd = [ckptflow, "run", "--spec", spec, "--epochs", str(args.epochs)]
+        results["ckptflow run, ephemeral"] = run_child([*run_cmd, "--storage", str(tmp / "eph")], base, times)
+        server = start_prefect_server(tmp / "server-home")
+        try:
+            env = server.env()
+            results["prefect floor, server"] = run_child([py, "-c", FLOOR], env, times)
+            results["ckptflow run, server"] = run_child([*run_cmd, "--storage", str(tmp / "srv")], env, times)
+        finally:
+            server.stop()
+    print_table(results, args.epochs)
+
+
+def print_table(results: dict[str, dict[str, float]], epochs: int) -> None:
+    plain = results["plain loop"]["epochs"]
+    print(f"\n{epochs} epochs of the digits demo, a save every epoch; one run, {os.cpu_count()} cores\n")
+    print("| run | start -> first epoch (s) | epochs (s) | overhead per epoch vs plain (ms) |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, r in results.items():
+        per_epoch = "" if "floor" in name else f"{1000 * (r['epochs'] - plain) / epochs:.1f}"
+        epochs_s = "" if "floor" in name else f"{r['epochs']:.2f}"
+        print(f"| {name} | {r['to_first_epoch']:.2f} | {epochs_s} | {per_epoch} |")
+    eph = results["ckptflow run, ephemeral"]["to_first_epoch"] - results["prefect floor, ephemeral"]["to_first_epoch"]
+    srv = results["ckptflow run, server"]["to_first_epoch"]
+    print(f"\nstart-up above Prefect's floor (ephemeral): {eph:.2f} s (target <= 2 s)")
+    print(f"start-up against a running server: {srv:.2f} s (target <= 4 s)")
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
