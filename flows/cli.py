@@ -340,15 +340,15 @@ def prune_command(
     storage_options: StorageOptions = None,
 ) -> None:
     """Delete the committed versions a retention policy does not keep (the newest is always kept)."""
-    from ckptflow.storage import RetentionPolicy
-    from ckptflow.storage.retention import versions_to_keep
-
     if keep_last is None and keep_every is None and keep_best is None:
         raise typer.BadParameter(
             "give at least one of them", param_hint="'--keep-last' / '--keep-every' / '--keep-best'"
         )
     if mode is not None and keep_best is None:
         raise typer.BadParameter("--mode needs --keep-best", param_hint="'--mode'")
+    from ckptflow.storage import RetentionPolicy
+    from ckptflow.storage.retention import versions_to_keep
+
     policy = RetentionPolicy(
         keep_last=keep_last,
         keep_every=keep_every,

@@ -14,7 +14,7 @@ import os
 import sys
 import threading
 import time
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 
@@ -143,11 +143,12 @@ def _warm_up_api() -> threading.Thread | None:
     return thread
 
 
-def _run_with_progress(config: Any, warmup: threading.Thread | None) -> Any:
+def _run_with_progress(config: Any, warmup: threading.Thread | None) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ckptflow.tasks.monitoring import add_listener, human_size, metrics_text
+    from ckptflow.tasks.formatting import human_size, metrics_text
+    from ckptflow.tasks.monitoring import add_listener
 
     console = Console(stderr=True)
     progress = Progress(
@@ -193,7 +194,7 @@ def _run_with_progress(config: Any, warmup: threading.Thread | None) -> Any:
         exc = _exception_of(state)
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1)
-    result = state.result()
+    result = cast(dict[str, Any], state.result())
     console.print(f"done in {time.perf_counter() - started:.1f}s: {result['stop_reason']}")
     return result
 

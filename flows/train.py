@@ -20,6 +20,7 @@ Deployment entrypoint: ``flows/train.py:train_pipeline``.
 from __future__ import annotations
 
 from typing import Any
+from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
@@ -27,7 +28,8 @@ from prefect.states import Cancelled, State
 
 from ckptflow.storage import SaveHandle, VersionInfo
 from ckptflow.tasks.config import PipelineConfig
-from ckptflow.tasks.monitoring import RunMonitor, human_size, metrics_text
+from ckptflow.tasks.formatting import human_size, metrics_text
+from ckptflow.tasks.monitoring import RunMonitor
 from ckptflow.tasks.steps import (
     EpochAttempts,
     RunState,
@@ -65,8 +67,10 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
             monitor.epoch_done(epoch, metrics)
             reason = stopper.update(epoch, metrics) or _cancel_requested()
             if epoch % config.save_every == 0 or reason is not None:
-                pending = _commit(pending, monitor)
-                result = save_checkpoint(run, epoch, async_save=config.async_save)
+                _commit(pending, monitor, config.save_retries)
+                pending = None
+                save = save_checkpoint.with_options(retries=config.save_retries)
+                result = save(run, epoch, async_save=config.async_save)
                 if isinstance(result, SaveHandle):
                     pending = result
                 else:
@@ -74,7 +78,7 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     finally:
         if pending is not None:
             pending.join()  # an interrupted run still commits the save in flight
-    pending = _commit(pending, monitor)
+    _commit(pending, monitor, config.save_retries)
     removed = finalize(run)
     summary = _summary(run, first_epoch, reason, removed)
     monitor.summary(_summary_markdown(summary))
@@ -84,10 +88,10 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     return summary
 
 
-def _commit(pending: SaveHandle | None, monitor: RunMonitor) -> None:
+def _commit(pending: SaveHandle | None, monitor: RunMonitor, retries: int) -> None:
+    """Wait until the async save in flight (if any) is committed, and report it."""
     if pending is not None:
-        monitor.committed(commit_checkpoint(pending))
-    return None
+        monitor.committed(commit_checkpoint.with_options(retries=retries)(pending))
 
 
 def _cancel_requested() -> str | None:
@@ -99,7 +103,7 @@ def _cancel_requested() -> str | None:
 
     try:
         with get_client(sync_client=True) as client:
-            state = client.read_flow_run(run_id).state
+            state = client.read_flow_run(UUID(run_id)).state
     except Exception:
         return None
     return CANCELLED if state is not None and (state.is_cancelling() or state.is_cancelled()) else None

@@ -72,8 +72,11 @@ def parse_version_dir(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def scan(loc: Location) -> dict[int, VersionRecord]:
-    """The state of every version directory under the root, by version number."""
+def list_dirs(loc: Location) -> dict[int, bool]:
+    """Every version directory under the root: version -> whether it has a manifest file.
+
+    One listing, no file read: enough to number a new version or find garbage.
+    """
     loc.fs.invalidate_cache()  # listings cached by fsspec (s3fs) miss changes made by other processes
     if not loc.fs.exists(loc.root):
         if bucket_missing(loc):  # else a mistyped bucket would look like an empty store
@@ -87,6 +90,22 @@ def scan(loc: Location) -> dict[int, VersionRecord]:
         if version is None:
             continue
         dirs[version] = dirs.get(version, False) or (len(rel) == 2 and rel[1] == MANIFEST_FILE)
+    return dict(sorted(dirs.items()))
+
+
+def newest_committed(loc: Location) -> VersionRecord | None:
+    """The highest committed version, reading manifests from the top down until one validates."""
+    for version, has_manifest in sorted(list_dirs(loc).items(), reverse=True):
+        if has_manifest:
+            record = read_record(loc, version)
+            if record is not None and record.is_committed():
+                return record
+    return None
+
+
+def scan(loc: Location) -> dict[int, VersionRecord]:
+    """The state of every version directory under the root, by version number (reads every manifest)."""
+    dirs = list_dirs(loc)
     with_manifest = [v for v, has in dirs.items() if has]
     paths = [loc.path(version_dir(v), MANIFEST_FILE) for v in with_manifest]
     raw = loc.fs.cat(paths, on_error="return") if paths else {}
@@ -135,7 +154,20 @@ def commit(loc: Location, manifest: Manifest) -> None:
         _atomic_local_write(loc.path(vdir), MANIFEST_FILE, data)
     else:
         loc.fs.pipe_file(loc.path(vdir, MANIFEST_FILE), data)
-    _write_latest(loc, vdir)
+    if _is_newest(loc, manifest.version):  # a save with an explicit, lower version leaves latest alone
+        _write_latest(loc, vdir)
+
+
+def _is_newest(loc: Location, version: int) -> bool:
+    """Whether no committed version above ``version`` exists (one listing in the usual case)."""
+    try:
+        loc.fs.invalidate_cache(loc.root)
+        names = loc.fs.ls(loc.root, detail=False)
+        higher = [v for name in names if (v := parse_version_dir(name)) is not None and v > version]
+        return not any(loc.fs.exists(loc.path(version_dir(v), MANIFEST_FILE)) for v in higher)
+    except OSError as exc:  # the commit stands; update the pointer as if this were the newest
+        log.warning("could not list %s: %s", loc.display(), exc)
+        return True
 
 
 def _atomic_local_write(directory: str, name: str, data: bytes) -> None:

@@ -18,6 +18,8 @@ attribute.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import tempfile
 from dataclasses import dataclass
@@ -26,7 +28,7 @@ import h5py
 import numpy as np
 from h5py import h5d, h5p, h5s, h5t
 
-from .dtypes import dtype_name, storage_dtype
+from .dtypes import dtype_from_name, dtype_name, storage_dtype
 from .planner import Blob
 
 SHARD_FORMAT = "ckptflow-shard"
@@ -49,38 +51,65 @@ class ShardImage:
     offsets: dict[int, int | None]  # blob index -> byte offset in the file (None: no bytes)
 
 
+LayoutKey = tuple[tuple[str, str, tuple[int, ...]], ...]
+
+
 def build_shard_image(blobs: list[Blob]) -> ShardImage:
-    """Lay out a shard holding ``blobs`` (in order) and describe its bytes."""
+    """Lay out a shard holding ``blobs`` (in order) and describe its bytes.
+
+    Layouts are cached by (name, dtype, shape) of the blobs: a training run saves
+    the same layout every epoch, and h5py (which runs one call at a time) is then
+    needed once per run, not once per save.
+    """
+    key: LayoutKey = tuple((b.name, dtype_name(b.dtype), tuple(b.shape)) for b in blobs)
+    size, segments, offsets = _layout(key)
+    index = [b.index for b in blobs]  # cached layouts refer to blobs by position
+    return ShardImage(
+        size,
+        [Segment(s.offset, s.length, None if s.blob is None else index[s.blob], s.data) for s in segments],
+        {index[pos]: off for pos, off in enumerate(offsets)},
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _layout(key: LayoutKey) -> tuple[int, list[Segment], list[int | None]]:
     with tempfile.TemporaryDirectory(prefix="ckptflow-layout-") as tmp:
         path = os.path.join(tmp, "skeleton.h5")
-        offsets = _write_skeleton(path, blobs)
+        offsets = _write_skeleton(path, key)
         size = os.path.getsize(path)
         ranges = sorted(
-            (off, b.nbytes, b.index) for b in blobs if (off := offsets[b.index]) is not None and b.nbytes
+            (off, _nbytes(dtype, shape), pos)
+            for pos, (_, dtype, shape) in enumerate(key)
+            if (off := offsets[pos]) is not None and _nbytes(dtype, shape)
         )
         with open(path, "rb") as f:
             segments = _segments(f, size, ranges)
-    return ShardImage(size, segments, offsets)
+    return size, segments, offsets
 
 
-def _write_skeleton(path: str, blobs: list[Blob]) -> dict[int, int | None]:
+def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
+    return storage_dtype(dtype_from_name(dtype)).itemsize * math.prod(shape)
+
+
+def _write_skeleton(path: str, key: LayoutKey) -> list[int | None]:
     dcpl = h5p.create(h5p.DATASET_CREATE)
     dcpl.set_layout(h5d.CONTIGUOUS)
     dcpl.set_alloc_time(h5d.ALLOC_TIME_EARLY)
     dcpl.set_fill_time(h5d.FILL_TIME_NEVER)
-    offsets: dict[int, int | None] = {}
+    dcpl.set_obj_track_times(False)  # no timestamps: the same state gives the same bytes
+    offsets: list[int | None] = []
     with h5py.File(path, "w", track_order=False) as f:
         f.attrs["format"] = SHARD_FORMAT
         f.attrs["format_version"] = 1
-        for blob in blobs:
-            space = h5s.create_simple(blob.shape) if blob.shape else h5s.create(h5s.SCALAR)
-            tid = h5t.py_create(storage_dtype(blob.dtype))
-            dsid = h5d.create(f.id, blob.name.encode(), tid, space, dcpl=dcpl)
-            h5py.Dataset(dsid).attrs["torch_dtype"] = dtype_name(blob.dtype)
-            offsets[blob.index] = dsid.get_offset()
-            size = dsid.get_storage_size()
-            if size != blob.nbytes:
-                raise AssertionError(f"HDF5 allocated {size} bytes for {blob.name}, expected {blob.nbytes}")
+        for name, dtype, shape in key:
+            space = h5s.create_simple(shape) if shape else h5s.create(h5s.SCALAR)
+            tid = h5t.py_create(storage_dtype(dtype_from_name(dtype)))
+            dsid = h5d.create(f.id, name.encode(), tid, space, dcpl=dcpl)
+            h5py.Dataset(dsid).attrs["torch_dtype"] = dtype
+            offsets.append(dsid.get_offset())
+            size, expected = dsid.get_storage_size(), _nbytes(dtype, shape)
+            if size != expected:
+                raise AssertionError(f"HDF5 allocated {size} bytes for {name}, expected {expected}")
     return offsets
 
 

@@ -91,10 +91,19 @@ def translate_errors(loc: Location, action: str) -> Iterator[None]:
             f"the directory's permissions ({type(exc).__name__})"
         ) from exc
     except OSError as exc:
-        if exc.errno == errno.ENOSPC:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise StorageUnavailableError(
                 f"no space left on the device while {action} {loc.display()}; the previous "
                 "committed version is intact: free space (ckptflow prune/gc) and save again"
+            ) from exc
+        if exc.errno == errno.EROFS:
+            raise StorageUnavailableError(
+                f"read-only file system while {action} {loc.display()}: use a writable location"
+            ) from exc
+        if exc.errno == errno.ENOTDIR:
+            raise StorageUnavailableError(
+                f"cannot use {loc.display()} while {action} it: {exc.filename or 'a path'} is under a path "
+                "that is a file, not a directory"
             ) from exc
         if isinstance(exc, FileNotFoundError) and bucket_missing(loc):
             raise missing_bucket_error(loc) from exc

@@ -10,7 +10,9 @@ than the manifest says, or bytes that do not match, raise
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 
@@ -24,10 +26,18 @@ SPLIT = 64 << 20  # large blobs are read as several ranges, in parallel
 
 
 def read_blobs(
-    loc: Location, version_dir: str, manifest: Manifest, wanted: list[int], *, verify: bool, threads: int
+    loc: Location,
+    version_dir: str,
+    manifest: Manifest,
+    wanted: list[int],
+    *,
+    verify: bool,
+    threads: int,
+    buffers: dict[int, torch.Tensor] | None = None,
 ) -> dict[int, torch.Tensor]:
-    """uint8 tensors holding the bytes of the ``wanted`` blobs."""
-    out = {i: empty_bytes(manifest.blobs[i].nbytes) for i in wanted}
+    """uint8 tensors holding the bytes of the ``wanted`` blobs (``buffers``: where to put some)."""
+    given = buffers or {}
+    out = {i: given[i] if i in given else empty_bytes(manifest.blobs[i].nbytes) for i in wanted}
     jobs: list[tuple[str, list[ReadRange]]] = []
     for shard_index in sorted({manifest.blobs[i].shard for i in wanted}):
         shard = manifest.shards[shard_index]
@@ -43,8 +53,7 @@ def read_blobs(
         jobs.extend((path, batch) for batch in _batches(ranges, loc.is_local))
     _run(jobs, loc, threads)
     if verify:
-        for i in wanted:
-            _check_blob(loc, version_dir, manifest, i, out[i])
+        _parallel(threads, [partial(_check_blob, loc, version_dir, manifest, i, out[i]) for i in wanted])
     return out
 
 
@@ -101,12 +110,18 @@ def _run(jobs: list[tuple[str, list[ReadRange]]], loc: Location, threads: int) -
                 _display(loc, path), expected="more bytes", actual=str(exc), what="size"
             ) from None
 
-    if threads <= 1 or len(jobs) <= 1:
-        for job in jobs:
-            one(job)
+    _parallel(threads, [partial(one, job) for job in jobs])
+
+
+def _parallel(threads: int, calls: list[Callable[[], None]]) -> None:
+    """Run ``calls`` on up to ``threads`` threads (I/O and xxh3 release the GIL); re-raise the first error."""
+    if threads <= 1 or len(calls) <= 1:
+        for call in calls:
+            call()
         return
-    with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="ckptflow-read") as pool:
-        list(pool.map(one, jobs))
+    with ThreadPoolExecutor(min(threads, len(calls)), thread_name_prefix="ckptflow-read") as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.result()
 
 
 def _check_blob(loc: Location, version_dir: str, manifest: Manifest, i: int, data: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ from .byteio import hash_file, tensor_bytes
 from .checksum import ALGORITHM
 from .commit import version_dir
 from .errors import CorruptShardError, ManifestError, VersionExistsError, VersionNotFoundError
+from .loader import as_bytes, build_tensors, target_buffers
 from .location import Location, open_location, translate_errors
 from .manifest import Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
 from .planner import SavePlan, plan_save
@@ -191,12 +192,11 @@ class CheckpointStore:
         return _SaveJob(number, epoch, step, clean, structure, refs, plan, dict(user or {}))
 
     def _claim_version(self, version: int | None) -> int:
-        records = protocol.scan(self.loc)
-        if version is None:
-            return max(records, default=-1) + 1
+        if version is None:  # above every directory, committed or not: never reuse a crashed one's name
+            return max(protocol.list_dirs(self.loc), default=-1) + 1
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
-        record = records.get(version)
+        record = protocol.read_record(self.loc, version)
         if record is not None and not record.is_writing():
             raise VersionExistsError(version, self.url)
         if record is not None:
@@ -239,8 +239,9 @@ class CheckpointStore:
 
     def latest(self) -> VersionInfo | None:
         """The newest committed version (the one a resumed run starts from), or None."""
-        committed = self._committed()
-        return VersionInfo.from_manifest(committed[-1], self.loc) if committed else None
+        with translate_errors(self.loc, "listing"):
+            record = protocol.newest_committed(self.loc)
+        return VersionInfo.from_manifest(record.manifest, self.loc) if record and record.manifest else None
 
     def info(self, version: int | None = None) -> VersionInfo:
         """One committed version (the newest when ``version`` is None); raises if not committed."""
@@ -257,17 +258,25 @@ class CheckpointStore:
         keys: Sequence[str] | None = None,
         map_location: str | torch.device = "cpu",
         verify: bool | None = None,
+        into: Any = None,
     ) -> Any:
         """The state saved in ``version`` (default: the newest committed one).
 
         ``keys`` selects parts by slash-separated key path (``["model"]``,
-        ``["optimizer/param_groups"]``); only their bytes are read.
+        ``["optimizer/param_groups"]``); only their bytes are read. ``into``: a
+        state of existing tensors (e.g. ``{"model": model.state_dict()}``);
+        tensors whose key path, dtype and shape match are read into them in
+        place and returned as those very tensors.
         """
         manifest = self._manifest(version)
         structure = select(manifest.structure, list(keys)) if keys else manifest.structure
         leaf_ids = sorted(set(leaf_refs(structure)))
         wanted = sorted({manifest.tensors[i].blob for i in leaf_ids})
         check = self.options.verify_on_load if verify is None else verify
+        device = torch.device(map_location)
+        targets = (
+            target_buffers(manifest, leaf_ids, into) if into is not None and device.type == "cpu" else {}
+        )
         with translate_errors(self.loc, "loading from"):
             raw = read_blobs(
                 self.loc,
@@ -276,8 +285,9 @@ class CheckpointStore:
                 wanted,
                 verify=check,
                 threads=self.options.threads,
+                buffers={blob: as_bytes(t) for blob, t in targets.items()},
             )
-        tensors = _build_tensors(manifest, raw, leaf_ids, torch.device(map_location))
+        tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
         return decode(structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i])
 
     def verify(self, version: int | None = None) -> VersionInfo:
@@ -318,10 +328,10 @@ class CheckpointStore:
         """The manifest of a committed version; raise a clear error for any other state."""
         with translate_errors(self.loc, "reading"):
             if version is None:
-                committed = self._committed()
-                if not committed:
+                newest = protocol.newest_committed(self.loc)
+                if newest is None or newest.manifest is None:
                     raise VersionNotFoundError(None, self.url, [])
-                return committed[-1]
+                return newest.manifest
             record = protocol.read_record(self.loc, version)
         if record is not None and record.error is not None:
             raise record.error
@@ -392,8 +402,7 @@ class CheckpointStore:
         """Remove version directories left without a manifest by interrupted saves (and their temp files)."""
         self._saver.wait_previous()
         with translate_errors(self.loc, "collecting garbage in"):
-            records = protocol.scan(self.loc)
-            garbage = [v for v, r in records.items() if r.is_writing()]
+            garbage = [v for v, has_manifest in protocol.list_dirs(self.loc).items() if not has_manifest]
             for v in garbage:
                 self.loc.fs.rm(self.loc.path(version_dir(v)), recursive=True)
             for path in protocol.stale_temp_files(self.loc):
@@ -437,30 +446,6 @@ def _name(dtype: torch.dtype) -> str:
     from .dtypes import dtype_name
 
     return dtype_name(dtype)
-
-
-def _build_tensors(
-    manifest: Manifest, raw: dict[int, torch.Tensor], leaf_ids: list[int], device: torch.device
-) -> dict[int, torch.Tensor]:
-    from .dtypes import dtype_from_name
-
-    typed: dict[int, torch.Tensor] = {}
-    whole: dict[int, torch.Tensor] = {}
-    out: dict[int, torch.Tensor] = {}
-    for i in leaf_ids:
-        entry = manifest.tensors[i]
-        dtype = dtype_from_name(entry.dtype)
-        if entry.blob not in typed:
-            base = raw[entry.blob].view(dtype)
-            typed[entry.blob] = base if device.type == "cpu" else base.to(device)
-        base = typed[entry.blob]
-        if entry.stride is None:
-            if entry.blob not in whole:  # tied weights come back as one tensor
-                whole[entry.blob] = base.reshape(entry.shape)
-            out[i] = whole[entry.blob]
-        else:
-            out[i] = torch.as_strided(base, entry.shape, entry.stride, entry.offset)
-    return out
 
 
 __all__ = ["CheckpointStore", "StoreOptions", "VersionInfo"]

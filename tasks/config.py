@@ -67,8 +67,8 @@ class PipelineConfig(_Strict):
     epoch_retries: int = Field(1, ge=0, description="retries of a failed epoch, from its start state")
     save_retries: int = Field(3, ge=0)
     save_timeout_seconds: float | None = Field(None, gt=0)
-    retention: RetentionConfig = Field(default_factory=RetentionConfig)
-    stop: StopConfig = Field(default_factory=StopConfig)
+    retention: RetentionConfig = Field(default_factory=lambda: RetentionConfig())
+    stop: StopConfig = Field(default_factory=lambda: StopConfig())
     allow_config_change: bool = Field(False, description="resume even if spec/spec_config/seed differ")
 
     @model_validator(mode="after")

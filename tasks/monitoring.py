@@ -23,6 +23,8 @@ from uuid import UUID
 
 from ckptflow.storage import VersionInfo
 
+from .formatting import human_size, metrics_text
+
 log = logging.getLogger(__name__)
 
 COMMITTED_EVENT = "ckptflow.checkpoint.committed"
@@ -48,18 +50,6 @@ def slug(text: str, *, limit: int = 60) -> str:
     """A Prefect artifact key part: lowercase letters, digits and single dashes."""
     out = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
     return out[:limit].rstrip("-") or "run"
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def metrics_text(metrics: dict[str, float]) -> str:
-    return " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items()))
 
 
 def checkpoint_row(info: VersionInfo) -> dict[str, Any]:

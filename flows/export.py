@@ -1,0 +1,128 @@
+"""Write a loaded checkpoint state to one portable file: torch or safetensors.
+
+This is what ``ckptflow restore`` hands to people and tools outside ckptflow.
+
+What always holds: the target path holds either its previous content or the
+complete new file, never half of one. The file is written under a temporary
+name beside the target, fsynced, renamed into place, and the directory is
+fsynced; a failure removes the temporary file.
+
+- torch: the nested state as saved (dicts, lists, tuples, tensors, numbers,
+  strings, bytes, dtypes), numpy arrays turned into tensors, so that
+  ``torch.load(path, weights_only=True)`` opens it. Tensors that shared memory
+  when loaded (tied weights) still share it.
+- safetensors: only the tensors, as one flat dict keyed by slash-joined key
+  path (``model/fc.weight``, ``optimizer/state/0/exp_avg``); everything else is
+  left out. safetensors refuses tensors that share memory, so those are cloned.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ckptflow.storage import CheckpointError
+from ckptflow.storage.byteio import fsync_dir
+
+Format = Literal["torch", "safetensors"]
+
+
+def write_state(state: Any, out: Path, *, fmt: Format, metadata: dict[str, str] | None = None) -> int:
+    """Write ``state`` to ``out`` atomically; return how many tensors the file holds."""
+    if fmt == "torch":
+        portable = as_torch(state)
+        write_atomic(out, lambda tmp: torch.save(portable, tmp))
+        return sum(1 for _ in iter_tensors(portable))
+    tensors = unshared(flat_tensors(state))
+    write_atomic(out, lambda tmp: _save_safetensors(tensors, tmp, metadata or {}))
+    return len(tensors)
+
+
+def write_atomic(out: Path, write: Callable[[Path], object]) -> None:
+    """Run ``write(tmp)`` on a temporary path beside ``out``, then make it ``out`` durably."""
+    target = out.resolve()
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, target)
+    except (CheckpointError, OSError):
+        raise
+    except Exception as exc:  # the writers' own errors: torch's RuntimeError, SafetensorError
+        raise CheckpointError(f"writing {out} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(str(target.parent))
+
+
+def as_torch(node: Any) -> Any:
+    """``node`` with numpy arrays turned into tensors; everything else kept as loaded."""
+    if isinstance(node, np.ndarray):
+        return torch.from_numpy(node)
+    if isinstance(node, dict):
+        return {k: as_torch(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [as_torch(v) for v in node]
+    if isinstance(node, tuple):
+        return tuple(as_torch(v) for v in node)
+    return node
+
+
+def iter_tensors(node: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor (numpy arrays as tensors) below ``node``, with its slash-joined key path."""
+    if isinstance(node, np.ndarray):
+        node = torch.from_numpy(node)
+    if isinstance(node, torch.Tensor):
+        yield path, node
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from iter_tensors(value, f"{path}/{key}" if path else str(key))
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            yield from iter_tensors(value, f"{path}/{index}" if path else str(index))
+
+
+def flat_tensors(state: Any) -> dict[str, torch.Tensor]:
+    """The tensors of ``state`` as one flat dict by key path; raise if two paths collide."""
+    flat: dict[str, torch.Tensor] = {}
+    for path, tensor in iter_tensors(state):
+        key = path or "tensor"
+        if key in flat:
+            raise CheckpointError(f"two tensors have the key path {key!r}; use --format torch")
+        flat[key] = tensor
+    return flat
+
+
+def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, each with memory of its own (the first user of a storage keeps it)."""
+    seen: set[int] = set()
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        tensor = tensor.contiguous()
+        pointer = tensor.untyped_storage().data_ptr()
+        if pointer and pointer in seen:
+            tensor = tensor.clone()
+        seen.add(tensor.untyped_storage().data_ptr())
+        out[key] = tensor
+    return out
+
+
+def _save_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    try:
+        save_file(tensors, str(path), metadata=metadata)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"the safetensors format cannot hold this state ({type(exc).__name__}: {exc}); use --format torch"
+        ) from None

@@ -1,0 +1,137 @@
+"""How the command line shows checkpoints: sizes, metrics, times and tables.
+
+Pure functions from storage objects (``VersionInfo``, ``Manifest``) to
+strings, JSON-ready dicts and rich tables; nothing here touches storage, so
+the CLI's commands stay short and these are easy to test. Every URL shown
+comes from the store's ``display`` form, which carries no credentials.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from ckptflow.tasks.formatting import human_size, metric_value, metrics_text  # noqa: F401 - re-exported
+
+if TYPE_CHECKING:
+    from ckptflow.storage import Manifest, VersionInfo
+
+
+def created_text(iso: str, *, zone: bool = True) -> str:
+    """A manifest's ISO timestamp as ``2025-11-22 02:09:07 UTC`` (unparseable text is kept)."""
+    try:
+        moment = datetime.fromisoformat(iso)
+    except ValueError:
+        return iso
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(timezone.utc)
+    return moment.strftime("%Y-%m-%d %H:%M:%S") + (" UTC" if zone and moment.tzinfo is not None else "")
+
+
+def optional(value: object) -> str:
+    return "-" if value is None else str(value)
+
+
+def describe(info: VersionInfo) -> str:
+    """One line about a version, for the commands that print a line per version."""
+    return f"version {info.version} (epoch {optional(info.epoch)}, {human_size(info.size)}) {info.url}"
+
+
+def version_json(info: VersionInfo) -> dict[str, Any]:
+    return {
+        "version": info.version,
+        "epoch": info.epoch,
+        "step": info.step,
+        "size": info.size,
+        "nbytes": info.nbytes,
+        "created": info.created,
+        "metrics": info.metrics,
+        "url": info.url,
+        "save_seconds": info.save_seconds,
+    }
+
+
+def versions_table(infos: list[VersionInfo], *, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("version", justify="right", no_wrap=True)
+    table.add_column("epoch", justify="right", no_wrap=True)
+    table.add_column("step", justify="right", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("created (UTC)")
+    table.add_column("metrics", overflow="fold")
+    table.add_column("url", overflow="fold")
+    for info in infos:
+        table.add_row(
+            str(info.version),
+            optional(info.epoch),
+            optional(info.step),
+            human_size(info.size),
+            created_text(info.created, zone=False),
+            metrics_text(info.metrics),
+            info.url,
+        )
+    return table
+
+
+def summary_table(manifest: Manifest, url: str) -> Table:
+    """The manifest's header fields as a two-column grid."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    saved = manifest.user.get("save_seconds")
+    rows = [
+        ("version", f"{manifest.version}  {url}"),
+        ("epoch", optional(manifest.epoch)),
+        ("step", optional(manifest.step)),
+        ("metrics", metrics_text(manifest.metrics) or "-"),
+        ("created", created_text(manifest.created)),
+        (
+            "size",
+            f"{human_size(manifest.total_size)} on storage, {human_size(manifest.nbytes)} of tensors, "
+            f"{len(manifest.tensors)} tensors in {len(manifest.shards)} shards",
+        ),
+        ("save time", f"{saved:.2f} s" if isinstance(saved, (int, float)) else "-"),
+        ("format", f"{manifest.format} v{manifest.format_version}, checksums {manifest.checksum_algorithm}"),
+        ("writer", ", ".join(f"{name} {ver}" for name, ver in manifest.writer.items()) or "-"),
+    ]
+    for label, value in rows:
+        grid.add_row(label, value)
+    return grid
+
+
+def shards_table(manifest: Manifest) -> Table:
+    table = Table(title="shards", title_justify="left")
+    table.add_column("file")
+    table.add_column("rank", justify="right")
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("checksum", overflow="fold")
+    for shard in manifest.shards:
+        table.add_row(shard.file, str(shard.rank), human_size(shard.size), shard.checksum)
+    return table
+
+
+def tensors_table(manifest: Manifest) -> Table:
+    table = Table(title="tensors", title_justify="left")
+    table.add_column("key path", overflow="fold")
+    table.add_column("dtype")
+    table.add_column("shape")
+    table.add_column("size", justify="right", no_wrap=True)
+    for tensor in manifest.tensors:
+        size = tensor_nbytes(tensor.dtype, tensor.shape)
+        shown = "?" if size is None else human_size(size)
+        table.add_row(tensor.path, tensor.dtype, str(tuple(tensor.shape)), shown)
+    return table
+
+
+def tensor_nbytes(dtype: str, shape: list[int]) -> int | None:
+    """Bytes of a tensor's own elements (None for a dtype this ckptflow does not know)."""
+    from ckptflow.storage.dtypes import dtype_from_name
+
+    try:
+        itemsize = dtype_from_name(dtype).itemsize
+    except ValueError:
+        return None
+    return math.prod(shape) * itemsize

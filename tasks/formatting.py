@@ -1,0 +1,27 @@
+"""Human-readable sizes and metrics, shared by the CLI and the Prefect artifacts (no Prefect import)."""
+
+from __future__ import annotations
+
+import math
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def human_size(nbytes: int | float) -> str:
+    """``1288490188`` -> ``"1.2 GiB"``; bytes below 1 KiB are shown exactly."""
+    size = float(nbytes)
+    for unit in _UNITS:
+        if abs(size) < 1024 or unit == _UNITS[-1]:
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def metric_value(value: float) -> str:
+    """A metric in at most four significant digits: ``0.12345`` -> ``"0.1235"``."""
+    return f"{value:.4g}" if math.isfinite(value) else str(value)
+
+
+def metrics_text(metrics: dict[str, float]) -> str:
+    """``{"loss": 0.123, "acc": 0.98}`` -> ``"loss=0.123 acc=0.98"`` (in the order given)."""
+    return " ".join(f"{name}={metric_value(value)}" for name, value in metrics.items())

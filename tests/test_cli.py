@@ -1,0 +1,506 @@
+"""The ``ckptflow`` command line against real stores in temporary directories.
+
+Exit codes and start-up imports are checked through real processes
+(``python -m ckptflow.flows.cli``); the rest goes through typer's CliRunner,
+which runs the same app in this process. Every assertion is on real output or
+on the store's files: the versions listed, the bytes restored, the
+directories left after prune and gc.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+from typer.testing import CliRunner
+
+from ckptflow.flows.cli import app
+from ckptflow.storage import CheckpointStore, StoreOptions
+from tests.conftest import S3_SECRET, assert_same_state, tensor_bits
+
+WIDE = {"COLUMNS": "250"}  # rich tables wrap cells to the terminal's width
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    """A small but complete training state: model, Adam state, numpy, odd dtypes, tied tensors."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    shared = torch.randn(3, 5)
+    return {
+        "model": model.state_dict(),
+        "optimizer": opt.state_dict(),
+        "extra": {
+            "np": np.arange(6, dtype=np.float32).reshape(2, 3) + seed,
+            "bf16": torch.randn(7).to(torch.bfloat16),
+            "mask": torch.tensor([True, False, True]),
+            "view": shared[1],  # a view into a larger tensor
+            "name": f"run-{seed}",
+            "betas": (0.9, 0.999),
+        },
+        "tied": [shared, shared],
+    }
+
+
+def as_torch(node: Any) -> Any:
+    """What ``restore --format torch`` promises: the state as saved, numpy arrays as tensors."""
+    if isinstance(node, np.ndarray):
+        return torch.from_numpy(node)
+    if isinstance(node, dict):
+        return {k: as_torch(v) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return type(node)(as_torch(v) for v in node)
+    return node
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> tuple[str, list[dict[str, Any]]]:
+    """A store with versions 0, 1, 2 (epochs 0-2, falling loss); yields (url, the states saved)."""
+    url = str(tmp_path / "store")
+    states = []
+    with CheckpointStore(url, options=StoreOptions(shards=2, threads=2)) as s:
+        for epoch in range(3):
+            states.append(make_state(epoch))
+            s.save(states[-1], epoch=epoch, step=10 * epoch, metrics={"loss": 1.5 - 0.5 * epoch, "acc": 0.9})
+    return url, states
+
+
+def many_versions(url: str, count: int, losses: list[float] | None = None) -> None:
+    with CheckpointStore(url, options=StoreOptions(shards=1, threads=1)) as s:
+        for epoch in range(count):
+            loss = losses[epoch] if losses else float(count - epoch)
+            s.save({"w": torch.full((4,), float(epoch))}, epoch=epoch, metrics={"loss": loss})
+
+
+def invoke(*args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ckptflow.flows.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def flip_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def committed(url: str) -> list[int]:
+    return [v.version for v in CheckpointStore(url).versions()]
+
+
+class TestProcess:
+    """Exit codes as a shell sees them: 0 success, 1 failure with one line on stderr, 2 usage."""
+
+    def test_ls_exits_0_and_lists_the_versions(self, store):
+        url, _ = store
+        proc = run_cli("ls", url, "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert [v["version"] for v in json.loads(proc.stdout)["versions"]] == [0, 1, 2]
+
+    def test_verify_exits_1_naming_the_corrupt_file(self, store):
+        url, _ = store
+        assert run_cli("verify", url, "--all").returncode == 0
+        shard = sorted((Path(url) / "v000001").glob("shard-*.h5"))[0]
+        flip_byte(shard)
+        proc = run_cli("verify", url, "--version", "1")
+        assert proc.returncode == 1
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith("error: corrupt checkpoint file ")
+        assert f"v000001/{shard.name}" in lines[0]
+        assert "Traceback" not in proc.stderr
+
+    def test_unknown_scheme_exits_1_with_one_line(self, tmp_path):
+        proc = run_cli("ls", "gopher://host/ckpt")
+        assert proc.returncode == 1
+        assert proc.stdout == ""
+        lines = proc.stderr.splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith("error: no filesystem handles gopher://")
+
+    @pytest.mark.parametrize(
+        "args",
+        [
+            ["ls"],  # missing URL
+            ["frobnicate", "x"],  # unknown command
+            ["prune", "{url}", "--keep-last", "0"],
+            ["prune", "{url}"],  # no policy
+            ["verify", "{url}", "--all", "--version", "1"],
+            ["restore", "{url}"],  # missing --out
+            ["restore", "{url}", "--out", "x.pt", "--format", "pickle"],
+            ["ls", "{url}", "--storage-options", "{not json"],
+        ],
+    )
+    def test_usage_errors_exit_2(self, store, args):
+        url, _ = store
+        proc = run_cli(*[a.replace("{url}", url) for a in args])
+        assert proc.returncode == 2, (proc.stdout, proc.stderr)
+        assert "Traceback" not in proc.stderr
+        assert committed(url) == [0, 1, 2]
+
+    def test_help_imports_neither_prefect_nor_torch(self):
+        code = (
+            "import sys\n"
+            "sys.argv = ['ckptflow', 'ls', '--help']\n"
+            "from ckptflow.flows.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+            "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'torch'))\n"
+            "print('HEAVY', heavy, file=sys.stderr)\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        assert "HEAVY []" in proc.stderr
+        assert "ckptflow ls" in proc.stdout and "--json" in proc.stdout
+
+
+class TestLs:
+    def test_json_lists_exactly_the_committed_versions(self, store):
+        url, _ = store
+        result = invoke("ls", url, "--json")
+        assert result.exit_code == 0, result.output
+        doc = json.loads(result.stdout)
+        infos = CheckpointStore(url).versions()
+        assert [v["version"] for v in doc["versions"]] == [0, 1, 2]
+        for got, info in zip(doc["versions"], infos, strict=True):
+            assert got["epoch"] == info.epoch and got["step"] == info.step
+            assert got["size"] == info.size > 0
+            assert got["metrics"] == {"loss": 1.5 - 0.5 * info.version, "acc": 0.9}
+            assert got["url"].endswith(f"/v{info.version:06d}")
+        assert doc["uncommitted"] == [] and doc["unreadable"] == []
+
+    def test_table_shows_each_version(self, store):
+        url, _ = store
+        result = invoke("ls", url, env=WIDE)
+        assert result.exit_code == 0, result.output
+        for info in CheckpointStore(url).versions():
+            assert info.url in result.stdout
+        assert "loss=0.5 acc=0.9" in result.stdout
+        assert " KiB " in result.stdout
+        assert "note:" not in result.stdout
+
+    def test_leftovers_are_not_listed_and_get_a_note(self, store):
+        url, _ = store
+        leftover = Path(url) / "v000003"
+        leftover.mkdir()
+        (leftover / "shard-r0-00.h5").write_bytes(b"half a shard")
+        result = invoke("ls", url, env=WIDE)
+        assert "v000003" not in result.stdout
+        assert "note: uncommitted leftovers" in result.stdout and "version 3" in result.stdout
+        assert "ckptflow gc" in result.stdout
+        doc = json.loads(invoke("ls", url, "--json").stdout)
+        assert [v["version"] for v in doc["versions"]] == [0, 1, 2]
+        assert doc["uncommitted"] == [3]
+
+    def test_unreadable_version_gets_a_note(self, store):
+        url, _ = store
+        (Path(url) / "v000001" / "manifest.json").write_text('{"format": "ckptflow-checkpoint"')
+        result = invoke("ls", url, env=WIDE)
+        assert result.exit_code == 0
+        assert "note: version 1 is unreadable: manifest" in result.stdout
+        doc = json.loads(invoke("ls", url, "--json").stdout)
+        assert [v["version"] for v in doc["versions"]] == [0, 2]
+        assert [u["version"] for u in doc["unreadable"]] == [1]
+
+    def test_empty_store(self, tmp_path):
+        result = invoke("ls", str(tmp_path / "nothing"))
+        assert result.exit_code == 0
+        assert "no committed versions" in result.stdout
+
+
+class TestShow:
+    def test_summary_shards_and_tensors(self, store):
+        url, _ = store
+        manifest = CheckpointStore(url).manifest(1)
+        result = invoke("show", url, "--version", "1", env=WIDE)
+        assert result.exit_code == 0, result.output
+        out = result.stdout
+        assert "loss=1 acc=0.9" in out
+        assert f"{url}/v000001" in out
+        for shard in manifest.shards:
+            assert shard.file in out and shard.checksum in out
+        for tensor in manifest.tensors:
+            assert tensor.path in out
+        assert "model/0.weight" in out and "(8, 4)" in out and "128 B" in out  # 8*4 float32
+        assert "bfloat16" in out and "torch" in out  # a dtype and the writer versions
+
+    def test_json_is_the_manifest(self, store):
+        url, _ = store
+        result = invoke("show", url, "--json")  # the newest by default
+        assert result.exit_code == 0
+        assert json.loads(result.stdout) == json.loads(CheckpointStore(url).manifest(2).to_json())
+
+    def test_missing_version_fails(self, store):
+        url, _ = store
+        result = invoke("show", url, "--version", "7")
+        assert result.exit_code == 1
+        assert result.stderr.strip() == (
+            f"error: version 7 is not committed in {url} (committed versions: 0, 1, 2)"
+        )
+
+
+class TestVerify:
+    def test_all_match(self, store):
+        url, _ = store
+        result = invoke("verify", url, "--all")
+        assert result.exit_code == 0, result.output
+        lines = result.stdout.splitlines()
+        assert [line.split()[:3] for line in lines] == [["ok", "version", str(v)] for v in (0, 1, 2)]
+        latest = invoke("verify", url)
+        assert latest.exit_code == 0 and latest.stdout.startswith("ok version 2 ")
+
+    def test_all_reports_each_bad_version_and_checks_the_rest(self, store):
+        url, _ = store
+        shard = sorted((Path(url) / "v000000").glob("shard-*.h5"))[-1]
+        flip_byte(shard)
+        (Path(url) / "v000001" / "manifest.json").write_text("{}")
+        result = invoke("verify", url, "--all")
+        assert result.exit_code == 1
+        assert [line.split()[2] for line in result.stdout.splitlines()] == ["2"]
+        errors = result.stderr.splitlines()
+        assert len(errors) == 2
+        assert (
+            errors[0].startswith("error: corrupt checkpoint file ") and f"v000000/{shard.name}" in errors[0]
+        )
+        assert errors[1].startswith("error: version 1 is unreadable")
+        assert invoke("verify", url).exit_code == 0  # the newest is intact
+
+    def test_missing_shard(self, store):
+        url, _ = store
+        shard = sorted((Path(url) / "v000002").glob("shard-*.h5"))[0]
+        shard.unlink()
+        result = invoke("verify", url)
+        assert result.exit_code == 1
+        assert f"v000002/{shard.name}" in result.stderr and "no file" in result.stderr
+
+    def test_truncated_shard(self, store):
+        url, _ = store
+        shard = sorted((Path(url) / "v000002").glob("shard-*.h5"))[0]
+        shard.write_bytes(shard.read_bytes()[:-10])
+        result = invoke("verify", url, "--version", "2")
+        assert result.exit_code == 1
+        assert f"v000002/{shard.name}" in result.stderr and "size" in result.stderr
+
+
+class TestRestore:
+    def test_torch_file_opens_with_weights_only(self, store, tmp_path):
+        url, states = store
+        out = tmp_path / "ckpt.pt"
+        result = invoke("restore", url, "--version", "1", "--out", str(out))
+        assert result.exit_code == 0, result.output
+        assert f"restored version 1 (epoch 1) to {out}" in result.stdout
+        got = torch.load(out, weights_only=True)
+        assert_same_state(got, as_torch(states[1]))
+        assert isinstance(got["extra"]["np"], torch.Tensor)
+
+    def test_torch_selected_keys(self, store, tmp_path):
+        url, states = store
+        out = tmp_path / "model.pt"
+        assert invoke("restore", url, "-o", str(out), "--keys", "model").exit_code == 0
+        got = torch.load(out, weights_only=True)
+        assert_same_state(got, {"model": states[2]["model"]})
+
+    def test_safetensors_flat_by_key_path(self, store, tmp_path):
+        url, states = store
+        out = tmp_path / "ckpt.safetensors"
+        result = invoke("restore", url, "--out", str(out), "--format", "safetensors")
+        assert result.exit_code == 0, result.output
+        got = load_file(out)
+        want = states[2]
+        expected = {
+            **{f"model/{k}": v for k, v in want["model"].items()},
+            **{
+                f"optimizer/state/{i}/{k}": v
+                for i, entry in want["optimizer"]["state"].items()
+                for k, v in entry.items()
+            },
+            "extra/np": torch.from_numpy(want["extra"]["np"]),
+            "extra/bf16": want["extra"]["bf16"],
+            "extra/mask": want["extra"]["mask"],
+            "extra/view": want["extra"]["view"],
+            "tied/0": want["tied"][0],
+            "tied/1": want["tied"][1],
+        }
+        assert sorted(got) == sorted(expected)
+        for key, tensor in expected.items():
+            assert got[key].dtype == tensor.dtype, key
+            assert got[key].shape == tensor.shape, key
+            assert tensor_bits(got[key]) == tensor_bits(tensor), key
+        with safe_open(out, "pt") as f:
+            assert f.metadata()["ckptflow.version"] == "2"
+
+    def test_refuses_to_overwrite_without_force(self, store, tmp_path):
+        url, states = store
+        out = tmp_path / "ckpt.pt"
+        out.write_bytes(b"precious")
+        result = invoke("restore", url, "--out", str(out))
+        assert result.exit_code == 1
+        assert "exists; pass --force" in result.stderr
+        assert out.read_bytes() == b"precious"
+        assert invoke("restore", url, "--out", str(out), "--force").exit_code == 0
+        assert_same_state(torch.load(out, weights_only=True), as_torch(states[2]))
+
+    @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+    def test_write_failing_midway_leaves_no_half_file(self, tmp_path, fmt):
+        """A write that fails halfway (a file size limit, as on a full disk) leaves FILE as it was."""
+        url = str(tmp_path / "store")
+        CheckpointStore(url).save({"a": torch.randn(256, 256), "b": torch.randn(256, 256)}, epoch=0)
+        outdir = tmp_path / "out"
+        outdir.mkdir()
+        (outdir / "old.bin").write_bytes(b"old")
+
+        def limit_file_size() -> None:  # in the child: writes past 100 kB fail with EFBIG
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+        for name, force in (("new.bin", []), ("old.bin", ["--force"])):
+            args = ["restore", url, "-o", str(outdir / name), "--format", fmt, *force]
+            proc = subprocess.run(
+                [sys.executable, "-m", "ckptflow.flows.cli", *args],
+                capture_output=True,
+                text=True,
+                timeout=120,
+                preexec_fn=limit_file_size,
+            )
+            assert proc.returncode == 1, proc.stderr
+            assert len(proc.stderr.splitlines()) == 1, proc.stderr
+            assert proc.stderr.startswith(f"error: writing {outdir / name} failed")
+        assert sorted(p.name for p in outdir.iterdir()) == ["old.bin"]
+        assert (outdir / "old.bin").read_bytes() == b"old"
+
+    @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental")
+    def test_state_safetensors_cannot_hold(self, tmp_path):
+        """safetensors has no complex32: the message says to use --format torch, and no file is left."""
+        url = str(tmp_path / "store")
+        CheckpointStore(url).save({"z": torch.zeros(3, dtype=torch.complex32), "w": torch.ones(2)}, epoch=0)
+        outdir = tmp_path / "out"
+        outdir.mkdir()
+        (outdir / "old.safetensors").write_bytes(b"old")
+        for name in ("new.safetensors", "old.safetensors"):
+            result = invoke("restore", url, "-o", str(outdir / name), "--format", "safetensors", "--force")
+            assert result.exit_code == 1
+            assert result.stderr.startswith("error: the safetensors format cannot hold this state")
+            assert "--format torch" in result.stderr
+        assert sorted(p.name for p in outdir.iterdir()) == ["old.safetensors"]
+        assert (outdir / "old.safetensors").read_bytes() == b"old"
+
+    def test_unknown_key_fails(self, store, tmp_path):
+        url, _ = store
+        out = tmp_path / "x.pt"
+        result = invoke("restore", url, "-o", str(out), "--keys", "modle")
+        assert result.exit_code == 1
+        assert result.stderr.startswith("error: no key 'modle' in the checkpoint")
+        assert not out.exists()
+
+
+class TestPrune:
+    def test_keep_last(self, tmp_path):
+        url = str(tmp_path / "store")
+        many_versions(url, 5)
+        result = invoke("prune", url, "--keep-last", "2")
+        assert result.exit_code == 0, result.output
+        removed = [line.split()[2] for line in result.stdout.splitlines() if line.startswith("removed")]
+        assert removed == ["0", "1", "2"]
+        assert "kept versions: 3, 4" in result.stdout
+        assert committed(url) == [3, 4]
+        assert sorted(p.name for p in Path(url).glob("v*")) == ["v000003", "v000004"]
+
+    def test_dry_run_removes_nothing(self, tmp_path):
+        url = str(tmp_path / "store")
+        many_versions(url, 4)
+        result = invoke("prune", url, "--keep-last", "1", "--dry-run")
+        assert result.exit_code == 0
+        assert [
+            line.split()[3] for line in result.stdout.splitlines() if line.startswith("would remove")
+        ] == [
+            "0",
+            "1",
+            "2",
+        ]
+        assert committed(url) == [0, 1, 2, 3]
+
+    def test_keep_best_and_every(self, tmp_path):
+        url = str(tmp_path / "store")
+        many_versions(url, 6, losses=[5.0, 0.1, 4.0, 3.0, 2.0, 1.0])
+        result = invoke("prune", url, "--keep-last", "1", "--keep-best", "loss", "--mode", "min")
+        assert result.exit_code == 0, result.output
+        assert committed(url) == [1, 5]
+        many_versions(url2 := str(tmp_path / "other"), 6)
+        assert invoke("prune", url2, "--keep-every", "3").exit_code == 0
+        assert committed(url2) == [0, 3, 5]
+
+    def test_unknown_metric_removes_nothing(self, tmp_path):
+        url = str(tmp_path / "store")
+        many_versions(url, 3)
+        result = invoke("prune", url, "--keep-last", "1", "--keep-best", "lsos")
+        assert result.exit_code == 1
+        assert "no committed version has the metric 'lsos' (metrics: loss)" in result.stderr
+        assert committed(url) == [0, 1, 2]
+
+
+class TestGc:
+    def test_removes_only_leftovers(self, store):
+        url, _ = store
+        leftover = Path(url) / "v000003"
+        leftover.mkdir()
+        (leftover / "shard-r0-00.h5").write_bytes(b"partial")
+        dry = invoke("gc", url, "--dry-run")
+        assert dry.exit_code == 0
+        assert dry.stdout.strip() == f"would remove uncommitted {url}/v000003"
+        assert leftover.exists()
+        real = invoke("gc", url)
+        assert real.stdout.strip() == f"removed uncommitted {url}/v000003"
+        assert not leftover.exists()
+        assert committed(url) == [0, 1, 2]
+        assert invoke("verify", url, "--all").exit_code == 0
+        again = invoke("gc", url)
+        assert again.stdout.strip() == f"no uncommitted leftovers in {url}"
+
+
+@pytest.mark.s3
+class TestS3:
+    """--storage-options reaches s3fs, and the secret in it is never printed."""
+
+    def test_commands_against_moto(self, s3_bucket, tmp_path):
+        bucket, options = s3_bucket
+        url = f"s3://{bucket}/run1"
+        state = make_state(0)
+        CheckpointStore(url, storage_options=options).save(state, epoch=4, metrics={"loss": 0.25})
+        text = json.dumps(options)
+        ls = invoke("ls", url, "--json", "--storage-options", text)
+        assert ls.exit_code == 0, ls.output
+        assert [v["url"] for v in json.loads(ls.stdout)["versions"]] == [f"{url}/v000000"]
+        verify = invoke("verify", url, env={"CKPTFLOW_STORAGE_OPTIONS": text})
+        assert verify.exit_code == 0, verify.output
+        options_file = tmp_path / "s3.json"
+        options_file.write_text(text)
+        out = tmp_path / "s3.pt"
+        restore = invoke("restore", url, "-o", str(out), "--storage-options", f"@{options_file}")
+        assert restore.exit_code == 0, restore.output
+        assert_same_state(torch.load(out, weights_only=True), as_torch(state))
+        missing = invoke("show", url, "--version", "3", "--storage-options", text)
+        assert missing.exit_code == 1
+        outputs = [ls, verify, restore, missing, invoke("show", url, "--storage-options", text, env=WIDE)]
+        for result in outputs:
+            assert S3_SECRET not in result.stdout + result.stderr
