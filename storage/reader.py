@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -25,9 +26,27 @@ from .manifest import Manifest
 SPLIT = 64 << 20  # large blobs are read as several ranges, in parallel
 
 
+@dataclass(frozen=True)
+class ShardSource:
+    """Where a shard's bytes are: a whole file (``offset`` 0) or a member of a tarball."""
+
+    path: str  # the file in the store's filesystem
+    offset: int  # where the shard starts in that file
+    file_size: int  # the size that file must have
+    name: str  # for messages: the shard's URL, or the tarball's URL and the member
+
+
+def loose_sources(loc: Location, version_dir: str, manifest: Manifest) -> list[ShardSource]:
+    """The shards of a version stored as files in its directory."""
+    return [
+        ShardSource(loc.path(version_dir, s.file), 0, s.size, loc.display(version_dir, s.file))
+        for s in manifest.shards
+    ]
+
+
 def read_blobs(
     loc: Location,
-    version_dir: str,
+    sources: list[ShardSource],
     manifest: Manifest,
     wanted: list[int],
     *,
@@ -38,40 +57,39 @@ def read_blobs(
     """uint8 tensors holding the bytes of the ``wanted`` blobs (``buffers``: where to put some)."""
     given = buffers or {}
     out = {i: given[i] if i in given else empty_bytes(manifest.blobs[i].nbytes) for i in wanted}
-    jobs: list[tuple[str, list[ReadRange]]] = []
+    jobs: list[tuple[ShardSource, list[ReadRange]]] = []
     for shard_index in sorted({manifest.blobs[i].shard for i in wanted}):
-        shard = manifest.shards[shard_index]
-        path = loc.path(version_dir, shard.file)
+        source = sources[shard_index]
         if verify:
-            check_size(loc, path, shard.size)
+            check_size(loc, source)
         ranges = [
             r
             for i in wanted
             if manifest.blobs[i].shard == shard_index
-            for r in _ranges(manifest.blobs[i].offset, out[i])
+            for r in _ranges(_offset(source, manifest.blobs[i].offset), out[i])
         ]
-        jobs.extend((path, batch) for batch in _batches(ranges, loc.is_local))
+        jobs.extend((source, batch) for batch in _batches(ranges, loc.is_local))
     _run(jobs, loc, threads)
     if verify:
-        _parallel(threads, [partial(_check_blob, loc, version_dir, manifest, i, out[i]) for i in wanted])
+        _parallel(threads, [partial(_check_blob, sources, manifest, i, out[i]) for i in wanted])
     return out
 
 
-def check_size(loc: Location, path: str, expected: int) -> None:
+def _offset(source: ShardSource, offset: int | None) -> int | None:
+    return None if offset is None else source.offset + offset
+
+
+def check_size(loc: Location, source: ShardSource) -> None:
     try:
-        actual = loc.fs.size(path)
+        actual = loc.fs.size(source.path)
     except FileNotFoundError:
         raise CorruptShardError(
-            _display(loc, path), expected=f"{expected} bytes", actual="no file", what="size"
+            source.name, expected=f"{source.file_size} bytes", actual="no file", what="size"
         ) from None
-    if actual != expected:
+    if actual != source.file_size:
         raise CorruptShardError(
-            _display(loc, path), expected=f"{expected} bytes", actual=f"{actual} bytes", what="size"
+            source.name, expected=f"{source.file_size} bytes", actual=f"{actual} bytes", what="size"
         )
-
-
-def _display(loc: Location, path: str) -> str:
-    return loc.display(path[len(loc.root) :].lstrip("/")) if path.startswith(loc.root) else path
 
 
 def _ranges(offset: int | None, buf: torch.Tensor) -> list[ReadRange]:
@@ -96,18 +114,18 @@ def _batches(ranges: list[ReadRange], local: bool) -> list[list[ReadRange]]:
     return batches
 
 
-def _run(jobs: list[tuple[str, list[ReadRange]]], loc: Location, threads: int) -> None:
-    def one(job: tuple[str, list[ReadRange]]) -> None:
-        path, ranges = job
+def _run(jobs: list[tuple[ShardSource, list[ReadRange]]], loc: Location, threads: int) -> None:
+    def one(job: tuple[ShardSource, list[ReadRange]]) -> None:
+        source, ranges = job
         try:
-            read_ranges(loc.fs, path, ranges, local=loc.is_local)
+            read_ranges(loc.fs, source.path, ranges, local=loc.is_local)
         except FileNotFoundError:
             raise CorruptShardError(
-                _display(loc, path), expected="a shard file", actual="no file", what="presence"
+                source.name, expected="a shard file", actual="no file", what="presence"
             ) from None
         except EOFError as exc:
             raise CorruptShardError(
-                _display(loc, path), expected="more bytes", actual=str(exc), what="size"
+                source.name, expected="more bytes", actual=str(exc), what="size"
             ) from None
 
     _parallel(threads, [partial(one, job) for job in jobs])
@@ -124,13 +142,12 @@ def _parallel(threads: int, calls: list[Callable[[], None]]) -> None:
             future.result()
 
 
-def _check_blob(loc: Location, version_dir: str, manifest: Manifest, i: int, data: torch.Tensor) -> None:
+def _check_blob(sources: list[ShardSource], manifest: Manifest, i: int, data: torch.Tensor) -> None:
     blob = manifest.blobs[i]
     actual = digest(data.numpy().data) if data.numel() else digest(b"")
     if actual != blob.checksum:
-        shard = manifest.shards[blob.shard].file
         raise CorruptShardError(
-            f"{loc.display(version_dir, shard)} (dataset {blob.dataset})",
+            f"{sources[blob.shard].name} (dataset {blob.dataset})",
             expected=blob.checksum,
             actual=actual,
         )

@@ -33,7 +33,7 @@ from .loader import as_bytes, build_tensors, target_buffers
 from .location import Location, open_location, translate_errors
 from .manifest import Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
 from .planner import SavePlan, plan_save
-from .reader import read_blobs
+from .reader import ShardSource, loose_sources, read_blobs
 from .retention import RetentionPolicy, versions_to_keep
 from .staging import StagingBuffer
 from .structure import decode, encode, leaf_refs, select
@@ -280,7 +280,7 @@ class CheckpointStore:
         with translate_errors(self.loc, "loading from"):
             raw = read_blobs(
                 self.loc,
-                version_dir(manifest.version),
+                self._sources(manifest),
                 manifest,
                 wanted,
                 verify=check,
@@ -318,6 +318,10 @@ class CheckpointStore:
                         self.loc.display(vdir, shard.file), expected=shard.checksum, actual=checksum
                     )
         return VersionInfo.from_manifest(manifest, self.loc)
+
+    def _sources(self, manifest: Manifest) -> list[ShardSource]:
+        """Where the shards of a committed version are read from."""
+        return loose_sources(self.loc, version_dir(manifest.version), manifest)
 
     def _committed(self) -> list[Manifest]:
         """Manifests of the committed versions, oldest first."""
