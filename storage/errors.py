@@ -69,3 +69,15 @@ class StorageUnavailableError(CheckpointError, OSError):
 
 class SaveFailedError(CheckpointError):
     """A background (async) save failed; the previous committed version is intact."""
+
+
+class UnsafeArchiveError(CheckpointError):
+    """A tarball member that extraction refuses: absolute path, ``..``, link, device, escape."""
+
+
+class ArchiveNotCommittedError(CheckpointError, FileNotFoundError):
+    """A tarball without a valid index: never committed (archiving crashed or is running), so garbage."""
+
+
+class ArchiveExistsError(CheckpointError, FileExistsError):
+    """A committed tarball (one with an index) is immutable; writing over it is refused."""

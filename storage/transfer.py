@@ -1,0 +1,327 @@
+"""Verified, resumable uploads and downloads of big files (tarballs, shards) to any fsspec URL.
+
+``upload_file`` is idempotent: a re-run after a crash skips a file whose remote
+copy is already complete and verified, and redoes anything else. "Verified"
+means checked end to end without downloading:
+
+- on S3, the object's size and ETag (see :mod:`.etag`) must match what the
+  local file yields; an unfinished multipart upload is never an object, and
+  stale ones are aborted before a new upload of the same key;
+- on other filesystems (local disks, ``memory://``, ...), which are cheap to
+  read, the size and the xxh3-64 checksum of the remote copy read back.
+
+A copy that fails verification is deleted and :class:`TransferVerifyError`
+raised. ``download_file`` writes to a temporary file beside the target and
+renames it only after the size (and, when the ETag allows, the MD5s) match.
+
+Retries: the S3 client retries each request (``max_attempts``, with connect
+and read timeouts, see :mod:`.s3client`); callers such as a Prefect task
+retry whole transfers. Credentials come the usual AWS ways and never appear
+in results, messages or logs: URLs are shown redacted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+
+from fsspec.asyn import sync
+from fsspec.implementations.local import LocalFileSystem
+
+from .byteio import fsync_dir, hash_file
+from .errors import CheckpointError, CorruptShardError, StorageUnavailableError
+from .etag import MAX_PART, MIN_PART, MiB, plan_parts
+from .location import Location, open_location, translate_errors
+from .s3client import merge_storage_options, translate_s3_errors
+from .s3transfer import S3Transfer, VerifyFailed
+
+log = logging.getLogger(__name__)
+S3_SCHEMES = ("s3", "s3a")
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    """How to move bytes: part size, parallelism, and the S3 client's timeouts and retries."""
+
+    part_size: int = 64 * MiB  # bytes per multipart part and per ranged GET (files up to this size: one PUT)
+    concurrency: int = 8  # parts in flight
+    connect_timeout: float = 10.0  # seconds to open a connection
+    read_timeout: float = 30.0  # seconds without a byte moving (either way) before a request fails
+    max_attempts: int = 5  # tries per request (botocore "standard" retries), and per download range
+
+    def __post_init__(self) -> None:
+        if not MIN_PART <= self.part_size <= MAX_PART:
+            raise ValueError(f"part_size must be between 5 MiB and 5 GiB (S3's limits), not {self.part_size}")
+        if self.concurrency < 1 or self.max_attempts < 1:
+            raise ValueError("concurrency and max_attempts must be at least 1")
+        if self.connect_timeout <= 0 or self.read_timeout <= 0:
+            raise ValueError("connect_timeout and read_timeout must be positive (a stall must end)")
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    url: str  # redacted: no credentials
+    size: int
+    seconds: float
+    skipped: bool  # True: the remote copy was already complete and verified, nothing was sent
+    etag: str  # S3: the object's ETag; other filesystems: "xxh3_64:<hex>" of the bytes
+
+    @property
+    def bytes_per_second(self) -> float:
+        return self.size / self.seconds if self.seconds > 0 else float("inf")
+
+
+class TransferVerifyError(CorruptShardError):
+    """A transferred copy does not match its source; the bad copy was deleted."""
+
+    def __init__(self, url: str, *, what: str, expected: str, actual: str, deleted: str) -> None:
+        self.file, self.expected, self.actual = url, expected, actual
+        CheckpointError.__init__(
+            self,
+            f"the copy at {url} failed verification: {what} expected {expected}, found {actual}; "
+            f"{deleted}; transfer it again (if it fails again, the source changed or the storage is faulty)",
+        )
+
+
+def s3_storage_options(
+    storage_options: dict[str, Any] | None = None, options: TransferOptions = TransferOptions()
+) -> dict[str, Any]:
+    """s3fs ``storage_options`` with ``options``' timeouts and retries merged in (others kept).
+
+    Use the result for both a CheckpointStore and the transfers on an ``s3://`` URL.
+    """
+    return merge_storage_options(
+        storage_options,
+        connect_timeout=options.connect_timeout,
+        read_timeout=options.read_timeout,
+        max_attempts=options.max_attempts,
+        concurrency=options.concurrency,
+    )
+
+
+def upload_file(
+    local_path: str | os.PathLike[str],
+    url: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    options: TransferOptions = TransferOptions(),
+) -> TransferResult:
+    """Upload one local file to ``url`` and verify it; skip it if an identical copy is already there."""
+    local_path = os.fspath(local_path)
+    start = time.monotonic()
+    loc = _open(url, storage_options, options)
+    with open_local(local_path, os.O_RDONLY) as fd:
+        before = os.fstat(fd)
+        if _is_s3(loc):
+            etag, skipped = _upload_s3(loc, fd, before.st_size, options)
+        else:
+            etag, skipped = _upload_fsspec(loc, local_path, before.st_size)
+        _check_unchanged(local_path, before, os.fstat(fd))
+    result = TransferResult(loc.display(), before.st_size, time.monotonic() - start, skipped, etag)
+    log.info(
+        "%s %s (%d bytes)", "skipped, already verified:" if skipped else "uploaded", result.url, result.size
+    )
+    return result
+
+
+def download_file(
+    url: str,
+    local_path: str | os.PathLike[str],
+    *,
+    storage_options: dict[str, Any] | None = None,
+    options: TransferOptions = TransferOptions(),
+) -> TransferResult:
+    """Download ``url`` to ``local_path`` (atomically: temp file, fsync, rename) and verify it."""
+    local_path = os.path.abspath(os.fspath(local_path))
+    start = time.monotonic()
+    loc = _open(url, storage_options, options)
+    directory = os.path.dirname(local_path)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(local_path)}.", suffix=".part")
+    try:
+        try:
+            size, etag = _download_s3(loc, fd, options) if _is_s3(loc) else _download_fsspec(loc, tmp)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, local_path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+    return TransferResult(loc.display(), size, time.monotonic() - start, False, etag)
+
+
+# -- S3 ----------------------------------------------------------------------------------------
+
+
+def _upload_s3(loc: Location, fd: int, size: int, options: TransferOptions) -> tuple[str, bool]:
+    async def run(xfer: S3Transfer) -> tuple[str, bool]:
+        done = await xfer.already_uploaded(fd, size, options.part_size)
+        if done is not None:
+            return done, True
+        aborted = await xfer.abort_stale()
+        if aborted:
+            log.info("aborted %d unfinished multipart upload(s) of %s", aborted, loc.display())
+        expected = await xfer.upload(fd, plan_parts(size, options.part_size))
+        return await xfer.verify(size, expected), False
+
+    return _run_s3(loc, options, "uploading to", run)
+
+
+def _download_s3(loc: Location, fd: int, options: TransferOptions) -> tuple[int, str]:
+    async def run(xfer: S3Transfer) -> tuple[int, str]:
+        head = await xfer.head()
+        if head is None:
+            raise StorageUnavailableError(f"no object at {loc.display()}: nothing to download")
+        _preallocate(fd, head.size)
+        await xfer.download(fd, head, options.part_size)
+        return head.size, head.etag
+
+    return _run_s3(loc, options, "downloading", run)
+
+
+def _run_s3(
+    loc: Location, options: TransferOptions, action: str, body: Callable[[S3Transfer], Awaitable[T]]
+) -> T:
+    bucket, key, _ = loc.fs.split_path(loc.root)
+    if not key:
+        raise StorageUnavailableError(f"{loc.display()} names a bucket, not an object: add a key")
+    xfer = S3Transfer(loc.fs, bucket, key, concurrency=options.concurrency, max_attempts=options.max_attempts)
+    try:
+        with translate_s3_errors(loc.display(), action, options.max_attempts):
+            return sync(loc.fs.loop, body, xfer)
+    except VerifyFailed as exc:
+        what, expected, actual = exc.args
+        deleted = "the remote object was deleted" if action.startswith("upload") else "nothing was written"
+        raise TransferVerifyError(
+            loc.display(), what=what, expected=expected, actual=actual, deleted=deleted
+        ) from None
+    finally:
+        xfer.close()
+        if action.startswith("upload"):
+            loc.fs.invalidate_cache(loc.root)
+
+
+# -- other filesystems ---------------------------------------------------------------------------
+
+
+def _upload_fsspec(loc: Location, local_path: str, size: int) -> tuple[str, bool]:
+    _, local_hash = hash_file(LocalFileSystem(), local_path, local=True)
+    etag = f"xxh3_64:{local_hash}"
+    with translate_errors(loc, "uploading to"):
+        if _remote_digest(loc) == (size, local_hash):
+            return etag, True
+        _put(loc, local_path)
+        remote = _remote_digest(loc)
+        if remote != (size, local_hash):
+            with contextlib.suppress(OSError):
+                loc.fs.rm_file(loc.root)
+            got_size, got_hash = remote or (0, "nothing")
+            what, want, got = (
+                ("size", size, got_size) if got_size != size else ("xxh3_64", local_hash, got_hash)
+            )
+            raise TransferVerifyError(
+                loc.display(), what=what, expected=str(want), actual=str(got), deleted="the copy was deleted"
+            )
+    return etag, False
+
+
+def _put(loc: Location, local_path: str) -> None:
+    """Copy the file; on a local disk through a temp name, fsync and rename (never a torn file)."""
+    parent = loc.fs._parent(loc.root)
+    if not loc.is_local:
+        if parent:
+            loc.fs.makedirs(parent, exist_ok=True)
+        loc.fs.put_file(local_path, loc.root)
+        return
+    os.makedirs(parent, exist_ok=True)
+    tmp = f"{loc.root}.part-{os.getpid()}"
+    try:
+        loc.fs.put_file(local_path, tmp)
+        with open_local(tmp, os.O_RDONLY) as fd:
+            os.fsync(fd)
+        os.replace(tmp, loc.root)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(parent)
+
+
+def _remote_digest(loc: Location) -> tuple[int, str] | None:
+    if not loc.fs.exists(loc.root) or loc.fs.isdir(loc.root):
+        return None
+    return hash_file(loc.fs, loc.root, local=loc.is_local)
+
+
+def _download_fsspec(loc: Location, tmp: str) -> tuple[int, str]:
+    with translate_errors(loc, "downloading"):
+        if not loc.fs.exists(loc.root):
+            raise StorageUnavailableError(f"no file at {loc.display()}: nothing to download")
+        size = int(loc.fs.size(loc.root))
+        loc.fs.get_file(loc.root, tmp)
+    got = os.path.getsize(tmp)
+    if got != size:
+        raise TransferVerifyError(
+            loc.display(), what="size", expected=str(size), actual=str(got), deleted="nothing was written"
+        )
+    _, digest = hash_file(LocalFileSystem(), tmp, local=True)
+    return size, f"xxh3_64:{digest}"
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _open(url: str, storage_options: dict[str, Any] | None, options: TransferOptions) -> Location:
+    if urlsplit(url).scheme in S3_SCHEMES:
+        storage_options = s3_storage_options(storage_options, options)
+    return open_location(url, storage_options)
+
+
+def _is_s3(loc: Location) -> bool:
+    protocol = loc.fs.protocol
+    return bool(set(protocol if isinstance(protocol, (tuple, list)) else [protocol]) & set(S3_SCHEMES))
+
+
+@contextlib.contextmanager
+def open_local(path: str, flags: int) -> Iterator[int]:
+    fd = os.open(path, flags)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def _preallocate(fd: int, size: int) -> None:
+    os.ftruncate(fd, size)
+    if size and hasattr(os, "posix_fallocate"):
+        with contextlib.suppress(OSError):  # not every filesystem supports it; ftruncate did the job
+            os.posix_fallocate(fd, 0, size)
+
+
+def _check_unchanged(path: str, before: os.stat_result, after: os.stat_result) -> None:
+    if (before.st_size, before.st_mtime_ns) != (after.st_size, after.st_mtime_ns):
+        raise StorageUnavailableError(
+            f"{path} changed while it was being uploaded; the upload may mix old and new bytes: "
+            "upload it again once it is complete"
+        )
+
+
+__all__ = [
+    "TransferOptions",
+    "TransferResult",
+    "TransferVerifyError",
+    "download_file",
+    "s3_storage_options",
+    "upload_file",
+]
