@@ -6,6 +6,13 @@ each is safe to retry:
 - ``init_model`` builds everything from scratch on every attempt.
 - ``train_epoch`` restores the state captured at the start of the epoch
   before a retried attempt, so a retry never continues a half-updated model.
+  It also puts back the RNG states the previous epoch ended with, and the
+  checkpoint saves those: the process's global RNGs are shared with Prefect
+  (retry jitter draws from ``random`` in the flow's thread), and draws made
+  between epochs must not reach training. Draws by other threads *during* an
+  epoch cannot be kept out (Prefect's events client pings its websocket with
+  ``random.getrandbits``): a spec that needs a bitwise resume should not draw
+  from Python's global ``random``.
 - ``save_checkpoint`` writes version number = epoch: a retry after a crash
   clears the leftovers and writes the same version again, and a retry after
   the commit finds the version committed and returns it, so one epoch yields
@@ -43,8 +50,8 @@ from ckptflow.storage import (
 )
 
 from .config import PipelineConfig, identity_differences
-from .spec import Trainable, TrainingSpec, load_spec_class
-from .training_state import Snapshot, capture, restore
+from .spec import SpecError, Trainable, TrainingSpec, load_spec_class
+from .training_state import Snapshot, capture, restore, rng_state, set_rng_state
 
 RUN_FILE = "run.json"
 
@@ -65,6 +72,7 @@ class RunState:
     step: int = 0
     resumed_from: VersionInfo | None = None
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
 
 
 def open_store(config: PipelineConfig) -> CheckpointStore:
@@ -99,12 +107,18 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+def _may_pass(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry init unless it failed on something only the user can change (config, spec path)."""
+    return not isinstance(state.result(raise_on_failure=False), (ConfigMismatchError, SpecError))
+
+
 @task(
     name="init_model",
     cache_policy=NO_CACHE,
     retries=2,
     retry_delay_seconds=exponential_backoff(1),
     retry_jitter_factor=0.5,
+    retry_condition_fn=_may_pass,
 )
 def init_model(config: PipelineConfig) -> RunState:
     """Build the spec's objects; restore the newest committed checkpoint if there is one."""
@@ -116,12 +130,14 @@ def init_model(config: PipelineConfig) -> RunState:
     run = RunState(config, store, spec, spec.build())
     latest = store.latest()
     if latest is not None:
-        run.epoch, run.step = restore(run.trainable, spec, store.load(latest.version))
+        into = capture(run.trainable, spec, epoch=0, step=0)  # read the model straight into its tensors
+        run.epoch, run.step = restore(run.trainable, spec, store.load(latest.version, into=into))
         run.resumed_from = latest
         run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
         logger.info("resuming from %s (epoch %d)", latest.url, run.epoch)
     else:
         logger.info("starting a new run in %s", store.url)
+    run.rng = rng_state()
     return run
 
 
@@ -144,8 +160,11 @@ def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str,
             raise RuntimeError(f"epoch {epoch} cannot be retried: no start state was kept")
         run.epoch, run.step = attempts.snapshot.restore(run.trainable, run.spec)
         get_run_logger().warning("retrying epoch %d from its start state (attempt %d)", epoch, attempts.count)
+    if run.rng is not None:
+        set_rng_state(run.rng)
     metrics = dict(run.spec.train_epoch(run.trainable, epoch))
     metrics.update(run.spec.evaluate(run.trainable, epoch))
+    run.rng = rng_state()
     steps = int(metrics.pop("steps", 0))
     clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
     run.epoch, run.step = epoch, run.step + steps
@@ -166,7 +185,7 @@ def save_checkpoint(run: RunState, epoch: int, *, async_save: bool) -> VersionIn
     if existing is not None:
         get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
         return existing
-    state = capture(run.trainable, run.spec, epoch=run.epoch, step=run.step)
+    state = capture(run.trainable, run.spec, epoch=run.epoch, step=run.step, rng=run.rng)
     kwargs: dict[str, Any] = {
         "epoch": epoch,
         "step": run.step,

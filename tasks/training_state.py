@@ -36,7 +36,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: Mapping[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(tuple(state["numpy"]))  # type: ignore[arg-type]
+    np.random.set_state(tuple(state["numpy"]))
     random.setstate(_as_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))
@@ -48,8 +48,13 @@ def _as_tuples(value: Any) -> Any:
     return value
 
 
-def capture(trainable: Trainable, spec: TrainingSpec, *, epoch: int, step: int) -> dict[str, Any]:
-    """The state to checkpoint after ``epoch`` (references to live tensors, not copies)."""
+def capture(
+    trainable: Trainable, spec: TrainingSpec, *, epoch: int, step: int, rng: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """The state to checkpoint after ``epoch`` (references to live tensors, not copies).
+
+    ``rng``: the RNG states to save (default: the process's current ones).
+    """
     state: dict[str, Any] = {"model": trainable.model.state_dict()}
     for name in ("optimizer", "scheduler", "scaler"):
         obj = getattr(trainable, name)
@@ -58,7 +63,7 @@ def capture(trainable: Trainable, spec: TrainingSpec, *, epoch: int, step: int) 
     if trainable.extras:
         state["extras"] = {k: v.state_dict() for k, v in trainable.extras.items()}
     state["spec"] = spec.state_dict()
-    state["rng"] = rng_state()
+    state["rng"] = dict(rng) if rng is not None else rng_state()
     state["progress"] = {"epoch": epoch, "step": step}
     return state
 
@@ -84,4 +89,6 @@ class Snapshot:
         self._state = copy.deepcopy(capture(trainable, spec, epoch=epoch, step=step))
 
     def restore(self, trainable: Trainable, spec: TrainingSpec) -> tuple[int, int]:
-        return restore(trainable, spec, self._state)
+        # A fresh copy each time: Optimizer.load_state_dict adopts the given tensors (it does not
+        # copy them), so the next attempt's in-place updates would otherwise change the snapshot.
+        return restore(trainable, spec, copy.deepcopy(self._state))

@@ -26,7 +26,7 @@ def prefect_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Prefect
     finally:
         from prefect.logging.handlers import APILogHandler
 
-        APILogHandler.flush()  # ship buffered run logs while the server is still up
+        APILogHandler().flush()  # ship buffered run logs while the server is still up
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -1,0 +1,73 @@
+"""Training specs for the pipeline tests: the demo's DigitsSpec, made observable or faulty.
+
+Everything that changes their behaviour comes from the environment or from a
+class attribute, never from ``spec_config``: ``spec_config`` is part of the run
+identity, so a slowed-down or failing run and a clean reference run must share it.
+
+- :class:`MarkedDigitsSpec`: when ``CKPTFLOW_TEST_MARKERS`` names a directory,
+  writes ``epoch-<n>-started`` there (its content: the flow run id) at the start
+  of every epoch, and sleeps ``CKPTFLOW_TEST_SLOW_SECONDS`` in epochs >=
+  ``CKPTFLOW_TEST_SLOW_FROM``: a test can see an epoch begin and kill or cancel
+  the run while it lasts.
+- :class:`FlakyDigitsSpec`: fails the first attempts of chosen epochs *after*
+  training them fully (model, optimizer, scheduler and RNGs all moved on), so
+  a retry that did not restore the epoch's start state would end elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import ClassVar
+
+from ckptflow.flows.demo import DigitsSpec
+from ckptflow.tasks.spec import Trainable
+
+MARKERS_ENV = "CKPTFLOW_TEST_MARKERS"
+SLOW_FROM_ENV = "CKPTFLOW_TEST_SLOW_FROM"
+SLOW_SECONDS_ENV = "CKPTFLOW_TEST_SLOW_SECONDS"
+
+MARKED_SPEC = "tests.pipeline.specs:MarkedDigitsSpec"
+FLAKY_SPEC = "tests.pipeline.specs:FlakyDigitsSpec"
+
+# Small and fast: an epoch of the digits MLP takes a few tens of milliseconds.
+SPEC_CONFIG = {"hidden": 32, "batch_size": 128}
+
+
+def marker(directory: Path, epoch: int) -> Path:
+    return directory / f"epoch-{epoch}-started"
+
+
+class MarkedDigitsSpec(DigitsSpec):
+    """DigitsSpec that announces each epoch in a marker directory and may slow down."""
+
+    def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
+        directory = os.environ.get(MARKERS_ENV)
+        if directory:
+            from prefect.runtime import flow_run
+
+            marker(Path(directory), epoch).write_text(str(flow_run.get_id() or ""))
+            if epoch >= int(os.environ.get(SLOW_FROM_ENV, "1")):
+                time.sleep(float(os.environ.get(SLOW_SECONDS_ENV, "0")))
+        return super().train_epoch(trainable, epoch)
+
+
+class EpochFailure(RuntimeError):
+    """The planned failure of a FlakyDigitsSpec epoch."""
+
+
+class FlakyDigitsSpec(DigitsSpec):
+    """DigitsSpec whose epochs fail ``failures[epoch]`` times, each after training the whole epoch."""
+
+    failures: ClassVar[dict[int, int]] = {}  # epoch -> failing attempts left (set by the test)
+    attempts: ClassVar[dict[int, int]] = {}  # epoch -> attempts seen
+
+    def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
+        type(self).attempts[epoch] = type(self).attempts.get(epoch, 0) + 1
+        metrics = super().train_epoch(trainable, epoch)  # moves every piece of state on
+        left = type(self).failures.get(epoch, 0)
+        if left > 0:
+            type(self).failures[epoch] = left - 1
+            raise EpochFailure(f"planned failure of epoch {epoch} ({left - 1} more to come)")
+        return metrics

@@ -1,0 +1,160 @@
+"""What a run reports to Prefect, read back through the API of a real server.
+
+One 3-epoch run (module fixture) on a local store opened with storage options
+that carry a secret; then: the checkpoint table artifact (its latest version:
+one row per committed epoch, with sizes and URLs), the progress artifact at
+100, the markdown summary, one ``ckptflow.checkpoint.committed`` event per
+commit, and the secret nowhere in artifacts, logs or events.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+import pytest
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    ArtifactCollectionFilter,
+    ArtifactCollectionFilterKey,
+    FlowRunFilter,
+    FlowRunFilterId,
+    LogFilter,
+    LogFilterFlowRunId,
+)
+from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
+
+from ckptflow.storage import CheckpointStore
+from ckptflow.tasks.formatting import human_size
+from ckptflow.tasks.monitoring import COMMITTED_EVENT, slug
+from tests.pipeline.helpers import make_config, poll, run_summary
+
+pytestmark = pytest.mark.prefect
+
+EPOCHS = 3
+SECRET = "s3cr3t-value"
+
+
+@dataclass
+class Run:
+    run_id: UUID
+    name: str
+    store: CheckpointStore
+    summary: dict[str, Any]
+
+    @property
+    def key_prefix(self) -> str:
+        return f"ckptflow-{slug(self.name)}"
+
+
+@pytest.fixture(scope="module")
+def run(prefect_server, tmp_path_factory) -> Run:
+    # LocalFileSystem keeps unknown options (like a credential) without using them.
+    options = {"secret": SECRET, "auto_mkdir": True}
+    config = make_config(
+        tmp_path_factory.mktemp("monitoring") / "store", epochs=EPOCHS, storage_options=options
+    )
+    summary, run_id = run_summary(config)
+    with get_client(sync_client=True) as client:
+        name = client.read_flow_run(run_id).name
+    return Run(run_id, name, CheckpointStore(config.storage, storage_options=options), summary)
+
+
+def latest_artifact(key: str) -> Any:
+    with get_client(sync_client=True) as client:
+        found = client.read_latest_artifacts(
+            artifact_filter=ArtifactCollectionFilter(key=ArtifactCollectionFilterKey(any_=[key]))
+        )
+    assert len(found) == 1, f"artifact {key!r}: {found}"
+    return found[0]
+
+
+def run_artifacts(run_id: UUID) -> list[Any]:
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+
+
+def committed_events(run_id: UUID) -> list[Any]:
+    query = EventFilter(
+        event=EventNameFilter(name=[COMMITTED_EVENT]),
+        related=EventRelatedFilter(id=[f"prefect.flow-run.{run_id}"]),
+    )
+    with get_client(sync_client=True) as client:
+        return client.read_events(query, limit=50).events
+
+
+def run_logs(run_id: UUID) -> list[str]:
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run_id])))
+    return [log.message for log in logs]
+
+
+class TestArtifacts:
+    def test_checkpoint_table_has_one_row_per_committed_epoch(self, run):
+        table = latest_artifact(f"{run.key_prefix}-checkpoints")
+        assert table.type == "table"
+        rows = json.loads(table.data) if isinstance(table.data, str) else table.data
+        versions = run.store.versions()
+        assert [r["epoch"] for r in rows] == [1, 2, 3]
+        assert [r["version"] for r in rows] == [v.version for v in versions]
+        assert [r["size"] for r in rows] == [human_size(v.size) for v in versions]
+        assert [r["url"] for r in rows] == [v.url for v in versions]
+        assert all(r["url"].endswith(f"/v{v.version:06d}") for r, v in zip(rows, versions, strict=True))
+        # Every commit re-published the table: one version of the artifact per commit.
+        tables = [a for a in run_artifacts(run.run_id) if a.key == f"{run.key_prefix}-checkpoints"]
+        assert len(tables) == EPOCHS
+
+    def test_progress_reaches_100(self, run):
+        progress = latest_artifact(f"{run.key_prefix}-progress")
+        assert progress.type == "progress"
+        assert float(progress.data) == 100.0
+
+    def test_markdown_summary(self, run):
+        summary = latest_artifact(f"{run.key_prefix}-summary")
+        assert summary.type == "markdown"
+        assert "# ckptflow run summary" in summary.data
+        assert f"| epochs | 1..{EPOCHS} (new run) |" in summary.data
+        assert run.summary["latest_url"] in summary.data
+
+    def test_artifacts_belong_to_the_flow_run(self, run):
+        keys = {a.key for a in run_artifacts(run.run_id)}
+        assert keys == {f"{run.key_prefix}-{part}" for part in ("checkpoints", "progress", "summary")}
+
+
+class TestEvents:
+    def test_one_committed_event_per_commit(self, run):
+        events = poll(lambda: committed_events(run.run_id), lambda evs: len(evs) >= EPOCHS, timeout=30)
+        payloads = sorted((e.payload for e in events), key=lambda p: p["version"])
+        assert [(p["version"], p["epoch"]) for p in payloads] == [(1, 1), (2, 2), (3, 3)]
+        infos = run.store.versions()
+        assert [p["size"] for p in payloads] == [v.size for v in infos]
+        assert [p["url"] for p in payloads] == [v.url for v in infos]
+        assert [p["metrics"] for p in payloads] == [v.metrics for v in infos]
+        assert sorted(e.resource.id for e in events) == [
+            f"ckptflow.checkpoint.{run.store.url}/v{v:06d}" for v in (1, 2, 3)
+        ]
+
+
+class TestSecrets:
+    def test_storage_options_secret_is_never_reported(self, run):
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler().flush()
+        logs = poll(lambda: run_logs(run.run_id), lambda ms: any(m.startswith("stopped:") for m in ms))
+        assert any(m.startswith("stopped:") for m in logs), logs  # the run's logs did arrive
+        assert not [m for m in logs if SECRET in m]
+
+        artifacts = run_artifacts(run.run_id)
+        assert len(artifacts) >= 3
+        for artifact in artifacts:
+            assert SECRET not in json.dumps(artifact.data), artifact.key
+            assert SECRET not in (artifact.description or ""), artifact.key
+
+        events = poll(lambda: committed_events(run.run_id), lambda evs: len(evs) >= EPOCHS, timeout=30)
+        assert events
+        for event in events:
+            assert SECRET not in event.model_dump_json()
+
+        assert SECRET not in json.dumps(run.summary)

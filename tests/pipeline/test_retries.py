@@ -1,0 +1,187 @@
+"""Retries: a failed epoch or a failed save is redone, and the run ends exactly as a run without failures.
+
+- An epoch that fails after training all the way through (model, optimizer,
+  scheduler and RNGs moved on) is retried from its start state; the final
+  state is bitwise equal to a clean run's, which a retry that continued from
+  the half-updated state could not be.
+- A shard write that dies after writing part of its bytes is retried by the
+  save (sync) or the commit (async) task; the store ends with one committed
+  version per epoch, no leftovers, and the same bytes as a clean run.
+
+Attempts are counted both by the fault injector and by Prefect's API (the task
+run's ``run_count``).
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from pathlib import Path
+
+import pytest
+
+from ckptflow.storage import CheckpointStore, writer
+from tests.pipeline.helpers import (
+    assert_only_committed,
+    assert_same_checkpoint,
+    assert_same_metrics,
+    make_config,
+    run_counts,
+    run_flow,
+    run_summary,
+)
+from tests.pipeline.specs import FLAKY_SPEC, EpochFailure, FlakyDigitsSpec
+
+pytestmark = pytest.mark.prefect
+
+EPOCHS = 3
+
+
+@pytest.fixture
+def flaky():
+    """FlakyDigitsSpec's class-level counters, reset around each test."""
+    FlakyDigitsSpec.failures, FlakyDigitsSpec.attempts = {}, {}
+    yield FlakyDigitsSpec
+    FlakyDigitsSpec.failures, FlakyDigitsSpec.attempts = {}, {}
+
+
+def assert_same_run(got: CheckpointStore, want: CheckpointStore) -> None:
+    assert [v.version for v in got.versions()] == list(range(1, EPOCHS + 1))
+    for v in range(1, EPOCHS + 1):
+        assert_same_checkpoint(got, want, v)
+    assert_same_metrics(got, want)
+
+
+class TestEpochRetry:
+    def test_failed_epoch_is_retried_from_its_start_state(self, prefect_server, tmp_path, flaky):
+        """Bug fix: a second retry started from a corrupted snapshot.
+
+        ``Optimizer.load_state_dict`` adopts the tensors it is given, so after the first restore
+        the optimizer's state *was* the snapshot's, and the retried attempt's in-place updates
+        changed the snapshot. Two failures of one epoch are needed to see it.
+        """
+        clean = make_config(tmp_path / "clean", spec=FLAKY_SPEC, epochs=EPOCHS)
+        run_summary(clean)
+        assert flaky.attempts == {1: 1, 2: 1, 3: 1}
+
+        flaky.failures, flaky.attempts = {2: 2}, {}
+        retried = make_config(tmp_path / "retried", spec=FLAKY_SPEC, epochs=EPOCHS, epoch_retries=2)
+        summary, run_id = run_summary(retried)
+
+        assert flaky.attempts == {1: 1, 2: 3, 3: 1}
+        assert summary["last_epoch"] == EPOCHS
+        assert_same_run(CheckpointStore(retried.storage), CheckpointStore(clean.storage))
+        assert run_counts(run_id, "train_epoch", EPOCHS) == [1, 1, 3]
+
+    def test_epoch_failing_more_often_than_its_retries_fails_the_run(self, prefect_server, tmp_path, flaky):
+        flaky.failures = {2: 2}
+        config = make_config(tmp_path / "s", spec=FLAKY_SPEC, epochs=EPOCHS, epoch_retries=1)
+        state, _ = run_flow(config)
+
+        assert state.is_failed()
+        with pytest.raises(EpochFailure):
+            state.result()
+        assert flaky.attempts == {1: 1, 2: 2}
+        assert assert_only_committed(config.storage) == [1]
+
+
+class FailOnceSink:
+    """Wraps a shard's sink: writes half of one chunk of the target version, then raises EIO, once."""
+
+    lock = threading.Lock()
+
+    def __init__(self, inner, path: str, injector: Injector) -> None:
+        self.inner, self.path, self.injector = inner, path, injector
+
+    def write(self, data) -> None:
+        with self.lock:
+            fire = (
+                not self.injector.fired
+                and f"/v{self.injector.version:06d}/" in self.path
+                and len(data) > 1024
+            )
+            if fire:
+                self.injector.fired = True
+        if not fire:
+            self.inner.write(data)
+            return
+        half = memoryview(data)[: len(data) // 2]
+        self.inner.write(half)
+        self.injector.partial_file = Path(self.path)
+        self.injector.partial_size = Path(self.path).stat().st_size
+        raise OSError(errno.EIO, "injected write failure", self.path)
+
+    def commit(self) -> None:
+        self.inner.commit()
+
+    def abort(self) -> None:
+        self.inner.abort()
+
+
+class Injector:
+    def __init__(self, version: int) -> None:
+        self.version = version
+        self.fired = False
+        self.partial_file: Path | None = None
+        self.partial_size = 0
+        self.sinks = 0
+
+
+def fail_save_once(monkeypatch: pytest.MonkeyPatch, version: int) -> Injector:
+    """Make the first shard write of ``version`` die half-way through a chunk."""
+    injector = Injector(version)
+    real_open = writer.open_sink
+
+    def open_sink(fs, path, *, local):
+        injector.sinks += 1
+        return FailOnceSink(real_open(fs, path, local=local), path, injector)
+
+    monkeypatch.setattr(writer, "open_sink", open_sink)
+    return injector
+
+
+class TestSaveRetry:
+    @pytest.mark.parametrize(
+        ("async_save", "retried_task"),
+        [(False, "save_checkpoint"), (True, "commit_checkpoint")],
+        ids=["sync-save", "async-save"],
+    )
+    def test_save_killed_mid_write_is_retried(
+        self, prefect_server, tmp_path, monkeypatch, async_save, retried_task
+    ):
+        clean = make_config(tmp_path / "clean", epochs=EPOCHS, async_save=async_save)
+        run_summary(clean)
+
+        injector = fail_save_once(monkeypatch, version=2)
+        failing = make_config(tmp_path / "failing", epochs=EPOCHS, async_save=async_save)
+        summary, run_id = run_summary(failing)
+
+        assert injector.fired, "the injected failure never happened"
+        assert injector.partial_file is not None and injector.partial_file.parent.name == "v000002"
+        assert injector.partial_size > 0  # bytes of the failed attempt did reach the disk
+        assert summary["last_epoch"] == EPOCHS and summary["latest_version"] == EPOCHS
+
+        # One committed version per epoch, nothing else on disk, the same bytes as a clean run.
+        assert assert_only_committed(failing.storage) == [1, 2, 3]
+        store = CheckpointStore(failing.storage)
+        assert [v.epoch for v in store.versions()] == [1, 2, 3]
+        assert_same_run(store, CheckpointStore(clean.storage))
+
+        assert run_counts(run_id, retried_task, EPOCHS) == [1, 1, 2]
+
+    def test_save_retries_setting_is_obeyed(self, prefect_server, tmp_path, monkeypatch):
+        """Bug fix: ``save_retries`` was ignored (the save and commit tasks always retried 3 times).
+
+        With ``save_retries=0`` a failed save fails the run; the store keeps the committed
+        epoch before it and nothing of the failed one is listed.
+        """
+        injector = fail_save_once(monkeypatch, version=2)
+        config = make_config(tmp_path / "s", epochs=EPOCHS, async_save=False, save_retries=0)
+        state, run_id = run_flow(config)
+
+        assert injector.fired
+        assert state.is_failed()
+        with pytest.raises(OSError, match="injected write failure"):
+            state.result()
+        assert assert_only_committed(config.storage, garbage_allowed=True) == [1]
+        assert run_counts(run_id, "save_checkpoint", 2) == [1, 1]
