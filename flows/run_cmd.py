@@ -56,6 +56,9 @@ def run_command(
         str,
         Opt("--storage-options", metavar="JSON", envvar="CKPTFLOW_STORAGE_OPTIONS", help="fsspec options."),
     ] = "{}",
+    storage_secret: Annotated[
+        str | None, Opt("--storage-secret", metavar="BLOCK", help="Prefect Secret block with credentials.")
+    ] = None,
     allow_config_change: Annotated[
         bool, Opt("--allow-config-change", help="Resume even if spec, spec config or seed changed.")
     ] = False,
@@ -65,6 +68,7 @@ def run_command(
     raw = {
         "storage": storage,
         "storage_options": _json_object("--storage-options", storage_options),
+        "storage_secret": storage_secret,
         "spec": spec,
         "spec_config": _json_object("--spec-config", spec_config),
         "seed": seed,

@@ -2,8 +2,11 @@
 
 Prefect validates the flow's parameters against these models before the run
 starts, so a bad value fails fast with a message naming the field.
-``storage_options`` may hold credentials: it is excluded from ``repr``, from
-logs and from artifacts (see :meth:`PipelineConfig.public`).
+Credentials are never parameters: Prefect stores a run's parameters in clear
+(the UI shows them), so ``storage_options`` refuses keys such as ``secret`` or
+``token`` with a message saying where credentials go instead: the environment
+or an AWS profile (read by s3fs as usual), or a Prefect Secret block named by
+``storage_secret`` whose JSON value is merged into the options at run time.
 
 The *identity* of a run (spec, spec config, seed) is stored beside its
 checkpoints as ``run.json``. A resumed run must match it; other fields (more
@@ -12,6 +15,7 @@ epochs, a different save cadence or shard count) may change freely.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -56,7 +60,12 @@ class PipelineConfig(_Strict):
     """Everything a training pipeline run needs; JSON in, JSON out."""
 
     storage: str = Field(description="where checkpoints live: a path, file://, s3://bucket/prefix, ...")
-    storage_options: dict[str, Any] = Field(default_factory=dict, repr=False)
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options without credentials, e.g. an endpoint or a profile"
+    )
+    storage_secret: str | None = Field(
+        None, description="a Prefect Secret block whose JSON value (credentials) joins storage_options"
+    )
     spec: str = Field(DEMO_SPEC, description="the TrainingSpec, as 'package.module:ClassName'")
     spec_config: dict[str, Any] = Field(default_factory=dict)
     seed: int = 0
@@ -72,6 +81,18 @@ class PipelineConfig(_Strict):
     allow_config_change: bool = Field(False, description="resume even if spec/spec_config/seed differ")
 
     @model_validator(mode="after")
+    def _no_credentials(self) -> PipelineConfig:
+        found = _credential_keys(self.storage_options)
+        if found:
+            raise ValueError(
+                f"storage_options must not hold credentials ({', '.join(found)}): Prefect stores "
+                "parameters in clear. Use environment variables (AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY), an AWS profile ({'profile': 'name'}), or a Prefect Secret "
+                "block holding the options as JSON, named by storage_secret"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check(self) -> PipelineConfig:
         if not self.storage.strip():
             raise ValueError("storage must name a location, e.g. ./checkpoints or s3://bucket/run1")
@@ -83,11 +104,56 @@ class PipelineConfig(_Strict):
         """The fields that define the run: a resumed run must match them."""
         return {name: getattr(self, name) for name in IDENTITY_FIELDS}
 
-    def public(self) -> dict[str, Any]:
-        """The config without credentials, for logs and artifacts."""
-        data = self.model_dump(mode="json", exclude={"storage_options"})
-        data["storage_options"] = sorted(self.storage_options)  # names only, never values
-        return data
+    def resolved_storage_options(self) -> dict[str, Any]:
+        """``storage_options`` with the Secret block's options merged in (call inside a run)."""
+        if not self.storage_secret:
+            return dict(self.storage_options)
+        from prefect.blocks.system import Secret
+
+        value = Secret.load(self.storage_secret).get()
+        secret = json.loads(value) if isinstance(value, str) else value
+        if not isinstance(secret, dict):
+            raise ValueError(
+                f"the Secret block {self.storage_secret!r} must hold a JSON object of fsspec options"
+            )
+        merged = {**self.storage_options, **secret}
+        for nested in ("client_kwargs", "config_kwargs"):
+            if isinstance(self.storage_options.get(nested), dict) and isinstance(secret.get(nested), dict):
+                merged[nested] = {**self.storage_options[nested], **secret[nested]}
+        return merged
+
+
+CREDENTIAL_KEYS = frozenset(
+    {
+        "key",
+        "secret",
+        "token",
+        "password",
+        "passwd",
+        "session_token",
+        "security_token",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "account_key",
+        "sas_token",
+        "client_secret",
+        "connection_string",
+        "credentials",
+    }
+)
+
+
+def _credential_keys(options: Any, prefix: str = "") -> list[str]:
+    """Paths of keys that look like credentials, anywhere in nested options."""
+    found: list[str] = []
+    if isinstance(options, dict):
+        for name, value in options.items():
+            path = f"{prefix}{name}"
+            if str(name).lower() in CREDENTIAL_KEYS:
+                found.append(path)
+            found.extend(_credential_keys(value, f"{path}."))
+    return found
 
 
 def identity_differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -77,7 +77,9 @@ class RunState:
 
 def open_store(config: PipelineConfig) -> CheckpointStore:
     return CheckpointStore(
-        config.storage, storage_options=config.storage_options, options=StoreOptions(shards=config.shards)
+        config.storage,
+        storage_options=config.resolved_storage_options(),
+        options=StoreOptions(shards=config.shards),
     )
 
 

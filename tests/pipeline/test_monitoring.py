@@ -1,10 +1,10 @@
 """What a run reports to Prefect, read back through the API of a real server.
 
-One 3-epoch run (module fixture) on a local store opened with storage options
-that carry a secret; then: the checkpoint table artifact (its latest version:
+One 3-epoch run (module fixture) on a local store whose credentials come from
+a Prefect Secret block (``storage_secret``); then: the checkpoint table artifact (its latest version:
 one row per committed epoch, with sizes and URLs), the progress artifact at
 100, the markdown summary, one ``ckptflow.checkpoint.committed`` event per
-commit, and the secret nowhere in artifacts, logs or events.
+commit, and the secret nowhere in the run's parameters, artifacts, logs or events.
 """
 
 from __future__ import annotations
@@ -51,10 +51,16 @@ class Run:
 
 @pytest.fixture(scope="module")
 def run(prefect_server, tmp_path_factory) -> Run:
+    from prefect.blocks.system import Secret
+
     # LocalFileSystem keeps unknown options (like a credential) without using them.
     options = {"secret": SECRET, "auto_mkdir": True}
+    Secret(value=json.dumps({"secret": SECRET})).save("ckptflow-test-store", overwrite=True)
     config = make_config(
-        tmp_path_factory.mktemp("monitoring") / "store", epochs=EPOCHS, storage_options=options
+        tmp_path_factory.mktemp("monitoring") / "store",
+        epochs=EPOCHS,
+        storage_options={"auto_mkdir": True},
+        storage_secret="ckptflow-test-store",
     )
     summary, run_id = run_summary(config)
     with get_client(sync_client=True) as client:
@@ -158,3 +164,13 @@ class TestSecrets:
             assert SECRET not in event.model_dump_json()
 
         assert SECRET not in json.dumps(run.summary)
+        with get_client(sync_client=True) as client:
+            assert SECRET not in json.dumps(client.read_flow_run(run.run_id).parameters)
+
+    def test_credentials_are_refused_as_parameters(self, tmp_path):
+        """Prefect stores parameters in clear: a credential there would show in the UI."""
+        with pytest.raises(ValueError, match=r"must not hold credentials \(secret, client_kwargs.token\)"):
+            make_config(
+                tmp_path / "s", epochs=1, storage_options={"secret": SECRET, "client_kwargs": {"token": "x"}}
+            )
+        assert not (tmp_path / "s").exists()
