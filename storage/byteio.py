@@ -17,6 +17,7 @@ from typing import Protocol
 
 import fsspec
 import torch
+from fsspec.spec import AbstractBufferedFile
 
 from .checksum import new_hasher
 
@@ -89,6 +90,8 @@ class FsspecSink:
         discard = getattr(self.file, "discard", None)
         if discard is not None:
             discard()
+            if isinstance(self.file, AbstractBufferedFile):  # s3fs, gcsfs, ...
+                self.file.closed = True  # else its __del__ flushes the discarded (None) buffer and fails
         else:
             self.file.close()
 

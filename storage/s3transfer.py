@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import io
 import logging
 import os
 import random
@@ -38,6 +39,7 @@ T = TypeVar("T")
 READ_CHUNK = 1 << 20  # bytes per read of a response body
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _KMS = {"aws:kms", "aws:kms:dsse"}
+_DIGEST_ERRORS = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"}
 
 
 class VerifyFailed(Exception):
@@ -135,17 +137,36 @@ class S3Transfer:
         return etag_of(plan, md5s)
 
     async def put_single(self, fd: int, part: Part) -> str:
-        data, md5 = await self.run(read_range, fd, part.offset, part.length)
-        resp = await self.call("put_object", Body=data)
-        _check_part_etag(resp, md5, "the object")
-        return md5.hex()
+        try:
+            return (await self.put_checked("put_object", fd, part, "the object")).hex()
+        except VerifyFailed:
+            await self.call("delete_object")
+            raise
 
     async def put_part(self, fd: int, upload_id: str, part: Part) -> bytes:
         async with self.sem:
-            data, md5 = await self.run(read_range, fd, part.offset, part.length)
-            resp = await self.call("upload_part", UploadId=upload_id, PartNumber=part.number, Body=data)
-        _check_part_etag(resp, md5, f"part {part.number}")
-        return md5
+            return await self.put_checked(
+                "upload_part", fd, part, f"part {part.number}", UploadId=upload_id, PartNumber=part.number
+            )
+
+    async def put_checked(self, method: str, fd: int, part: Part, what: str, **kwargs: Any) -> bytes:
+        """Send ``part``, check the ETag S3 answers against its MD5 (computed meanwhile); resend if wrong."""
+        md5_task = asyncio.ensure_future(self.run(md5_range, fd, part.offset, part.length))
+        try:
+            for attempt in range(1, self.max_attempts + 1):
+                try:
+                    resp = await self.call(method, Body=FileSlice(fd, part.offset, part.length), **kwargs)
+                except bex.ClientError as exc:  # S3 saw a checksum mismatch: corrupted on the way
+                    if error_code(exc) not in _DIGEST_ERRORS or attempt == self.max_attempts:
+                        raise
+                    continue
+                md5, got = await md5_task, clean_etag(resp.get("ETag"))
+                if not _md5_etag(resp) or got == md5.hex():
+                    return md5
+                log.warning("%s of s3://%s/%s arrived corrupt: sending it again", what, self.bucket, self.key)
+            raise VerifyFailed(f"ETag of {what}", md5.hex(), got)
+        finally:
+            md5_task.cancel()
 
     async def complete(self, upload_id: str, etags: list[str]) -> None:
         parts = [{"PartNumber": i, "ETag": f'"{e}"'} for i, e in enumerate(etags, 1)]
@@ -199,34 +220,42 @@ class S3Transfer:
 
     async def get_range(self, fd: int, parts: list[Part], etag: str, hashed: bool) -> list[bytes]:
         """Download consecutive ``parts`` with one ranged GET (resumed after a failure); MD5 each if asked."""
-        hashers = [hashlib.md5() for _ in parts] if hashed else []
-        start, end = parts[0].offset, parts[-1].offset + parts[-1].length
-        pos, failures = start, 0
+        cursor = _Cursor(parts, hashed)
+        failures = 0
         async with self.sem:
-            while pos < end:
+            while cursor.pos < cursor.end:
                 try:
-                    pos = await self._stream(fd, pos, end, etag, parts, hashers)
+                    await self._stream(fd, cursor, etag)
                 except TRANSIENT as exc:
                     failures += 1
                     if failures >= self.max_attempts:
                         raise
-                    log.debug("range %d-%d of s3://%s/%s: %s, resuming", pos, end, self.bucket, self.key, exc)
+                    log.debug("s3://%s/%s at byte %d: %r, resuming", self.bucket, self.key, cursor.pos, exc)
                     await asyncio.sleep(backoff(failures))
-        return [h.digest() for h in hashers]
+        return [h.digest() for h in cursor.hashers]
 
-    async def _stream(self, fd: int, pos: int, end: int, etag: str, parts: list[Part], hashers: list) -> int:
-        resp = await self.call("get_object", Range=f"bytes={pos}-{end - 1}", IfMatch=f'"{etag}"')
+    async def _stream(self, fd: int, cur: _Cursor, etag: str) -> None:
+        resp = await self.call("get_object", Range=f"bytes={cur.pos}-{cur.end - 1}", IfMatch=f'"{etag}"')
         body = resp["Body"]
         try:
-            while pos < end:
-                chunk = await body.read(min(READ_CHUNK, end - pos))
+            while cur.pos < cur.end:
+                chunk = await body.read(min(READ_CHUNK, cur.end - cur.pos))
                 if not chunk:
-                    raise bex.IncompleteReadError(actual_bytes=pos, expected_bytes=end)
-                await self.run(write_hashed, fd, chunk, pos, parts, hashers)
-                pos += len(chunk)
+                    raise bex.IncompleteReadError(actual_bytes=cur.pos, expected_bytes=cur.end)
+                await self.run(write_hashed, fd, chunk, cur.pos, cur.parts, cur.hashers)
+                cur.pos += len(chunk)
         finally:
             body.close()
-        return pos
+
+
+class _Cursor:
+    """Where a range download stands: the next byte to fetch, and the running MD5 of each part."""
+
+    def __init__(self, parts: list[Part], hashed: bool) -> None:
+        self.parts = parts
+        self.pos = parts[0].offset
+        self.end = parts[-1].offset + parts[-1].length
+        self.hashers = [hashlib.md5() for _ in parts] if hashed else []
 
 
 def plan_for_etag(size: int, etag: str, part_size: int) -> PartPlan | None:
@@ -250,11 +279,6 @@ def _ranges(size: int, part_size: int, remote: PartPlan | None) -> list[list[Par
 
 def _md5_etag(resp: dict[str, Any]) -> bool:
     return resp.get("ServerSideEncryption") not in _KMS and not resp.get("SSECustomerAlgorithm")
-
-
-def _check_part_etag(resp: dict[str, Any], md5: bytes, what: str) -> None:
-    if _md5_etag(resp) and clean_etag(resp.get("ETag")) != md5.hex():
-        raise VerifyFailed(f"ETag of {what}", md5.hex(), clean_etag(resp.get("ETag")))
 
 
 def _mismatch(head: Head, size: int, etag: str) -> tuple[str, str, str] | None:
@@ -287,18 +311,46 @@ async def gather_all(aws: list[Awaitable[T]] | list[Coroutine[Any, Any, T]]) -> 
 # -- blocking helpers, run in the thread pool ---------------------------------------------------
 
 
-def read_range(fd: int, offset: int, length: int) -> tuple[bytes, bytes]:
-    """``length`` bytes of the file at ``offset``, and their MD5."""
-    data = os.pread(fd, length, offset)
-    if len(data) < length:
-        pieces = [data]
-        while (got := sum(map(len, pieces))) < length:
-            more = os.pread(fd, length - got, offset + got)
-            if not more:
-                raise EOFError(f"the file ended at byte {offset + got} while it was being uploaded")
-            pieces.append(more)
-        data = b"".join(pieces)
-    return data, hashlib.md5(data).digest()
+class FileSlice(io.RawIOBase):
+    """A seekable, read-only view of ``length`` bytes of a file at ``offset``: a request body.
+
+    botocore reads it to sign and checksum it, aiohttp to send it, and seeks
+    back to 0 to retry; nothing holds the whole part in memory.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int) -> None:
+        super().__init__()
+        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
+        self.pos = min(max(base + pos, 0), self.length)
+        return self.pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        want = self.length - self.pos if size is None or size < 0 else min(size, self.length - self.pos)
+        data = os.pread(self.fd, want, self.offset + self.pos) if want > 0 else b""
+        if len(data) < want and not data:
+            raise EOFError(f"the file ended at byte {self.offset + self.pos} while it was being uploaded")
+        self.pos += len(data)
+        return data
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
 
 
 def md5_range(fd: int, offset: int, length: int) -> bytes:
@@ -317,7 +369,7 @@ def write_hashed(fd: int, data: bytes, pos: int, parts: list[Part], hashers: lis
     written = 0
     while written < len(view):
         written += os.pwrite(fd, view[written:], pos + written)
-    for part, h in zip(parts, hashers):
+    for part, h in zip(parts, hashers, strict=False):  # no hashers: nothing to feed
         lo, hi = max(part.offset, pos), min(part.offset + part.length, pos + len(view))
         if lo < hi:
             h.update(view[lo - pos : hi - pos])

@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-
 from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
@@ -202,7 +201,7 @@ def _run_s3(
             return sync(loc.fs.loop, body, xfer)
     except VerifyFailed as exc:
         what, expected, actual = exc.args
-        deleted = "the remote object was deleted" if action.startswith("upload") else "nothing was written"
+        deleted = "the remote copy was removed" if action.startswith("upload") else "nothing was written"
         raise TransferVerifyError(
             loc.display(), what=what, expected=expected, actual=actual, deleted=deleted
         ) from None

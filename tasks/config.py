@@ -110,7 +110,8 @@ class PipelineConfig(_Strict):
             return dict(self.storage_options)
         from prefect.blocks.system import Secret
 
-        value = Secret.load(self.storage_secret).get()
+        block: Any = Secret.load(self.storage_secret)  # sync in a sync context
+        value = block.get()
         secret = json.loads(value) if isinstance(value, str) else value
         if not isinstance(secret, dict):
             raise ValueError(
