@@ -151,9 +151,8 @@ def _scan(store: CheckpointStore) -> dict[int, VersionRecord]:
 
 
 def _committed(store: CheckpointStore, records: dict[int, VersionRecord]) -> list[VersionInfo]:
-    from ckptflow.storage import VersionInfo
-
-    return [VersionInfo.from_manifest(r.manifest, store.loc) for r in records.values() if r.manifest]
+    """Committed versions, loose (those of ``records``) and archived."""
+    return [v for v in store.versions() if v.archived or v.version in records]
 
 
 def _console() -> Console:

@@ -175,19 +175,34 @@ def coalesce(ranges: list[ReadRange]) -> list[list[ReadRange]]:
     return groups
 
 
+def hash_range(fs: fsspec.AbstractFileSystem, path: str, offset: int, size: int, *, local: bool) -> str:
+    """xxh3 of ``size`` bytes of a file from ``offset`` (a shard, or a tarball member), streamed."""
+    h = new_hasher()
+    buf = bytearray(min(CHUNK, max(size, 1)))
+    done = 0
+    if local:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            while done < size:
+                n = os.preadv(fd, [memoryview(buf)[: min(len(buf), size - done)]], offset + done)
+                if n == 0:
+                    raise EOFError(f"{path} ends at byte {offset + done}")
+                h.update(memoryview(buf)[:n])
+                done += n
+        finally:
+            os.close(fd)
+    else:
+        while done < size:
+            n = min(MAX_REQUEST, size - done)
+            chunk = fs.cat_file(path, start=offset + done, end=offset + done + n)
+            if not chunk:
+                raise EOFError(f"{path} ends at byte {offset + done}")
+            h.update(chunk)
+            done += len(chunk)
+    return h.hexdigest()
+
+
 def hash_file(fs: fsspec.AbstractFileSystem, path: str, *, local: bool) -> tuple[int, str]:
     """Size and checksum of a whole file, streamed."""
-    h = new_hasher()
-    size = 0
-    buf = bytearray(CHUNK)
-    if local:
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                h.update(memoryview(buf)[:n])
-                size += n
-    else:
-        with fs.open(path, "rb", block_size=MAX_REQUEST) as f:
-            while chunk := f.read(MAX_REQUEST):
-                h.update(chunk)
-                size += len(chunk)
-    return size, h.hexdigest()
+    size = os.path.getsize(path) if local else fs.size(path)
+    return size, hash_range(fs, path, 0, size, local=local)

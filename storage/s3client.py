@@ -65,7 +65,8 @@ def merge_storage_options(
     merged = dict(storage_options or {})
     config = dict(merged.get("config_kwargs") or {})
     retries = dict(config.get("retries") or {})
-    retries["max_attempts"] = max_attempts
+    retries.pop("max_attempts", None)  # in botocore's client config that counts retries, not attempts
+    retries["total_max_attempts"] = max_attempts
     retries.setdefault("mode", "standard")
     config.update(
         connect_timeout=connect_timeout,

@@ -23,20 +23,23 @@ from typing import Any, Literal
 
 import torch
 
+from . import catalog, housekeeping
 from . import commit as protocol
+from .archiving import list_archived
 from .async_save import AsyncSaver, SaveHandle
-from .byteio import hash_file, tensor_bytes
+from .byteio import hash_range, tensor_bytes
 from .checksum import ALGORITHM
 from .commit import version_dir
 from .errors import CorruptShardError, ManifestError, VersionExistsError, VersionNotFoundError
 from .loader import as_bytes, build_tensors, target_buffers
-from .location import Location, open_location, translate_errors
+from .location import open_location, translate_errors
 from .manifest import Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
 from .planner import SavePlan, plan_save
-from .reader import ShardSource, loose_sources, read_blobs
-from .retention import RetentionPolicy, versions_to_keep
+from .reader import check_size, read_blobs
+from .retention import RetentionPolicy
 from .staging import StagingBuffer
 from .structure import decode, encode, leaf_refs, select
+from .tarindex import TarIndex
 
 log = logging.getLogger(__name__)
 
@@ -70,10 +73,10 @@ class VersionInfo:
     url: str
     save_seconds: float | None = None
     user: dict[str, Any] = field(default_factory=dict)
+    archived: bool = False  # lives in a tarball under archive/ (url names the tarball and member)
 
     @classmethod
-    def from_manifest(cls, m: Manifest, loc: Location) -> VersionInfo:
-        seconds = m.user.get("save_seconds")
+    def from_manifest(cls, m: Manifest, url: str, *, archived: bool = False) -> VersionInfo:
         return cls(
             m.version,
             m.epoch,
@@ -82,9 +85,10 @@ class VersionInfo:
             m.created,
             m.nbytes,
             m.total_size,
-            loc.display(version_dir(m.version)),
-            seconds,
+            url,
+            m.user.get("save_seconds"),
             dict(m.user),
+            archived,
         )
 
 
@@ -193,11 +197,11 @@ class CheckpointStore:
 
     def _claim_version(self, version: int | None) -> int:
         if version is None:  # above every directory, committed or not: never reuse a crashed one's name
-            return max(protocol.list_dirs(self.loc), default=-1) + 1
+            return catalog.next_version(self.loc)
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         record = protocol.read_record(self.loc, version)
-        if record is not None and not record.is_writing():
+        if (record is not None and not record.is_writing()) or version in list_archived(self.loc):
             raise VersionExistsError(version, self.url)
         if record is not None:
             log.info("removing leftovers of an interrupted save of version %d", version)
@@ -229,27 +233,28 @@ class CheckpointStore:
             )
             protocol.commit(self.loc, manifest)
         log.info("committed %s (%d bytes in %.2fs)", self.loc.display(vdir), manifest.total_size, seconds)
-        return VersionInfo.from_manifest(manifest, self.loc)
+        return VersionInfo.from_manifest(manifest, self.loc.display(vdir))
 
     # -- reading --------------------------------------------------------------
 
     def versions(self) -> list[VersionInfo]:
-        """Committed versions, oldest first."""
-        return [VersionInfo.from_manifest(m, self.loc) for m in self._committed()]
+        """Committed versions, loose and archived, oldest first."""
+        with translate_errors(self.loc, "listing"):
+            return [self._info(x) for x in catalog.committed(self.loc)]
 
     def latest(self) -> VersionInfo | None:
         """The newest committed version (the one a resumed run starts from), or None."""
         with translate_errors(self.loc, "listing"):
-            record = protocol.newest_committed(self.loc)
-        return VersionInfo.from_manifest(record.manifest, self.loc) if record and record.manifest else None
+            found = catalog.newest(self.loc)
+        return self._info(found) if found else None
 
     def info(self, version: int | None = None) -> VersionInfo:
         """One committed version (the newest when ``version`` is None); raises if not committed."""
-        return VersionInfo.from_manifest(self._manifest(version), self.loc)
+        return self._info(self._locate(version))
 
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a committed version (the newest when ``version`` is None)."""
-        return self._manifest(version)
+        return self._locate(version).manifest
 
     def load(
         self,
@@ -266,21 +271,23 @@ class CheckpointStore:
         ``["optimizer/param_groups"]``); only their bytes are read. ``into``: a
         state of existing tensors (e.g. ``{"model": model.state_dict()}``);
         tensors whose key path, dtype and shape match are read into them in
-        place and returned as those very tensors.
+        place and returned as those very tensors. Archived versions are read
+        from their tarball by range reads.
         """
-        manifest = self._manifest(version)
+        located = self._locate(version)
+        manifest = located.manifest
         structure = select(manifest.structure, list(keys)) if keys else manifest.structure
         leaf_ids = sorted(set(leaf_refs(structure)))
         wanted = sorted({manifest.tensors[i].blob for i in leaf_ids})
         check = self.options.verify_on_load if verify is None else verify
         device = torch.device(map_location)
-        targets = (
-            target_buffers(manifest, leaf_ids, into) if into is not None and device.type == "cpu" else {}
-        )
+        targets = {}
+        if into is not None and device.type == "cpu":
+            targets = target_buffers(manifest, leaf_ids, into)
         with translate_errors(self.loc, "loading from"):
             raw = read_blobs(
                 self.loc,
-                self._sources(manifest),
+                located.sources(self.loc),
                 manifest,
                 wanted,
                 verify=check,
@@ -291,57 +298,37 @@ class CheckpointStore:
         return decode(structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i])
 
     def verify(self, version: int | None = None) -> VersionInfo:
-        """Check every shard of a version against its size and checksum; raise on mismatch."""
-        manifest = self._manifest(version)
-        vdir = version_dir(manifest.version)
+        """Check every shard of a version (loose or archived) against its size and checksum."""
+        located = self._locate(version)
         with translate_errors(self.loc, "verifying"):
-            for shard in manifest.shards:
-                path = self.loc.path(vdir, shard.file)
-                try:
-                    size, checksum = hash_file(self.loc.fs, path, local=self.loc.is_local)
-                except FileNotFoundError:
-                    raise CorruptShardError(
-                        self.loc.display(vdir, shard.file),
-                        expected="a shard file",
-                        actual="no file",
-                        what="presence",
-                    ) from None
-                if size != shard.size:
-                    raise CorruptShardError(
-                        self.loc.display(vdir, shard.file),
-                        expected=f"{shard.size} bytes",
-                        actual=f"{size} bytes",
-                        what="size",
-                    )
+            for shard, source in zip(located.manifest.shards, located.sources(self.loc), strict=True):
+                check_size(self.loc, source)
+                checksum = hash_range(
+                    self.loc.fs, source.path, source.offset, shard.size, local=self.loc.is_local
+                )
                 if checksum != shard.checksum:
-                    raise CorruptShardError(
-                        self.loc.display(vdir, shard.file), expected=shard.checksum, actual=checksum
-                    )
-        return VersionInfo.from_manifest(manifest, self.loc)
+                    raise CorruptShardError(source.name, expected=shard.checksum, actual=checksum)
+        return self._info(located)
 
-    def _sources(self, manifest: Manifest) -> list[ShardSource]:
-        """Where the shards of a committed version are read from."""
-        return loose_sources(self.loc, version_dir(manifest.version), manifest)
+    def _info(self, located: catalog.Located) -> VersionInfo:
+        return VersionInfo.from_manifest(
+            located.manifest, located.url(self.loc), archived=located.is_archived
+        )
 
     def _committed(self) -> list[Manifest]:
-        """Manifests of the committed versions, oldest first."""
+        """Manifests of the committed versions (loose and archived), oldest first."""
         with translate_errors(self.loc, "listing"):
-            return [r.manifest for r in protocol.scan(self.loc).values() if r.manifest is not None]
+            return [x.manifest for x in catalog.committed(self.loc)]
 
-    def _manifest(self, version: int | None) -> Manifest:
-        """The manifest of a committed version; raise a clear error for any other state."""
+    def _locate(self, version: int | None) -> catalog.Located:
+        """A committed version and where it lives; raise a clear error for any other state."""
         with translate_errors(self.loc, "reading"):
             if version is None:
-                newest = protocol.newest_committed(self.loc)
-                if newest is None or newest.manifest is None:
+                found = catalog.newest(self.loc)
+                if found is None:
                     raise VersionNotFoundError(None, self.url, [])
-                return newest.manifest
-            record = protocol.read_record(self.loc, version)
-        if record is not None and record.error is not None:
-            raise record.error
-        if record is None or record.manifest is None:
-            raise VersionNotFoundError(version, self.url, [m.version for m in self._committed()])
-        return record.manifest
+                return found
+            return catalog.find(self.loc, version)
 
     # -- run metadata ---------------------------------------------------------
 
@@ -369,12 +356,8 @@ class CheckpointStore:
     def delete(self, version: int) -> None:
         """Delete a committed version (its manifest first, so a crash leaves only garbage)."""
         self._saver.wait_previous()
-        committed = [m.version for m in self._committed()]
-        if version not in committed:
-            raise VersionNotFoundError(version, self.url, committed)
         with translate_errors(self.loc, "deleting from"):
-            protocol.remove_version(self.loc, version)
-            protocol.refresh_latest(self.loc, [v for v in committed if v != version])
+            housekeeping.delete_version(self.loc, version)
 
     def prune(
         self,
@@ -393,25 +376,28 @@ class CheckpointStore:
                 best_mode=keep_best[1] if keep_best else "min",
             )
         self._saver.wait_previous()
-        committed = self._committed()
-        keep = versions_to_keep(committed, policy)
-        doomed = [m.version for m in committed if m.version not in keep]
         with translate_errors(self.loc, "pruning"):
-            for v in doomed:
-                protocol.remove_version(self.loc, v)
-            protocol.refresh_latest(self.loc, sorted(keep))
-        return doomed
+            return housekeeping.prune(self.loc, policy)
+
+    def archive(self, versions: Sequence[int], *, name: str | None = None) -> TarIndex:
+        """Consolidate committed loose versions into ``archive/<name>.tar`` plus its index.
+
+        The loose copies stay until :meth:`drop_loose`: remove them only once the
+        tarball is where it must be (uploaded and verified, when you upload).
+        """
+        with translate_errors(self.loc, "archiving in"):
+            return housekeeping.archive(self.loc, list(versions), name=name)
+
+    def drop_loose(self, versions: Sequence[int]) -> list[int]:
+        """Remove the loose copies of archived versions; they load from their tarball after."""
+        with translate_errors(self.loc, "removing loose files from"):
+            return housekeeping.drop_loose(self.loc, list(versions))
 
     def gc(self) -> list[int]:
-        """Remove version directories left without a manifest by interrupted saves (and their temp files)."""
+        """Remove what interrupted saves and archiving left: versions without manifest, tars without index."""
         self._saver.wait_previous()
         with translate_errors(self.loc, "collecting garbage in"):
-            garbage = [v for v, has_manifest in protocol.list_dirs(self.loc).items() if not has_manifest]
-            for v in garbage:
-                self.loc.fs.rm(self.loc.path(version_dir(v)), recursive=True)
-            for path in protocol.stale_temp_files(self.loc):
-                os.remove(path)
-        return garbage
+            return housekeeping.collect_garbage(self.loc)
 
     def close(self) -> None:
         """Wait for the async save in flight and release the staging buffer."""

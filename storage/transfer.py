@@ -144,6 +144,7 @@ def download_file(
     start = time.monotonic()
     loc = _open(url, storage_options, options)
     directory = os.path.dirname(local_path)
+    os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(local_path)}.", suffix=".part")
     try:
         try:

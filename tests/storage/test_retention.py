@@ -130,19 +130,30 @@ class TestGarbageCollection:
         store_url.raw_write("v000009/shard-r0-00.h5", b"half a shard")
         store_url.raw_write("v000003/shard-r0-01.h5", b"another")
         store_url.raw_write("notes.txt", b"keep me")
-        store_url.raw_write("archive/epochs-000000-000009.tar", b"tar bytes")
         store_url.raw_write("vfoo/file", b"not a version dir")
         before = sorted(store_url.raw_listdir())
 
         assert store.gc() == [3, 9]
         assert sorted(store_url.raw_listdir()) == sorted(set(before) - {"v000003", "v000009"})
         assert store_url.raw_read("notes.txt") == b"keep me"
-        assert store_url.raw_read("archive/epochs-000000-000009.tar") == b"tar bytes"
         assert store_url.raw_read("latest") == b"v000001\n"
         assert _listed(store) == [0, 1]
         store.verify(0)
         store.verify(1)
         assert store.gc() == []
+
+    def test_removes_tarballs_without_index_and_keeps_committed_ones(self, store_url):
+        """A tar without an index is what a crash during archiving leaves: garbage."""
+        store = store_url.open()
+        _fill(store, 3)
+        store.archive([0, 1])
+        store_url.raw_write("archive/epochs-000005-000009.tar", b"half a tar")
+        assert store.gc() == []
+        names = store_url.raw_listdir("archive")
+        assert sorted(names) == ["epochs-000000-000001.index.json", "epochs-000000-000001.tar"]
+        store.drop_loose([0, 1])
+        assert _listed(store) == [0, 1, 2]
+        store.verify(0)
 
     def test_a_new_store_object_sees_garbage_made_by_another_process(self, store_url):
         """Bug fixed: on S3 the store listed from s3fs's cache and missed versions written by others."""

@@ -1,0 +1,222 @@
+"""Archive benchmark: consolidating files into one tarball, ckptflow against GNU tar, tarfile and the disk.
+
+Writes ``--files`` files of ``--size-mib`` MiB (random bytes; default 10 x 100
+MiB) and packs them into one tar with each method, fsync included, and prints
+one markdown table: median seconds of R repeats, GB/s (file bytes / time) and
+speed ratios against GNU tar ``-b 2048`` and against a plain copy (dd-style).
+
+Methods:
+
+- ``ckptflow``: ``write_tar`` (every member hashed and checked against its
+  expected xxh3, the whole tar hashed) and ``write_index``;
+- ``gnu-tar-b2048`` / ``gnu-tar``: ``tar -b 2048 -cf`` and ``tar -cf``, then an
+  fsync of the tar (GNU tar has no fsync option);
+- ``tarfile`` / ``tarfile-1mib``: Python's ``tarfile`` with its default copy
+  buffer (16 KiB) and with ``copybufsize`` 1 MiB, then an fsync;
+- ``dd``: a plain copy of the files, back to back, into one file with an 8 MiB
+  buffer, then an fsync: what the disk takes for these bytes the usual way;
+- ``dd-writeback``: the same with ``sync_file_range`` started every 32 MiB, as
+  ckptflow does, so the disk writes while the copy runs.
+
+Fairness: before each timed run the output is removed and dirty pages are
+flushed (``os.sync``), outside the timing; the page cache is dropped
+(``/proc/sys/vm/drop_caches``) when that is permitted, else the sources are
+read once so every method reads them warm (the table says which). The order
+of the methods rotates between repeats. ckptflow's hashing is part of its time;
+the others hash nothing.
+
+Run: ``.venv/bin/python bench/bench_archive.py [--files 10] [--size-mib 100] [--repeats 5] [--dir DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from ckptflow.storage.archive import Member, start_writeback, write_index, write_tar
+from ckptflow.storage.checksum import digest
+from ckptflow.storage.location import open_location
+
+MiB = 1 << 20
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+TAR = "bench.tar"
+
+
+def make_files(src: Path, count: int, size: int) -> list[Member]:
+    src.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(20240611)
+    members = []
+    for i in range(count):
+        path = src / f"shard-{i:02d}.bin"
+        data = rng.bytes(size)
+        path.write_bytes(data)
+        members.append(Member(f"v{i:06d}/{path.name}", str(path), size, digest(data)))
+    return members
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def run_ckptflow(src: Path, out: Path, members: list[Member]) -> None:
+    dst = open_location(str(out))
+    write_index(dst, write_tar(open_location(str(src)), members, dst, TAR))
+
+
+def run_gnu_tar(src: Path, out: Path, members: list[Member], blocking: int | None) -> None:
+    names = [os.path.basename(m.source) for m in members]
+    extra = ["-b", str(blocking)] if blocking else []
+    subprocess.run(["tar", *extra, "-cf", str(out / TAR), "-C", str(src), *names], check=True)
+    fsync_file(out / TAR)
+
+
+def run_tarfile(src: Path, out: Path, members: list[Member], bufsize: int | None) -> None:
+    with tarfile.open(out / TAR, "w", format=tarfile.PAX_FORMAT, copybufsize=bufsize) as tar:
+        for m in members:
+            tar.add(m.source, arcname=m.name)
+    fsync_file(out / TAR)
+
+
+def run_copy(src: Path, out: Path, members: list[Member], writeback: bool) -> None:
+    buf = memoryview(bytearray(8 * MiB))
+    fd = os.open(out / TAR, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    pos = flushed = 0
+    try:
+        for m in members:
+            with open(m.source, "rb", buffering=0) as f:
+                while n := f.readinto(buf):
+                    view = buf[:n]
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    pos += n
+                    if writeback and pos - flushed >= 32 * MiB:
+                        start_writeback(fd, flushed, pos - flushed)
+                        flushed = pos
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+METHODS: dict[str, Callable[[Path, Path, list[Member]], None]] = {
+    "ckptflow": run_ckptflow,
+    "gnu-tar-b2048": lambda s, o, m: run_gnu_tar(s, o, m, 2048),
+    "gnu-tar": lambda s, o, m: run_gnu_tar(s, o, m, None),
+    "tarfile": lambda s, o, m: run_tarfile(s, o, m, None),
+    "tarfile-1mib": lambda s, o, m: run_tarfile(s, o, m, MiB),
+    "dd": lambda s, o, m: run_copy(s, o, m, False),
+    "dd-writeback": lambda s, o, m: run_copy(s, o, m, True),
+}
+
+
+def prepare(out: Path, members: list[Member], drop: bool) -> None:
+    """Untimed: clear the output, flush dirty pages, drop or warm the page cache."""
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    os.sync()
+    if drop:
+        Path(DROP_CACHES).write_text("3\n")
+    else:
+        for m in members:
+            with open(m.source, "rb", buffering=0) as f:
+                while f.read(64 * MiB):
+                    pass
+
+
+def can_drop_caches() -> bool:
+    try:
+        Path(DROP_CACHES).write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def measure(work: Path, members: list[Member], repeats: int, drop: bool) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {name: [] for name in METHODS}
+    names = list(METHODS)
+    for rep in range(repeats):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            out = work / "out"
+            prepare(out, members, drop)
+            start = time.perf_counter()
+            METHODS[name](work / "src", out, members)
+            times[name].append(time.perf_counter() - start)
+            print(f"  {name:14s} {times[name][-1]:.3f} s", file=sys.stderr, flush=True)
+    shutil.rmtree(work / "out", ignore_errors=True)
+    return times
+
+
+def report(times: dict[str, list[float]], total: int, args: argparse.Namespace, cache: str, load: str) -> str:
+    med = {name: statistics.median(ts) for name, ts in times.items()}
+    lines = [
+        f"Archive: {args.files} files x {args.size_mib} MiB into one tar, fsync included; median of "
+        f"{args.repeats} (page cache: {cache}; {platform.node()}, {os.cpu_count()} cores, load {load})",
+        "",
+        "| method | median s | GB/s | vs GNU tar -b 2048 | vs dd |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    gnu, dd = med["gnu-tar-b2048"], med["dd"]
+    for name, t in med.items():
+        lines.append(f"| {name} | {t:.3f} | {total / t / 1e9:.2f} | {gnu / t:.2f}x | {dd / t:.2f}x |")
+    spread = ", ".join(f"{n} {min(ts):.3f}-{max(ts):.3f}" for n, ts in times.items())
+    lines += ["", f"Range of the repeats (s): {spread}."]
+    return "\n".join(lines)
+
+
+def default_dir() -> Path:
+    """A temp directory on a real disk (not tmpfs)."""
+    for cand in (tempfile.gettempdir(), "/var/tmp", os.getcwd()):
+        real, fstype, best = os.path.realpath(cand), "?", ""
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mnt, kind = line.split()[:3]
+                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                    best, fstype = mnt, kind
+        if fstype not in ("tmpfs", "ramfs"):
+            return Path(cand)
+    raise SystemExit("no disk-backed temp directory found; pass --dir")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--files", type=int, default=10)
+    p.add_argument("--size-mib", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--dir", type=Path, default=None, help="where to write (default: a temp dir on a disk)")
+    p.add_argument("--markdown-out", type=Path, default=None, help="also write the report to this file")
+    args = p.parse_args(argv)
+    assert shutil.which("tar"), "GNU tar is needed"
+    work = Path(tempfile.mkdtemp(prefix="ckptflow-bench-archive-", dir=args.dir or default_dir()))
+    try:
+        members = make_files(work / "src", args.files, args.size_mib * MiB)
+        drop = can_drop_caches()
+        cache = "dropped before each run" if drop else "warm (drop_caches not permitted)"
+        before = os.getloadavg()[0]
+        times = measure(work, members, args.repeats, drop)
+        load = f"{before:.1f} before, {os.getloadavg()[0]:.1f} after"
+        text = report(times, args.files * args.size_mib * MiB, args, cache, load)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(text)
+    if args.markdown_out:
+        args.markdown_out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Removing things safely: delete, prune, drop archived loose copies, collect garbage.
+
+Every removal keeps the rule that a committed version is loadable until it is
+deliberately deleted: a version directory loses its manifest first (a crash
+midway leaves garbage, never a broken version); a tarball loses its index
+first; loose files of an archived version go only once its tarball is
+committed; a tarball goes only when none of its versions is kept (members
+cannot be cut out of a tar). ``gc`` removes what crashes leave: version
+directories without a manifest, tarballs without an index, temp files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from . import catalog
+from . import commit as protocol
+from .archiving import archive_location, archive_versions, list_archived, list_tarballs, remove_tarball
+from .commit import version_dir
+from .errors import CheckpointError, VersionNotFoundError
+from .location import Location
+from .retention import RetentionPolicy, versions_to_keep
+from .tarindex import TarIndex
+
+log = logging.getLogger(__name__)
+
+
+def delete_version(loc: Location, version: int) -> None:
+    """Delete one committed version; an archived one only if it is alone in its tarball."""
+    found = catalog.committed(loc)
+    numbers = [x.version for x in found]
+    if version not in numbers:
+        raise VersionNotFoundError(version, loc.display(), numbers)
+    archived = list_archived(loc).get(version)
+    if archived is not None:
+        others = sorted(v for v in archived.index.extra.get("manifests", {}) if int(v) != version)
+        if others:
+            raise CheckpointError(
+                f"version {version} lives in {archive_location(loc).display(archived.tar)} with versions "
+                f"{', '.join(others)}; a tarball is removed whole: prune them together"
+            )
+        remove_tarball(loc, archived.tar)
+    if version in protocol.list_dirs(loc):
+        protocol.remove_version(loc, version)
+    protocol.refresh_latest(loc, [v for v in numbers if v != version])
+
+
+def prune(loc: Location, policy: RetentionPolicy) -> list[int]:
+    """Delete the committed versions ``policy`` does not keep; return their numbers.
+
+    An archived version the policy drops stays while another version of its
+    tarball is kept; it is not reported as removed.
+    """
+    found = catalog.committed(loc)
+    keep = versions_to_keep([x.manifest for x in found], policy)
+    archived = list_archived(loc)
+    for tar in sorted({a.tar for a in archived.values()}):
+        if not any(v in keep for v, a in archived.items() if a.tar == tar):
+            remove_tarball(loc, tar)
+    loose = protocol.list_dirs(loc)
+    for x in found:
+        if x.version not in keep and x.version in loose:
+            protocol.remove_version(loc, x.version)
+    still = [x.version for x in catalog.committed(loc)]
+    protocol.refresh_latest(loc, still)
+    return sorted({x.version for x in found} - set(still))
+
+
+def archive(loc: Location, versions: list[int], *, name: str | None = None) -> TarIndex:
+    """Consolidate loose committed ``versions`` into one tarball (the loose copies stay)."""
+    manifests = []
+    for v in versions:
+        located = catalog.find(loc, v)
+        if located.is_archived:
+            raise CheckpointError(f"version {v} is already archived in {located.url(loc)}")
+        manifests.append(located.manifest)
+    return archive_versions(loc, manifests, name=name)
+
+
+def drop_loose(loc: Location, versions: list[int]) -> list[int]:
+    """Remove the loose copies of versions that a committed tarball holds; return those removed."""
+    archived = list_archived(loc)
+    loose = protocol.list_dirs(loc)
+    removed = []
+    for v in versions:
+        if v not in archived:
+            raise CheckpointError(
+                f"version {v} is not in a committed tarball: its loose files are its only copy"
+            )
+        if v in loose:
+            protocol.remove_version(loc, v)
+            removed.append(v)
+    return removed
+
+
+def collect_garbage(loc: Location) -> list[int]:
+    """Remove version directories without a manifest, tarballs without an index and temp files."""
+    garbage = [v for v, has_manifest in protocol.list_dirs(loc).items() if not has_manifest]
+    for v in garbage:
+        loc.fs.rm(loc.path(version_dir(v)), recursive=True)
+    _, partial = list_tarballs(loc)
+    for tar in partial:
+        log.info("removing %s: a tarball without an index (archiving was interrupted)", tar)
+        remove_tarball(loc, tar)
+    for path in protocol.stale_temp_files(loc):
+        os.remove(path)
+    return garbage

@@ -1,0 +1,533 @@
+"""Verified, resumable transfers: upload_file / download_file on S3 (moto, behind a fault proxy) and fsspec.
+
+S3 tests talk to the moto server through :class:`tests.faultproxy.FaultProxy`,
+which drops, resets, stalls or corrupts connections; the bytes are then read
+back straight from moto (no proxy) and compared with the source.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import traceback
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import fsspec
+import pytest
+from boto3.s3.transfer import TransferConfig
+from fsspec.asyn import sync
+from fsspec.exceptions import FSTimeoutError
+
+from ckptflow.storage import StorageUnavailableError
+from ckptflow.storage import s3transfer as s3transfer_module
+from ckptflow.storage import transfer as transfer_module
+from ckptflow.storage.etag import MAX_PARTS, MiB, etag_of, guess_part_size, is_md5_etag, plan_parts
+from ckptflow.storage.transfer import (
+    TransferOptions,
+    TransferVerifyError,
+    download_file,
+    s3_storage_options,
+    upload_file,
+)
+from tests.conftest import S3_KEY, S3_SECRET
+from tests.faultproxy import FaultProxy, fault_proxy  # noqa: F401  (a fixture)
+
+PART = 5 * MiB  # S3's smallest part: keeps multipart tests small
+FAST = TransferOptions(part_size=PART, concurrency=4, connect_timeout=2, read_timeout=2, max_attempts=6)
+
+
+def payload(size: int, seed: int = 0) -> bytes:
+    return random.Random(seed).randbytes(size)
+
+
+def write(path: Path, data: bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+def local_etag(data: bytes, part_size: int = PART) -> str:
+    plan = plan_parts(len(data), part_size)
+    return etag_of(plan, [hashlib.md5(data[p.offset : p.offset + p.length]).digest() for p in plan.parts])
+
+
+def via(endpoint: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """The bucket's s3fs options, but through ``endpoint`` (the proxy)."""
+    client_kwargs = {**storage_options["client_kwargs"], "endpoint_url": endpoint}
+    return {**storage_options, "client_kwargs": client_kwargs}
+
+
+def no_secret(*things: object) -> None:
+    for thing in things:
+        text = repr(thing) + str(thing)
+        if isinstance(thing, BaseException):
+            text += "".join(traceback.format_exception(thing))
+        assert S3_SECRET not in text, f"the secret leaked into {type(thing).__name__}"
+
+
+@pytest.fixture
+def raw(s3_server: str):
+    """A boto3 client straight to moto (no proxy), to look at what really is stored."""
+    return boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        aws_access_key_id=S3_KEY,
+        aws_secret_access_key=S3_SECRET,
+        region_name="us-east-1",
+    )
+
+
+@pytest.fixture
+def s3(s3_bucket, fault_proxy, raw):  # noqa: F811
+    """(bucket, storage options through the proxy, the proxy, a raw client)."""
+    bucket, options = s3_bucket
+    return bucket, via(fault_proxy.url, options), fault_proxy, raw
+
+
+def remote_bytes(raw, bucket: str, key: str) -> bytes:
+    return raw.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+
+def pending_uploads(raw, bucket: str) -> list[str]:
+    return sorted(u["Key"] for u in raw.list_multipart_uploads(Bucket=bucket).get("Uploads", []))
+
+
+def first_faulty_seed(rate: float) -> int:
+    """A seed whose first draw is a fault, so a run is sure to see at least one."""
+    return next(s for s in range(1000) if random.Random(s).random() < rate)
+
+
+# -- pure parts -----------------------------------------------------------------------------------
+
+
+class TestPlanAndEtag:
+    def test_small_files_are_one_put(self):
+        assert plan_parts(0, PART).multipart is False
+        assert plan_parts(PART, PART).parts == plan_parts(PART, PART).parts[:1]
+        assert not plan_parts(PART, PART).multipart
+
+    def test_parts_cover_the_file_exactly(self):
+        plan = plan_parts(3 * PART + 7, PART)
+        assert plan.multipart and [p.length for p in plan.parts] == [PART, PART, PART, 7]
+        assert [p.offset for p in plan.parts] == [0, PART, 2 * PART, 3 * PART]
+        assert [p.number for p in plan.parts] == [1, 2, 3, 4]
+
+    def test_part_size_grows_to_stay_within_10000_parts(self):
+        plan = plan_parts(MAX_PARTS * PART + 1, PART)
+        assert len(plan.parts) <= MAX_PARTS and plan.part_size % MiB == 0 and plan.part_size > PART
+
+    def test_multipart_etag_is_md5_of_part_md5s(self):
+        data = payload(2 * PART + 3)
+        md5s = [hashlib.md5(data[:PART]).digest(), hashlib.md5(data[PART : 2 * PART]).digest()]
+        md5s.append(hashlib.md5(data[2 * PART :]).digest())
+        assert local_etag(data) == hashlib.md5(b"".join(md5s)).hexdigest() + "-3"
+        assert local_etag(b"abc") == hashlib.md5(b"abc").hexdigest()
+
+    def test_guess_part_size(self):
+        assert guess_part_size(20 * MiB, 3) == 8 * MiB
+        assert guess_part_size(20 * MiB, 4, hints=(5 * MiB,)) == 5 * MiB
+        assert guess_part_size(20 * MiB, 7) is None
+        assert is_md5_etag('"' + "a" * 32 + '-12"') and not is_md5_etag("xyz")
+
+
+class TestOptions:
+    def test_storage_options_merge_keeps_the_users_settings(self):
+        user = {"key": "k", "config_kwargs": {"retries": {"mode": "adaptive"}, "signature_version": "s3v4"}}
+        opts = TransferOptions(connect_timeout=3, read_timeout=7, max_attempts=4, concurrency=16)
+        merged = s3_storage_options(user, opts)
+        config = merged["config_kwargs"]
+        assert config["connect_timeout"] == 3 and config["read_timeout"] == 7
+        assert config["retries"] == {"mode": "adaptive", "total_max_attempts": 4}
+        assert config["signature_version"] == "s3v4" and config["max_pool_connections"] == 16
+        assert merged["key"] == "k" and user["config_kwargs"]["retries"] == {"mode": "adaptive"}
+        assert s3_storage_options(merged, opts) == merged
+
+    @pytest.mark.parametrize(
+        "bad", [{"part_size": MiB}, {"part_size": 6 << 30}, {"concurrency": 0}, {"read_timeout": 0}]
+    )
+    def test_invalid_options_are_refused(self, bad):
+        with pytest.raises(ValueError):
+            TransferOptions(**bad)
+
+
+# -- S3 -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.s3
+class TestS3Upload:
+    def test_multipart_upload_is_verified_by_etag(self, s3, tmp_path):
+        bucket, options, proxy, raw = s3
+        data = payload(3 * PART + 1234)
+        result = upload_file(
+            write(tmp_path / "a.tar", data), f"s3://{bucket}/x/a.tar", storage_options=options, options=FAST
+        )
+        assert (result.size, result.skipped) == (len(data), False)
+        assert result.etag == local_etag(data) and result.etag.endswith("-4")
+        assert raw.head_object(Bucket=bucket, Key="x/a.tar")["ETag"].strip('"') == result.etag
+        assert remote_bytes(raw, bucket, "x/a.tar") == data
+        assert proxy.methods()["PUT"] == 4  # one per part
+
+    @pytest.mark.parametrize("size", [0, 1000, PART])
+    def test_small_file_is_one_put(self, s3, tmp_path, size):
+        bucket, options, proxy, raw = s3
+        data = payload(size, seed=size)
+        result = upload_file(
+            write(tmp_path / "s", data), f"s3://{bucket}/s", storage_options=options, options=FAST
+        )
+        assert result.etag == hashlib.md5(data).hexdigest()
+        assert remote_bytes(raw, bucket, "s") == data
+        assert proxy.methods()["PUT"] == 1 and proxy.methods()["POST"] == 0
+
+    def test_uploads_complete_at_a_20_percent_fault_rate(self, s3, tmp_path):
+        bucket, options, proxy, raw = s3
+        proxy.rate, proxy.stall_seconds = 0.2, 6.0
+        proxy._rng.seed(first_faulty_seed(0.2))
+        files = {f"f{n}": payload(n * PART + n * 1000, seed=n) for n in (3, 4, 6)}
+        start = time.monotonic()
+        for name, data in files.items():
+            result = upload_file(
+                write(tmp_path / name, data), f"s3://{bucket}/{name}", storage_options=options, options=FAST
+            )
+            assert result.etag == local_etag(data)
+        assert proxy.faults() >= 1, proxy.counts
+        assert time.monotonic() - start < 120
+        proxy.rate = 0.0
+        for name, data in files.items():
+            assert remote_bytes(raw, bucket, name) == data, name
+        assert pending_uploads(raw, bucket) == []
+
+    def test_corruption_in_transit_is_caught_and_the_part_resent(self, s3, tmp_path):
+        bucket, options, proxy, raw = s3
+        data = payload(3 * PART, seed=3)
+        proxy.force("corrupt", 2, offset=PART // 2)  # two parts get a byte flipped
+        result = upload_file(
+            write(tmp_path / "c", data), f"s3://{bucket}/c", storage_options=options, options=FAST
+        )
+        assert proxy.counts["corrupt"] >= 1
+        assert result.etag == local_etag(data) and remote_bytes(raw, bucket, "c") == data
+
+    def test_persistent_corruption_fails_and_leaves_nothing(self, s3, tmp_path):
+        bucket, options, proxy, raw = s3
+        proxy.force("corrupt", 100, offset=1 << 20)
+        src = write(tmp_path / "c", payload(2 * PART, seed=4))
+        with pytest.raises(TransferVerifyError, match=rf"s3://{bucket}/c failed verification: ETag of part"):
+            upload_file(src, f"s3://{bucket}/c", storage_options=options, options=FAST)
+        proxy.clear_forced()
+        assert "Contents" not in raw.list_objects_v2(Bucket=bucket)
+        assert pending_uploads(raw, bucket) == []
+
+    def test_a_mismatch_after_upload_deletes_the_object(self, s3, tmp_path, monkeypatch):
+        """The HEAD check after complete is what decides: a wrong ETag there removes the object."""
+        bucket, options, _, raw = s3
+        monkeypatch.setattr(s3transfer_module, "etag_of", lambda plan, md5s: "0" * 32 + "-3")
+        with pytest.raises(TransferVerifyError, match=r"ETag expected 0+-3, found") as err:
+            upload_file(
+                write(tmp_path / "m", payload(3 * PART)),
+                f"s3://{bucket}/m",
+                storage_options=options,
+                options=FAST,
+            )
+        assert "remote copy was removed" in str(err.value)
+        assert "Contents" not in raw.list_objects_v2(Bucket=bucket)
+
+
+@pytest.mark.s3
+class TestStalls:
+    def test_a_stall_fails_the_request_and_it_is_retried_within_the_timeout(self, s3, tmp_path):
+        bucket, options, proxy, raw = s3
+        proxy.stall_seconds = 60.0  # far longer than the test may take
+        proxy.force("stall", 2, offset=2 * MiB)  # mid-body of two parts
+        data = payload(4 * PART, seed=5)
+        start = time.monotonic()
+        upload_file(write(tmp_path / "st", data), f"s3://{bucket}/st", storage_options=options, options=FAST)
+        elapsed = time.monotonic() - start
+        assert proxy.counts["stall"] >= 1
+        assert elapsed < 30, f"took {elapsed:.1f}s: the stall was waited out instead of timed out"
+        assert remote_bytes(raw, bucket, "st") == data
+
+    def test_a_peer_that_stops_reading_the_body_times_out(self, s3_bucket, fault_proxy):  # noqa: F811
+        """Fixes: aiohttp has no timeout while it sends a body (or waits for 100 Continue); before
+        StallGuardSession, a PUT to a peer that stopped reading hung forever."""
+        bucket, options = s3_bucket
+        fault_proxy.stall_seconds = 60.0
+        fault_proxy.rate, fault_proxy.kinds, fault_proxy.max_offset = 1.0, ("stall",), 1  # every connection
+        opts = TransferOptions(connect_timeout=1, read_timeout=1, max_attempts=2)
+        fs = fsspec.filesystem("s3", **s3_storage_options(via(fault_proxy.url, options), opts))
+        client = sync(fs.loop, fs.set_session)
+        start = time.monotonic()
+        with pytest.raises(Exception, match=r"[Tt]imeout") as err:
+            sync(fs.loop, client.put_object, Bucket=bucket, Key="k", Body=b"x" * (8 * MiB), timeout=30)
+        assert time.monotonic() - start < 15 and fault_proxy.counts["stall"] >= 2
+        no_secret(err.value)
+
+    def test_without_the_guard_the_same_put_hangs(self, s3_bucket, fault_proxy):  # noqa: F811
+        """The control for the test above: aiohttp alone waits past any read timeout."""
+        bucket, options = s3_bucket
+        fault_proxy.stall_seconds = 60.0
+        fault_proxy.rate, fault_proxy.kinds, fault_proxy.max_offset = 1.0, ("stall",), 1
+        merged = s3_storage_options(
+            via(fault_proxy.url, options), TransferOptions(connect_timeout=1, read_timeout=1)
+        )
+        del merged["config_kwargs"]["http_session_cls"]
+        fs = fsspec.filesystem("s3", **merged)
+        client = sync(fs.loop, fs.set_session)
+        with pytest.raises(FSTimeoutError):
+            sync(fs.loop, client.put_object, Bucket=bucket, Key="k", Body=b"x" * (8 * MiB), timeout=4)
+
+    def test_unreachable_endpoint_fails_in_bounded_time_without_secrets(self, s3_bucket, tmp_path, caplog):
+        bucket, options = s3_bucket
+        with FaultProxy("http://127.0.0.1:9", rate=1.0, kinds=("drop",)) as dead:
+            opts = TransferOptions(connect_timeout=1, read_timeout=1, max_attempts=2)
+            start = time.monotonic()
+            with (
+                caplog.at_level("DEBUG"),
+                pytest.raises(StorageUnavailableError, match="after 2 attempts") as err,
+            ):
+                upload_file(
+                    write(tmp_path / "u", b"abc"),
+                    f"s3://{bucket}/u",
+                    storage_options=via(dead.url, options),
+                    options=opts,
+                )
+        assert time.monotonic() - start < 20
+        assert f"s3://{bucket}/u" in str(err.value)
+        no_secret(err.value)
+        assert S3_SECRET not in caplog.text
+
+
+@pytest.mark.s3
+class TestIdempotentUpload:
+    def test_rerun_skips_without_sending(self, s3, tmp_path):
+        bucket, options, proxy, _ = s3
+        src = write(tmp_path / "r", payload(2 * PART + 5))
+        first = upload_file(src, f"s3://{bucket}/r", storage_options=options, options=FAST)
+        proxy.reset_counts()
+        again = upload_file(src, f"s3://{bucket}/r", storage_options=options, options=FAST)
+        assert again.skipped and not first.skipped and again.etag == first.etag
+        assert proxy.methods() == {"HEAD": 1}, proxy.requests
+        no_secret(first, again)
+
+    def test_same_bytes_uploaded_by_another_tool_are_skipped(self, s3, tmp_path, raw):
+        bucket, options, proxy, _ = s3
+        data = payload(4 * MiB * 5, seed=6)  # 20 MiB: boto3 makes 3 parts of 8 MiB
+        src = write(tmp_path / "b", data)
+        raw.upload_file(
+            str(src),
+            bucket,
+            "b",
+            Config=TransferConfig(multipart_threshold=8 * MiB, multipart_chunksize=8 * MiB),
+        )
+        assert raw.head_object(Bucket=bucket, Key="b")["ETag"].strip('"').endswith("-3")
+        proxy.reset_counts()
+        assert upload_file(src, f"s3://{bucket}/b", storage_options=options, options=FAST).skipped
+        assert proxy.methods()["PUT"] == 0
+
+    @pytest.mark.parametrize("how", ["single-put", "same-plan"])
+    def test_right_size_wrong_bytes_is_uploaded_again(self, s3, tmp_path, how):
+        bucket, options, _, raw = s3
+        data, other = payload(3 * PART, seed=7), payload(3 * PART, seed=8)
+        if how == "single-put":
+            raw.put_object(Bucket=bucket, Key="w", Body=other)
+        else:
+            upload_file(
+                write(tmp_path / "other", other), f"s3://{bucket}/w", storage_options=options, options=FAST
+            )
+        result = upload_file(
+            write(tmp_path / "w", data), f"s3://{bucket}/w", storage_options=options, options=FAST
+        )
+        assert not result.skipped
+        assert remote_bytes(raw, bucket, "w") == data
+
+    def test_abandoned_multipart_uploads_of_the_key_are_aborted(self, s3, tmp_path, raw):
+        bucket, options, _, _ = s3
+        for key in ("k.tar", "k.tar.index"):  # the second only shares a prefix: it must survive
+            upload_id = raw.create_multipart_upload(Bucket=bucket, Key=key)["UploadId"]
+            raw.upload_part(Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=1, Body=payload(PART))
+        result = upload_file(
+            write(tmp_path / "k", payload(2 * PART, seed=9)),
+            f"s3://{bucket}/k.tar",
+            storage_options=options,
+            options=FAST,
+        )
+        assert not result.skipped
+        assert pending_uploads(raw, bucket) == ["k.tar.index"]
+
+    def test_upload_killed_midway_is_never_done_and_a_rerun_completes(self, s3, tmp_path, raw):
+        """SIGKILL during the upload leaves an unfinished multipart upload and no object; a re-run
+        aborts it, uploads, and verifies."""
+        bucket, options, proxy, _ = s3
+        data = payload(6 * PART, seed=10)
+        src = write(tmp_path / "kill", data)
+        proxy.stall_seconds = 60.0
+        proxy.force("stall", 100, offset=MiB, match="partNumber=3")  # part 3 hangs, the others go through
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(src), f"s3://{bucket}/kill", repr(options)], env=_child_env()
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while proxy.counts["stall"] < 1 and time.monotonic() < deadline and child.poll() is None:
+                time.sleep(0.05)
+            assert proxy.counts["stall"] >= 1 and child.poll() is None
+            time.sleep(0.5)  # let the other parts land
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait(timeout=30)
+        proxy.clear_forced()
+        assert "Contents" not in raw.list_objects_v2(Bucket=bucket)
+        assert pending_uploads(raw, bucket) == ["kill"]
+        upload_id = raw.list_multipart_uploads(Bucket=bucket)["Uploads"][0]["UploadId"]
+        assert raw.list_parts(Bucket=bucket, Key="kill", UploadId=upload_id).get("Parts"), (
+            "no part was uploaded"
+        )
+        result = upload_file(src, f"s3://{bucket}/kill", storage_options=options, options=FAST)
+        assert not result.skipped and result.etag == local_etag(data)
+        assert remote_bytes(raw, bucket, "kill") == data and pending_uploads(raw, bucket) == []
+
+
+_CHILD = textwrap.dedent(
+    """
+    import ast, sys
+    from ckptflow.storage.transfer import TransferOptions, upload_file
+    opts = TransferOptions(part_size=5 << 20, concurrency=2, read_timeout=120, max_attempts=1)
+    upload_file(sys.argv[1], sys.argv[2], storage_options=ast.literal_eval(sys.argv[3]), options=opts)
+    """
+)
+
+
+def _child_env() -> dict[str, str]:
+    root = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+
+
+@pytest.mark.s3
+class TestS3Download:
+    def test_round_trip_through_faults(self, s3, tmp_path):
+        bucket, options, proxy, _ = s3
+        data = payload(4 * PART + 77, seed=11)
+        upload_file(write(tmp_path / "src", data), f"s3://{bucket}/d", storage_options=options, options=FAST)
+        proxy.rate, proxy.stall_seconds, proxy.max_offset = 0.2, 6.0, 3 * MiB
+        proxy._rng.seed(first_faulty_seed(0.2))
+        out = tmp_path / "out" / "d.bin"
+        out.parent.mkdir()
+        for _ in range(2):
+            result = download_file(f"s3://{bucket}/d", out, storage_options=options, options=FAST)
+            assert out.read_bytes() == data and result.size == len(data) and result.etag == local_etag(data)
+        assert proxy.faults() >= 1
+        assert os.listdir(out.parent) == ["d.bin"]
+
+    def test_object_of_another_tool_is_verified(self, s3, tmp_path, raw):
+        bucket, options, _, _ = s3
+        data = payload(20 * MiB + 3, seed=12)
+        raw.upload_fileobj(
+            _Reader(data),
+            bucket,
+            "o",
+            Config=TransferConfig(multipart_threshold=8 * MiB, multipart_chunksize=8 * MiB),
+        )
+        raw.put_object(Bucket=bucket, Key="single", Body=data[: PART + 9])
+        for key, want in (("o", data), ("single", data[: PART + 9])):
+            download_file(f"s3://{bucket}/{key}", tmp_path / key, storage_options=options, options=FAST)
+            assert (tmp_path / key).read_bytes() == want
+
+    def test_corrupt_bytes_are_refused_and_nothing_is_written(self, s3, tmp_path, raw):
+        bucket, options, proxy, _ = s3
+        raw.put_object(Bucket=bucket, Key="c", Body=payload(3 * PART, seed=13))
+        upload_file(
+            write(tmp_path / "c-src", payload(3 * PART, seed=13)),
+            f"s3://{bucket}/c2",
+            storage_options=options,
+            options=FAST,
+        )
+        write(tmp_path / "out" / "old", b"old")
+        proxy.force("corrupt", 100, offset=2 * MiB)
+        for key in ("c", "c2"):  # single-PUT ETag (checked after) and multipart ETag (checked per part)
+            with pytest.raises(TransferVerifyError, match=f"s3://{bucket}/{key} failed verification: ETag"):
+                download_file(
+                    f"s3://{bucket}/{key}", tmp_path / "out" / "old", storage_options=options, options=FAST
+                )
+        assert os.listdir(tmp_path / "out") == ["old"] and (tmp_path / "out" / "old").read_bytes() == b"old"
+
+    def test_missing_object(self, s3, tmp_path):
+        bucket, options, _, _ = s3
+        with pytest.raises(StorageUnavailableError, match=f"no object at s3://{bucket}/nope"):
+            download_file(f"s3://{bucket}/nope", tmp_path / "x", storage_options=options, options=FAST)
+        assert os.listdir(tmp_path) == []
+
+    def test_missing_bucket_named_without_secrets(self, s3_bucket, tmp_path):
+        _, options = s3_bucket
+        with pytest.raises(
+            StorageUnavailableError, match="bucket of s3://no-such-bucket-x/k does not exist"
+        ) as err:
+            upload_file(
+                write(tmp_path / "f", b"abc"),
+                "s3://no-such-bucket-x/k",
+                storage_options=options,
+                options=FAST,
+            )
+        no_secret(err.value)
+
+
+class _Reader:
+    """A file object boto3 cannot stat: forces its multipart path with the given part size."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def read(self, n: int = -1) -> bytes:
+        end = len(self.data) if n < 0 else self.pos + n
+        chunk, self.pos = self.data[self.pos : end], min(end, len(self.data))
+        return chunk
+
+
+# -- other filesystems ----------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "file", "memory"])
+def target(request, tmp_path) -> Iterator[str]:
+    if request.param == "local":
+        yield str(tmp_path / "remote" / "sub" / "a.tar")
+    elif request.param == "file":
+        yield (tmp_path / "remote" / "sub" / "a.tar").as_uri()
+    else:
+        name = f"xfer-{uuid.uuid4().hex}"
+        yield f"memory://{name}/sub/a.tar"
+        fs = fsspec.filesystem("memory")
+        if fs.exists(f"/{name}"):
+            fs.rm(f"/{name}", recursive=True)
+
+
+class TestOtherFilesystems:
+    def test_upload_verify_skip_and_download(self, target, tmp_path):
+        data = payload(3 * MiB + 1, seed=14)
+        src = write(tmp_path / "src" / "a.tar", data)
+        first = upload_file(src, target, options=FAST)
+        assert not first.skipped and first.etag.startswith("xxh3_64:") and first.size == len(data)
+        assert upload_file(src, target, options=FAST).skipped
+        write(src, payload(len(data), seed=15))  # same size, other bytes
+        assert not upload_file(src, target, options=FAST).skipped
+        out = tmp_path / "back.tar"
+        result = download_file(target, out, options=FAST)
+        assert out.read_bytes() == src.read_bytes() and result.size == len(data)
+        if "memory" not in target:
+            assert sorted(os.listdir(tmp_path / "remote" / "sub")) == ["a.tar"]  # no temp file left
+
+    def test_a_bad_copy_is_deleted(self, target, tmp_path, monkeypatch):
+        def bad_put(loc, local_path):
+            loc.fs.makedirs(loc.fs._parent(loc.root), exist_ok=True)
+            loc.fs.pipe_file(loc.root, b"not the bytes")
+
+        monkeypatch.setattr(transfer_module, "_put", bad_put)
+        with pytest.raises(TransferVerifyError, match="failed verification: size expected 3, found 13"):
+            upload_file(write(tmp_path / "x", b"abc"), target, options=FAST)
+        fs, path = fsspec.core.url_to_fs(target)
+        assert not fs.exists(path)
