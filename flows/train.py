@@ -27,6 +27,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
 from ckptflow.storage import SaveHandle, VersionInfo
+from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.formatting import human_size, metrics_text
 from ckptflow.tasks.monitoring import RunMonitor
@@ -58,6 +59,7 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     first_epoch = run.epoch + 1
     reason = f"already at epoch {run.epoch}" if run.epoch >= config.epochs else None
     pending: SaveHandle | None = None
+    archiver = ArchiveQueue(run.store, config.archive, run.store.versions())
     try:
         while reason is None:
             epoch = run.epoch + 1
@@ -67,31 +69,42 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
             monitor.epoch_done(epoch, metrics)
             reason = stopper.update(epoch, metrics) or _cancel_requested()
             if epoch % config.save_every == 0 or reason is not None:
-                _commit(pending, monitor, config.save_retries)
+                _commit(pending, monitor, config.save_retries, archiver)
                 pending = None
                 save = save_checkpoint.with_options(retries=config.save_retries)
                 result = save(run, epoch, async_save=config.async_save)
                 if isinstance(result, SaveHandle):
                     pending = result
                 else:
-                    monitor.committed(result)
+                    _committed(result, monitor, archiver)
+    except BaseException:
+        archiver.abandon()
+        raise
     finally:
         if pending is not None:
             pending.join()  # an interrupted run still commits the save in flight
-    _commit(pending, monitor, config.save_retries)
+    _commit(pending, monitor, config.save_retries, archiver)
+    for archived in archiver.drain():
+        if archived.uploaded:
+            monitor.uploaded(archived.uploaded, archived.size)
     removed = finalize(run)
     summary = _summary(run, first_epoch, reason, removed)
-    monitor.summary(_summary_markdown(summary))
+    monitor.summary(_summary_markdown(summary), removed=removed)
     logger.info("stopped: %s; latest checkpoint: %s", reason, summary["latest_url"])
     if reason == CANCELLED:
         return Cancelled(message=f"cancelled after committing epoch {run.epoch}")
     return summary
 
 
-def _commit(pending: SaveHandle | None, monitor: RunMonitor, retries: int) -> None:
+def _commit(pending: SaveHandle | None, monitor: RunMonitor, retries: int, archiver: ArchiveQueue) -> None:
     """Wait until the async save in flight (if any) is committed, and report it."""
     if pending is not None:
-        monitor.committed(commit_checkpoint.with_options(retries=retries)(pending))
+        _committed(commit_checkpoint.with_options(retries=retries)(pending), monitor, archiver)
+
+
+def _committed(info: VersionInfo, monitor: RunMonitor, archiver: ArchiveQueue) -> None:
+    monitor.committed(info)
+    archiver.committed(info)  # queues archive/upload jobs the policy says are due
 
 
 def _cancel_requested() -> str | None:

@@ -56,6 +56,36 @@ class StopConfig(_Strict):
         return self
 
 
+class ArchiveConfig(_Strict):
+    """Consolidating committed checkpoints into tarballs, and mirroring them elsewhere (default: off)."""
+
+    every: int | None = Field(None, ge=1, description="archive each K committed epochs into one tarball")
+    target_bytes: int | None = Field(
+        None, ge=1, description="or: archive once loose checkpoints reach this size"
+    )
+    keep_loose: bool = Field(False, description="keep the loose files of archived versions")
+    upload_to: str | None = Field(None, description="a URL (e.g. s3://bucket/run1) to mirror archives to")
+    upload_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options, no credentials")
+    upload_secret: str | None = Field(None, description="a Prefect Secret block with upload credentials")
+    upload_versions: bool = Field(False, description="also upload every committed version as it commits")
+    max_pending: int = Field(2, ge=1, le=16, description="archive jobs queued in the background at most")
+
+    def enabled(self) -> bool:
+        return self.every is not None or self.target_bytes is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> ArchiveConfig:
+        found = _credential_keys(self.upload_options)
+        if found:
+            raise ValueError(
+                f"archive.upload_options must not hold credentials ({', '.join(found)}): use the "
+                "environment, an AWS profile or archive.upload_secret"
+            )
+        if self.upload_versions and not self.upload_to:
+            raise ValueError("archive.upload_versions needs archive.upload_to")
+        return self
+
+
 class PipelineConfig(_Strict):
     """Everything a training pipeline run needs; JSON in, JSON out."""
 
@@ -78,6 +108,7 @@ class PipelineConfig(_Strict):
     save_timeout_seconds: float | None = Field(None, gt=0)
     retention: RetentionConfig = Field(default_factory=lambda: RetentionConfig())
     stop: StopConfig = Field(default_factory=lambda: StopConfig())
+    archive: ArchiveConfig = Field(default_factory=lambda: ArchiveConfig())
     allow_config_change: bool = Field(False, description="resume even if spec/spec_config/seed differ")
 
     @model_validator(mode="after")
@@ -106,22 +137,25 @@ class PipelineConfig(_Strict):
 
     def resolved_storage_options(self) -> dict[str, Any]:
         """``storage_options`` with the Secret block's options merged in (call inside a run)."""
-        if not self.storage_secret:
-            return dict(self.storage_options)
-        from prefect.blocks.system import Secret
+        return with_secret(self.storage_options, self.storage_secret)
 
-        block: Any = Secret.load(self.storage_secret)  # sync in a sync context
-        value = block.get()
-        secret = json.loads(value) if isinstance(value, str) else value
-        if not isinstance(secret, dict):
-            raise ValueError(
-                f"the Secret block {self.storage_secret!r} must hold a JSON object of fsspec options"
-            )
-        merged = {**self.storage_options, **secret}
-        for nested in ("client_kwargs", "config_kwargs"):
-            if isinstance(self.storage_options.get(nested), dict) and isinstance(secret.get(nested), dict):
-                merged[nested] = {**self.storage_options[nested], **secret[nested]}
-        return merged
+
+def with_secret(options: dict[str, Any], secret_block: str | None) -> dict[str, Any]:
+    """fsspec ``options`` with the JSON options of a Prefect Secret block merged in."""
+    if not secret_block:
+        return dict(options)
+    from prefect.blocks.system import Secret
+
+    block: Any = Secret.load(secret_block)  # sync in a sync context
+    value = block.get()
+    secret = json.loads(value) if isinstance(value, str) else value
+    if not isinstance(secret, dict):
+        raise ValueError(f"the Secret block {secret_block!r} must hold a JSON object of fsspec options")
+    merged = {**options, **secret}
+    for nested in ("client_kwargs", "config_kwargs"):
+        if isinstance(options.get(nested), dict) and isinstance(secret.get(nested), dict):
+            merged[nested] = {**options[nested], **secret[nested]}
+    return merged
 
 
 CREDENTIAL_KEYS = frozenset(

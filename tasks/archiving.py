@@ -1,0 +1,192 @@
+"""Archive and upload, as pipeline policy and Prefect tasks.
+
+Policy (pure): which committed versions to consolidate next, every K epochs or
+once the loose checkpoints reach a size. Mechanism lives in ckptflow.storage:
+``CheckpointStore.archive`` writes a tarball and its index, ``upload_file``
+moves and verifies bytes, ``drop_loose`` removes loose copies.
+
+``archive_versions`` runs in the background (submitted to the flow's task
+runner while training goes on; the flow keeps at most ``max_pending`` such
+jobs queued and drains them before it exits). Its order keeps every
+committed version loadable at every instant: tarball and index, then the
+upload verified (when configured), then the loose files removed. Re-running
+it after a crash picks up where it stopped: a committed tarball is reused,
+a verified remote copy is skipped.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from ckptflow.storage import CheckpointStore, VersionInfo
+from ckptflow.storage.archiving import archive_location, list_archived
+from ckptflow.storage.commit import MANIFEST_FILE, version_dir
+from ckptflow.storage.errors import CheckpointError
+from ckptflow.storage.tarindex import TarIndex, index_name, read_index
+from ckptflow.storage.transfer import TransferOptions, s3_storage_options, upload_file
+
+from .config import ArchiveConfig, with_secret
+
+
+def next_groups(loose: list[VersionInfo], config: ArchiveConfig, busy: set[int]) -> list[list[int]]:
+    """Groups of loose committed versions to archive now, oldest first (``busy``: already queued)."""
+    free = sorted((v for v in loose if v.version not in busy), key=lambda v: v.version)
+    groups: list[list[int]] = []
+    group: list[VersionInfo] = []
+    for info in free:
+        group.append(info)
+        full_count = config.every is not None and len(group) >= config.every
+        full_size = config.target_bytes is not None and sum(v.size for v in group) >= config.target_bytes
+        if full_count or full_size:
+            groups.append([v.version for v in group])
+            group = []
+    return groups
+
+
+@dataclass(frozen=True)
+class ArchiveResult:
+    tar: str  # URL of the tarball in the store
+    versions: list[int]
+    size: int
+    uploaded: str | None  # URL of the verified remote copy
+    dropped: list[int]  # versions whose loose files were removed
+
+
+def upload_target(config: ArchiveConfig) -> tuple[str, dict[str, Any]] | None:
+    if not config.upload_to:
+        return None
+    options = with_secret(config.upload_options, config.upload_secret)
+    if config.upload_to.startswith(("s3://", "s3a://")):
+        options = s3_storage_options(options, TransferOptions())
+    return config.upload_to.rstrip("/"), options
+
+
+@task(
+    name="archive_versions",
+    cache_policy=NO_CACHE,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(2),
+    retry_jitter_factor=0.5,
+)
+def archive_versions(store: CheckpointStore, versions: list[int], config: ArchiveConfig) -> ArchiveResult:
+    """Consolidate ``versions`` into a tarball, upload it when configured, then drop the loose files."""
+    logger = get_run_logger()
+    index = _archive_once(store, versions)
+    aloc = archive_location(store.loc)
+    uploaded = None
+    target = upload_target(config)
+    if target is not None:
+        uploaded = _upload_archive(store, index, *target)
+        logger.info("uploaded %s (%d bytes) to %s", index.tar, index.size, uploaded)
+    dropped = [] if config.keep_loose else store.drop_loose(versions)
+    logger.info("archived versions %s into %s", versions, aloc.display(index.tar))
+    return ArchiveResult(aloc.display(index.tar), versions, index.size, uploaded, dropped)
+
+
+@task(
+    name="upload_version",
+    cache_policy=NO_CACHE,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(2),
+    retry_jitter_factor=0.5,
+)
+def upload_version(store: CheckpointStore, version: int, config: ArchiveConfig) -> str:
+    """Mirror one committed loose version: shards first, its manifest last (the remote commit)."""
+    target = upload_target(config)
+    if target is None:
+        raise ValueError("upload_version needs archive.upload_to")
+    url, options = target
+    _require_local(store)
+    manifest = store.manifest(version)
+    vdir = version_dir(version)
+    for name in [s.file for s in manifest.shards] + [MANIFEST_FILE]:
+        upload_file(store.loc.path(vdir, name), f"{url}/{vdir}/{name}", storage_options=options)
+    return f"{url}/{vdir}"
+
+
+def _archive_once(store: CheckpointStore, versions: list[int]) -> TarIndex:
+    """The tarball of ``versions``: found committed by an earlier attempt, or written now."""
+    archived = list_archived(store.loc)
+    if all(v in archived for v in versions) and len({archived[v].tar for v in versions}) == 1:
+        return archived[versions[0]].index
+    return store.archive(versions)
+
+
+def _upload_archive(store: CheckpointStore, index: TarIndex, url: str, options: dict[str, Any]) -> str:
+    """Upload the tarball, then its index (the remote commit): the mirror is a store of its own."""
+    _require_local(store)
+    aloc = archive_location(store.loc)
+    remote = f"{url}/archive"
+    upload_file(aloc.path(index.tar), f"{remote}/{index.tar}", storage_options=options)
+    upload_file(
+        aloc.path(index_name(index.tar)), f"{remote}/{index_name(index.tar)}", storage_options=options
+    )
+    read_index(aloc, index.tar)  # still committed here, after the upload
+    return f"{remote}/{index.tar}"
+
+
+def _require_local(store: CheckpointStore) -> None:
+    if not store.loc.is_local or not os.path.isdir(store.loc.root):
+        raise CheckpointError(
+            f"uploads copy from a local store; {store.url} is not one (write archives there directly)"
+        )
+
+
+class ArchiveQueue:
+    """Background archive (and upload) jobs of one flow run: bounded, drained at exit.
+
+    Jobs go to the flow's task runner (threads) with ``.submit``, so they show in
+    the Prefect UI as task runs with retries while training continues. At most
+    ``max_pending`` are queued: a commit that would queue more waits for the
+    oldest first, so archiving cannot fall ever further behind.
+    """
+
+    def __init__(self, store: CheckpointStore, config: ArchiveConfig, existing: list[VersionInfo]) -> None:
+        self.store = store
+        self.config = config
+        self.loose = [v for v in existing if not v.archived]
+        self.pending: list[tuple[Any, list[int]]] = []  # (PrefectFuture, versions it archives)
+        self.busy: set[int] = set()
+        self.results: list[ArchiveResult] = []
+
+    def committed(self, info: VersionInfo) -> None:
+        """Note a new commit; queue whatever the policy says is due."""
+        self.loose.append(info)
+        if self.config.upload_versions:
+            self._queue(upload_version.submit(self.store, info.version, self.config), [])
+        if not self.config.enabled():
+            return
+        for group in next_groups(self.loose, self.config, self.busy):
+            self._queue(archive_versions.submit(self.store, group, self.config), group)
+
+    def _queue(self, future: Any, versions: list[int]) -> None:
+        while len(self.pending) >= self.config.max_pending:
+            self._finish(self.pending.pop(0))
+        self.pending.append((future, versions))
+        self.busy.update(versions)
+
+    def _finish(self, item: tuple[Any, list[int]]) -> None:
+        future, versions = item
+        result = future.result()  # raises if the job failed after its retries
+        self.busy.difference_update(versions)
+        if isinstance(result, ArchiveResult):
+            self.loose = [v for v in self.loose if v.version not in result.versions]
+            self.results.append(result)
+
+    def drain(self) -> list[ArchiveResult]:
+        """Wait for every queued job (the flow's clean shutdown); return the archive results."""
+        while self.pending:
+            self._finish(self.pending.pop(0))
+        return self.results
+
+    def abandon(self) -> None:
+        """On an interrupted run: wait for queued jobs to end, without raising their errors."""
+        for future, _ in self.pending:
+            future.wait()  # a PrefectFuture's wait() does not raise the task's error
+        self.pending.clear()
