@@ -29,6 +29,7 @@ from rich.console import Console
 from typer.core import TyperGroup
 
 from . import present
+from .archive_cmd import archive_command, extract_command
 from .run_cmd import run_command
 
 if TYPE_CHECKING:
@@ -394,6 +395,8 @@ def gc_command(url: Url, dry_run: DryRun = False, storage_options: StorageOption
 # -- run ------------------------------------------------------------------------
 # The training pipeline; flows/run_cmd.py imports Prefect only inside the command's body.
 app.command("run")(run_command)
+app.command("archive")(archive_command)
+app.command("extract")(extract_command)
 
 
 def main() -> None:

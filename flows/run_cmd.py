@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -36,6 +37,20 @@ def run_command(
         bool, Opt("--async-save/--no-async-save", help="Save while the next epoch runs.")
     ] = True,
     save_every: Annotated[int, Opt("--save-every", min=1, help="Save every N epochs (and at the end).")] = 1,
+    archive_every: Annotated[
+        int | None, Opt("--archive-every", min=1, help="Consolidate each K committed epochs into a tarball.")
+    ] = None,
+    archive_size: Annotated[
+        str | None,
+        Opt("--archive-size", metavar="SIZE", help="Or: once loose checkpoints reach SIZE (1GiB)."),
+    ] = None,
+    keep_loose: Annotated[bool, Opt("--keep-loose", help="Keep loose files of archived versions.")] = False,
+    upload_to: Annotated[
+        str | None, Opt("--upload-to", metavar="URL", help="Mirror archives to this URL (s3://...).")
+    ] = None,
+    upload_versions: Annotated[
+        bool, Opt("--upload-versions", help="Also upload each committed version as it commits.")
+    ] = False,
     keep_last: Annotated[int | None, Opt("--keep-last", min=1, help="Retention: keep the newest N.")] = None,
     keep_every: Annotated[
         int | None, Opt("--keep-every", min=1, help="Retention: keep every K-th epoch.")
@@ -78,6 +93,13 @@ def run_command(
         "async_save": async_save,
         "epoch_retries": epoch_retries,
         "allow_config_change": allow_config_change,
+        "archive": {
+            "every": archive_every,
+            "target_bytes": _size(archive_size) if archive_size else None,
+            "keep_loose": keep_loose,
+            "upload_to": upload_to,
+            "upload_versions": upload_versions,
+        },
         "retention": {
             "keep_last": keep_last,
             "keep_every": keep_every,
@@ -105,6 +127,33 @@ def run_command(
         raise typer.BadParameter(_validation_message(exc)) from None
     result = _run_with_progress(config, warmup)
     _print_next_steps(config, result)
+
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "K": 1 << 10,
+    "KB": 1000,
+    "KIB": 1 << 10,
+    "M": 1 << 20,
+    "MB": 10**6,
+    "MIB": 1 << 20,
+    "G": 1 << 30,
+    "GB": 10**9,
+    "GIB": 1 << 30,
+    "T": 1 << 40,
+    "TB": 10**12,
+    "TIB": 1 << 40,
+}
+
+
+def _size(text: str) -> int:
+    """``"1GiB"`` -> 1073741824; ``"500MB"`` -> 500000000."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).upper() if match else ""
+    if match is None or unit not in _UNITS:
+        raise typer.BadParameter(f"--archive-size {text!r} is not a size like 512MiB or 1GiB")
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def _json_object(option: str, text: str) -> dict[str, Any]:

@@ -61,6 +61,7 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     pending: SaveHandle | None = None
     archiver = ArchiveQueue(run.store, config.archive, run.store.versions())
     try:
+        archiver.catch_up()  # versions an interrupted run committed but did not archive
         while reason is None:
             epoch = run.epoch + 1
             attempts = EpochAttempts(run, keep_snapshot=config.epoch_retries > 0)

@@ -160,6 +160,10 @@ class ArchiveQueue:
         self.loose.append(info)
         if self.config.upload_versions:
             self._queue(upload_version.submit(self.store, info.version, self.config), [])
+        self.catch_up()
+
+    def catch_up(self) -> None:
+        """Queue the groups the policy says are due (at start: what an interrupted run left)."""
         if not self.config.enabled():
             return
         for group in next_groups(self.loose, self.config, self.busy):

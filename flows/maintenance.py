@@ -1,0 +1,73 @@
+"""Flows that look after checkpoint stores between training runs.
+
+``maintain_stores`` (deployment entrypoint ``flows/maintenance.py:maintain_stores``,
+on a cron schedule in ``deployments/prefect.yaml``) runs the same sequence of
+tasks on every store of its config:
+
+    retention ─► gc (leftovers of interrupted saves) ─► publish (table + latest checkpoint)
+
+A store that a training run is writing to is only published (see
+``ckptflow.tasks.maintenance``). The sequence is the place for more steps
+(archive, upload): each is a task taking the opened store.
+
+``publish_store_checkpoints`` publishes one store's table, for
+``ckptflow publish URL``: it is how to see a store's checkpoints in the UI
+without a training run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
+
+from ckptflow.tasks.maintenance import (
+    MaintenanceConfig,
+    active_training_runs,
+    apply_retention,
+    collect_garbage,
+    open_maintained_store,
+    publish_checkpoints,
+)
+
+
+@flow(name="ckptflow-maintenance", validate_parameters=True)
+def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
+    """Apply retention, remove leftovers and publish the checkpoint table of each store."""
+    logger = get_run_logger()
+    source = f"maintenance run `{flow_run.get_name() or 'local'}`"
+    report = []
+    for url in config.storages:
+        store = open_maintained_store(config, url)
+        busy = active_training_runs(store.url)
+        if busy:
+            logger.warning("%s is being written by %s: retention and gc skipped", store.url, ", ".join(busy))
+        pruned = apply_retention(store, config.retention) if config.retention.enabled() and not busy else []
+        removed = collect_garbage(store) if config.gc and not busy else []
+        artifacts = publish_checkpoints(store, source=source) if config.publish else {}
+        report.append(
+            {
+                "storage": store.url,
+                "busy": busy,
+                "pruned": pruned,
+                "gc": removed,
+                "versions": [v.version for v in store.versions()],
+                "artifacts": sorted(artifacts),
+            }
+        )
+        logger.info("%s: pruned %s, removed leftovers %s", store.url, pruned or "none", removed or "none")
+    return report
+
+
+@flow(name="ckptflow-publish", validate_parameters=True)
+def publish_store_checkpoints(
+    storage: str, storage_options: dict[str, Any] | None = None, storage_secret: str | None = None
+) -> dict[str, Any]:
+    """Publish one store's checkpoint table and latest checkpoint as artifacts (keys per store)."""
+    config = MaintenanceConfig(
+        storages=[storage], storage_options=storage_options or {}, storage_secret=storage_secret
+    )
+    store = open_maintained_store(config, storage)
+    ids = publish_checkpoints(store, source=f"`ckptflow publish` (flow run `{flow_run.get_name()}`)")
+    return {"storage": store.url, "versions": [v.version for v in store.versions()], "artifacts": ids}

@@ -1,0 +1,168 @@
+"""Upkeep of checkpoint stores outside training runs: retention, leftovers, the published table.
+
+The maintenance flow (``flows/maintenance.py``) runs these tasks per store, in
+order; each is a thin wrapper over ``ckptflow.storage`` and safe to retry.
+
+What must hold:
+
+- A store that a training run is writing to right now is only *published*,
+  never pruned or collected: ``gc`` cannot tell a save in progress from a
+  crashed one, and retention during a run is that run's own ``finalize``
+  step. "Writing right now" means a ``ckptflow-train`` flow run in Pending,
+  Running or Cancelling whose ``config.storage`` names the same store. A run
+  whose process died stays Running until the heartbeat automation marks it
+  Crashed (``ckptflow setup-server``), and holds its store until then.
+- Credentials are never parameters, as for the training pipeline:
+  ``storage_options`` refuse them; they come from the environment, an AWS
+  profile, a Secret block (``storage_secret``), or, for a flow run started
+  in-process by the CLI, :func:`private_storage_options`, which never
+  reaches the Prefect API.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
+from uuid import UUID
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from ckptflow.storage import CheckpointStore, RetentionPolicy
+
+from .config import PipelineConfig, RetentionConfig
+from .monitoring import publish_store
+
+TRAIN_FLOW = "ckptflow-train"
+_private_options: ContextVar[dict[str, Any] | None] = ContextVar("ckptflow_private_options", default=None)
+
+
+class MaintenanceConfig(BaseModel):
+    """The maintenance flow's parameter: which stores, and what to do to each."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    storages: list[str] = Field(min_length=1, description="store URLs: paths, file://, s3://bucket/prefix")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec options without credentials, shared by the stores"
+    )
+    storage_secret: str | None = Field(
+        None, description="a Prefect Secret block whose JSON value (credentials) joins storage_options"
+    )
+    retention: RetentionConfig = Field(
+        default_factory=lambda: RetentionConfig(), description="versions to keep (default: all)"
+    )
+    gc: bool = Field(True, description="remove the leftovers of interrupted saves")
+    publish: bool = Field(True, description="publish each store's checkpoint table and latest checkpoint")
+
+    @model_validator(mode="after")
+    def _valid_stores(self) -> MaintenanceConfig:
+        for url in self.storages:
+            self.store_config(url)
+        return self
+
+    def store_config(self, url: str) -> PipelineConfig:
+        """The options of one store, checked like a training run's (no credentials, a real location)."""
+        try:
+            return PipelineConfig(
+                storage=url, storage_options=self.storage_options, storage_secret=self.storage_secret
+            )
+        except ValidationError as exc:
+            raise ValueError("; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
+
+
+@contextmanager
+def private_storage_options(options: dict[str, Any]) -> Iterator[None]:
+    """Extra fsspec options (credentials) for the stores opened in this context, never sent to Prefect."""
+    token = _private_options.set(dict(options))
+    try:
+        yield
+    finally:
+        _private_options.reset(token)
+
+
+def open_maintained_store(config: MaintenanceConfig, url: str) -> CheckpointStore:
+    options = {**config.store_config(url).resolved_storage_options(), **(_private_options.get() or {})}
+    return CheckpointStore(url, storage_options=options)
+
+
+def active_training_runs(store_url: str) -> list[str]:
+    """Names of the training flow runs in progress on this store (see the module docstring)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+
+    active = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[TRAIN_FLOW])),
+            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=active))),
+        )
+    return [run.name for run in runs if _store_url_of(run.parameters) == store_url]
+
+
+def _store_url_of(parameters: dict[str, Any]) -> str | None:
+    config = parameters.get("config")
+    storage = config.get("storage") if isinstance(config, dict) else None
+    if not isinstance(storage, str):
+        return None
+    from ckptflow.storage.location import open_location
+
+    try:
+        return open_location(storage, None).display()
+    except Exception:
+        return storage
+
+
+@task(name="apply_retention", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))
+def apply_retention(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
+    """Delete the committed versions the policy does not keep (the newest is always kept)."""
+    removed = store.prune(
+        RetentionPolicy(
+            keep_last=policy.keep_last,
+            keep_every=policy.keep_every,
+            keep_best=policy.keep_best,
+            best_mode=policy.best_mode,
+        )
+    )
+    if removed:
+        get_run_logger().info("%s: retention removed versions %s", store.url, removed)
+    return removed
+
+
+@task(name="collect_garbage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))
+def collect_garbage(store: CheckpointStore) -> list[int]:
+    """Remove the version directories that interrupted saves left without a manifest."""
+    removed = store.gc()
+    if removed:
+        get_run_logger().info("%s: removed the leftovers of interrupted saves %s", store.url, removed)
+    return removed
+
+
+@task(
+    name="publish_checkpoints", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1)
+)
+def publish_checkpoints(store: CheckpointStore, *, source: str) -> dict[str, UUID | None]:
+    """Publish the store's checkpoint table and latest checkpoint; return the artifact ids by key."""
+    return publish_store(store.url, store.versions(), source=source)
+
+
+__all__ = [
+    "MaintenanceConfig",
+    "active_training_runs",
+    "apply_retention",
+    "collect_garbage",
+    "open_maintained_store",
+    "private_storage_options",
+    "publish_checkpoints",
+]
