@@ -86,7 +86,9 @@ def run_child(cmd: list[str], env: dict[str, str], times: Path) -> dict[str, flo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--epochs", type=int, default=20)
     args = parser.parse_args()
     py = sys.executable
@@ -98,7 +100,9 @@ def main() -> None:
         home = tmp / "prefect-home"
         base = prefect_env(home)
         results: dict[str, dict[str, float]] = {}
-        results["plain loop"] = run_child([py, "-c", PLAIN, str(tmp / "plain"), str(args.epochs)], base, times)
+        results["plain loop"] = run_child(
+            [py, "-c", PLAIN, str(tmp / "plain"), str(args.epochs)], base, times
+        )
         # warm the ephemeral database once (first start creates and migrates it), as a user's second run would
         run_child([py, "-c", FLOOR], base, times)
         results["prefect floor, ephemeral"] = run_child([py, "-c", FLOOR], base, times)
@@ -123,7 +127,10 @@ def print_table(results: dict[str, dict[str, float]], epochs: int) -> None:
         per_epoch = "" if "floor" in name else f"{1000 * (r['epochs'] - plain) / epochs:.1f}"
         epochs_s = "" if "floor" in name else f"{r['epochs']:.2f}"
         print(f"| {name} | {r['to_first_epoch']:.2f} | {epochs_s} | {per_epoch} |")
-    eph = results["ckptflow run, ephemeral"]["to_first_epoch"] - results["prefect floor, ephemeral"]["to_first_epoch"]
+    eph = (
+        results["ckptflow run, ephemeral"]["to_first_epoch"]
+        - results["prefect floor, ephemeral"]["to_first_epoch"]
+    )
     srv = results["ckptflow run, server"]["to_first_epoch"]
     print(f"\nstart-up above Prefect's floor (ephemeral): {eph:.2f} s (target <= 2 s)")
     print(f"start-up against a running server: {srv:.2f} s (target <= 4 s)")

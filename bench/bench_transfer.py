@@ -1,0 +1,258 @@
+"""Transfer benchmark: ckptflow's upload_file / download_file against boto3 and s3fs on a local S3 server.
+
+Starts moto's S3 server as a subprocess on a free port of 127.0.0.1 (as the
+tests do), writes a file of ``--size-mib`` random bytes (default 1 GiB), and
+measures in one run, with the methods interleaved in each repeat:
+
+- upload: ckptflow ``upload_file`` (default options: 64 MiB parts, 8 in
+  flight, ETag verified), boto3 ``upload_file`` (default TransferConfig: 8 MiB
+  parts, 10 threads), s3fs ``put_file``;
+- download (of one object uploaded by ckptflow): ckptflow ``download_file``
+  (64 MiB ranges, 8 in flight, MD5s verified), boto3 tuned (TransferConfig with
+  8 threads and 64 MiB parts), boto3 default, s3fs ``get_file``.
+
+Fairness: every download ends with the file fsynced (ckptflow's download does
+it itself; the others get an ``os.fsync`` inside the timing), the remote copy
+of an upload is deleted before the next repeat (so ckptflow cannot skip it),
+and the local file is in the page cache for every upload. moto's server, a
+single Python process, is the bottleneck; the numbers say how close each
+client gets to it, not what AWS would do. The table shows the median of the
+repeats, MB/s (10^6 bytes/s), the client's CPU seconds, and the time ratio
+against the boto3 anchor of its direction (>1: faster than boto3).
+
+Run: ``.venv/bin/python bench/bench_transfer.py [--size-mib 1024] [--repeats 1] [--only a,b]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import boto3
+import fsspec
+from boto3.s3.transfer import TransferConfig
+
+from ckptflow.storage.transfer import TransferOptions, download_file, upload_file
+
+MiB = 1 << 20
+BUCKET = "bench"
+KEY, SECRET = "bench-key", "bench-secret"
+UP_ANCHOR, DOWN_ANCHOR = "boto3 upload_file (default)", "boto3 download (8 threads, 64 MiB)"
+
+
+@dataclass
+class Env:
+    endpoint: str
+    src: Path  # the local file to upload
+    out: Path  # where downloads go
+    client: Any  # boto3 S3 client
+    storage_options: dict[str, Any]
+
+    def s3fs(self):
+        return fsspec.filesystem("s3", **self.storage_options)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- methods: each returns the bytes moved; setup/cleanup stay outside the timing ------------------
+
+
+def up_ckptflow(env: Env) -> None:
+    r = upload_file(env.src, f"s3://{BUCKET}/up-ckptflow", storage_options=env.storage_options)
+    assert not r.skipped
+
+
+def up_boto3(env: Env) -> None:
+    env.client.upload_file(str(env.src), BUCKET, "up-boto3")
+
+
+def up_s3fs(env: Env) -> None:
+    env.s3fs().put_file(str(env.src), f"{BUCKET}/up-s3fs")
+
+
+def down_ckptflow(env: Env) -> None:
+    download_file(f"s3://{BUCKET}/src", env.out, storage_options=env.storage_options)
+
+
+def down_boto3_tuned(env: Env) -> None:
+    config = TransferConfig(max_concurrency=8, multipart_chunksize=64 * MiB, multipart_threshold=64 * MiB)
+    env.client.download_file(BUCKET, "src", str(env.out), Config=config)
+    fsync_file(env.out)
+
+
+def down_boto3_default(env: Env) -> None:
+    env.client.download_file(BUCKET, "src", str(env.out))
+    fsync_file(env.out)
+
+
+def down_s3fs(env: Env) -> None:
+    env.s3fs().get_file(f"{BUCKET}/src", str(env.out))
+    fsync_file(env.out)
+
+
+METHODS: dict[str, tuple[str, Callable[[Env], None]]] = {
+    "ckptflow upload_file": ("upload", up_ckptflow),
+    UP_ANCHOR: ("upload", up_boto3),
+    "s3fs put_file": ("upload", up_s3fs),
+    "ckptflow download_file": ("download", down_ckptflow),
+    DOWN_ANCHOR: ("download", down_boto3_tuned),
+    "boto3 download (default)": ("download", down_boto3_default),
+    "s3fs get_file": ("download", down_s3fs),
+}
+
+
+def cleanup(env: Env) -> None:
+    for key in ("up-ckptflow", "up-boto3", "up-s3fs"):
+        env.client.delete_object(Bucket=BUCKET, Key=key)
+    env.out.unlink(missing_ok=True)
+
+
+def measure(env: Env, fn: Callable[[Env], None]) -> tuple[float, float]:
+    cleanup(env)
+    os.sync()
+    cpu, t0 = time.process_time(), time.perf_counter()
+    fn(env)
+    return time.perf_counter() - t0, time.process_time() - cpu
+
+
+# -- the server and the fixture ------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": KEY, "AWS_SECRET_ACCESS_KEY": SECRET}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url, timeout=2).close()
+            return proc, url
+        except urllib.error.HTTPError:
+            return proc, url
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError("moto server did not start")
+
+
+def make_env(endpoint: str, work: Path, size: int) -> Env:
+    src = work / "src.bin"
+    with open(src, "wb") as f:
+        for off in range(0, size, 64 * MiB):
+            f.write(os.urandom(min(64 * MiB, size - off)))
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket=BUCKET)
+    options = {
+        "key": KEY,
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
+    env = Env(endpoint, src, work / "download.bin", client, options)
+    upload_file(src, f"s3://{BUCKET}/src", storage_options=options)  # the object every download reads
+    return env
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def render(results: dict[str, list[tuple[float, float]]], size: int, args: argparse.Namespace) -> str:
+    med = {name: statistics.median(t for t, _ in runs) for name, runs in results.items()}
+    lines = [
+        f"Transfers of {size / MiB:.0f} MiB on a local moto S3 server; median of {args.repeats} repeat(s).",
+        "",
+        "| direction | method | seconds | MB/s | client CPU s | vs boto3 |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    for name, runs in results.items():
+        direction = METHODS[name][0]
+        anchor = med.get(UP_ANCHOR if direction == "upload" else DOWN_ANCHOR)
+        ratio = f"{anchor / med[name]:.2f}x" if anchor else "n/a"
+        cpu = statistics.median(c for _, c in runs)
+        mbs = size / med[name] / 1e6
+        lines.append(f"| {direction} | {name} | {med[name]:.2f} | {mbs:.0f} | {cpu:.1f} | {ratio} |")
+    lines += [
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
+        "the moto server shares these cores with the client. ckptflow options: "
+        f"{TransferOptions()}.",
+    ]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-mib", type=int, default=1024, help="file size in MiB (default 1024)")
+    p.add_argument("--repeats", type=int, default=1, help="timed repeats per method; the median is shown")
+    p.add_argument("--only", default=None, help="comma list of methods: " + ", ".join(METHODS))
+    p.add_argument("--dir", type=Path, default=None, help="where the local files go (default: a temp dir)")
+    p.add_argument("--markdown-out", type=Path, default=None, help="also write the table to this file")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    names = list(METHODS) if not args.only else [n.strip() for n in args.only.split(",")]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise SystemExit(f"unknown methods: {unknown}; choose from {list(METHODS)}")
+    size = args.size_mib * MiB
+    proc, endpoint = start_moto()
+    try:
+        with tempfile.TemporaryDirectory(dir=args.dir, prefix="ckptflow-bench-xfer-") as work:
+            env = make_env(endpoint, Path(work), size)
+            results: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+            for rep in range(args.repeats):
+                for name in names:
+                    seconds, cpu = measure(env, METHODS[name][1])
+                    results[name].append((seconds, cpu))
+                    print(f"[{rep + 1}/{args.repeats}] {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
+            cleanup(env)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    report = render(results, size, args)
+    print(report)
+    if args.markdown_out:
+        args.markdown_out.write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
