@@ -51,6 +51,7 @@ def version_json(info: VersionInfo) -> dict[str, Any]:
         "metrics": info.metrics,
         "url": info.url,
         "save_seconds": info.save_seconds,
+        "archived": info.archived,
     }
 
 

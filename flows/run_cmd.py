@@ -48,6 +48,9 @@ def run_command(
     upload_to: Annotated[
         str | None, Opt("--upload-to", metavar="URL", help="Mirror archives to this URL (s3://...).")
     ] = None,
+    upload_options: Annotated[
+        str, Opt("--upload-options", metavar="JSON", help="fsspec options for --upload-to (no credentials).")
+    ] = "{}",
     upload_versions: Annotated[
         bool, Opt("--upload-versions", help="Also upload each committed version as it commits.")
     ] = False,
@@ -98,6 +101,7 @@ def run_command(
             "target_bytes": _size(archive_size) if archive_size else None,
             "keep_loose": keep_loose,
             "upload_to": upload_to,
+            "upload_options": _json_object("--upload-options", upload_options),
             "upload_versions": upload_versions,
         },
         "retention": {

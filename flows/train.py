@@ -59,7 +59,7 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     first_epoch = run.epoch + 1
     reason = f"already at epoch {run.epoch}" if run.epoch >= config.epochs else None
     pending: SaveHandle | None = None
-    archiver = ArchiveQueue(run.store, config.archive, run.store.versions())
+    archiver = ArchiveQueue(run.store, config.archive, run.store.versions(), on_result=monitor.archived)
     try:
         archiver.catch_up()  # versions an interrupted run committed but did not archive
         while reason is None:
@@ -80,14 +80,12 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
                     _committed(result, monitor, archiver)
     except BaseException:
         archiver.abandon()
-        raise
-    finally:
         if pending is not None:
-            pending.join()  # an interrupted run still commits the save in flight
+            pending.join()  # an interrupted run still commits the save in flight...
+        monitor.catch_up(run.store.versions)  # ...and reports what committed (a worker's SIGTERM)
+        raise
     _commit(pending, monitor, config.save_retries, archiver)
-    for archived in archiver.drain():
-        if archived.uploaded:
-            monitor.uploaded(archived.uploaded, archived.size)
+    archiver.drain()
     removed = finalize(run)
     summary = _summary(run, first_epoch, reason, removed)
     monitor.summary(_summary_markdown(summary), removed=removed)

@@ -17,7 +17,9 @@ a verified remote copy is skipped.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from prefect import get_run_logger, task
@@ -26,8 +28,9 @@ from prefect.tasks import exponential_backoff
 
 from ckptflow.storage import CheckpointStore, VersionInfo
 from ckptflow.storage.archiving import archive_location, list_archived
-from ckptflow.storage.commit import MANIFEST_FILE, version_dir
+from ckptflow.storage.commit import MANIFEST_FILE, list_dirs, version_dir
 from ckptflow.storage.errors import CheckpointError
+from ckptflow.storage.location import open_location, redact
 from ckptflow.storage.tarindex import TarIndex, index_name, read_index
 from ckptflow.storage.transfer import TransferOptions, s3_storage_options, upload_file
 
@@ -147,33 +150,81 @@ class ArchiveQueue:
     oldest first, so archiving cannot fall ever further behind.
     """
 
-    def __init__(self, store: CheckpointStore, config: ArchiveConfig, existing: list[VersionInfo]) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore,
+        config: ArchiveConfig,
+        existing: list[VersionInfo],
+        on_result: Callable[[ArchiveResult], None] | None = None,
+    ) -> None:
         self.store = store
         self.config = config
-        self.loose = [v for v in existing if not v.archived]
+        self.on_result = on_result
+        # A version in a committed tarball whose loose copy is still there is done when the
+        # copies are kept on purpose and nothing is uploaded; else its job was cut off: redo it
+        # (the tarball is reused, a verified upload skipped).
+        done = (
+            set(list_archived(store.loc))
+            if existing and config.keep_loose and not config.upload_to
+            else set()
+        )
+        self.loose = [v for v in existing if not v.archived and v.version not in done]
         self.pending: list[tuple[Any, list[int]]] = []  # (PrefectFuture, versions it archives)
         self.busy: set[int] = set()
         self.results: list[ArchiveResult] = []
+        self.uploads: dict[int, Any] = {}  # version -> its upload job, until an archive job waits for it
+        self.started = False
 
     def committed(self, info: VersionInfo) -> None:
         """Note a new commit; queue whatever the policy says is due."""
         self.loose.append(info)
         if self.config.upload_versions:
-            self._queue(upload_version.submit(self.store, info.version, self.config), [])
+            self._upload(info.version)
         self.catch_up()
 
     def catch_up(self) -> None:
-        """Queue the groups the policy says are due (at start: what an interrupted run left)."""
+        """Queue the groups the policy says are due; at start also what an interrupted run left.
+
+        That is: groups it did not archive, and loose versions the mirror lacks (``upload_versions``).
+        """
+        if not self.started:
+            self.started = True
+            for version in self._not_mirrored():
+                self._upload(version)
         if not self.config.enabled():
             return
         for group in next_groups(self.loose, self.config, self.busy):
-            self._queue(archive_versions.submit(self.store, group, self.config), group)
+            # the upload of a loose version reads its files: they may go only once it is done
+            uploads = [self.uploads.pop(v) for v in group if v in self.uploads]
+            start = partial(archive_versions.submit, self.store, group, self.config, wait_for=uploads)
+            self._submit(start, group)
 
-    def _queue(self, future: Any, versions: list[int]) -> None:
+    def _upload(self, version: int) -> None:
+        future = self._submit(lambda: upload_version.submit(self.store, version, self.config), [])
+        if self.config.enabled():
+            self.uploads[version] = future
+
+    def _not_mirrored(self) -> list[int]:
+        """Loose versions without a manifest on the remote (their upload was cut off, or never ran)."""
+        target = upload_target(self.config) if self.config.upload_versions else None
+        if target is None or not self.loose:
+            return []
+        try:
+            mirrored = {v for v, has_manifest in list_dirs(open_location(*target)).items() if has_manifest}
+        except Exception as exc:  # upload them all: a verified copy is skipped
+            log = get_run_logger()
+            log.warning("could not list %s (%s): checking every loose version", redact(target[0]), exc)
+            mirrored = set()
+        return [v.version for v in self.loose if v.version not in mirrored]
+
+    def _submit(self, start: Callable[[], Any], versions: list[int]) -> Any:
+        """Start a job once fewer than ``max_pending`` are queued (waiting for the oldest if need be)."""
         while len(self.pending) >= self.config.max_pending:
             self._finish(self.pending.pop(0))
-        self.pending.append((future, versions))
         self.busy.update(versions)
+        future = start()
+        self.pending.append((future, versions))
+        return future
 
     def _finish(self, item: tuple[Any, list[int]]) -> None:
         future, versions = item
@@ -182,6 +233,8 @@ class ArchiveQueue:
         if isinstance(result, ArchiveResult):
             self.loose = [v for v in self.loose if v.version not in result.versions]
             self.results.append(result)
+            if self.on_result is not None:
+                self.on_result(result)
 
     def drain(self) -> list[ArchiveResult]:
         """Wait for every queued job (the flow's clean shutdown); return the archive results."""

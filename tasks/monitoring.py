@@ -5,14 +5,17 @@ commit), a progress artifact for the epochs, a markdown summary at exit, a
 link artifact per uploaded archive, and one ``ckptflow.checkpoint.committed``
 event per commit. These keys are derived from the flow run's name (lowercase
 letters, digits and dashes, as Prefect requires) so that runs never overwrite
-each other's artifacts.
+each other's artifacts. A run creates each keyed artifact once and then
+updates it in place, so its Artifacts tab shows one card per key, not one
+per commit.
 
 Per store: ``ckptflow-store-<url tail>-<hash>-latest`` (markdown: the newest
 committed checkpoint and how to restore it) and ``...-checkpoints`` (the table
 of every committed version). Every run that writes to the store, the
 maintenance flow and ``ckptflow publish`` update them, so the Artifacts page
-has one always-current entry per store, whichever run wrote last. The short
-hash of the (redacted) URL keeps two stores whose URLs slug alike apart.
+has one always-current entry per store, whichever run wrote last, and every
+run of a deployment links to it from its Artifacts tab. The short hash of the
+(redacted) URL keeps two stores whose URLs slug alike apart.
 
 Reporting must never break training: a failed API call is logged and skipped.
 Nothing reported contains storage credentials: URLs are shown redacted.
@@ -23,6 +26,7 @@ In-process listeners (the CLI's progress display) get the same notifications.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import re
 from collections.abc import Callable
@@ -84,6 +88,42 @@ def checkpoint_row(info: VersionInfo) -> dict[str, Any]:
     }
 
 
+class ArtifactSet:
+    """The keyed artifacts of one flow run: each is created once, then updated in place.
+
+    One card per key in the run's Artifacts tab however many commits it makes;
+    on a key's page in the UI, one version per run.
+    """
+
+    def __init__(self) -> None:
+        self.ids: dict[str, UUID] = {}
+
+    def table(self, key: str, rows: list[dict[str, Any]], description: str) -> UUID | None:
+        return self._put(
+            key,
+            description,
+            json.dumps(rows),
+            lambda: _artifacts().create_table_artifact(table=rows, key=key, description=description),
+        )
+
+    def markdown(self, key: str, text: str, description: str) -> UUID | None:
+        return self._put(
+            key,
+            description,
+            text,
+            lambda: _artifacts().create_markdown_artifact(markdown=text, key=key, description=description),
+        )
+
+    def _put(self, key: str, description: str, data: str, create: Callable[[], UUID]) -> UUID | None:
+        known = self.ids.get(key)
+        if known is None:
+            created = _safe(f"artifact {key}", create)
+            if created is not None:
+                self.ids[key] = created
+            return created
+        return known if _safe(f"artifact {key}", lambda: _update(known, data, description)) else None
+
+
 @dataclass
 class RunMonitor:
     """Artifacts and events of one flow run."""
@@ -92,6 +132,7 @@ class RunMonitor:
     store_url: str
     total_epochs: int
     rows: list[dict[str, Any]] = field(default_factory=list)
+    artifacts: ArtifactSet = field(default_factory=ArtifactSet)
     _progress_id: UUID | None = None
 
     @property
@@ -110,7 +151,7 @@ class RunMonitor:
             ),
         )
         if self.rows:
-            self._publish_table()
+            self._publish_tables()
         _notify("start", {"first_epoch": first_epoch, "total": self.total_epochs, "url": self.store_url})
 
     def epoch_done(self, epoch: int, metrics: dict[str, float]) -> None:
@@ -121,16 +162,36 @@ class RunMonitor:
 
     def committed(self, info: VersionInfo) -> None:
         self.rows = [r for r in self.rows if r["version"] != info.version] + [checkpoint_row(info)]
-        self._publish_table()
-        publish_latest(self.store_url, info, count=len(self.rows), source=f"flow run `{self.run_name}`")
+        self._publish_tables()
+        publish_latest(
+            self.artifacts, self.store_url, info, count=len(self.rows), source=f"flow run `{self.run_name}`"
+        )
         _safe("event", lambda: _emit_committed(info, self.store_url))
         _notify("committed", {"info": info})
 
-    def uploaded(self, url: str, size: int) -> None:
-        """A link artifact to an uploaded archive (its URL without credentials, its size)."""
+    def catch_up(self, list_versions: Callable[[], list[VersionInfo]]) -> None:
+        """Report versions committed but not reported yet: a save that finished while the run was stopping."""
+        try:
+            versions = list_versions()
+        except Exception as exc:
+            log.warning("could not list the committed versions of %s: %s", self.store_url, exc)
+            return
+        known = {r["version"] for r in self.rows}
+        for info in sorted(versions, key=lambda v: v.version):
+            if info.version not in known:
+                self.committed(info)
+
+    def archived(self, result: Any) -> None:
+        """An archive job finished (an ``ArchiveResult``): link its upload, tell listeners."""
+        _notify("archived", {"tar": result.tar, "versions": result.versions, "size": result.size})
+        if result.uploaded:
+            self.uploaded(result.uploaded, result.size)
+
+    def uploaded(self, url: str, size: int) -> UUID | None:
+        """A link artifact to an uploaded archive (its URL without credentials, and its size)."""
         shown = redact(url)
         name = shown.rstrip("/").rsplit("/", 1)[-1] or shown
-        _safe(
+        link = _safe(
             "upload link",
             lambda: _artifacts().create_link_artifact(
                 link=shown,
@@ -140,73 +201,54 @@ class RunMonitor:
             ),
         )
         _notify("uploaded", {"url": shown, "size": size})
+        return link
 
     def summary(self, markdown: str, *, removed: list[int] | tuple[int, ...] = ()) -> None:
         """Publish the run summary; drop the versions retention ``removed`` from the tables."""
         if removed:
             self.rows = [r for r in self.rows if r["version"] not in removed]
-            self._publish_table()
-        _safe(
-            "summary artifact",
-            lambda: _artifacts().create_markdown_artifact(
-                markdown=markdown, key=f"{self.key_prefix}-summary", description="ckptflow run summary"
-            ),
-        )
+            self._publish_tables()
+        self.artifacts.markdown(f"{self.key_prefix}-summary", markdown, "ckptflow run summary")
 
-    def _publish_table(self) -> None:
+    def _publish_tables(self) -> None:
         rows = sorted(self.rows, key=lambda r: r["version"])
-        _safe(
-            "checkpoint table",
-            lambda: _artifacts().create_table_artifact(
-                table=rows,
-                key=f"{self.key_prefix}-checkpoints",
-                description=f"Committed checkpoints in {self.store_url} (newest last)",
-            ),
-        )
-        publish_store_table(self.store_url, rows)
+        description = f"Committed checkpoints in {self.store_url} (newest last)"
+        self.artifacts.table(f"{self.key_prefix}-checkpoints", rows, description)
+        self.artifacts.table(f"{store_key(self.store_url)}-checkpoints", rows, description)
 
     def _percent(self, epochs_done: int) -> float:
         return round(100.0 * max(0, epochs_done) / max(1, self.total_epochs), 2)
 
 
 def publish_store(store_url: str, versions: list[VersionInfo], *, source: str) -> dict[str, UUID | None]:
-    """Both per-store artifacts from a listing of the store; returns their ids by key."""
-    keys = store_key(store_url)
+    """Both per-store artifacts, from a listing of the store; returns their ids by key."""
+    artifacts = ArtifactSet()
     rows = [checkpoint_row(v) for v in sorted(versions, key=lambda v: v.version)]
-    table = publish_store_table(store_url, rows)
-    latest = publish_latest(store_url, versions[-1] if versions else None, count=len(rows), source=source)
-    return {f"{keys}-checkpoints": table, f"{keys}-latest": latest}
+    key = store_key(store_url)
+    table = artifacts.table(f"{key}-checkpoints", rows, f"Committed checkpoints in {store_url} (newest last)")
+    latest = max(versions, key=lambda v: v.version, default=None)
+    card = publish_latest(artifacts, store_url, latest, count=len(rows), source=source)
+    return {f"{key}-checkpoints": table, f"{key}-latest": card}
 
 
-def publish_store_table(store_url: str, rows: list[dict[str, Any]]) -> UUID | None:
-    return _safe(
-        "store table",
-        lambda: _artifacts().create_table_artifact(
-            table=rows,
-            key=f"{store_key(store_url)}-checkpoints",
-            description=f"Committed checkpoints in {store_url} (newest last)",
-        ),
-    )
-
-
-def publish_latest(store_url: str, info: VersionInfo | None, *, count: int, source: str) -> UUID | None:
-    return _safe(
-        "latest checkpoint",
-        lambda: _artifacts().create_markdown_artifact(
-            markdown=latest_markdown(store_url, info, count=count, source=source),
-            key=f"{store_key(store_url)}-latest",
-            description=f"The latest committed checkpoint in {store_url}",
-        ),
+def publish_latest(
+    artifacts: ArtifactSet, store_url: str, info: VersionInfo | None, *, count: int, source: str
+) -> UUID | None:
+    return artifacts.markdown(
+        f"{store_key(store_url)}-latest",
+        latest_markdown(store_url, info, count=count, source=source),
+        f"The latest committed checkpoint in {store_url}",
     )
 
 
 def latest_markdown(store_url: str, info: VersionInfo | None, *, count: int, source: str) -> str:
     """The per-store "latest checkpoint" card."""
+    title = f"# Latest checkpoint of `{store_url}`"
     if info is None:
-        return f"# Latest checkpoint of `{store_url}`\n\nNo committed checkpoint yet (seen by {source})."
+        return f"{title}\n\nNo committed checkpoint yet (seen by {source})."
     return "\n".join(
         [
-            f"# Latest checkpoint of `{store_url}`",
+            title,
             "",
             "| | |",
             "|---|---|",
@@ -227,6 +269,15 @@ def _artifacts() -> Any:
     import prefect.artifacts
 
     return prefect.artifacts
+
+
+def _update(artifact_id: UUID, data: str, description: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import ArtifactUpdate
+
+    with get_client(sync_client=True) as client:
+        client.update_artifact(artifact_id, ArtifactUpdate(data=data, description=description))
+    return True
 
 
 def _emit_committed(info: VersionInfo, store_url: str) -> None:

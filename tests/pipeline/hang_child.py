@@ -1,0 +1,101 @@
+"""Child-process entry of the archive crash tests: ``run_flow`` with a hang planted in archiving or upload.
+
+    python -m tests.pipeline.hang_child '{"storage": "...", "archive": {...}}'
+
+A test needs the kill to land at a known point of a background job, and the
+jobs are not part of the TrainingSpec, so this entry plants the hang in the
+storage library of the child process only (the test process and the re-runs
+are untouched). It announces the point with a marker file, then sleeps until
+the test SIGKILLs it:
+
+- ``CKPTFLOW_TEST_HANG_IN_TAR=DIR``: the first tarball is being written: its
+  first member is in the file, the other members and the index are not.
+  ``DIR/tar-started`` names the tarball.
+- ``CKPTFLOW_TEST_HANG_IN_UPLOAD=DIR``: uploads use 5 MiB parts (so a small
+  tarball goes up as a multipart upload); part 1 of the first multipart upload
+  is sent, the other parts wait. ``DIR/upload-started`` names the key.
+- ``CKPTFLOW_TEST_HANG_IN_VERSION_UPLOAD=DIR``: the upload of a loose version
+  (``upload_versions``) has sent its shards, not its manifest (the remote
+  commit). ``DIR/version-upload-started`` names the manifest's URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from pathlib import Path
+
+from tests.pipeline.run_flow import main
+
+HANG_IN_TAR_ENV = "CKPTFLOW_TEST_HANG_IN_TAR"
+HANG_IN_UPLOAD_ENV = "CKPTFLOW_TEST_HANG_IN_UPLOAD"
+HANG_IN_VERSION_UPLOAD_ENV = "CKPTFLOW_TEST_HANG_IN_VERSION_UPLOAD"
+TAR_MARKER = "tar-started"
+UPLOAD_MARKER = "upload-started"
+VERSION_UPLOAD_MARKER = "version-upload-started"
+HANG_SECONDS = 600
+
+
+def announce(marker: Path, text: str) -> None:
+    """Write the marker once: it names the first job that got there (later ones hang silently)."""
+    with contextlib.suppress(FileExistsError), open(marker, "x") as f:
+        f.write(text)
+
+
+def hang_in_tar(directory: Path) -> None:
+    from ckptflow.storage import archive
+
+    original = archive._TarWriter.add
+
+    def add(self, src, member, mtime):
+        entry = original(self, src, member, mtime)
+        os.fsync(self.fd)  # the partial tar is on disk, as a crash would find it
+        announce(directory / TAR_MARKER, os.path.basename(self.sink.path))
+        time.sleep(HANG_SECONDS)
+        return entry
+
+    archive._TarWriter.add = add
+
+
+def hang_in_upload(directory: Path) -> None:
+    from ckptflow.storage import s3transfer, transfer
+    from ckptflow.storage.etag import MiB
+
+    transfer.upload_file.__kwdefaults__["options"] = transfer.TransferOptions(part_size=5 * MiB)
+    original = s3transfer.S3Transfer.put_part
+
+    async def put_part(self, fd, upload_id, part):
+        if part.number > 1:
+            await asyncio.sleep(HANG_SECONDS)
+        md5 = await original(self, fd, upload_id, part)
+        announce(directory / UPLOAD_MARKER, f"{self.bucket}/{self.key}")
+        return md5
+
+    s3transfer.S3Transfer.put_part = put_part
+
+
+def hang_in_version_upload(directory: Path) -> None:
+    from ckptflow.tasks import archiving
+
+    original = archiving.upload_file
+
+    def upload_file(local_path, url, **kwargs):
+        if "/archive/" not in url and url.endswith("/manifest.json"):
+            announce(directory / VERSION_UPLOAD_MARKER, url)
+            time.sleep(HANG_SECONDS)
+        return original(local_path, url, **kwargs)
+
+    archiving.upload_file = upload_file
+
+
+if __name__ == "__main__":
+    if os.environ.get(HANG_IN_TAR_ENV):
+        hang_in_tar(Path(os.environ[HANG_IN_TAR_ENV]))
+    if os.environ.get(HANG_IN_UPLOAD_ENV):
+        hang_in_upload(Path(os.environ[HANG_IN_UPLOAD_ENV]))
+    if os.environ.get(HANG_IN_VERSION_UPLOAD_ENV):
+        hang_in_version_upload(Path(os.environ[HANG_IN_VERSION_UPLOAD_ENV]))
+    sys.exit(main(sys.argv))
