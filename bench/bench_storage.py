@@ -550,6 +550,8 @@ def _ckptflow_load(ctx: Ctx) -> list[dict[str, Any]]:
 
     full = ctx.load_loop(path, once("ckpt-load", ctx.state))
     full |= ctx.load_loop(path, once("ckpt-load-noverify", ctx.state, verify=False))
+    target = preallocated_like(ctx.state)  # a resumed run's freshly built model and optimizer
+    full |= ctx.load_loop(path, once("ckpt-load-into", ctx.state, into=target))
     model = ctx.load_loop(path, once("ckpt-load-model", {"model": ctx.state["model"]}, keys=["model"]))
     model_bytes = sum(t.nbytes for _, t in flat_tensors(ctx.state["model"]))
     return rows(ctx, full) + rows(ctx, model, model_bytes)
@@ -709,6 +711,7 @@ LABELS = {
     "st-load-pread": ('safetensors `load_file(backend="pread")`', "load"),
     "h5-save": ("h5py: 1 file, `create_dataset` per tensor + fsync", "save"),
     "h5-read-direct": ("h5py `read_direct` into existing arrays", "load"),
+    "ckpt-load-into": ("**ckptflow** `load(into=existing)` (verify on)", "load"),
 }
 
 # key -> anchors whose time it is divided by
@@ -720,6 +723,7 @@ ANCHORS = {
     "ckpt-load": ["h5-read-direct", "torch-load", "raw-read-fresh"],
     "ckpt-load-noverify": ["h5-read-direct", "torch-load", "raw-read-fresh"],
     "ckpt-load-model": ["ckpt-load"],
+    "ckpt-load-into": ["h5-read-direct", "torch-load", "raw-read-par"],
 }
 ANCHOR_NAMES = {
     "raw-write": "plain write",
@@ -729,6 +733,7 @@ ANCHOR_NAMES = {
     "h5-read-direct": "h5py read_direct",
     "torch-load": "torch.load",
     "raw-read-fresh": "plain read→fresh",
+    "raw-read-par": "plain read",
     "ckpt-load": "full ckptflow load",
 }
 LIMITS = {"save": ("raw-write", "raw-write-par"), "load": ("raw-read", "raw-read-par")}
