@@ -5,11 +5,13 @@ tests do), writes a file of ``--size-mib`` random bytes (default 1 GiB), and
 measures in one run, with the methods interleaved in each repeat:
 
 - upload: ckptflow ``upload_file`` (default options: 64 MiB parts, 8 in
-  flight, ETag verified), boto3 ``upload_file`` (default TransferConfig: 8 MiB
-  parts, 10 threads), s3fs ``put_file``;
+  flight, ETag verified; and with boto3's 8 MiB parts, 10 in flight), boto3
+  ``upload_file`` (default TransferConfig: 8 MiB parts, 10 threads), s3fs
+  ``put_file``;
 - download (of one object uploaded by ckptflow): ckptflow ``download_file``
-  (64 MiB ranges, 8 in flight, MD5s verified), boto3 tuned (TransferConfig with
-  8 threads and 64 MiB parts), boto3 default, s3fs ``get_file``.
+  (64 MiB ranges, 8 in flight, MD5s verified; and with the size check only),
+  boto3 tuned (TransferConfig with 8 threads and 64 MiB parts), boto3 default,
+  s3fs ``get_file``.
 
 Fairness: every download ends with the file fsynced (ckptflow's download does
 it itself; the others get an ``os.fsync`` inside the timing), the remote copy
@@ -17,8 +19,9 @@ of an upload is deleted before the next repeat (so ckptflow cannot skip it),
 and the local file is in the page cache for every upload. moto's server, a
 single Python process, is the bottleneck; the numbers say how close each
 client gets to it, not what AWS would do. The table shows the median of the
-repeats, MB/s (10^6 bytes/s), the client's CPU seconds, and the time ratio
-against the boto3 anchor of its direction (>1: faster than boto3).
+repeats, MB/s (10^6 bytes/s), the client's and the moto server's CPU seconds
+(on a 2-core machine their sum bounds the time), and the time ratio against the
+boto3 anchor of its direction (>1: faster than boto3).
 
 Run: ``.venv/bin/python bench/bench_transfer.py [--size-mib 1024] [--repeats 1] [--only a,b]``.
 """
@@ -60,6 +63,7 @@ class Env:
     out: Path  # where downloads go
     client: Any  # boto3 S3 client
     storage_options: dict[str, Any]
+    server_pid: int
 
     def s3fs(self):
         return fsspec.filesystem("s3", **self.storage_options)
@@ -81,6 +85,14 @@ def up_ckptflow(env: Env) -> None:
     assert not r.skipped
 
 
+def up_ckptflow_small_parts(env: Env) -> None:
+    options = TransferOptions(part_size=8 * MiB, concurrency=10)  # boto3's defaults
+    r = upload_file(
+        env.src, f"s3://{BUCKET}/up-ckptflow", storage_options=env.storage_options, options=options
+    )
+    assert not r.skipped
+
+
 def up_boto3(env: Env) -> None:
     env.client.upload_file(str(env.src), BUCKET, "up-boto3")
 
@@ -91,6 +103,11 @@ def up_s3fs(env: Env) -> None:
 
 def down_ckptflow(env: Env) -> None:
     download_file(f"s3://{BUCKET}/src", env.out, storage_options=env.storage_options)
+
+
+def down_ckptflow_size_only(env: Env) -> None:
+    options = TransferOptions(download_md5=False)
+    download_file(f"s3://{BUCKET}/src", env.out, storage_options=env.storage_options, options=options)
 
 
 def down_boto3_tuned(env: Env) -> None:
@@ -111,9 +128,11 @@ def down_s3fs(env: Env) -> None:
 
 METHODS: dict[str, tuple[str, Callable[[Env], None]]] = {
     "ckptflow upload_file": ("upload", up_ckptflow),
+    "ckptflow upload_file (8 MiB parts, 10 in flight)": ("upload", up_ckptflow_small_parts),
     UP_ANCHOR: ("upload", up_boto3),
     "s3fs put_file": ("upload", up_s3fs),
     "ckptflow download_file": ("download", down_ckptflow),
+    "ckptflow download_file (size check only)": ("download", down_ckptflow_size_only),
     DOWN_ANCHOR: ("download", down_boto3_tuned),
     "boto3 download (default)": ("download", down_boto3_default),
     "s3fs get_file": ("download", down_s3fs),
@@ -126,12 +145,21 @@ def cleanup(env: Env) -> None:
     env.out.unlink(missing_ok=True)
 
 
-def measure(env: Env, fn: Callable[[Env], None]) -> tuple[float, float]:
+def server_cpu(pid: int) -> float:
+    """CPU seconds (user + system) the moto server has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(env: Env, fn: Callable[[Env], None]) -> tuple[float, float, float]:
+    """Wall seconds, client CPU seconds, server CPU seconds of one call."""
     cleanup(env)
     os.sync()
-    cpu, t0 = time.process_time(), time.perf_counter()
+    server, cpu, t0 = server_cpu(env.server_pid), time.process_time(), time.perf_counter()
     fn(env)
-    return time.perf_counter() - t0, time.process_time() - cpu
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu
+    return wall, cpu, server_cpu(env.server_pid) - server
 
 
 # -- the server and the fixture ------------------------------------------------------------------
@@ -166,7 +194,7 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("moto server did not start")
 
 
-def make_env(endpoint: str, work: Path, size: int) -> Env:
+def make_env(endpoint: str, server_pid: int, work: Path, size: int) -> Env:
     src = work / "src.bin"
     with open(src, "wb") as f:
         for off in range(0, size, 64 * MiB):
@@ -184,7 +212,7 @@ def make_env(endpoint: str, work: Path, size: int) -> Env:
         "secret": SECRET,
         "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
     }
-    env = Env(endpoint, src, work / "download.bin", client, options)
+    env = Env(endpoint, src, work / "download.bin", client, options, server_pid)
     upload_file(src, f"s3://{BUCKET}/src", storage_options=options)  # the object every download reads
     return env
 
@@ -192,21 +220,24 @@ def make_env(endpoint: str, work: Path, size: int) -> Env:
 # -- report ----------------------------------------------------------------------------------------
 
 
-def render(results: dict[str, list[tuple[float, float]]], size: int, args: argparse.Namespace) -> str:
-    med = {name: statistics.median(t for t, _ in runs) for name, runs in results.items()}
+def render(results: dict[str, list[tuple[float, float, float]]], size: int, args: argparse.Namespace) -> str:
+    med = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
     lines = [
         f"Transfers of {size / MiB:.0f} MiB on a local moto S3 server; median of {args.repeats} repeat(s).",
         "",
-        "| direction | method | seconds | MB/s | client CPU s | vs boto3 |",
-        "| --- | --- | ---: | ---: | ---: | ---: |",
+        "| direction | method | seconds | MB/s | client CPU s | server CPU s | vs boto3 |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, runs in results.items():
         direction = METHODS[name][0]
         anchor = med.get(UP_ANCHOR if direction == "upload" else DOWN_ANCHOR)
         ratio = f"{anchor / med[name]:.2f}x" if anchor else "n/a"
-        cpu = statistics.median(c for _, c in runs)
+        cpu = statistics.median(r[1] for r in runs)
+        server = statistics.median(r[2] for r in runs)
         mbs = size / med[name] / 1e6
-        lines.append(f"| {direction} | {name} | {med[name]:.2f} | {mbs:.0f} | {cpu:.1f} | {ratio} |")
+        lines.append(
+            f"| {direction} | {name} | {med[name]:.2f} | {mbs:.0f} | {cpu:.1f} | {server:.1f} | {ratio} |"
+        )
     lines += [
         "",
         f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
@@ -236,12 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     proc, endpoint = start_moto()
     try:
         with tempfile.TemporaryDirectory(dir=args.dir, prefix="ckptflow-bench-xfer-") as work:
-            env = make_env(endpoint, Path(work), size)
-            results: dict[str, list[tuple[float, float]]] = {n: [] for n in names}
+            env = make_env(endpoint, proc.pid, Path(work), size)
+            results: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
             for rep in range(args.repeats):
                 for name in names:
-                    seconds, cpu = measure(env, METHODS[name][1])
-                    results[name].append((seconds, cpu))
+                    seconds, cpu, server = measure(env, METHODS[name][1])
+                    results[name].append((seconds, cpu, server))
                     print(f"[{rep + 1}/{args.repeats}] {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
             cleanup(env)
     finally:

@@ -95,3 +95,22 @@ def guess_part_size(size: int, parts: int, hints: tuple[int, ...] = ()) -> int |
         if p > 0 and -(-size // p) == parts:
             return p
     return None
+
+
+def plan_for_etag(size: int, etag: str, part_size: int) -> PartPlan | None:
+    """The part plan an object of ``size`` bytes with this MD5 ``etag`` was uploaded by, if it can be told."""
+    count = etag_parts(etag)
+    if count == 0:
+        return PartPlan(size, size, False, (Part(1, 0, size),))
+    if count == 1:
+        return PartPlan(size, size, True, (Part(1, 0, size),))
+    p = guess_part_size(size, count, hints=(part_size,))
+    return None if p is None else plan_parts(size, p)
+
+
+def download_ranges(size: int, part_size: int, remote: PartPlan | None) -> list[list[Part]]:
+    """Download ranges of about ``part_size`` bytes; made of whole remote parts when those are hashed."""
+    if remote is None:
+        return [[p] for p in plan_parts(max(size, 1), part_size).parts] if size else []
+    k = max(1, part_size // max(remote.part_size, MiB))
+    return [list(remote.parts[i : i + k]) for i in range(0, len(remote.parts), k)]

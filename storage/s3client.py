@@ -59,8 +59,9 @@ def merge_storage_options(
 ) -> dict[str, Any]:
     """``storage_options`` for s3fs with timeouts, retries and the stall guard set.
 
-    The user's other ``config_kwargs`` (and their retry ``mode``) are kept; the
-    timeouts and the attempt count given here win. Merging twice is harmless.
+    The user's other ``config_kwargs`` (their retry ``mode``, ``s3`` settings, an
+    ``http_session_cls`` of their own) are kept; the timeouts and the attempt
+    count given here win. Merging twice is harmless.
     """
     merged = dict(storage_options or {})
     config = dict(merged.get("config_kwargs") or {})
@@ -68,13 +69,18 @@ def merge_storage_options(
     retries.pop("max_attempts", None)  # in botocore's client config that counts retries, not attempts
     retries["total_max_attempts"] = max_attempts
     retries.setdefault("mode", "standard")
+    s3 = dict(config.get("s3") or {})
+    # On https botocore signs no payload anyway (the checksum header protects it); on plain-http
+    # endpoints it would SHA-256 every body on the event loop. The ETag checks cover the bytes.
+    s3.setdefault("payload_signing_enabled", False)
     config.update(
+        s3=s3,
         connect_timeout=connect_timeout,
         read_timeout=read_timeout,
         retries=retries,
         max_pool_connections=max(int(config.get("max_pool_connections") or DEFAULT_POOL), concurrency),
-        http_session_cls=StallGuardSession,
     )
+    config.setdefault("http_session_cls", StallGuardSession)  # a session class of the user's own wins
     merged["config_kwargs"] = config
     return merged
 

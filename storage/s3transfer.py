@@ -2,8 +2,8 @@
 
 Runs on s3fs's event loop with s3fs's aiobotocore client (so the store and the
 transfers share credentials, endpoint and connection settings); at most
-``concurrency`` parts are in flight, and local file I/O and MD5 run in a small
-thread pool beside the loop (both release the GIL).
+``concurrency`` parts are in flight; local file I/O runs in a small thread pool
+beside the loop, MD5 in an even smaller one (both release the GIL).
 
 What must always hold:
 
@@ -19,11 +19,13 @@ What must always hold:
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import io
 import logging
 import os
 import random
+import zlib
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,12 +33,15 @@ from typing import Any, TypeVar
 
 import botocore.exceptions as bex
 
-from .etag import MiB, Part, PartPlan, clean_etag, etag_of, etag_parts, guess_part_size, plan_parts
+from .etag import MiB, Part, PartPlan, clean_etag, download_ranges, etag_of, plan_for_etag
 from .s3client import TRANSIENT, error_code
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 READ_CHUNK = 1 << 20  # bytes per read of a response body
+# MD5 runs at ~0.8 GB/s per core. Threads for it are capped at a quarter of the cores, so that
+# hashing never crowds out the transfer itself (nor, on a training node, the training).
+HASH_THREADS = max(1, (os.cpu_count() or 1) // 4)
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _KMS = {"aws:kms", "aws:kms:dsse"}
 _DIGEST_ERRORS = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"}
@@ -53,6 +58,22 @@ class Head:
     md5_etag: bool  # False for SSE-KMS / SSE-C objects, whose ETag is not an MD5
 
 
+@dataclass
+class Sent:
+    """A part as S3 took it: its ETag and CRC32, and its MD5 (a future: it may still be computing)."""
+
+    what: str  # "part 3", "the object"
+    md5: asyncio.Future
+    etag: str
+    crc: str
+    md5_etag: bool  # False: the ETag is no MD5 (KMS/SSE-C), there is nothing to compare
+
+    async def mismatch(self) -> tuple[str, str] | None:
+        """(expected, found) when the ETag is not the MD5 of the bytes sent."""
+        md5 = (await self.md5).hex()
+        return (md5, self.etag) if self.md5_etag and md5 != self.etag else None
+
+
 class S3Transfer:
     """One object (bucket, key) and the means to move it: the client, a semaphore, a thread pool."""
 
@@ -61,9 +82,11 @@ class S3Transfer:
         self.max_attempts = max_attempts
         self.sem = asyncio.Semaphore(concurrency)
         self.pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="ckptflow-xfer")
+        self.hash_pool = ThreadPoolExecutor(max_workers=HASH_THREADS, thread_name_prefix="ckptflow-md5")
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)
+        self.hash_pool.shutdown(wait=True)
 
     async def call(self, method: str, **kwargs: Any) -> Any:
         """One S3 request about this key through s3fs's client, with s3fs's extra kwargs (SSE, ...).
@@ -74,11 +97,20 @@ class S3Transfer:
         client = await self.fs.get_s3(self.bucket)
         fn = getattr(client, method)
         kwargs.setdefault("Key", self.key)
-        kwargs = self.fs._get_s3_method_kwargs(fn, Bucket=self.bucket, **kwargs)
+        extra = getattr(self.fs, "_get_s3_method_kwargs", None)  # adds and filters s3_additional_kwargs
+        if extra is not None:
+            kwargs = extra(fn, Bucket=self.bucket, **kwargs)
+        else:
+            kwargs = {"Bucket": self.bucket, **{k: v for k, v in kwargs.items() if v is not None}}
         return await fn(**kwargs)
 
     def run(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """Blocking file I/O, off the event loop."""
         return asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    def hash(self, fn: Callable[..., T], *args: Any) -> Awaitable[T]:
+        """MD5 work, on at most HASH_THREADS threads."""
+        return asyncio.get_running_loop().run_in_executor(self.hash_pool, fn, *args)
 
     async def head(self) -> Head | None:
         try:
@@ -99,7 +131,7 @@ class S3Transfer:
         plan = plan_for_etag(size, head.etag, part_size)
         if plan is None:
             return None
-        md5s = await gather_all([self.run(md5_range, fd, p.offset, p.length) for p in plan.parts])
+        md5s = await gather_all([self.hash(md5_range, fd, p.offset, p.length) for p in plan.parts])
         return head.etag if etag_of(plan, md5s) == head.etag else None
 
     async def abort_stale(self) -> int:
@@ -126,50 +158,64 @@ class S3Transfer:
     async def upload(self, fd: int, plan: PartPlan) -> str:
         """Upload the file by ``plan``; return the ETag S3 must now report for it."""
         if not plan.multipart:
-            return await self.put_single(fd, plan.parts[0])
-        upload_id = (await self.call("create_multipart_upload"))["UploadId"]
+            whole = await self.put_checked("put_object", fd, plan.parts[0], "the object")
+            await self.check_sent([whole])
+            return (await whole.md5).hex()
+        upload_id = (await self.call("create_multipart_upload", ChecksumAlgorithm="CRC32"))["UploadId"]
         try:
-            md5s = await gather_all([self.put_part(fd, upload_id, p) for p in plan.parts])
-            await self.complete(upload_id, [md5.hex() for md5 in md5s])
+            sent = await gather_all([self.put_part(fd, upload_id, p) for p in plan.parts])
+            await self.complete(upload_id, [(s.etag, s.crc) for s in sent])  # MD5s finish meanwhile
         except BaseException:
             await asyncio.shield(self._abort_quietly(upload_id))
             raise
-        return etag_of(plan, md5s)
+        await self.check_sent(sent)
+        return etag_of(plan, [await s.md5 for s in sent])
 
-    async def put_single(self, fd: int, part: Part) -> str:
-        try:
-            return (await self.put_checked("put_object", fd, part, "the object")).hex()
-        except VerifyFailed:
-            await self.call("delete_object")
-            raise
-
-    async def put_part(self, fd: int, upload_id: str, part: Part) -> bytes:
+    async def put_part(self, fd: int, upload_id: str, part: Part) -> Sent:
         async with self.sem:
             return await self.put_checked(
                 "upload_part", fd, part, f"part {part.number}", UploadId=upload_id, PartNumber=part.number
             )
 
-    async def put_checked(self, method: str, fd: int, part: Part, what: str, **kwargs: Any) -> bytes:
-        """Send ``part``, check the ETag S3 answers against its MD5 (computed meanwhile); resend if wrong."""
-        md5_task = asyncio.ensure_future(self.run(md5_range, fd, part.offset, part.length))
+    async def put_checked(self, method: str, fd: int, part: Part, what: str, **kwargs: Any) -> Sent:
+        """Send ``part``; S3 checks its CRC32 on arrival. If its MD5 is ready by S3's answer and
+        differs from the ETag, the part is sent again; if not ready, :meth:`check_sent` checks later.
+        """
+        md5 = asyncio.ensure_future(self.hash(md5_range, fd, part.offset, part.length))
         try:
+            # Computed here, in a thread, the CRC32 spares botocore a pass over the body on the
+            # event loop, which would hold up every other part meanwhile.
+            crc = await self.run(crc32_range, fd, part.offset, part.length)
             for attempt in range(1, self.max_attempts + 1):
+                body = FileSlice(fd, part.offset, part.length)
                 try:
-                    resp = await self.call(method, Body=FileSlice(fd, part.offset, part.length), **kwargs)
+                    resp = await self.call(
+                        method, Body=body, ChecksumAlgorithm="CRC32", ChecksumCRC32=crc, **kwargs
+                    )
                 except bex.ClientError as exc:  # S3 saw a checksum mismatch: corrupted on the way
                     if error_code(exc) not in _DIGEST_ERRORS or attempt == self.max_attempts:
                         raise
                     continue
-                md5, got = await md5_task, clean_etag(resp.get("ETag"))
-                if not _md5_etag(resp) or got == md5.hex():
-                    return md5
+                sent = Sent(what, md5, clean_etag(resp.get("ETag")), crc, _md5_etag(resp))
+                if not md5.done() or not await sent.mismatch():
+                    return sent
                 log.warning("%s of s3://%s/%s arrived corrupt: sending it again", what, self.bucket, self.key)
-            raise VerifyFailed(f"ETag of {what}", md5.hex(), got)
-        finally:
-            md5_task.cancel()
+            raise VerifyFailed(f"ETag of {what}", *(await sent.mismatch() or ("?", "?")))
+        except BaseException:
+            md5.cancel()
+            raise
 
-    async def complete(self, upload_id: str, etags: list[str]) -> None:
-        parts = [{"PartNumber": i, "ETag": f'"{e}"'} for i, e in enumerate(etags, 1)]
+    async def check_sent(self, sent: list[Sent]) -> None:
+        """Compare every part's MD5 with the ETag S3 gave it; on a mismatch remove the object."""
+        for part in sent:
+            problem = await part.mismatch()
+            if problem:
+                await self.call("delete_object")
+                raise VerifyFailed(f"ETag of {part.what}", *problem)
+
+    async def complete(self, upload_id: str, sent: list[tuple[str, str]]) -> None:
+        """Complete the upload from each part's (ETag, CRC32)."""
+        parts = [{"PartNumber": i, "ETag": f'"{e}"', "ChecksumCRC32": c} for i, (e, c) in enumerate(sent, 1)]
         try:
             await self.call("complete_multipart_upload", UploadId=upload_id, MultipartUpload={"Parts": parts})
         except bex.ClientError as exc:
@@ -202,18 +248,19 @@ class S3Transfer:
 
     # -- download ----------------------------------------------------------------------------
 
-    async def download(self, fd: int, head: Head, part_size: int) -> None:
+    async def download(self, fd: int, head: Head, part_size: int, *, md5: bool = True) -> None:
         """Fill ``fd`` with the object's bytes by parallel ranged GETs; raise VerifyFailed on mismatch."""
-        remote = plan_for_etag(head.size, head.etag, part_size) if head.md5_etag else None
-        hashed = remote is not None and remote.multipart
-        ranges = _ranges(head.size, part_size, remote if hashed else None)
+        remote = plan_for_etag(head.size, head.etag, part_size) if md5 and head.md5_etag else None
+        # MD5s are taken as the bytes stream in, unless one part spans several ranges: then afterwards.
+        hashed = remote is not None and (len(remote.parts) > 1 or head.size <= part_size)
+        ranges = download_ranges(head.size, part_size, remote if hashed else None)
         md5s = await gather_all([self.get_range(fd, rng, head.etag, hashed) for rng in ranges])
         if remote is None:
             return
         if hashed:
             digests = [d for group in md5s for d in group]
         else:
-            digests = [(await self.run(md5_range, fd, 0, head.size))]
+            digests = [(await self.hash(md5_range, fd, 0, head.size))]
         actual = etag_of(remote, digests)
         if actual != head.etag:
             raise VerifyFailed("ETag", head.etag, actual)
@@ -242,7 +289,8 @@ class S3Transfer:
                 chunk = await body.read(min(READ_CHUNK, cur.end - cur.pos))
                 if not chunk:
                     raise bex.IncompleteReadError(actual_bytes=cur.pos, expected_bytes=cur.end)
-                await self.run(write_hashed, fd, chunk, cur.pos, cur.parts, cur.hashers)
+                run = self.hash if cur.hashers else self.run
+                await run(write_hashed, fd, chunk, cur.pos, cur.parts, cur.hashers)
                 cur.pos += len(chunk)
         finally:
             body.close()
@@ -256,25 +304,6 @@ class _Cursor:
         self.pos = parts[0].offset
         self.end = parts[-1].offset + parts[-1].length
         self.hashers = [hashlib.md5() for _ in parts] if hashed else []
-
-
-def plan_for_etag(size: int, etag: str, part_size: int) -> PartPlan | None:
-    """The part plan an object of ``size`` bytes with this MD5 ``etag`` was uploaded by, if it can be told."""
-    count = etag_parts(etag)
-    if count == 0:
-        return PartPlan(size, size, False, (Part(1, 0, size),))
-    if count == 1:
-        return PartPlan(size, size, True, (Part(1, 0, size),))
-    p = guess_part_size(size, count, hints=(part_size,))
-    return None if p is None else plan_parts(size, p)
-
-
-def _ranges(size: int, part_size: int, remote: PartPlan | None) -> list[list[Part]]:
-    """Download ranges of about ``part_size`` bytes; made of whole remote parts when those are hashed."""
-    if remote is None:
-        return [[p] for p in plan_parts(max(size, 1), part_size).parts] if size else []
-    k = max(1, part_size // max(remote.part_size, MiB))
-    return [list(remote.parts[i : i + k]) for i in range(0, len(remote.parts), k)]
 
 
 def _md5_etag(resp: dict[str, Any]) -> bool:
@@ -361,6 +390,14 @@ def md5_range(fd: int, offset: int, length: int) -> bytes:
             raise EOFError(f"the file ended at byte {pos} while it was being read")
         h.update(data)
     return h.digest()
+
+
+def crc32_range(fd: int, offset: int, length: int) -> str:
+    """The CRC32 of a file range, base64-encoded as S3's ``x-amz-checksum-crc32`` wants it."""
+    crc = 0
+    for pos in range(offset, offset + length, 8 * MiB):
+        crc = zlib.crc32(os.pread(fd, min(8 * MiB, offset + length - pos), pos), crc)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 def write_hashed(fd: int, data: bytes, pos: int, parts: list[Part], hashers: list) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -51,15 +52,24 @@ T = TypeVar("T")
 class TransferOptions:
     """How to move bytes: part size, parallelism, and the S3 client's timeouts and retries."""
 
-    part_size: int = 64 * MiB  # bytes per multipart part and per ranged GET (files up to this size: one PUT)
-    concurrency: int = 8  # parts in flight
+    # Uploads: many small parts in flight (as boto3 does: 8 MiB, 10 at once; grown to stay within
+    # S3's 10,000 parts). Downloads: large ranges, since some servers (moto) read the whole object
+    # for each ranged GET. Measured on moto: 64 MiB upload parts 0.66x boto3, 8 MiB 0.97x.
+    part_size: int = 8 * MiB  # bytes per multipart upload part (files up to this size: one PUT)
+    range_size: int = 64 * MiB  # bytes per ranged GET of a download
+    concurrency: int = 10  # parts or ranges in flight
     connect_timeout: float = 10.0  # seconds to open a connection
     read_timeout: float = 30.0  # seconds without a byte moving (either way) before a request fails
     max_attempts: int = 5  # tries per request (botocore "standard" retries), and per download range
+    # Downloads from S3: check the bytes against the ETag's MD5s (single PUT, or multipart when the
+    # part size can be told), ~1.3 s of CPU per GiB; False: the size only. Uploads always check.
+    download_md5: bool = True
 
     def __post_init__(self) -> None:
         if not MIN_PART <= self.part_size <= MAX_PART:
             raise ValueError(f"part_size must be between 5 MiB and 5 GiB (S3's limits), not {self.part_size}")
+        if self.range_size < MiB:
+            raise ValueError(f"range_size must be at least 1 MiB, not {self.range_size}")
         if self.concurrency < 1 or self.max_attempts < 1:
             raise ValueError("concurrency and max_attempts must be at least 1")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
@@ -120,6 +130,8 @@ def upload_file(
     loc = _open(url, storage_options, options)
     with open_local(local_path, os.O_RDONLY) as fd:
         before = os.fstat(fd)
+        if not stat.S_ISREG(before.st_mode):
+            raise StorageUnavailableError(f"{local_path} is not a regular file: upload files one by one")
         if _is_s3(loc):
             etag, skipped = _upload_s3(loc, fd, before.st_size, options)
         else:
@@ -175,7 +187,7 @@ def _upload_s3(loc: Location, fd: int, size: int, options: TransferOptions) -> t
         expected = await xfer.upload(fd, plan_parts(size, options.part_size))
         return await xfer.verify(size, expected), False
 
-    return _run_s3(loc, options, "uploading to", run)
+    return _run_s3(loc, options, "uploading to", run, on_mismatch="the remote copy was removed")
 
 
 def _download_s3(loc: Location, fd: int, options: TransferOptions) -> tuple[int, str]:
@@ -184,15 +196,21 @@ def _download_s3(loc: Location, fd: int, options: TransferOptions) -> tuple[int,
         if head is None:
             raise StorageUnavailableError(f"no object at {loc.display()}: nothing to download")
         _preallocate(fd, head.size)
-        await xfer.download(fd, head, options.part_size)
+        await xfer.download(fd, head, options.range_size, md5=options.download_md5)
         return head.size, head.etag
 
-    return _run_s3(loc, options, "downloading", run)
+    return _run_s3(loc, options, "downloading", run, on_mismatch="nothing was written")
 
 
 def _run_s3(
-    loc: Location, options: TransferOptions, action: str, body: Callable[[S3Transfer], Awaitable[T]]
+    loc: Location,
+    options: TransferOptions,
+    action: str,
+    body: Callable[[S3Transfer], Awaitable[T]],
+    *,
+    on_mismatch: str,
 ) -> T:
+    """Run ``body`` on s3fs's loop with a transfer of ``loc``'s object; translate its errors."""
     bucket, key, _ = loc.fs.split_path(loc.root)
     if not key:
         raise StorageUnavailableError(f"{loc.display()} names a bucket, not an object: add a key")
@@ -202,14 +220,12 @@ def _run_s3(
             return sync(loc.fs.loop, body, xfer)
     except VerifyFailed as exc:
         what, expected, actual = exc.args
-        deleted = "the remote copy was removed" if action.startswith("upload") else "nothing was written"
         raise TransferVerifyError(
-            loc.display(), what=what, expected=expected, actual=actual, deleted=deleted
+            loc.display(), what=what, expected=expected, actual=actual, deleted=on_mismatch
         ) from None
     finally:
         xfer.close()
-        if action.startswith("upload"):
-            loc.fs.invalidate_cache(loc.root)
+        loc.fs.invalidate_cache(loc.root)  # s3fs's listings cache must not hide the new object
 
 
 # -- other filesystems ---------------------------------------------------------------------------

@@ -31,7 +31,16 @@ from fsspec.exceptions import FSTimeoutError
 from ckptflow.storage import StorageUnavailableError
 from ckptflow.storage import s3transfer as s3transfer_module
 from ckptflow.storage import transfer as transfer_module
-from ckptflow.storage.etag import MAX_PARTS, MiB, etag_of, guess_part_size, is_md5_etag, plan_parts
+from ckptflow.storage.etag import (
+    MAX_PARTS,
+    MiB,
+    download_ranges,
+    etag_of,
+    guess_part_size,
+    is_md5_etag,
+    plan_for_etag,
+    plan_parts,
+)
 from ckptflow.storage.transfer import (
     TransferOptions,
     TransferVerifyError,
@@ -139,6 +148,22 @@ class TestPlanAndEtag:
         assert guess_part_size(20 * MiB, 7) is None
         assert is_md5_etag('"' + "a" * 32 + '-12"') and not is_md5_etag("xyz")
 
+    def test_an_objects_plan_is_told_from_its_etag(self):
+        md5 = "a" * 32
+        plan = plan_for_etag(20 * MiB, f"{md5}-3", PART)
+        assert plan is not None and plan.part_size == 8 * MiB and len(plan.parts) == 3
+        single = plan_for_etag(20 * MiB, md5, PART)
+        assert single is not None and not single.multipart and single.parts[0].length == 20 * MiB
+        assert plan_for_etag(20 * MiB, f"{md5}-7", PART) is None
+
+    def test_download_ranges_hold_whole_remote_parts(self):
+        remote = plan_parts(64 * MiB + 1, 8 * MiB)  # 9 parts
+        ranges = download_ranges(64 * MiB + 1, 32 * MiB, remote)
+        assert [len(r) for r in ranges] == [4, 4, 1]
+        assert [p for r in ranges for p in r] == list(remote.parts)
+        assert [len(r) for r in download_ranges(3 * PART, PART, None)] == [1, 1, 1]
+        assert download_ranges(0, PART, None) == []
+
 
 class TestOptions:
     def test_storage_options_merge_keeps_the_users_settings(self):
@@ -191,7 +216,9 @@ class TestS3Upload:
     def test_uploads_complete_at_a_20_percent_fault_rate(self, s3, tmp_path):
         bucket, options, proxy, raw = s3
         proxy.rate, proxy.stall_seconds = 0.2, 6.0
-        proxy._rng.seed(first_faulty_seed(0.2))
+        proxy.reseed(first_faulty_seed(0.2))
+        for kind in ("drop", "reset", "stall"):  # on top of the random ones: each kind at least once
+            proxy.force(kind, 1, offset=3 * MiB)
         files = {f"f{n}": payload(n * PART + n * 1000, seed=n) for n in (3, 4, 6)}
         start = time.monotonic()
         for name, data in files.items():
@@ -199,22 +226,46 @@ class TestS3Upload:
                 write(tmp_path / name, data), f"s3://{bucket}/{name}", storage_options=options, options=FAST
             )
             assert result.etag == local_etag(data)
-        assert proxy.faults() >= 1, proxy.counts
+        assert all(proxy.counts[kind] >= 1 for kind in ("drop", "reset", "stall")), proxy.counts
+        assert proxy.faults() >= 4, proxy.counts  # the random ones too
         assert time.monotonic() - start < 120
         proxy.rate = 0.0
         for name, data in files.items():
             assert remote_bytes(raw, bucket, name) == data, name
         assert pending_uploads(raw, bucket) == []
 
-    def test_corruption_in_transit_is_caught_and_the_part_resent(self, s3, tmp_path):
+    def test_corruption_in_transit_never_leaves_a_bad_object(self, s3, tmp_path):
+        """moto does not check the CRC32 as S3 does, so the MD5s catch it: a part whose MD5 is ready
+        when S3 answers is sent again; otherwise the check after complete removes the object and
+        raises, and the re-run completes."""
         bucket, options, proxy, raw = s3
         data = payload(3 * PART, seed=3)
+        src = write(tmp_path / "c", data)
         proxy.force("corrupt", 2, offset=PART // 2)  # two parts get a byte flipped
-        result = upload_file(
-            write(tmp_path / "c", data), f"s3://{bucket}/c", storage_options=options, options=FAST
-        )
+        try:
+            result = upload_file(src, f"s3://{bucket}/c", storage_options=options, options=FAST)
+        except TransferVerifyError as err:
+            assert "ETag of part" in str(err) and "Contents" not in raw.list_objects_v2(Bucket=bucket)
+            result = upload_file(src, f"s3://{bucket}/c", storage_options=options, options=FAST)
         assert proxy.counts["corrupt"] >= 1
         assert result.etag == local_etag(data) and remote_bytes(raw, bucket, "c") == data
+
+    def test_a_late_md5_still_catches_a_corrupt_part_after_complete(self, s3, tmp_path, monkeypatch):
+        bucket, options, proxy, raw = s3
+        slow = s3transfer_module.md5_range
+
+        def late_md5(fd, offset, length):
+            time.sleep(1.0)  # S3 answers first: the check happens after complete
+            return slow(fd, offset, length)
+
+        monkeypatch.setattr(s3transfer_module, "md5_range", late_md5)
+        proxy.force("corrupt", 1, offset=PART // 2, match="partNumber=2")
+        src = write(tmp_path / "late", payload(2 * PART + 1, seed=22))
+        with pytest.raises(TransferVerifyError, match="ETag of part 2 expected") as err:
+            upload_file(src, f"s3://{bucket}/late", storage_options=options, options=FAST)
+        assert "remote copy was removed" in str(err.value)
+        assert "Contents" not in raw.list_objects_v2(Bucket=bucket) and pending_uploads(raw, bucket) == []
+        assert proxy.methods()["POST"] == 2  # create and complete: the part was not sent again
 
     def test_persistent_corruption_fails_and_leaves_nothing(self, s3, tmp_path):
         bucket, options, proxy, raw = s3
@@ -239,6 +290,27 @@ class TestS3Upload:
             )
         assert "remote copy was removed" in str(err.value)
         assert "Contents" not in raw.list_objects_v2(Bucket=bucket)
+
+    def test_kms_objects_are_checked_by_size_and_never_skipped(self, s3, tmp_path, caplog):
+        """SSE-KMS ETags are not MD5s: the upload must neither compare them nor trust them for a skip."""
+        bucket, options, _, raw = s3
+        kms = {**options, "s3_additional_kwargs": {"ServerSideEncryption": "aws:kms"}}
+        data = payload(2 * PART + 1, seed=20)
+        src = write(tmp_path / "kms", data)
+        with caplog.at_level("WARNING", logger="ckptflow"):
+            first = upload_file(src, f"s3://{bucket}/kms", storage_options=kms, options=FAST)
+            again = upload_file(src, f"s3://{bucket}/kms", storage_options=kms, options=FAST)
+        assert raw.head_object(Bucket=bucket, Key="kms")["ServerSideEncryption"] == "aws:kms"
+        assert not first.skipped and not again.skipped
+        assert "size checked only" in caplog.text
+        download_file(f"s3://{bucket}/kms", tmp_path / "back", storage_options=kms, options=FAST)
+        assert (tmp_path / "back").read_bytes() == data == remote_bytes(raw, bucket, "kms")
+
+    def test_a_directory_is_refused(self, s3, tmp_path):
+        bucket, options, proxy, _ = s3
+        with pytest.raises(StorageUnavailableError, match="is not a regular file"):
+            upload_file(tmp_path, f"s3://{bucket}/d", storage_options=options, options=FAST)
+        assert proxy.methods() == {}
 
 
 @pytest.mark.s3
@@ -416,13 +488,14 @@ class TestS3Download:
         data = payload(4 * PART + 77, seed=11)
         upload_file(write(tmp_path / "src", data), f"s3://{bucket}/d", storage_options=options, options=FAST)
         proxy.rate, proxy.stall_seconds, proxy.max_offset = 0.2, 6.0, 3 * MiB
-        proxy._rng.seed(first_faulty_seed(0.2))
-        out = tmp_path / "out" / "d.bin"
-        out.parent.mkdir()
+        proxy.reseed(first_faulty_seed(0.2))
+        proxy.force("reset", 1, offset=2 * MiB)  # mid-body of a ranged GET: resumed where it broke
+        proxy.force("stall", 1, offset=2 * MiB)
+        out = tmp_path / "out" / "d.bin"  # its directory does not exist yet
         for _ in range(2):
             result = download_file(f"s3://{bucket}/d", out, storage_options=options, options=FAST)
             assert out.read_bytes() == data and result.size == len(data) and result.etag == local_etag(data)
-        assert proxy.faults() >= 1
+        assert proxy.counts["reset"] >= 1 and proxy.counts["stall"] >= 1, proxy.counts
         assert os.listdir(out.parent) == ["d.bin"]
 
     def test_object_of_another_tool_is_verified(self, s3, tmp_path, raw):
@@ -434,10 +507,14 @@ class TestS3Download:
             "o",
             Config=TransferConfig(multipart_threshold=8 * MiB, multipart_chunksize=8 * MiB),
         )
-        raw.put_object(Bucket=bucket, Key="single", Body=data[: PART + 9])
-        for key, want in (("o", data), ("single", data[: PART + 9])):
-            download_file(f"s3://{bucket}/{key}", tmp_path / key, storage_options=options, options=FAST)
-            assert (tmp_path / key).read_bytes() == want
+        singles = {"single": data[: PART + 9], "tiny": data[:1000], "empty": b""}  # 2 ranges, 1, none
+        for key, body in singles.items():
+            raw.put_object(Bucket=bucket, Key=key, Body=body)
+        for key, want in {"o": data, **singles}.items():
+            result = download_file(
+                f"s3://{bucket}/{key}", tmp_path / key, storage_options=options, options=FAST
+            )
+            assert (tmp_path / key).read_bytes() == want and result.size == len(want)
 
     def test_corrupt_bytes_are_refused_and_nothing_is_written(self, s3, tmp_path, raw):
         bucket, options, proxy, _ = s3
@@ -456,6 +533,16 @@ class TestS3Download:
                     f"s3://{bucket}/{key}", tmp_path / "out" / "old", storage_options=options, options=FAST
                 )
         assert os.listdir(tmp_path / "out") == ["old"] and (tmp_path / "out" / "old").read_bytes() == b"old"
+
+    def test_size_only_when_asked(self, s3, tmp_path, raw):
+        bucket, options, proxy, _ = s3
+        raw.put_object(Bucket=bucket, Key="c", Body=payload(2 * PART, seed=21))
+        proxy.force("corrupt", 100, offset=2 * MiB)
+        size_only = TransferOptions(part_size=PART, download_md5=False)
+        result = download_file(f"s3://{bucket}/c", tmp_path / "c", storage_options=options, options=size_only)
+        proxy.clear_forced()
+        assert result.size == 2 * PART and proxy.counts["corrupt"] >= 1  # not caught: nothing checked it
+        assert (tmp_path / "c").read_bytes() != payload(2 * PART, seed=21)
 
     def test_missing_object(self, s3, tmp_path):
         bucket, options, _, _ = s3
