@@ -1,0 +1,99 @@
+"""Reading one epoch out of a 10-epoch tarball on S3, against downloading the tarball.
+
+A local store saves 10 epochs (``--epoch-mib`` each), archives them into one
+tarball and uploads it (with its index) to a moto S3 server started on a free
+127.0.0.1 port; then, from a store opened on the S3 mirror, it times
+``load(5)`` (range reads through the index) against ``download_file`` of the
+whole tarball (parallel ranged GETs, the fastest full download we have).
+One run, one table; the ratio is the point.
+
+    .venv/bin/python bench/bench_epoch_read.py [--epoch-mib 64] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.bench_transfer import KEY, SECRET, start_moto
+from ckptflow.storage import CheckpointStore
+from ckptflow.storage.transfer import download_file, upload_file
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--epoch-mib", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    os.environ.update(AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1")
+    proc, endpoint = start_moto()
+    try:
+        with tempfile.TemporaryDirectory(prefix="ckptflow-bench-", dir="/work") as tmp:
+            run(Path(tmp), endpoint, args)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def run(tmp: Path, endpoint: str, args: argparse.Namespace) -> None:
+    import boto3
+
+    options = {"client_kwargs": {"endpoint_url": endpoint}, "skip_instance_cache": True}
+    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+    local = CheckpointStore(tmp / "store")
+    numel = args.epoch_mib * (1 << 20) // 4
+    for epoch in range(1, 11):
+        local.save({"model": {"w": torch.full((numel,), float(epoch))}}, epoch=epoch, version=epoch)
+    index = local.archive(list(range(1, 11)))
+    tar = tmp / "store" / "archive" / index.tar
+    upload_file(tar, f"s3://bench/run/archive/{index.tar}", storage_options=options)
+    idx = tar.with_name(index.tar.removesuffix(".tar") + ".index.json")
+    upload_file(idx, f"s3://bench/run/archive/{idx.name}", storage_options=options)
+    remote = CheckpointStore("s3://bench/run", storage_options=options)
+    assert [v.version for v in remote.versions()] == list(range(1, 11))
+
+    def load_one() -> None:
+        state = remote.load(5)
+        assert float(state["model"]["w"][0]) == 5.0
+
+    def download_all() -> None:
+        download_file(f"s3://bench/run/archive/{index.tar}", str(tmp / "dl.tar"), storage_options=options)
+        os.remove(tmp / "dl.tar")
+
+    one = timed(load_one, args.repeats)
+    whole = timed(download_all, args.repeats)
+    mib = index.size / (1 << 20)
+    rate = args.epoch_mib * (1 << 20) / one / 1e6
+    print(
+        f"10 epochs of {args.epoch_mib} MiB, one {mib:.0f} MiB tarball on moto S3, median of {args.repeats}"
+    )
+    print("| read | seconds | MB/s of the bytes needed | vs downloading the tarball |")
+    print("| --- | ---: | ---: | ---: |")
+    print(
+        f"| `load(5)` from the tarball (range reads) | {one:.2f} | {rate:.0f} | {whole / one:.1f}x faster |"
+    )
+    print(f"| `download_file` of the whole tarball | {whole:.2f} | {index.size / whole / 1e6:.0f} | 1.0x |")
+
+
+def timed(fn, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+if __name__ == "__main__":
+    main()
