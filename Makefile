@@ -21,8 +21,8 @@ run: $(STAMP)
 	$(BIN)/ckptflow run $(ARGS)
 
 lint: $(STAMP)
-	$(BIN)/ruff check $(PKGS) tests bench
-	$(BIN)/ruff format --check $(PKGS) tests bench
+	$(BIN)/ruff check $(PKGS) tests bench deployments
+	$(BIN)/ruff format --check $(PKGS) tests bench deployments
 
 # mypy does not follow setuptools' editable import hook, so it checks the packages
 # through a tree of links that spells their installed names (ckptflow.storage, ...).

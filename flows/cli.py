@@ -31,6 +31,7 @@ from typer.core import TyperGroup
 from . import present
 from .archive_cmd import archive_command, extract_command
 from .run_cmd import run_command
+from .server_cmd import publish_command, setup_server_command
 
 if TYPE_CHECKING:
     from ckptflow.storage import CheckpointStore, VersionInfo
@@ -397,6 +398,9 @@ def gc_command(url: Url, dry_run: DryRun = False, storage_options: StorageOption
 app.command("run")(run_command)
 app.command("archive")(archive_command)
 app.command("extract")(extract_command)
+# Commands for a Prefect server (flows/server_cmd.py, Prefect imported inside their bodies as well).
+app.command("publish")(publish_command)
+app.command("setup-server")(setup_server_command)
 
 
 def main() -> None:

@@ -72,7 +72,8 @@ class MaintenanceConfig(BaseModel):
                 storage=url, storage_options=self.storage_options, storage_secret=self.storage_secret
             )
         except ValidationError as exc:
-            raise ValueError("; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors()))
+            reasons = (str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+            raise ValueError("; ".join(reasons)) from None
 
 
 @contextmanager

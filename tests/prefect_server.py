@@ -85,10 +85,11 @@ def start_prefect_server(home: Path) -> PrefectServer:
         str(port),
         "--analytics-off",
     ]
+    env = prefect_env(home)
+    # The UI asks the server where its API is; without this it would say 127.0.0.1:4200.
+    env["PREFECT_UI_API_URL"] = f"http://127.0.0.1:{port}/api"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            cmd, env=prefect_env(home), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     server = PrefectServer(home, port, proc, log)
     deadline = time.monotonic() + STARTUP_TIMEOUT
     while time.monotonic() < deadline:

@@ -28,7 +28,7 @@ from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFil
 
 from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.formatting import human_size
-from ckptflow.tasks.monitoring import COMMITTED_EVENT, slug
+from ckptflow.tasks.monitoring import COMMITTED_EVENT, slug, store_key
 from tests.pipeline.helpers import make_config, poll, run_summary
 
 pytestmark = pytest.mark.prefect
@@ -108,9 +108,9 @@ class TestArtifacts:
         assert [r["size"] for r in rows] == [human_size(v.size) for v in versions]
         assert [r["url"] for r in rows] == [v.url for v in versions]
         assert all(r["url"].endswith(f"/v{v.version:06d}") for r, v in zip(rows, versions, strict=True))
-        # Every commit re-published the table: one version of the artifact per commit.
+        # Every commit updated the run's table in place: one artifact (one card in the UI) per run.
         tables = [a for a in run_artifacts(run.run_id) if a.key == f"{run.key_prefix}-checkpoints"]
-        assert len(tables) == EPOCHS
+        assert [t.id for t in tables] == [table.latest_id]
 
     def test_progress_reaches_100(self, run):
         progress = latest_artifact(f"{run.key_prefix}-progress")
@@ -125,8 +125,10 @@ class TestArtifacts:
         assert run.summary["latest_url"] in summary.data
 
     def test_artifacts_belong_to_the_flow_run(self, run):
-        keys = {a.key for a in run_artifacts(run.run_id)}
-        assert keys == {f"{run.key_prefix}-{part}" for part in ("checkpoints", "progress", "summary")}
+        keys = sorted(a.key for a in run_artifacts(run.run_id))
+        store = store_key(run.store.url)
+        run_keys = [f"{run.key_prefix}-{part}" for part in ("checkpoints", "progress", "summary")]
+        assert keys == sorted([*run_keys, f"{store}-checkpoints", f"{store}-latest"])
 
 
 class TestEvents:

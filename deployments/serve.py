@@ -1,0 +1,94 @@
+"""Serve ckptflow's flows from one long-running process: the single-machine case.
+
+No work pool and no worker: ``prefect.serve`` registers two deployments,
+``ckptflow-train/train-served`` and ``ckptflow-maintenance/maintenance-served``,
+with their schedules, and runs each flow run in a subprocess of this process
+until it is stopped with Ctrl-C (SIGINT); the deployments are then paused.
+(On SIGTERM, Prefect 3.8.8's runner may exit before pausing them.)
+
+    export PREFECT_API_URL=http://127.0.0.1:4200/api
+    .venv/bin/python deployments/serve.py --storage ./checkpoints/served --epochs 5 \\
+        --train-cron "0 2 * * *" --maintenance-cron "0 3 * * *"
+
+The parameters are built from the options and validated before anything is
+registered (the flows validate them again on every run); a run started from
+the UI or with ``prefect deployment run 'ckptflow-train/train-served' --param
+config='{...}'`` replaces the default ``config`` as a whole. Relative storage
+paths resolve in the repository root, as for the worker deployments. Served
+runs emit heartbeats every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds (30
+unless set), so the automation of ``ckptflow setup-server`` marks a run whose
+process died Crashed here too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--storage", default="./checkpoints/served", help="where the checkpoints live")
+    parser.add_argument("--epochs", type=int, default=5, help="train until this epoch")
+    parser.add_argument(
+        "--spec", default=None, help="TrainingSpec as package.module:Class (default: the demo)"
+    )
+    parser.add_argument("--keep-last", type=int, default=5, help="maintenance: keep the newest N versions")
+    parser.add_argument("--train-cron", default=None, help="cron schedule of training runs (default: none)")
+    parser.add_argument("--maintenance-cron", default="0 3 * * *", help="cron schedule of maintenance runs")
+    parser.add_argument("--limit", type=int, default=1, help="flow runs at once (one writer per store)")
+    return parser.parse_args(argv)
+
+
+def build_deployments(args: argparse.Namespace) -> list[Any]:
+    """The two deployments, with validated default parameters."""
+    from ckptflow.flows.maintenance import maintain_stores
+    from ckptflow.flows.train import train_pipeline
+    from ckptflow.tasks.config import PipelineConfig
+    from ckptflow.tasks.maintenance import MaintenanceConfig
+
+    train = PipelineConfig.model_validate(
+        {"storage": args.storage, "epochs": args.epochs, **({"spec": args.spec} if args.spec else {})}
+    )
+    maintenance = MaintenanceConfig(storages=[args.storage], retention={"keep_last": args.keep_last})
+    return [
+        train_pipeline.to_deployment(
+            name="train-served",
+            parameters={"config": train.model_dump(mode="json", exclude_defaults=True)},
+            cron=args.train_cron,
+            tags=["ckptflow"],
+            description="Train with crash-safe checkpoints (served by deployments/serve.py).",
+        ),
+        maintain_stores.to_deployment(
+            name="maintenance-served",
+            parameters={"config": maintenance.model_dump(mode="json", exclude_defaults=True)},
+            cron=args.maintenance_cron,
+            tags=["ckptflow"],
+            description="Retention, leftovers and the checkpoint table (served by deployments/serve.py).",
+        ),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.chdir(REPO)
+    os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
+    from prefect import serve
+    from pydantic import ValidationError
+
+    try:
+        deployments = build_deployments(args)
+    except ValidationError as exc:
+        print(f"error: invalid parameters: {exc}", file=sys.stderr)
+        return 2
+    serve(*deployments, limit=args.limit)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

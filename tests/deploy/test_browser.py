@@ -1,0 +1,87 @@
+"""The checkpoints of a deployed run, as a user sees them in the Prefect UI (headless Chromium).
+
+The UI is a single-page app that fetches its data after loading, so the test
+drives a real browser (tests/deploy/browser.py) and polls the rendered text:
+the flow run page (its Artifacts tab lists the run's checkpoint table and the
+store's latest checkpoint), the checkpoint table itself (one row per committed
+epoch, sizes human-readable) and the store's latest-checkpoint card. Each page
+is kept as a screenshot in tests/output/.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from ckptflow.storage import CheckpointStore
+from ckptflow.tasks.formatting import human_size
+from ckptflow.tasks.monitoring import slug, store_key
+from tests.deploy.browser import CHROMIUM, Browser
+from tests.deploy.helpers import run_artifact
+
+pytestmark = pytest.mark.deploy
+
+OUTPUT = Path(__file__).resolve().parents[1] / "output"
+
+
+@pytest.fixture(scope="module")
+def browser():
+    assert shutil.which(CHROMIUM), "chromium is not installed: apt-get install -y chromium (.ci/run does)"
+    with Browser() as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def store(trained):
+    return CheckpointStore(str(trained.storage))
+
+
+def test_flow_run_page_lists_the_checkpoint_artifacts(browser, stack, trained, store):
+    browser.open(f"{stack.ui}/runs/flow-run/{trained.run_id}")
+    page = browser.wait_for_text(trained.name, "Completed", "Artifacts")
+    assert trained.name in page and "Completed" in page, page[:2000]
+    assert browser.click_text("Artifacts"), page[:2000]
+    run_table = f"ckptflow-{slug(trained.name)}-checkpoints"
+    latest = f"{store_key(store.url)}-latest"
+    described = f"Committed checkpoints in {store.url}"
+    page = browser.wait_for_text(run_table, latest, described)
+    browser.screenshot(OUTPUT / "deploy-flow-run-artifacts.png")
+    assert run_table in page and latest in page and described in page, page[:3000]
+    assert page.count(run_table) == 1  # one card per key, however many commits
+
+
+def test_checkpoint_table_shows_every_committed_epoch(browser, stack, trained, store):
+    table = run_artifact(trained.run_id, f"ckptflow-{slug(trained.name)}-checkpoints")
+    versions = store.versions()
+    browser.open(f"{stack.ui}/artifacts/artifact/{table.id}")
+    page = browser.wait_for_text(*(v.url for v in versions))
+    browser.screenshot(OUTPUT / "deploy-checkpoint-table.png")
+    assert "epoch version size save seconds throughput metrics created url" in page, page[:3000]
+    for v in versions:
+        # a row: epoch, version, human-readable size, ..., URL
+        assert f"{v.epoch} {v.version} {human_size(v.size)}" in page, page[:3000]
+        assert v.url in page
+    assert f"{len(versions)} Items" in page
+
+
+def test_latest_checkpoint_card_of_the_store(browser, stack, trained, store):
+    card = run_artifact(trained.run_id, f"{store_key(store.url)}-latest")
+    newest = store.latest()
+    assert newest is not None
+    browser.open(f"{stack.ui}/artifacts/artifact/{card.id}")
+    page = browser.wait_for_text(f"Latest checkpoint of {store.url}", newest.url)
+    browser.screenshot(OUTPUT / "deploy-latest-checkpoint.png")
+    assert f"Latest checkpoint of {store.url}" in page, page[:3000]
+    assert f"version {newest.version} (epoch {newest.epoch})" in page
+    assert f"size {human_size(newest.size)}" in page
+    assert f"ckptflow restore {store.url} --out model.pt" in page
+
+
+def test_artifacts_page_has_one_entry_per_store(browser, stack, trained, store):
+    browser.open(f"{stack.ui}/artifacts")
+    key = store_key(store.url)
+    page = browser.wait_for_text(f"{key}-checkpoints", f"{key}-latest")
+    browser.screenshot(OUTPUT / "deploy-artifacts-page.png")
+    assert f"{key}-checkpoints" in page and f"{key}-latest" in page, page[:3000]

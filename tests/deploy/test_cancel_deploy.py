@@ -1,0 +1,97 @@
+"""Cancelling a deployed run while a save is in flight: the save commits, the next run resumes from it.
+
+`prefect flow-run cancel ID` (what the UI's Cancel does) makes the worker
+send SIGTERM to the flow run's process; Prefect raises TerminationSignal in
+its main thread. The run is cancelled at the worst moment: the spec holds the
+commit of version 2 (every shard on disk, the manifest not yet written) and
+the test cancels as it starts. With an async save the main thread is already
+training epoch 3 and the flow waits for the save in flight before it ends;
+with a synchronous save the main thread is waiting in the save task, which
+lets the helper thread finish. Either way version 2 commits after the
+cancellation, nothing half-written is left, the run ends Cancelled with
+version 2 in its checkpoint table, and the next run of the deployment
+resumes from it.
+
+Fixes: a run stopped by the worker's SIGTERM committed the save in flight but
+never reported it (its checkpoint table, the store's latest checkpoint and the
+committed event all stopped one version short); ``RunMonitor.catch_up`` now
+reports it on the way out.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ckptflow.tasks.monitoring import COMMITTED_EVENT, slug
+from tests.deploy.helpers import (
+    TRAIN,
+    Worker,
+    checked,
+    events,
+    poll_until,
+    run_artifact,
+    start_run,
+    table_rows,
+    wait_for_file,
+    wait_for_state,
+)
+from tests.deploy.specs import spec_params
+from tests.pipeline.helpers import assert_only_committed
+
+pytestmark = pytest.mark.deploy
+
+EPOCHS = 4
+IN_FLIGHT = 2
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async-save", "sync-save"])
+def test_cancel_during_a_save_commits_it_and_the_next_run_resumes(stack, tmp_path, async_save):
+    markers = tmp_path / "markers"
+    spec = spec_params(markers, slow_commit=[IN_FLIGHT, 6], slow_from=IN_FLIGHT + 1, slow_seconds=120)
+    config = {
+        "storage": str(tmp_path / "store"),
+        "epochs": EPOCHS,
+        "shards": 2,
+        "async_save": async_save,
+        **spec,
+    }
+    run_id = start_run(stack, TRAIN, config)
+    with Worker(stack, tmp_path / "worker.log") as worker:
+        wait_for_file(markers / f"commit-{IN_FLIGHT}-started", 120, worker)
+        cancelled_at = time.time()
+        out = checked(stack, "prefect", "flow-run", "cancel", str(run_id))
+        assert "successfully scheduled for cancellation" in " ".join(out.split())
+        assert worker.wait(120) == 0, worker.output()[-4000:]
+    run = wait_for_state(run_id, "CANCELLED", "COMPLETED", "FAILED", "CRASHED", timeout=60)
+    assert run.state.type.value == "CANCELLED", f"{run.state}\n{worker.output()[-4000:]}"
+
+    # SIGTERM reached the process while the save was in flight, and the save still committed.
+    started, done, sigterm = (
+        markers / n for n in (f"commit-{IN_FLIGHT}-started", f"commit-{IN_FLIGHT}-done", "sigterm")
+    )
+    assert sigterm.exists() and done.exists(), worker.output()[-4000:]
+    assert float(started.read_text()) < float(sigterm.read_text()) < float(done.read_text())
+    assert float(sigterm.read_text()) > cancelled_at
+    # No epoch began after it (a synchronous save: not even the next one).
+    assert not (markers / f"epoch-{IN_FLIGHT + (2 if async_save else 1)}-started").exists()
+    assert assert_only_committed(tmp_path / "store") == [1, IN_FLIGHT]
+
+    # ...and the run reported it: its checkpoint table and its events include version 2.
+    table = run_artifact(run_id, f"ckptflow-{slug(run.name)}-checkpoints")
+    assert [r["version"] for r in table_rows(table)] == [1, IN_FLIGHT]
+    committed = poll_until(lambda: events(COMMITTED_EVENT, run_id), lambda evs: len(evs) >= IN_FLIGHT)
+    assert sorted(e.payload["version"] for e in committed) == [1, IN_FLIGHT]
+
+    # The next run of the deployment, same parameters, resumes after version 2.
+    (markers / "steer.json").unlink()
+    again = start_run(stack, TRAIN, config)
+    with Worker(stack, tmp_path / "worker-2.log") as worker:
+        assert worker.wait(180) == 0, worker.output()[-4000:]
+    resumed = wait_for_state(again, "COMPLETED", "FAILED", "CRASHED", timeout=30)
+    assert resumed.state.type.value == "COMPLETED", f"{resumed.state}\n{worker.output()[-4000:]}"
+    summary = run_artifact(again, f"ckptflow-{slug(resumed.name)}-summary").data
+    assert f"| epochs | {IN_FLIGHT + 1}..{EPOCHS} (resumed from version {IN_FLIGHT}) |" in summary
+    assert (markers / f"epoch-{IN_FLIGHT + 1}-started").read_text() == str(again)
+    assert assert_only_committed(tmp_path / "store") == list(range(1, EPOCHS + 1))

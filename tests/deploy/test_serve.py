@@ -1,0 +1,81 @@
+"""The single-machine case: `python deployments/serve.py` serves both flows, with schedules, no worker.
+
+The serve process registers ``ckptflow-train/train-served`` (its default
+parameters come from the options, validated up front) and
+``ckptflow-maintenance/maintenance-served`` (on its cron schedule); a run of
+the served training deployment started with its default parameters trains
+into the store the options named; Ctrl-C (SIGINT) stops serving and pauses both.
+Invalid options are refused before anything is registered.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from uuid import UUID
+
+import pytest
+from prefect.client.orchestration import get_client
+
+from tests.deploy.helpers import REPO, checked, poll_until, wait_for_state
+from tests.pipeline.helpers import assert_only_committed
+
+pytestmark = pytest.mark.deploy
+
+SERVE = REPO / "deployments" / "serve.py"
+
+
+def read_deployment(name: str):
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            return client.read_deployment_by_name(name)
+        except ObjectNotFound:
+            return None
+
+
+def test_serve_runs_the_served_deployment(stack, tmp_path):
+    storage = tmp_path / "served"
+    args = [sys.executable, str(SERVE), "--storage", str(storage), "--epochs", "2"]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, cwd=tmp_path, env=stack.env(), stdout=out, stderr=subprocess.STDOUT)
+    try:
+        train = poll_until(lambda: read_deployment("ckptflow-train/train-served"), bool, timeout=90)
+        maintenance = poll_until(lambda: read_deployment("ckptflow-maintenance/maintenance-served"), bool)
+        assert train is not None and maintenance is not None, log.read_text()[-3000:]
+        assert train.parameters == {"config": {"storage": str(storage), "epochs": 2}}
+        assert train.schedules == []
+        assert [s.schedule.cron for s in maintenance.schedules] == ["0 3 * * *"]
+        assert maintenance.parameters["config"]["retention"]["keep_last"] == 5
+
+        started = checked(stack, "prefect", "deployment", "run", "ckptflow-train/train-served")
+        run_id = UUID(started.split("UUID: ", 1)[1].split()[0])
+        run = wait_for_state(run_id, "COMPLETED", "FAILED", "CRASHED", timeout=120)
+        assert run.state.type.value == "COMPLETED", f"{run.state}\n{log.read_text()[-4000:]}"
+        assert assert_only_committed(storage) == [1, 2]
+    finally:
+        proc.send_signal(signal.SIGINT)  # Ctrl-C (Prefect's SIGTERM path may exit before pausing)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+    paused = read_deployment("ckptflow-train/train-served")
+    assert paused is not None and paused.paused, log.read_text()[-2000:]
+
+
+def test_serve_refuses_invalid_options(stack, tmp_path):
+    done = subprocess.run(
+        [sys.executable, str(SERVE), "--storage", str(tmp_path / "s"), "--epochs", "0"],
+        env=stack.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "invalid parameters" in done.stderr and "epochs" in done.stderr
+    served = read_deployment("ckptflow-train/train-served")  # absent, or as the previous test left it
+    assert served is None or served.parameters["config"]["epochs"] != 0
