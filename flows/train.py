@@ -53,13 +53,14 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     monitor = RunMonitor(
         run_name=flow_run.get_name() or "local", store_url=run.store.url, total_epochs=config.epochs
     )
-    monitor.start(run.store.versions(), first_epoch=run.epoch + 1)
+    existing = run.store.versions()
+    monitor.start(existing, first_epoch=run.epoch + 1)
     stopper = StopTracker(config.stop, config.epochs)
     stopper.seed(run.metrics)
     first_epoch = run.epoch + 1
     reason = f"already at epoch {run.epoch}" if run.epoch >= config.epochs else None
     pending: SaveHandle | None = None
-    archiver = ArchiveQueue(run.store, config.archive, run.store.versions(), on_result=monitor.archived)
+    archiver = ArchiveQueue(run.store, config.archive, existing, on_result=monitor.archived)
     try:
         archiver.catch_up()  # versions an interrupted run committed but did not archive
         while reason is None:
@@ -83,6 +84,7 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
         if pending is not None:
             pending.join()  # an interrupted run still commits the save in flight...
         monitor.catch_up(run.store.versions)  # ...and reports what committed (a worker's SIGTERM)
+        monitor.flush()
         raise
     _commit(pending, monitor, config.save_retries, archiver)
     archiver.drain()

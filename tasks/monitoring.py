@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import re
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,7 +134,11 @@ class RunMonitor:
     total_epochs: int
     rows: list[dict[str, Any]] = field(default_factory=list)
     artifacts: ArtifactSet = field(default_factory=ArtifactSet)
+    min_interval: float = 2.0  # seconds between artifact updates; events and listeners are never delayed
     _progress_id: UUID | None = None
+    _last_publish: float = -1e9
+    _unpublished: VersionInfo | None = None  # newest commit whose tables are not published yet
+    _unpublished_epoch: int | None = None  # newest epoch whose progress is not published yet
 
     @property
     def key_prefix(self) -> str:
@@ -155,19 +160,34 @@ class RunMonitor:
         _notify("start", {"first_epoch": first_epoch, "total": self.total_epochs, "url": self.store_url})
 
     def epoch_done(self, epoch: int, metrics: dict[str, float]) -> None:
-        if self._progress_id is not None:
-            pid = self._progress_id
-            _safe("progress update", lambda: _artifacts().update_progress_artifact(pid, self._percent(epoch)))
+        self._unpublished_epoch = epoch
+        self._maybe_publish()
         _notify("epoch", {"epoch": epoch, "total": self.total_epochs, "metrics": metrics})
 
     def committed(self, info: VersionInfo) -> None:
         self.rows = [r for r in self.rows if r["version"] != info.version] + [checkpoint_row(info)]
-        self._publish_tables()
-        publish_latest(
-            self.artifacts, self.store_url, info, count=len(self.rows), source=f"flow run `{self.run_name}`"
-        )
+        self._unpublished = info
+        self._maybe_publish()
         _safe("event", lambda: _emit_committed(info, self.store_url))
         _notify("committed", {"info": info})
+
+    def _maybe_publish(self) -> None:
+        """Artifact updates at most every ``min_interval`` s: a fast loop must not wait on the API."""
+        if time.monotonic() - self._last_publish >= self.min_interval:
+            self.flush()
+
+    def flush(self) -> None:
+        """Publish what is pending now (the progress, the tables and the latest checkpoint card)."""
+        self._last_publish = time.monotonic()
+        epoch, self._unpublished_epoch = self._unpublished_epoch, None
+        if epoch is not None and self._progress_id is not None:
+            pid = self._progress_id
+            _safe("progress update", lambda: _artifacts().update_progress_artifact(pid, self._percent(epoch)))
+        info, self._unpublished = self._unpublished, None
+        if info is not None:
+            self._publish_tables()
+            source = f"flow run `{self.run_name}`"
+            publish_latest(self.artifacts, self.store_url, info, count=len(self.rows), source=source)
 
     def catch_up(self, list_versions: Callable[[], list[VersionInfo]]) -> None:
         """Report versions committed but not reported yet: a save that finished while the run was stopping."""
@@ -205,6 +225,7 @@ class RunMonitor:
 
     def summary(self, markdown: str, *, removed: list[int] | tuple[int, ...] = ()) -> None:
         """Publish the run summary; drop the versions retention ``removed`` from the tables."""
+        self.flush()
         if removed:
             self.rows = [r for r in self.rows if r["version"] not in removed]
             self._publish_tables()
