@@ -22,9 +22,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from prefect import get_run_logger, task
-from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
+from prefect import get_run_logger
 
 from ckptflow.storage import CheckpointStore, VersionInfo
 from ckptflow.storage.archiving import archive_location, list_archived
@@ -35,6 +33,7 @@ from ckptflow.storage.tarindex import TarIndex, index_name, read_index
 from ckptflow.storage.transfer import TransferOptions, s3_storage_options, upload_file
 
 from .config import ArchiveConfig, with_secret
+from .retrying import io_task
 
 
 def next_groups(loose: list[VersionInfo], config: ArchiveConfig, busy: set[int]) -> list[list[int]]:
@@ -70,13 +69,7 @@ def upload_target(config: ArchiveConfig) -> tuple[str, dict[str, Any]] | None:
     return config.upload_to.rstrip("/"), options
 
 
-@task(
-    name="archive_versions",
-    cache_policy=NO_CACHE,
-    retries=3,
-    retry_delay_seconds=exponential_backoff(2),
-    retry_jitter_factor=0.5,
-)
+@io_task("archive_versions", backoff=2)
 def archive_versions(store: CheckpointStore, versions: list[int], config: ArchiveConfig) -> ArchiveResult:
     """Consolidate ``versions`` into a tarball, upload it when configured, then drop the loose files."""
     logger = get_run_logger()
@@ -92,13 +85,7 @@ def archive_versions(store: CheckpointStore, versions: list[int], config: Archiv
     return ArchiveResult(aloc.display(index.tar), versions, index.size, uploaded, dropped)
 
 
-@task(
-    name="upload_version",
-    cache_policy=NO_CACHE,
-    retries=3,
-    retry_delay_seconds=exponential_backoff(2),
-    retry_jitter_factor=0.5,
-)
+@io_task("upload_version", backoff=2)
 def upload_version(store: CheckpointStore, version: int, config: ArchiveConfig) -> str:
     """Mirror one committed loose version: shards first, its manifest last (the remote commit)."""
     target = upload_target(config)

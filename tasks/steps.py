@@ -50,6 +50,7 @@ from ckptflow.storage import (
 )
 
 from .config import PipelineConfig, identity_differences
+from .retrying import io_task
 from .spec import SpecError, Trainable, TrainingSpec, load_spec_class
 from .training_state import Snapshot, capture, restore, rng_state, set_rng_state
 
@@ -114,14 +115,7 @@ def _may_pass(task: Any, task_run: Any, state: Any) -> bool:
     return not isinstance(state.result(raise_on_failure=False), (ConfigMismatchError, SpecError))
 
 
-@task(
-    name="init_model",
-    cache_policy=NO_CACHE,
-    retries=2,
-    retry_delay_seconds=exponential_backoff(1),
-    retry_jitter_factor=0.5,
-    retry_condition_fn=_may_pass,
-)
+@io_task("init_model", retries=2, retry_condition_fn=_may_pass)
 def init_model(config: PipelineConfig) -> RunState:
     """Build the spec's objects; restore the newest committed checkpoint if there is one."""
     logger = get_run_logger()
@@ -174,13 +168,7 @@ def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str,
     return clean
 
 
-@task(
-    name="save_checkpoint",
-    cache_policy=NO_CACHE,
-    retries=3,
-    retry_delay_seconds=exponential_backoff(1),
-    retry_jitter_factor=0.5,
-)
+@io_task("save_checkpoint")
 def save_checkpoint(run: RunState, epoch: int, *, async_save: bool) -> VersionInfo | SaveHandle:
     """Save the state after ``epoch`` as version ``epoch``; async saves return once the state is copied."""
     existing = _committed(run.store, epoch)
@@ -199,13 +187,7 @@ def save_checkpoint(run: RunState, epoch: int, *, async_save: bool) -> VersionIn
     return _shielded(lambda: run.store.save(state, **kwargs))
 
 
-@task(
-    name="commit_checkpoint",
-    cache_policy=NO_CACHE,
-    retries=3,
-    retry_delay_seconds=exponential_backoff(1),
-    retry_jitter_factor=0.5,
-)
+@io_task("commit_checkpoint")
 def commit_checkpoint(handle: SaveHandle) -> VersionInfo:
     """Wait until an async save is committed; a failed write is redone on the next attempt."""
     try:
