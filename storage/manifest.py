@@ -120,20 +120,31 @@ def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
     return out
 
 
-def parse_manifest(data: bytes, where: str) -> Manifest:
-    """Parse and validate a manifest; ``where`` names it in error messages."""
+def load_versioned_json(data: bytes, where: str, *, kind: str, name: str, version: int, verb: str) -> dict:
+    """The JSON object of a ckptflow document (a manifest, an archive index), its format checked.
+
+    A document written by a newer format version is refused with FormatVersionError.
+    """
     try:
         raw = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"manifest {where} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT_NAME:
-        raise ManifestError(f"{where} is not a ckptflow manifest")
+        raise ManifestError(f"{kind} {where} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict) or raw.get("format") != name:
+        raise ManifestError(f"{where} is not a ckptflow {kind}")
     found = raw.get("format_version")
-    if not isinstance(found, int) or found > FORMAT_VERSION:
+    if not isinstance(found, int) or found > version:
         raise FormatVersionError(
-            f"manifest {where} has format version {found!r}, but this ckptflow reads versions up to "
-            f"{FORMAT_VERSION}; upgrade ckptflow to load it"
+            f"{kind} {where} has format version {found!r}, but this ckptflow reads versions up to "
+            f"{version}; upgrade ckptflow to {verb} it"
         )
+    return raw
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate a manifest; ``where`` names it in error messages."""
+    raw = load_versioned_json(
+        data, where, kind="manifest", name=FORMAT_NAME, version=FORMAT_VERSION, verb="load"
+    )
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:

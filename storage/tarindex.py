@@ -36,6 +36,7 @@ from .errors import (
     UnsafeArchiveError,
 )
 from .location import Location
+from .manifest import load_versioned_json
 
 log = logging.getLogger(__name__)
 
@@ -114,18 +115,9 @@ def check_member_name(name: str, where: str = "") -> str:
 
 def parse_index(data: bytes, where: str) -> TarIndex:
     """Parse and validate an index: format, version, safe unique names, offsets inside the tar."""
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ManifestError(f"archive index {where} is not valid JSON: {exc}") from None
-    if not isinstance(raw, dict) or raw.get("format") != INDEX_FORMAT:
-        raise ManifestError(f"{where} is not a ckptflow archive index")
-    found = raw.get("format_version")
-    if not isinstance(found, int) or found > INDEX_FORMAT_VERSION:
-        raise FormatVersionError(
-            f"archive index {where} has format version {found!r}, but this ckptflow reads versions up "
-            f"to {INDEX_FORMAT_VERSION}; upgrade ckptflow to read it"
-        )
+    raw = load_versioned_json(
+        data, where, kind="archive index", name=INDEX_FORMAT, version=INDEX_FORMAT_VERSION, verb="read"
+    )
     try:
         index = TarIndex.model_validate(raw)
     except ValidationError as exc:
