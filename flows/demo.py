@@ -5,6 +5,11 @@ downloaded). The spec follows the rules that make resume bitwise exact: the
 data order of an epoch comes from a generator seeded with (seed, epoch), and
 dropout draws from torch's global RNG, which every checkpoint saves.
 
+Run with several processes (``--nproc N``), it trains data-parallel the usual
+way: the raw model stays in ``Trainable.model`` (so checkpoints have the same
+keys whatever the number of ranks), a ``DistributedDataParallel`` wrapper
+averages the gradients, and each rank takes its slice of every batch.
+
 Use it as the template for your own spec: ``--spec your.module:YourSpec``.
 """
 
@@ -15,6 +20,7 @@ import os
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ckptflow.tasks.spec import Trainable, TrainingSpec, epoch_generator
@@ -68,20 +74,35 @@ class DigitsSpec(TrainingSpec):
         x, y = self.train
         batch = int(self.config.get("batch_size", 64))
         order = torch.randperm(len(x), generator=epoch_generator(self.seed, epoch))
+        rank, world = _rank_and_world()
+        net = self._data_parallel(model) if world > 1 else model
         model.train()
-        total, steps = 0.0, 0
+        total, seen, steps = 0.0, 0, 0
         for start in range(0, len(x), batch):
-            idx = order[start : start + batch]
-            loss = nn.functional.cross_entropy(model(x[idx]), y[idx])
+            whole = order[start : start + batch]
+            if len(whole) < world:  # every rank needs a sample for the gradient average
+                break
+            idx = whole[rank::world]
+            loss = nn.functional.cross_entropy(net(x[idx]), y[idx])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
             total += loss.item() * len(idx)
+            seen += len(idx)
             steps += 1
         trainable.scheduler.step()
-        return {"loss": total / len(x), "steps": steps}
+        if world > 1:  # the epoch's loss over every rank's samples
+            sums = torch.tensor([total, float(seen)], dtype=torch.float64)
+            dist.all_reduce(sums)
+            total, seen = float(sums[0]), int(sums[1])
+        return {"loss": total / seen, "steps": steps}
 
-    def evaluate(self, trainable: Trainable, epoch: int) -> dict[str, float]:
+    def _data_parallel(self, model: nn.Module) -> nn.Module:
+        if getattr(self, "_ddp", None) is None:
+            self._ddp = nn.parallel.DistributedDataParallel(model)
+        return self._ddp
+
+    def evaluate(self, trainable: Trainable, epoch: int) -> dict[str, float]:  # the same on every rank
         model = trainable.model
         x, y = self.val
         model.eval()
@@ -91,3 +112,9 @@ class DigitsSpec(TrainingSpec):
             "val_loss": float(nn.functional.cross_entropy(logits, y)),
             "val_acc": float((logits.argmax(1) == y).float().mean()),
         }
+
+
+def _rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1

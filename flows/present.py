@@ -95,12 +95,20 @@ def summary_table(manifest: Manifest, url: str) -> Table:
             f"{len(manifest.tensors)} tensors in {len(manifest.shards)} shards",
         ),
         ("save time", f"{saved:.2f} s" if isinstance(saved, (int, float)) else "-"),
+        ("ranks", _ranks_text(manifest)),
         ("format", f"{manifest.format} v{manifest.format_version}, checksums {manifest.checksum_algorithm}"),
         ("writer", ", ".join(f"{name} {ver}" for name, ver in manifest.writer.items()) or "-"),
     ]
     for label, value in rows:
         grid.add_row(label, value)
     return grid
+
+
+def _ranks_text(manifest: Manifest) -> str:
+    if manifest.world_size == 1 and not manifest.ranks:
+        return "1 process"
+    own = "each with its own state" if manifest.ranks else "no per-rank state"
+    return f"saved by {manifest.world_size} ranks ({own})"
 
 
 def shards_table(manifest: Manifest) -> Table:

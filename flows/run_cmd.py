@@ -70,6 +70,10 @@ def run_command(
     ] = None,
     max_seconds: Annotated[float | None, Opt("--max-seconds", help="Wall-clock budget.")] = None,
     epoch_retries: Annotated[int, Opt("--epoch-retries", min=0, help="Retries of a failed epoch.")] = 1,
+    nproc: Annotated[
+        int, Opt("--nproc", min=1, help="Training processes (torch.distributed ranks) on this machine.")
+    ] = 1,
+    dist_backend: Annotated[str, Opt("--dist-backend", help="auto, gloo or nccl (with --nproc).")] = "auto",
     storage_options: Annotated[
         str,
         Opt("--storage-options", metavar="JSON", envvar="CKPTFLOW_STORAGE_OPTIONS", help="fsspec options."),
@@ -95,6 +99,8 @@ def run_command(
         "shards": shards,
         "async_save": async_save,
         "epoch_retries": epoch_retries,
+        "nproc": nproc,
+        "dist_backend": dist_backend,
         "allow_config_change": allow_config_change,
         "archive": {
             "every": archive_every,
@@ -267,10 +273,11 @@ def _exception_of(state: Any) -> str:
 def _print_next_steps(config: Any, result: dict[str, Any]) -> None:
     url = result["storage"]
     quoted = url if " " not in url else f'"{url}"'
+    ranks = f" --nproc {config.nproc}" if config.nproc > 1 else ""
     lines = [
         "",
         f"checkpoints: {url}  (latest: {result['latest_url']})",
-        f"  resume / train longer:  ckptflow run --storage {quoted} --epochs {config.epochs + 5}",
+        f"  resume / train longer:  ckptflow run --storage {quoted} --epochs {config.epochs + 5}{ranks}",
         f"  list checkpoints:       ckptflow ls {quoted}",
         f"  inspect the latest:     ckptflow show {quoted}",
         f"  verify checksums:       ckptflow verify {quoted}",

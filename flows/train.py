@@ -14,6 +14,13 @@ cancellation from Prefect. A cancellation seen between epochs (the UI's
 Cancelled; a cancellation delivered as SIGTERM by a worker interrupts the
 epoch, and the save in flight still commits before the process exits.
 
+With ``nproc`` > 1 the epochs run in ``nproc`` torch.distributed processes
+launched by one task, ``train_ranks`` (see ``ckptflow.tasks.gang``): every
+rank writes its share of each checkpoint and rank 0 commits; this process
+reports what rank 0 tells it, archives, uploads and applies retention as in a
+single-process run. A rank that dies fails the task; its retry resumes every
+rank from the last commit.
+
 Deployment entrypoint: ``flows/train.py:train_pipeline``.
 """
 
@@ -26,28 +33,31 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 
-from ckptflow.storage import SaveHandle, VersionInfo
+from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
 from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.formatting import human_size, metrics_text
+from ckptflow.tasks.gang import Message, train_ranks
 from ckptflow.tasks.monitoring import RunMonitor
+from ckptflow.tasks.rank_worker import CANCELLED, SIGTERM_STOP
 from ckptflow.tasks.steps import (
     EpochAttempts,
-    RunState,
+    check_run_identity,
     commit_checkpoint,
     finalize,
     init_model,
+    open_store,
     save_checkpoint,
     train_epoch,
 )
 from ckptflow.tasks.stopping import StopTracker
 
-CANCELLED = "cancelled from Prefect"
-
 
 @flow(name="ckptflow-train", validate_parameters=True)
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
+    if config.nproc > 1:
+        return _train_on_ranks(config)
     logger = get_run_logger()
     run = init_model(config)
     monitor = RunMonitor(
@@ -88,12 +98,69 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
         raise
     _commit(pending, monitor, config.save_retries, archiver)
     archiver.drain()
-    removed = finalize(run)
-    summary = _summary(run, first_epoch, reason, removed)
+    removed = finalize(run.store, config.retention)
+    resumed_from = run.resumed_from.version if run.resumed_from else None
+    return _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed)
+
+
+def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
+    """The same run on ``config.nproc`` torch.distributed ranks, launched by one task."""
+    logger = get_run_logger()
+    store = open_store(config)
+    check_run_identity(store, config)
+    existing = store.versions()
+    latest = store.latest()
+    last = (latest.epoch if latest.epoch is not None else latest.version) if latest else 0
+    monitor = RunMonitor(
+        run_name=flow_run.get_name() or "local", store_url=store.url, total_epochs=config.epochs
+    )
+    monitor.start(existing, first_epoch=last + 1)
+    archiver = ArchiveQueue(store, config.archive, existing, on_result=monitor.archived)
+
+    def relay(message: Message) -> None:
+        kind = message["kind"]
+        if kind == "started":
+            resumed = message.get("resumed_from")
+            where = f"resuming from version {resumed}" if resumed is not None else "starting a new run"
+            logger.info("%d ranks %s in %s", message["world_size"], where, store.url)
+        elif kind == "epoch":
+            epoch, metrics = message["epoch"], message["metrics"]
+            logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(metrics))
+            monitor.epoch_done(epoch, metrics)
+        elif kind == "committed":
+            _committed(VersionInfo(**message["info"]), monitor, archiver)
+
+    try:
+        archiver.catch_up()
+        ranks = train_ranks.with_options(retries=config.epoch_retries)
+        result = ranks(config, relay, lambda: _cancel_requested() is not None)
+    except BaseException:
+        archiver.abandon()
+        monitor.catch_up(store.versions)
+        monitor.flush()
+        raise
+    archiver.drain()
+    removed = finalize(store, config.retention)
+    last_epoch = result.last_epoch if result.last_epoch is not None else last
+    return _finish(
+        store, monitor, last + 1, last_epoch, latest.version if latest else None, result.reason, removed
+    )
+
+
+def _finish(
+    store: CheckpointStore,
+    monitor: RunMonitor,
+    first_epoch: int,
+    last_epoch: int,
+    resumed_from: int | None,
+    reason: str | None,
+    removed: list[int],
+) -> dict[str, Any] | State:
+    summary = _summary(store, first_epoch, last_epoch, resumed_from, reason, removed)
     monitor.summary(_summary_markdown(summary), removed=removed)
-    logger.info("stopped: %s; latest checkpoint: %s", reason, summary["latest_url"])
-    if reason == CANCELLED:
-        return Cancelled(message=f"cancelled after committing epoch {run.epoch}")
+    get_run_logger().info("stopped: %s; latest checkpoint: %s", reason, summary["latest_url"])
+    if reason in (CANCELLED, SIGTERM_STOP):
+        return Cancelled(message=f"cancelled after committing epoch {last_epoch}")
     return summary
 
 
@@ -123,13 +190,20 @@ def _cancel_requested() -> str | None:
     return CANCELLED if state is not None and (state.is_cancelling() or state.is_cancelled()) else None
 
 
-def _summary(run: RunState, first_epoch: int, reason: str | None, removed: list[int]) -> dict[str, Any]:
-    latest: VersionInfo | None = run.store.latest()
+def _summary(
+    store: CheckpointStore,
+    first_epoch: int,
+    last_epoch: int,
+    resumed_from: int | None,
+    reason: str | None,
+    removed: list[int],
+) -> dict[str, Any]:
+    latest: VersionInfo | None = store.latest()
     return {
-        "storage": run.store.url,
+        "storage": store.url,
         "first_epoch": first_epoch,
-        "last_epoch": run.epoch,
-        "resumed_from": run.resumed_from.version if run.resumed_from else None,
+        "last_epoch": last_epoch,
+        "resumed_from": resumed_from,
         "stop_reason": reason,
         "latest_version": latest.version if latest else None,
         "latest_url": latest.url if latest else None,

@@ -10,6 +10,7 @@ Pure mechanism, no Prefect: usable from any training script.
 
 from .async_save import SaveHandle
 from .commit import VersionState
+from .distributed import RankFailedError, RankGroup
 from .errors import (
     CheckpointError,
     CorruptShardError,
@@ -23,7 +24,7 @@ from .errors import (
 )
 from .manifest import FORMAT_VERSION, Manifest
 from .retention import RetentionPolicy
-from .store import CheckpointStore, StoreOptions, VersionInfo
+from .store import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
 
 __all__ = [
     "FORMAT_VERSION",
@@ -33,6 +34,9 @@ __all__ = [
     "FormatVersionError",
     "Manifest",
     "ManifestError",
+    "RankFailedError",
+    "RankGroup",
+    "RankStateWarning",
     "RetentionPolicy",
     "SaveFailedError",
     "SaveHandle",

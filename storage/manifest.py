@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import FormatVersionError, ManifestError
 
 FORMAT_NAME = "ckptflow-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code reads; a single-process save is still written as 1
+RANKS_FORMAT_VERSION = 2  # added ``world_size`` and ``ranks`` (per-rank state of a multi-process save)
 MANIFEST_FILE = "manifest.json"
 
 
@@ -60,9 +61,20 @@ class TensorEntry(_Model):
     offset: int = 0
 
 
+class RankPart(_Model):
+    """One rank's own state (RNG states, data position) in a checkpoint saved by several processes.
+
+    Its blobs live in the manifest's shared shard list; its tensors index its own blobs.
+    """
+
+    structure: Any
+    blobs: list[BlobEntry]
+    tensors: list[TensorEntry]
+
+
 class Manifest(_Model):
     format: str = FORMAT_NAME
-    format_version: int = FORMAT_VERSION
+    format_version: int = 1
     version: int = Field(ge=0)
     epoch: int | None = None
     step: int | None = None
@@ -76,6 +88,8 @@ class Manifest(_Model):
     tensors: list[TensorEntry]
     structure: Any
     user: dict[str, Any] = Field(default_factory=dict)
+    world_size: int = Field(default=1, ge=1)  # processes that saved it
+    ranks: list[RankPart] = Field(default_factory=list)  # one per rank, or none
 
     @property
     def total_size(self) -> int:
@@ -83,7 +97,18 @@ class Manifest(_Model):
         return sum(s.size for s in self.shards)
 
     def to_json(self) -> bytes:
-        return json.dumps(self.model_dump(mode="json"), indent=1, allow_nan=False).encode()
+        # A single-process manifest leaves out the multi-process fields, so that a ckptflow that
+        # reads only format 1 still loads it.
+        exclude = {"world_size", "ranks"} if self.world_size == 1 and not self.ranks else set()
+        raw = self.model_dump(mode="json", exclude=exclude)
+        return json.dumps(raw, indent=1, allow_nan=False).encode()
+
+    def rank_view(self, rank: int) -> Manifest:
+        """This manifest with rank ``rank``'s own state in place of the shared state (same shards)."""
+        part = self.ranks[rank]
+        return self.model_copy(
+            update={"structure": part.structure, "blobs": part.blobs, "tensors": part.tensors, "ranks": []}
+        )
 
 
 def writer_versions() -> dict[str, str]:
@@ -159,9 +184,16 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
 
 
 def _check_references(m: Manifest, where: str) -> None:
-    for i, blob in enumerate(m.blobs):
-        if blob.shard >= len(m.shards):
-            raise ManifestError(f"manifest {where}: blob {i} names shard {blob.shard}, which is not listed")
-    for tensor in m.tensors:
-        if tensor.blob >= len(m.blobs):
-            raise ManifestError(f"manifest {where}: tensor {tensor.path!r} names a missing blob")
+    if m.ranks and len(m.ranks) != m.world_size:
+        raise ManifestError(f"manifest {where}: {len(m.ranks)} rank parts for a world size of {m.world_size}")
+    parts = [("", m.blobs, m.tensors)]
+    parts += [(f"rank {r}: ", p.blobs, p.tensors) for r, p in enumerate(m.ranks)]
+    for prefix, blobs, tensors in parts:
+        for i, blob in enumerate(blobs):
+            if blob.shard >= len(m.shards):
+                raise ManifestError(
+                    f"manifest {where}: {prefix}blob {i} names shard {blob.shard}, which is not listed"
+                )
+        for tensor in tensors:
+            if tensor.blob >= len(blobs):
+                raise ManifestError(f"manifest {where}: {prefix}tensor {tensor.path!r} names a missing blob")

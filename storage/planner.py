@@ -162,16 +162,27 @@ def dataset_name(path: str, taken: set[str]) -> str:
 
 def assign_shards(blobs: list[Blob], *, shards: int, rank: int = 0) -> list[ShardPlan]:
     """Largest blob first into the lightest shard; empty shards are dropped."""
-    bins: list[list[int]] = [[] for _ in range(shards)]
-    loads = [0] * shards
-    for blob in sorted(blobs, key=lambda b: (-b.nbytes, b.index)):
-        target = min(range(shards), key=lambda s: (loads[s], s))
-        bins[target].append(blob.index)
-        loads[target] += blob.nbytes
     plans: list[ShardPlan] = []
-    for members, load in zip(bins, loads, strict=True):
+    for members in balance(blobs, shards):
         if members:
-            plans.append(ShardPlan(len(plans), shard_file_name(rank, len(plans)), sorted(members), load))
+            load = sum(b.nbytes for b in members)
+            indices = sorted(b.index for b in members)
+            plans.append(ShardPlan(len(plans), shard_file_name(rank, len(plans)), indices, load))
     if not plans:  # a state without tensors still gets one (small) shard file
         plans.append(ShardPlan(0, shard_file_name(rank, 0)))
     return plans
+
+
+def balance(blobs: list[Blob], bins: int) -> list[list[Blob]]:
+    """Split blobs into ``bins`` groups of about equal bytes: largest first into the lightest group.
+
+    Deterministic: the same blobs, in any order, give the same groups (every rank of a
+    multi-process save computes the same split of the replicated state on its own).
+    """
+    groups: list[list[Blob]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    for blob in sorted(blobs, key=lambda b: (-b.nbytes, b.index)):
+        target = min(range(bins), key=lambda s: (loads[s], s))
+        groups[target].append(blob)
+        loads[target] += blob.nbytes
+    return groups

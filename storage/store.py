@@ -13,11 +13,13 @@ one process may write to a store at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -30,11 +32,18 @@ from .async_save import AsyncSaver, SaveHandle
 from .byteio import hash_range, tensor_bytes
 from .checksum import ALGORITHM
 from .commit import version_dir
-from .errors import CorruptShardError, ManifestError, VersionExistsError, VersionNotFoundError
+from .distributed import RankFailedError, RankGroup, RankPlan, assemble, plan_rank, report, staged_blobs
+from .errors import (
+    CheckpointError,
+    CorruptShardError,
+    ManifestError,
+    VersionExistsError,
+    VersionNotFoundError,
+)
 from .loader import as_bytes, build_tensors, target_buffers
 from .location import open_location, translate_errors
-from .manifest import Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
-from .planner import SavePlan, plan_save
+from .manifest import RANKS_FORMAT_VERSION, Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
+from .planner import Blob, SavePlan, plan_blobs, plan_save
 from .reader import check_size, read_blobs
 from .retention import RetentionPolicy
 from .staging import StagingBuffer
@@ -92,8 +101,19 @@ class VersionInfo:
         )
 
 
+class RankStateWarning(UserWarning):
+    """Per-rank state saved by a different number of ranks was mapped by the documented rule."""
+
+
 class CheckpointStore:
-    """Checkpoints of one training run under an fsspec URL (path, file://, s3://, memory://)."""
+    """Checkpoints of one training run under an fsspec URL (path, file://, s3://, memory://).
+
+    ``distributed=True`` (or a :class:`RankGroup`): a store shared by every rank of a
+    torch.distributed job. Creating it, ``save`` and ``save_async`` are collective calls
+    (every rank makes them, in the same order); each rank writes its share of the
+    replicated state and rank 0 commits. Loading is not collective. Delete, prune and
+    gc are for one process (rank 0, or a job that is not running).
+    """
 
     def __init__(
         self,
@@ -101,11 +121,25 @@ class CheckpointStore:
         *,
         storage_options: dict[str, Any] | None = None,
         options: StoreOptions | None = None,
+        distributed: bool | RankGroup = False,
     ) -> None:
         self.loc = open_location(url, storage_options)
         self.options = options or StoreOptions()
         self._staging = StagingBuffer()
         self._saver = AsyncSaver()
+        self.group: RankGroup | None = None
+        if isinstance(distributed, RankGroup):
+            self.group = distributed
+        elif distributed:
+            self.group = RankGroup.create()
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank if self.group else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size if self.group else 1
 
     @property
     def url(self) -> str:
@@ -126,13 +160,21 @@ class CheckpointStore:
         metrics: dict[str, float] | None = None,
         version: int | None = None,
         user: dict[str, Any] | None = None,
+        rank_state: object = None,
     ) -> VersionInfo:
-        """Write ``state`` as a new committed version and return it."""
+        """Write ``state`` as a new committed version and return it.
+
+        ``rank_state``: this process's own state (RNG states, data position), kept apart
+        from ``state``; in a distributed store ``state`` is the replicated state, the
+        same on every rank, and each rank passes its own ``rank_state``.
+        """
         self._saver.wait_previous()
-        job = self._prepare(state, epoch, step, metrics, version, user)
+        job = self._prepare(state, epoch, step, metrics, version, user, rank_state)
         device = [b for b in job.plan.blobs if b.source.device.type != "cpu"]
         staged = self._staging.stage(device) if device else {}
-        return self._write(job, lambda b: staged[b.index] if b.index in staged else tensor_bytes(b.source))
+        if job.ranked is None:
+            return self._write(job, lambda b: staged.get(b.index) or tensor_bytes(b.source))
+        return self._write_ranked(job, lambda b: tensor_bytes(b.source), lambda b: tensor_bytes(b.source))
 
     def save_async(
         self,
@@ -143,15 +185,19 @@ class CheckpointStore:
         metrics: dict[str, float] | None = None,
         version: int | None = None,
         user: dict[str, Any] | None = None,
+        rank_state: object = None,
     ) -> SaveHandle:
         """Copy ``state`` to host memory, then write and commit it in the background.
 
         Returns once the copy is done: the caller may change its tensors. At
         most one save is in flight; a second call waits for the first and
-        raises its failure, if it failed and nobody called ``wait()``.
+        raises its failure, if it failed and nobody called ``wait()``. In a
+        distributed store each rank copies only the share it writes.
         """
         self._saver.wait_previous()
-        job = self._prepare(state, epoch, step, metrics, version, user)
+        job = self._prepare(state, epoch, step, metrics, version, user, rank_state)
+        if job.ranked is not None:
+            return self._submit_ranked(job)
         staged = self._staging.stage(job.plan.blobs)
         attempts = 0
 
@@ -161,6 +207,26 @@ class CheckpointStore:
             if attempts > 1:  # a resubmitted save: drop what the failed attempt left
                 protocol.clear_leftovers(self.loc, job.version)
             return self._write(job, lambda b: staged[b.index])
+
+        return self._saver.submit(write, job.version)
+
+    def _submit_ranked(self, job: _SaveJob) -> SaveHandle:
+        assert job.ranked is not None
+        blobs, offset = staged_blobs(job.ranked)
+        staged = self._staging.stage(blobs)
+        attempts = 0
+
+        def write() -> VersionInfo:
+            nonlocal attempts
+            attempts += 1
+            if attempts > 1 and self.group is not None:
+                raise CheckpointError(
+                    f"the save of version {job.version} was made by every rank together and cannot be "
+                    "written again by one rank: save again from every rank"
+                )
+            if attempts > 1:
+                protocol.clear_leftovers(self.loc, job.version)
+            return self._write_ranked(job, lambda b: staged[b.index], lambda b: staged[b.index + offset])
 
         return self._saver.submit(write, job.version)
 
@@ -176,9 +242,23 @@ class CheckpointStore:
         metrics: dict[str, float] | None,
         version: int | None,
         user: dict[str, Any] | None,
+        rank_state: object = None,
     ) -> _SaveJob:
         structure, leaves = encode(state)  # raises on unsupported values, before any I/O
-        plan = plan_save(leaves, shards=self.options.shards)
+        ranked: RankPlan | None = None
+        if self.group is None and rank_state is None:
+            plan = plan_save(leaves, shards=self.options.shards)
+        else:
+            blobs, blob_refs = plan_blobs(leaves)
+            ranked = plan_rank(
+                blobs,
+                blob_refs,
+                rank_state,
+                shards=self.options.shards,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+            plan = ranked.shared
         refs = [
             TensorEntry(
                 path=leaf.path,
@@ -191,9 +271,31 @@ class CheckpointStore:
             for leaf, r in zip(leaves, plan.refs, strict=True)
         ]
         clean = clean_metrics(metrics)
-        with translate_errors(self.loc, "saving to"):
-            number = self._claim_version(version)
-        return _SaveJob(number, epoch, step, clean, structure, refs, plan, dict(user or {}))
+        if self.group is None:
+            with translate_errors(self.loc, "saving to"):
+                number = self._claim_version(version)
+        else:
+            number = self._claim_together(version, plan.blobs)
+        return _SaveJob(number, epoch, step, clean, structure, refs, plan, dict(user or {}), ranked)
+
+    def _claim_together(self, version: int | None, blobs: list[Blob]) -> int:
+        """Rank 0 checks that every rank has the same replicated state and claims the version."""
+        assert self.group is not None
+        group = self.group
+        found = group.gather([[b.name, str(b.dtype), list(b.shape)] for b in blobs])
+
+        def claim() -> int:
+            assert found is not None
+            differ = [r for r, sig in enumerate(found) if sig != found[0]]
+            if differ:
+                raise CheckpointError(
+                    f"the replicated state of rank(s) {differ} differs from rank 0's (tensor names, "
+                    "dtypes or shapes): every rank must pass the same state; put what differs in rank_state"
+                )
+            with translate_errors(self.loc, "saving to"):
+                return self._claim_version(version)
+
+        return int(group.agree(claim, "claiming a version"))
 
     def _claim_version(self, version: int | None) -> int:
         if version is None:  # above every directory, committed or not: never reuse a crashed one's name
@@ -214,7 +316,8 @@ class CheckpointStore:
         start = time.perf_counter()
         vdir = version_dir(job.version)
         with translate_errors(self.loc, "saving to"):
-            shards, blobs = write_shards(self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads)
+            shards, written = write_shards(self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads)
+            blobs = [written[i] for i in range(len(job.plan.blobs))]
             seconds = time.perf_counter() - start
             manifest = Manifest(
                 version=job.version,
@@ -234,6 +337,65 @@ class CheckpointStore:
             protocol.commit(self.loc, manifest)
         log.info("committed %s (%d bytes in %.2fs)", self.loc.display(vdir), manifest.total_size, seconds)
         return VersionInfo.from_manifest(manifest, self.loc.display(vdir))
+
+    def _write_ranked(self, job: _SaveJob, shared_bytes: Callable, own_bytes: Callable) -> VersionInfo:
+        """Write this rank's files, report them to rank 0, which commits if every rank succeeded."""
+        from .writer import write_shards
+
+        assert job.ranked is not None
+        start = time.perf_counter()
+        vdir = version_dir(job.version)
+        failure: Exception | None = None
+        try:
+            with translate_errors(self.loc, "saving to"):
+                threads = self.options.threads
+                shards, written = write_shards(
+                    self.loc, vdir, job.ranked.shared, shared_bytes, threads=threads, rank=self.rank
+                )
+                own = write_shards(self.loc, vdir, job.ranked.own, own_bytes, threads=1, rank=self.rank)
+            mine: dict[str, Any] = report(shards, written, own, job.ranked)
+        except Exception as exc:  # tell rank 0, so that it does not commit and nobody waits forever
+            failure = exc
+            mine = {"error": f"{type(exc).__name__}: {exc}"}
+        reports = self.group.gather(mine) if self.group else [mine]
+
+        def commit() -> dict[str, Any]:
+            assert reports is not None
+            errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
+            if errors:
+                raise RankFailedError(f"nothing was committed: {'; '.join(errors)}")
+            parts = assemble(reports, len(job.plan.blobs))
+            seconds = time.perf_counter() - start
+            manifest = Manifest(
+                format_version=RANKS_FORMAT_VERSION,
+                version=job.version,
+                epoch=job.epoch,
+                step=job.step,
+                metrics=job.metrics,
+                created=utc_now(),
+                writer=writer_versions(),
+                checksum_algorithm=ALGORITHM,
+                nbytes=job.plan.nbytes + parts.own_nbytes,
+                shards=parts.shards,
+                blobs=parts.blobs,
+                tensors=job.refs,
+                structure=job.structure,
+                user={**job.user, "save_seconds": round(seconds, 4)},
+                world_size=self.world_size,
+                ranks=parts.ranks,
+            )
+            with translate_errors(self.loc, "saving to"):
+                protocol.commit(self.loc, manifest)
+            log.info("committed %s (%d ranks)", self.loc.display(vdir), self.world_size)
+            return dataclasses.asdict(VersionInfo.from_manifest(manifest, self.loc.display(vdir)))
+
+        try:
+            info = self.group.agree(commit, f"the save of version {job.version}") if self.group else commit()
+        except RankFailedError:
+            if failure is not None:
+                raise failure from None
+            raise
+        return VersionInfo(**info)
 
     # -- reading --------------------------------------------------------------
 
@@ -275,7 +437,53 @@ class CheckpointStore:
         from their tarball by range reads.
         """
         located = self._locate(version)
+        return self._read(located, located.manifest, keys, map_location, verify, into)
+
+    def load_rank_state(
+        self,
+        version: int | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        map_location: str | torch.device = "cpu",
+        verify: bool | None = None,
+    ) -> Any:
+        """The ``rank_state`` rank ``rank`` saved (default: this store's rank), or None if none was saved.
+
+        Saved by the same number of ranks: rank r gets what rank r saved. Saved by a
+        different number: every rank gets rank 0's, with a :class:`RankStateWarning`;
+        the caller decides what must differ per rank (the pipeline reseeds the RNGs of
+        ranks above 0 from the run's seed, the epoch and the rank).
+        """
+        located = self._locate(version)
         manifest = located.manifest
+        rank = self.rank if rank is None else rank
+        world = self.world_size if world_size is None else world_size
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
+        if not manifest.ranks:
+            return None
+        source = rank
+        if len(manifest.ranks) != world:
+            source = 0
+            warnings.warn(
+                RankStateWarning(
+                    f"version {manifest.version} was saved by {len(manifest.ranks)} rank(s), this job has "
+                    f"{world}: rank {rank} gets the per-rank state of rank 0"
+                ),
+                stacklevel=2,
+            )
+        return self._read(located, manifest.rank_view(source), None, map_location, verify, None)
+
+    def _read(
+        self,
+        located: catalog.Located,
+        manifest: Manifest,
+        keys: Sequence[str] | None,
+        map_location: str | torch.device,
+        verify: bool | None,
+        into: Any,
+    ) -> Any:
         structure = select(manifest.structure, list(keys)) if keys else manifest.structure
         leaf_ids = sorted(set(leaf_refs(structure)))
         wanted = sorted({manifest.tensors[i].blob for i in leaf_ids})
@@ -424,6 +632,7 @@ class _SaveJob:
     refs: list[TensorEntry]
     plan: SavePlan
     user: dict[str, Any]
+    ranked: RankPlan | None = None  # a save with per-rank state, or from several ranks
 
 
 def _meta_name(name: str) -> str:
@@ -438,4 +647,4 @@ def _name(dtype: torch.dtype) -> str:
     return dtype_name(dtype)
 
 
-__all__ = ["CheckpointStore", "StoreOptions", "VersionInfo"]
+__all__ = ["CheckpointStore", "RankStateWarning", "StoreOptions", "VersionInfo"]

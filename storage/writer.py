@@ -29,8 +29,12 @@ BlobBytes = Callable[[Blob], memoryview]
 
 def write_shards(
     loc: Location, version_dir: str, plan: SavePlan, blob_bytes: BlobBytes, *, threads: int, rank: int = 0
-) -> tuple[list[ShardEntry], list[BlobEntry]]:
-    """Write every shard of ``plan`` under ``version_dir``; return their manifest entries."""
+) -> tuple[list[ShardEntry], dict[int, BlobEntry]]:
+    """Write every shard of ``plan`` under ``version_dir``; return their manifest entries.
+
+    The blob entries are keyed by blob index: those of the blobs in ``plan.shards``, which
+    in a multi-process save are this rank's share of ``plan.blobs``.
+    """
     if loc.is_local:  # object stores need no directories, and s3fs's makedirs would create a bucket
         loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
     blob_entries: dict[int, BlobEntry] = {}
@@ -46,7 +50,7 @@ def write_shards(
     else:
         with ThreadPoolExecutor(workers, thread_name_prefix="ckptflow-write") as pool:
             shard_entries = list(pool.map(one, plan.shards))
-    return shard_entries, [blob_entries[i] for i in range(len(plan.blobs))]
+    return shard_entries, blob_entries
 
 
 def _write_shard(

@@ -110,6 +110,15 @@ class PipelineConfig(_Strict):
     stop: StopConfig = Field(default_factory=lambda: StopConfig())
     archive: ArchiveConfig = Field(default_factory=lambda: ArchiveConfig())
     allow_config_change: bool = Field(False, description="resume even if spec/spec_config/seed differ")
+    nproc: int = Field(
+        1, ge=1, le=256, description="training processes (torch.distributed ranks) launched for this run"
+    )
+    dist_backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="torch.distributed backend of the ranks (auto: nccl with GPUs, else gloo)"
+    )
+    rank_timeout_seconds: float = Field(
+        600, gt=0, description="how long a rank waits for the others in a collective before failing"
+    )
 
     @model_validator(mode="after")
     def _no_credentials(self) -> PipelineConfig:

@@ -28,20 +28,19 @@ save in progress finishes and commits, and nothing half-written is exposed.
 from __future__ import annotations
 
 import math
-import random
 import threading
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
 from ckptflow.storage import (
     CheckpointStore,
+    RankStateWarning,
     RetentionPolicy,
     SaveHandle,
     StoreOptions,
@@ -49,10 +48,10 @@ from ckptflow.storage import (
     VersionNotFoundError,
 )
 
-from .config import PipelineConfig, identity_differences
+from .config import PipelineConfig, RetentionConfig, identity_differences
 from .retrying import io_task
 from .spec import SpecError, Trainable, TrainingSpec, load_spec_class
-from .training_state import Snapshot, capture, restore, rng_state, set_rng_state
+from .training_state import Snapshot, capture, restore, rng_state, seed_everything, set_rng_state
 
 RUN_FILE = "run.json"
 
@@ -104,12 +103,6 @@ def check_run_identity(store: CheckpointStore, config: PipelineConfig) -> None:
     store.write_json(RUN_FILE, current)
 
 
-def seed_everything(seed: int) -> None:
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
 def _may_pass(task: Any, task_run: Any, state: Any) -> bool:
     """Retry init unless it failed on something only the user can change (config, spec path)."""
     return not isinstance(state.result(raise_on_failure=False), (ConfigMismatchError, SpecError))
@@ -127,7 +120,16 @@ def init_model(config: PipelineConfig) -> RunState:
     latest = store.latest()
     if latest is not None:
         into = capture(run.trainable, spec, epoch=0, step=0)  # read the model straight into its tensors
-        run.epoch, run.step = restore(run.trainable, spec, store.load(latest.version, into=into))
+        state = store.load(latest.version, into=into)
+        if "rng" not in state:  # saved by several ranks: their own states are apart
+            ranks = len(store.manifest(latest.version).ranks)
+            logger.warning(
+                "version %d was saved by %d ranks: resuming with rank 0's RNG state", latest.version, ranks
+            )
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RankStateWarning)
+                state.update(store.load_rank_state(latest.version, rank=0, world_size=1) or {})
+        run.epoch, run.step = restore(run.trainable, spec, state)
         run.resumed_from = latest
         run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
         logger.info("resuming from %s (epoch %d)", latest.url, run.epoch)
@@ -198,13 +200,12 @@ def commit_checkpoint(handle: SaveHandle) -> VersionInfo:
 
 
 @task(name="finalize", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))
-def finalize(run: RunState) -> list[int]:
+def finalize(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
     """Apply the retention policy; return the versions it removed."""
-    run.store.wait()
-    policy = run.config.retention
+    store.wait()
     if not policy.enabled():
         return []
-    removed = run.store.prune(
+    removed = store.prune(
         RetentionPolicy(
             keep_last=policy.keep_last,
             keep_every=policy.keep_every,

@@ -23,6 +23,12 @@ import torch
 from .spec import Trainable, TrainingSpec
 
 
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),
@@ -80,6 +86,15 @@ def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) 
     spec.load_state_dict(state.get("spec", {}))
     set_rng_state(state["rng"])
     return int(state["progress"]["epoch"]), int(state["progress"]["step"])
+
+
+RANK_KEYS = ("rng", "spec")  # what differs between the ranks of a multi-process run
+
+
+def split_ranked(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A captured state as (replicated, this rank's own): RNG states and the spec's state are per rank."""
+    shared = {k: v for k, v in state.items() if k not in RANK_KEYS}
+    return shared, {k: state[k] for k in RANK_KEYS if k in state}
 
 
 class Snapshot:
