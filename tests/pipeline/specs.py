@@ -17,6 +17,7 @@ identity, so a slowed-down or failing run and a clean reference run must share i
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -45,12 +46,23 @@ class MarkedDigitsSpec(DigitsSpec):
     def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
         directory = os.environ.get(MARKERS_ENV)
         if directory:
-            from prefect.runtime import flow_run
-
-            marker(Path(directory), epoch).write_text(str(flow_run.get_id() or ""))
+            marker(Path(directory), epoch).write_text(_flow_run_id())
             if epoch >= int(os.environ.get(SLOW_FROM_ENV, "1")):
                 time.sleep(float(os.environ.get(SLOW_SECONDS_ENV, "0")))
         return super().train_epoch(trainable, epoch)
+
+
+def _flow_run_id() -> str:
+    """The flow run's id; empty in a training rank, which must not import Prefect for it.
+
+    Importing Prefect draws from Python's ``random``: a rank that imported it only in a
+    marked run would not be bitwise comparable with an unmarked one.
+    """
+    if "prefect" not in sys.modules:
+        return ""
+    from prefect.runtime import flow_run
+
+    return str(flow_run.get_id() or "")
 
 
 class EpochFailure(RuntimeError):

@@ -1,0 +1,189 @@
+"""The pipeline on two torch.distributed ranks (gloo on 127.0.0.1), against a real Prefect server.
+
+Run A trains 6 epochs straight with ``nproc=2``. Run B (same config, its own
+store) runs in a child process; while both ranks train epoch 4, only the flow
+process is SIGKILLed: its ranks must notice and exit on their own. B is run
+again and must end bit for bit where A ended: the replicated state and each
+rank's own state (RNGs of torch, NumPy and Python, the spec's state) of every
+version. Run C loses rank 1 to SIGKILL mid-epoch: the ``train_ranks`` task
+fails, its retry resumes every rank from the last commit, and C too ends
+where A ended. Then the number of ranks changes under a store (2 -> 1 -> 3).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptflow.storage import CheckpointStore
+from tests.conftest import assert_same_state
+from tests.pipeline.helpers import (
+    Child,
+    assert_only_committed,
+    make_config,
+    run_counts,
+    run_flow,
+    run_summary,
+)
+from tests.pipeline.specs import MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV, marker
+
+pytestmark = [pytest.mark.prefect, pytest.mark.timeout(600)]
+
+EPOCHS = 6
+KILLED_IN = 4
+WORLD = 2
+
+
+def rank_processes(parent: int) -> dict[int, int]:
+    """rank -> pid of the rank workers whose parent is ``parent``."""
+    found: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            if b"ckptflow.tasks.rank_worker" not in cmdline:
+                continue
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
+        if ppid == parent and rank is not None:
+            found[rank] = int(entry.name)
+    return found
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.05)
+
+
+def assert_same_ranked_checkpoint(got: CheckpointStore, want: CheckpointStore, version: int) -> None:
+    """Replicated state and every rank's own state of ``version`` are equal, bit for bit."""
+    got_m, want_m = got.manifest(version), want.manifest(version)
+    assert got_m.world_size == want_m.world_size == WORLD
+    assert (got_m.epoch, got_m.step) == (want_m.epoch, want_m.step)
+    assert_same_state(dict(got_m.metrics), dict(want_m.metrics), "metrics")
+    shared = want.load(version)
+    assert set(shared) >= {"model", "optimizer", "scheduler", "progress"} and "rng" not in shared
+    assert_same_state(got.load(version), shared)
+    for rank in range(WORLD):
+        own = want.load_rank_state(version, rank=rank, world_size=WORLD)
+        assert set(own["rng"]) >= {"torch", "numpy", "python"}
+        assert_same_state(got.load_rank_state(version, rank=rank, world_size=WORLD), own, f"rank {rank}")
+    # The ranks draw different numbers (their own dropout masks), so their RNG states differ.
+    r0, r1 = (want.load_rank_state(version, rank=r, world_size=WORLD) for r in range(WORLD))
+    assert not r0["rng"]["torch"].equal(r1["rng"]["torch"])
+
+
+@pytest.fixture(scope="module")
+def straight(prefect_server, tmp_path_factory) -> CheckpointStore:
+    """Run A: six epochs on two ranks, never interrupted."""
+    config = make_config(tmp_path_factory.mktemp("ranks") / "A", epochs=EPOCHS, nproc=WORLD)
+    summary, _ = run_summary(config)
+    assert summary["last_epoch"] == EPOCHS and summary["resumed_from"] is None
+    store = CheckpointStore(config.storage)
+    assert [v.version for v in store.versions()] == list(range(1, EPOCHS + 1))
+    shards = store.manifest(EPOCHS).shards
+    assert {s.rank for s in shards} == {0, 1}, "both ranks wrote files"
+    return store
+
+
+@pytest.mark.crash
+def test_flow_killed_mid_epoch_and_resumed_equals_straight_run(prefect_server, straight, tmp_path):
+    config = make_config(tmp_path / "B", epochs=EPOCHS, nproc=WORLD)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "120"}
+    child = Child(prefect_server, config, tmp_path / "child.log", **env)
+    try:
+        child.wait_for(lambda: marker(markers, KILLED_IN).exists(), 180, f"the start of epoch {KILLED_IN}")
+        ranks = rank_processes(child.proc.pid)
+        assert sorted(ranks) == [0, 1], f"rank processes of the flow: {ranks}"
+        os.kill(child.proc.pid, signal.SIGKILL)  # the flow process only: its ranks must not live on
+        child.proc.wait(30)
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks.values()), 10, "rank exit")
+    finally:
+        child.kill()
+    committed = assert_only_committed(config.storage, garbage_allowed=True)
+    assert committed in ([1, 2, 3], [1, 2]), f"committed {committed} after the kill"
+
+    resumed, _ = run_summary(config)
+    assert resumed["resumed_from"] == committed[-1]
+    assert resumed["last_epoch"] == EPOCHS
+    got = CheckpointStore(config.storage)
+    assert [v.version for v in got.versions()] == list(range(1, EPOCHS + 1))
+    for version in range(1, EPOCHS + 1):
+        assert_same_ranked_checkpoint(got, straight, version)
+
+
+@pytest.mark.crash
+def test_a_killed_rank_fails_the_task_and_its_retry_resumes_from_the_last_commit(
+    prefect_server, straight, tmp_path
+):
+    import threading
+
+    config = make_config(tmp_path / "C", epochs=EPOCHS, nproc=WORLD, epoch_retries=1)
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    os.environ.update({MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "3"})
+    killed: list[int] = []
+
+    def kill_rank_1_in_epoch_4() -> None:
+        deadline = time.monotonic() + 180
+        while not marker(markers, KILLED_IN).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = rank_processes(os.getpid()).get(1)
+        if pid is not None:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        marker(markers, KILLED_IN).unlink()  # the retry's epoch 4 must not be killed again
+
+    killer = threading.Thread(target=kill_rank_1_in_epoch_4, daemon=True)
+    killer.start()
+    try:
+        state, run_id = run_flow(config)
+    finally:
+        for key in (MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV):
+            os.environ.pop(key)
+    killer.join(5)
+    assert killed, "rank 1 was not found to be killed"
+    assert state.is_completed(), f"flow run ended {state.type.value}: {state.message}"
+    summary = state.result()
+    assert summary["last_epoch"] == EPOCHS
+    assert run_counts(run_id, "train_ranks", 1) == [2], "one failed attempt, one retry"
+    got = CheckpointStore(config.storage)
+    assert [v.version for v in got.versions()] == list(range(1, EPOCHS + 1))
+    for version in range(1, EPOCHS + 1):
+        assert_same_ranked_checkpoint(got, straight, version)
+
+
+def test_a_store_resumes_when_the_number_of_ranks_changes(prefect_server, tmp_path, caplog):
+    """2 ranks -> 1 process -> 3 ranks: the replicated state carries on; per-rank state follows the rule."""
+    storage = tmp_path / "S"
+    run_summary(make_config(storage, epochs=2, nproc=2))
+    one, _ = run_summary(make_config(storage, epochs=3, nproc=1))
+    assert one["resumed_from"] == 2 and one["last_epoch"] == 3
+    three, _ = run_summary(make_config(storage, epochs=4, nproc=3))
+    assert three["resumed_from"] == 3 and three["last_epoch"] == 4
+    store = CheckpointStore(storage)
+    assert [(v.version, v.epoch) for v in store.versions()] == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    assert [store.manifest(v).world_size for v in (1, 2, 3, 4)] == [2, 2, 1, 3]
+    assert store.load(4)["progress"] == {"epoch": 4, "step": store.info(4).step}
+    owns = [store.load_rank_state(4, rank=r, world_size=3) for r in range(3)]
+    assert len({bytes(o["rng"]["torch"].numpy()) for o in owns}) == 3, "each new rank has its own RNG"
+
+
+def test_bad_nproc_is_refused_before_any_work(tmp_path):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="nproc"):
+        make_config(tmp_path / "x", nproc=0)
+    assert not (tmp_path / "x").exists()
