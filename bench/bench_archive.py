@@ -32,25 +32,34 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import subprocess
 import sys
 import tarfile
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file or with -m
+
+from bench.common import (
+    DROP_CACHES,
+    MiB,
+    disk_temp_dir,
+    drop_page_cache,
+    emit,
+    fsync_path,
+    machine,
+    markdown_table,
+    seconds,
+)
 from ckptflow.storage.archive import Member, start_writeback, write_index, write_tar
 from ckptflow.storage.checksum import digest
 from ckptflow.storage.location import open_location
 
-MiB = 1 << 20
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 TAR = "bench.tar"
 
 
@@ -66,14 +75,6 @@ def make_files(src: Path, count: int, size: int) -> list[Member]:
     return members
 
 
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def run_ckptflow(src: Path, out: Path, members: list[Member]) -> None:
     dst = open_location(str(out))
     write_index(dst, write_tar(open_location(str(src)), members, dst, TAR))
@@ -83,14 +84,14 @@ def run_gnu_tar(src: Path, out: Path, members: list[Member], blocking: int | Non
     names = [os.path.basename(m.source) for m in members]
     extra = ["-b", str(blocking)] if blocking else []
     subprocess.run(["tar", *extra, "-cf", str(out / TAR), "-C", str(src), *names], check=True)
-    fsync_file(out / TAR)
+    fsync_path(out / TAR)
 
 
 def run_tarfile(src: Path, out: Path, members: list[Member], bufsize: int | None) -> None:
     with tarfile.open(out / TAR, "w", format=tarfile.PAX_FORMAT, copybufsize=bufsize) as tar:
         for m in members:
             tar.add(m.source, arcname=m.name)
-    fsync_file(out / TAR)
+    fsync_path(out / TAR)
 
 
 def run_copy(src: Path, out: Path, members: list[Member], writeback: bool) -> None:
@@ -128,10 +129,10 @@ def prepare(out: Path, members: list[Member], drop: bool) -> None:
     """Untimed: clear the output, flush dirty pages, drop or warm the page cache."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    os.sync()
     if drop:
-        Path(DROP_CACHES).write_text("3\n")
+        drop_page_cache()
     else:
+        os.sync()
         for m in members:
             with open(m.source, "rb", buffering=0) as f:
                 while f.read(64 * MiB):
@@ -153,9 +154,7 @@ def measure(work: Path, members: list[Member], repeats: int, drop: bool) -> dict
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             out = work / "out"
             prepare(out, members, drop)
-            start = time.perf_counter()
-            METHODS[name](work / "src", out, members)
-            times[name].append(time.perf_counter() - start)
+            times[name].append(seconds(METHODS[name], work / "src", out, members))
             print(f"  {name:14s} {times[name][-1]:.3f} s", file=sys.stderr, flush=True)
     shutil.rmtree(work / "out", ignore_errors=True)
     return times
@@ -163,33 +162,22 @@ def measure(work: Path, members: list[Member], repeats: int, drop: bool) -> dict
 
 def report(times: dict[str, list[float]], total: int, args: argparse.Namespace, cache: str, load: str) -> str:
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    lines = [
-        f"Archive: {args.files} files x {args.size_mib} MiB into one tar, fsync included; median of "
-        f"{args.repeats} (page cache: {cache}; {platform.node()}, {os.cpu_count()} cores, load {load})",
-        "",
-        "| method | median s | GB/s | vs GNU tar -b 2048 | vs dd |",
-        "| --- | ---: | ---: | ---: | ---: |",
-    ]
     gnu, dd = med["gnu-tar-b2048"], med["dd"]
-    for name, t in med.items():
-        lines.append(f"| {name} | {t:.3f} | {total / t / 1e9:.2f} | {gnu / t:.2f}x | {dd / t:.2f}x |")
+    rows = [
+        [name, f"{t:.3f}", f"{total / t / 1e9:.2f}", f"{gnu / t:.2f}x", f"{dd / t:.2f}x"]
+        for name, t in med.items()
+    ]
     spread = ", ".join(f"{n} {min(ts):.3f}-{max(ts):.3f}" for n, ts in times.items())
-    lines += ["", f"Range of the repeats (s): {spread}."]
-    return "\n".join(lines)
-
-
-def default_dir() -> Path:
-    """A temp directory on a real disk (not tmpfs)."""
-    for cand in (tempfile.gettempdir(), "/var/tmp", os.getcwd()):
-        real, fstype, best = os.path.realpath(cand), "?", ""
-        with open("/proc/mounts") as f:
-            for line in f:
-                _, mnt, kind = line.split()[:3]
-                if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                    best, fstype = mnt, kind
-        if fstype not in ("tmpfs", "ramfs"):
-            return Path(cand)
-    raise SystemExit("no disk-backed temp directory found; pass --dir")
+    return "\n".join(
+        [
+            f"Archive: {args.files} files x {args.size_mib} MiB into one tar, fsync included; median of "
+            f"{args.repeats} (page cache: {cache}; {machine()}, load {load})",
+            "",
+            markdown_table(["method", "median s", "GB/s", "vs GNU tar -b 2048", "vs dd"], "lrrrr", rows),
+            "",
+            f"Range of the repeats (s): {spread}.",
+        ]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -201,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--markdown-out", type=Path, default=None, help="also write the report to this file")
     args = p.parse_args(argv)
     assert shutil.which("tar"), "GNU tar is needed"
-    work = Path(tempfile.mkdtemp(prefix="ckptflow-bench-archive-", dir=args.dir or default_dir()))
+    work = Path(tempfile.mkdtemp(prefix="ckptflow-bench-archive-", dir=args.dir or disk_temp_dir()))
     try:
         members = make_files(work / "src", args.files, args.size_mib * MiB)
         drop = can_drop_caches()
@@ -212,9 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         text = report(times, args.files * args.size_mib * MiB, args, cache, load)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(text)
-    if args.markdown_out:
-        args.markdown_out.write_text(text + "\n")
+    emit(text, args.markdown_out)
     return 0
 
 

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -25,6 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_transfer import KEY, SECRET, start_moto
+from bench.common import MiB, markdown_table, median_seconds
 from ckptflow.storage import CheckpointStore
 from ckptflow.storage.transfer import download_file, upload_file
 
@@ -52,7 +51,7 @@ def run(tmp: Path, endpoint: str, args: argparse.Namespace) -> None:
     options = {"client_kwargs": {"endpoint_url": endpoint}, "skip_instance_cache": True}
     boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
     local = CheckpointStore(tmp / "store")
-    numel = args.epoch_mib * (1 << 20) // 4
+    numel = args.epoch_mib * MiB // 4
     for epoch in range(1, 11):
         local.save({"model": {"w": torch.full((numel,), float(epoch))}}, epoch=epoch, version=epoch)
     index = local.archive(list(range(1, 11)))
@@ -71,28 +70,24 @@ def run(tmp: Path, endpoint: str, args: argparse.Namespace) -> None:
         download_file(f"s3://bench/run/archive/{index.tar}", str(tmp / "dl.tar"), storage_options=options)
         os.remove(tmp / "dl.tar")
 
-    one = timed(load_one, args.repeats)
-    whole = timed(download_all, args.repeats)
-    mib = index.size / (1 << 20)
-    rate = args.epoch_mib * (1 << 20) / one / 1e6
+    one = median_seconds(load_one, args.repeats)
+    whole = median_seconds(download_all, args.repeats)
+    mib = index.size / MiB
+    rate = args.epoch_mib * MiB / one / 1e6
     print(
         f"10 epochs of {args.epoch_mib} MiB, one {mib:.0f} MiB tarball on moto S3, median of {args.repeats}"
     )
-    print("| read | seconds | MB/s of the bytes needed | vs downloading the tarball |")
-    print("| --- | ---: | ---: | ---: |")
-    print(
-        f"| `load(5)` from the tarball (range reads) | {one:.2f} | {rate:.0f} | {whole / one:.1f}x faster |"
-    )
-    print(f"| `download_file` of the whole tarball | {whole:.2f} | {index.size / whole / 1e6:.0f} | 1.0x |")
-
-
-def timed(fn, repeats: int) -> float:
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    rows = [
+        [
+            "`load(5)` from the tarball (range reads)",
+            f"{one:.2f}",
+            f"{rate:.0f}",
+            f"{whole / one:.1f}x faster",
+        ],
+        ["`download_file` of the whole tarball", f"{whole:.2f}", f"{index.size / whole / 1e6:.0f}", "1.0x"],
+    ]
+    header = ["read", "seconds", "MB/s of the bytes needed", "vs downloading the tarball"]
+    print(markdown_table(header, "lrrr", rows))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import machine, markdown_table  # noqa: E402
 from tests.prefect_server import prefect_env, start_prefect_server  # noqa: E402
 
 PLAIN = r"""
@@ -120,13 +120,14 @@ def main() -> None:
 
 def print_table(results: dict[str, dict[str, float]], epochs: int) -> None:
     plain = results["plain loop"]["epochs"]
-    print(f"\n{epochs} epochs of the digits demo, a save every epoch; one run, {os.cpu_count()} cores\n")
-    print("| run | start -> first epoch (s) | epochs (s) | overhead per epoch vs plain (ms) |")
-    print("| --- | ---: | ---: | ---: |")
+    print(f"\n{epochs} epochs of the digits demo, a save every epoch; one run, {machine()}\n")
+    rows = []
     for name, r in results.items():
         per_epoch = "" if "floor" in name else f"{1000 * (r['epochs'] - plain) / epochs:.1f}"
         epochs_s = "" if "floor" in name else f"{r['epochs']:.2f}"
-        print(f"| {name} | {r['to_first_epoch']:.2f} | {epochs_s} | {per_epoch} |")
+        rows.append([name, f"{r['to_first_epoch']:.2f}", epochs_s, per_epoch])
+    header = ["run", "start -> first epoch (s)", "epochs (s)", "overhead per epoch vs plain (ms)"]
+    print(markdown_table(header, "lrrr", rows))
     eph = (
         results["ckptflow run, ephemeral"]["to_first_epoch"]
         - results["prefect floor, ephemeral"]["to_first_epoch"]

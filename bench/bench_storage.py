@@ -56,11 +56,24 @@ from typing import Any
 
 import torch
 
-MiB = 1 << 20
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file or with -m
+
+from bench.common import (
+    DROP_CACHES,
+    MiB,
+    disk_temp_dir,
+    drop_page_cache,
+    emit,
+    fsync_path,
+    load_average,
+    machine,
+    markdown_table,
+    mount_of,
+)
+
 READ_CHUNK = 64 * MiB
 PAGE = os.sysconf("SC_PAGE_SIZE")
 DONE = ".complete"  # marks a fixture directory whose save finished
-DROP_CACHES = "/proc/sys/vm/drop_caches"
 
 # -- the state ---------------------------------------------------------------------------------------
 
@@ -221,14 +234,6 @@ def repeat(n: int, once: Callable[[Probe], Any], before: Callable[[], object] | 
     return samples
 
 
-def fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def fresh_dir(path: Path) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     path.mkdir(parents=True)
@@ -246,12 +251,6 @@ def prewarm(path: Path) -> None:
                 pass
         finally:
             os.close(fd)
-
-
-def drop_page_cache() -> None:
-    os.sync()
-    with open(DROP_CACHES, "w") as f:
-        f.write("3")
 
 
 # -- savers (also used to build the fixtures the loads read) ------------------------------------------
@@ -745,11 +744,16 @@ def gbps(row: dict[str, Any]) -> float:
 
 def render_table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     by_key = {r["key"]: r for r in results}
-    lines = [
-        f"| method | op | seconds (median of {args.repeats}; min-max) | GB/s | extra peak RSS MiB "
-        "| x disk limit | time vs anchors |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- |",
+    header = [
+        "method",
+        "op",
+        f"seconds (median of {args.repeats}; min-max)",
+        "GB/s",
+        "extra peak RSS MiB",
+        "x disk limit",
+        "time vs anchors",
     ]
+    rows = []
     for r in results:
         name, op = LABELS[r["key"]]
         secs = r["seconds"]
@@ -764,11 +768,8 @@ def render_table(results: list[dict[str, Any]], args: argparse.Namespace) -> str
             if a in by_key
         ]
         name = name.format(S=args.shards, T=args.threads)
-        lines.append(
-            f"| {name} | {op} | {cell} | {gbps(r):.2f} | {r['peak_mib']:.0f} | {limit} "
-            f"| {', '.join(anchors)} |"
-        )
-    return "\n".join(lines)
+        rows.append([name, op, cell, f"{gbps(r):.2f}", f"{r['peak_mib']:.0f}", limit, ", ".join(anchors)])
+    return markdown_table(header, "llrrrrl", rows)
 
 
 def notes(args: argparse.Namespace, state_desc: str) -> str:
@@ -802,43 +803,16 @@ def notes(args: argparse.Namespace, state_desc: str) -> str:
 # -- the driver --------------------------------------------------------------------------------------
 
 
-def mount_of(path: Path) -> tuple[str, str, str]:
-    """(device, fs type, mount point) of the filesystem holding ``path``."""
-    real = os.path.realpath(path)
-    best = ("?", "?", "/")
-    with open("/proc/mounts") as f:
-        for line in f:
-            dev, mnt, fstype = line.split()[:3]
-            inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-            if inside and len(mnt) >= len(best[2]):
-                best = (dev, fstype, mnt)
-    return best
-
-
-def default_base() -> Path:
-    """A temp directory on a real disk (not tmpfs)."""
-    for cand in (tempfile.gettempdir(), "/var/tmp", os.getcwd()):
-        if os.path.isdir(cand) and mount_of(Path(cand))[1] not in ("tmpfs", "ramfs"):
-            return Path(cand)
-    raise SystemExit("no disk-backed temp directory found; pass --dir")
-
-
 def machine_facts(run_dir: Path, args: argparse.Namespace) -> str:
     import h5py
     import numpy
     import safetensors
 
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-    cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
-    meminfo = Path("/proc/meminfo").read_text().splitlines()
-    mem = next(int(ln.split()[1]) for ln in meminfo if ln.startswith("MemTotal")) / MiB
     dev, fstype, _ = mount_of(run_dir)
     disk = shutil.disk_usage(run_dir)
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     return "\n".join(
         [
-            f"- Machine: {os.cpu_count()} cores ({cpu}), {mem:.1f} GiB RAM, Linux {platform.release()}, "
-            f"load average at start {load}",
+            f"- Machine: {machine()}, load average at start {load_average()}",
             f"- Software: Python {platform.python_version()}, torch {torch.__version__} "
             f"({args.torch_threads or torch.get_num_threads()} intra-op threads), h5py {h5py.__version__}, "
             f"safetensors {safetensors.__version__}, numpy {numpy.__version__}",
@@ -918,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
         run_worker(args)
         return 0
     check_cold(args)
-    base = args.dir or default_base()
+    base = args.dir or disk_temp_dir()
     base.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="ckptflow-bench-", dir=base))
     selected = [m for m in METHODS if not args.only or m in args.only.split(",")]
@@ -939,20 +913,17 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(run_dir, ignore_errors=True)
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     report = "\n\n".join(
         [
             f"## ckptflow storage benchmark: {args.size_mib} MiB state, {args.repeats} repeats",
             facts,
             render_table(results, args),
             notes(args, describe_state(args.size_mib))
-            + f"\n- Whole run: {time.perf_counter() - start:.0f} s; load average at the end {load}."
+            + f"\n- Whole run: {time.perf_counter() - start:.0f} s; load average at the end {load_average()}."
             + (f"\n- **FAILED** (see stderr): {', '.join(failed)}" if failed else ""),
         ]
     )
-    print(report)
-    if args.markdown_out:
-        args.markdown_out.write_text(report + "\n")
+    emit(report, args.markdown_out)
     return 1 if failed else 0
 
 

@@ -48,9 +48,11 @@ import boto3
 import fsspec
 from boto3.s3.transfer import TransferConfig
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file or with -m
+
+from bench.common import MiB, emit, fsync_path, machine, markdown_table
 from ckptflow.storage.transfer import TransferOptions, download_file, upload_file
 
-MiB = 1 << 20
 BUCKET = "bench"
 KEY, SECRET = "bench-key", "bench-secret"
 UP_ANCHOR, DOWN_ANCHOR = "boto3 upload_file (default)", "boto3 download (8 threads, 64 MiB)"
@@ -67,14 +69,6 @@ class Env:
 
     def s3fs(self):
         return fsspec.filesystem("s3", **self.storage_options)
-
-
-def fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- methods: each returns the bytes moved; setup/cleanup stay outside the timing ------------------
@@ -113,17 +107,17 @@ def down_ckptflow_size_only(env: Env) -> None:
 def down_boto3_tuned(env: Env) -> None:
     config = TransferConfig(max_concurrency=8, multipart_chunksize=64 * MiB, multipart_threshold=64 * MiB)
     env.client.download_file(BUCKET, "src", str(env.out), Config=config)
-    fsync_file(env.out)
+    fsync_path(env.out)
 
 
 def down_boto3_default(env: Env) -> None:
     env.client.download_file(BUCKET, "src", str(env.out))
-    fsync_file(env.out)
+    fsync_path(env.out)
 
 
 def down_s3fs(env: Env) -> None:
     env.s3fs().get_file(f"{BUCKET}/src", str(env.out))
-    fsync_file(env.out)
+    fsync_path(env.out)
 
 
 METHODS: dict[str, tuple[str, Callable[[Env], None]]] = {
@@ -222,12 +216,7 @@ def make_env(endpoint: str, server_pid: int, work: Path, size: int) -> Env:
 
 def render(results: dict[str, list[tuple[float, float, float]]], size: int, args: argparse.Namespace) -> str:
     med = {name: statistics.median(r[0] for r in runs) for name, runs in results.items()}
-    lines = [
-        f"Transfers of {size / MiB:.0f} MiB on a local moto S3 server; median of {args.repeats} repeat(s).",
-        "",
-        "| direction | method | seconds | MB/s | client CPU s | server CPU s | vs boto3 |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
+    rows = []
     for name, runs in results.items():
         direction = METHODS[name][0]
         anchor = med.get(UP_ANCHOR if direction == "upload" else DOWN_ANCHOR)
@@ -235,16 +224,20 @@ def render(results: dict[str, list[tuple[float, float, float]]], size: int, args
         cpu = statistics.median(r[1] for r in runs)
         server = statistics.median(r[2] for r in runs)
         mbs = size / med[name] / 1e6
-        lines.append(
-            f"| {direction} | {name} | {med[name]:.2f} | {mbs:.0f} | {cpu:.1f} | {server:.1f} | {ratio} |"
-        )
-    lines += [
-        "",
-        f"Machine: {platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}; "
-        "the moto server shares these cores with the client. ckptflow options: "
-        f"{TransferOptions()}.",
-    ]
-    return "\n".join(lines)
+        rows.append([direction, name, f"{med[name]:.2f}", f"{mbs:.0f}", f"{cpu:.1f}", f"{server:.1f}", ratio])
+    header = ["direction", "method", "seconds", "MB/s", "client CPU s", "server CPU s", "vs boto3"]
+    return "\n".join(
+        [
+            f"Transfers of {size / MiB:.0f} MiB on a local moto S3 server; "
+            f"median of {args.repeats} repeat(s).",
+            "",
+            markdown_table(header, "llrrrrr", rows),
+            "",
+            f"Machine: {machine()}, Python {platform.python_version()}; "
+            "the moto server shares these cores with the client. ckptflow options: "
+            f"{TransferOptions()}.",
+        ]
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -279,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(timeout=30)
     report = render(results, size, args)
-    print(report)
-    if args.markdown_out:
-        args.markdown_out.write_text(report + "\n")
+    emit(report, args.markdown_out)
     return 0
 
 

@@ -10,39 +10,28 @@ other versions are refused, and checksums are verified.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
+from .options import storage_options_option
 
-def _options(text: str) -> dict[str, Any]:
-    value = json.loads(text) if text else {}
-    if not isinstance(value, dict):
-        raise typer.BadParameter("--storage-options must be a JSON object")
-    return value
-
-
-StorageOptionsOpt = Annotated[
-    str,
-    typer.Option(
-        "--storage-options", metavar="JSON", envvar="CKPTFLOW_STORAGE_OPTIONS", help="fsspec options."
-    ),
-]
+# The shared option (parsed, never printed) with these commands' shorter help text.
+StorageOptionsOpt = Annotated[Any, storage_options_option(help="fsspec options.")]
 
 
 def archive_command(
     url: Annotated[str, typer.Argument(metavar="URL", help="The store.")],
     versions: Annotated[str, typer.Option("--versions", help="Versions to archive: '3-7' or '1,2,5'.")],
     drop_loose: Annotated[bool, typer.Option("--drop-loose", help="Then remove their loose copies.")] = False,
-    storage_options: StorageOptionsOpt = "",
+    storage_options: StorageOptionsOpt = None,
 ) -> None:
     """Consolidate committed versions into archive/epochs-A-B.tar (plus its index)."""
     from ckptflow.storage import CheckpointStore
 
     numbers = _parse_versions(versions)
-    store = CheckpointStore(url, storage_options=_options(storage_options))
+    store = CheckpointStore(url, storage_options=storage_options)
     index = store.archive(numbers)
     typer.echo(
         f"archived versions {_span(numbers)} into {store.url}/archive/{index.tar} ({index.size} bytes)"
@@ -58,7 +47,7 @@ def extract_command(
     ],
     epoch: Annotated[int, typer.Option("--epoch", "-e", min=0, help="The epoch to extract.")],
     out: Annotated[Path, typer.Option("--out", "-o", help="Directory to extract into (created).")],
-    storage_options: StorageOptionsOpt = "",
+    storage_options: StorageOptionsOpt = None,
 ) -> None:
     """Safely extract one epoch of a tarball into DIR (verified; DIR then opens as a store)."""
     from ckptflow.storage.errors import ArchiveNotCommittedError
@@ -66,7 +55,7 @@ def extract_command(
     from ckptflow.storage.location import Location, open_location
     from ckptflow.storage.tarindex import read_index
 
-    full = open_location(tar_url, _options(storage_options))
+    full = open_location(tar_url, storage_options)
     parent, _, name = full.root.rpartition("/")
     src = Location(full.url.rsplit("/", 1)[0], full.fs, parent)
     try:

@@ -30,6 +30,7 @@ from typer.core import TyperGroup
 
 from . import present
 from .archive_cmd import archive_command, extract_command
+from .options import StorageOptions
 from .run_cmd import run_command
 from .server_cmd import publish_command, setup_server_command
 
@@ -93,39 +94,11 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(1)
 
 
-def _storage_options(text: str) -> dict[str, Any]:
-    """Parse ``--storage-options``; the message never repeats the value (it may hold secrets)."""
-    if text.startswith("@"):
-        try:
-            text = Path(text[1:]).read_text()
-        except OSError as exc:
-            raise typer.BadParameter(f"cannot read {text[1:]}: {exc.strerror or exc}") from None
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"not valid JSON ({exc.msg} at character {exc.pos})") from None
-    if not isinstance(value, dict):
-        raise typer.BadParameter("must be a JSON object, e.g. '{\"anon\": true}'")
-    return value
-
-
 Url = Annotated[
     str,
     typer.Argument(
         metavar="URL",
         help="The store: a path, file://..., s3://bucket/prefix, memory://...",
-        show_default=False,
-    ),
-]
-StorageOptions = Annotated[
-    Any,
-    typer.Option(
-        "--storage-options",
-        metavar="JSON",
-        parser=_storage_options,
-        envvar="CKPTFLOW_STORAGE_OPTIONS",
-        help="fsspec options for the URL as a JSON object (s3: key, secret, "
-        'client_kwargs={"endpoint_url": ...}), or @FILE holding it. Never printed.',
         show_default=False,
     ),
 ]

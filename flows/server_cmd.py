@@ -27,6 +27,8 @@ from typing import Annotated, Any
 
 import typer
 
+from .options import parse_storage_options
+
 DEFAULT_POOL = "ckptflow-process"
 AUTOMATION_NAME = "ckptflow: crash flow runs whose heartbeats stopped"
 FINAL_EVENTS = ("Completed", "Failed", "Cancelled", "Crashed")
@@ -162,9 +164,7 @@ def publish_command(
 ) -> None:
     """Publish a store's checkpoints to the Prefect UI, without a training run (prints the links)."""
     os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-    from .cli import _storage_options
-
-    options = _storage_options(storage_options) if storage_options else {}
+    options = parse_storage_options(storage_options) if storage_options else {}
     _, ui = _api_settings()
     from ckptflow.flows.maintenance import publish_store_checkpoints
     from ckptflow.tasks.maintenance import private_storage_options

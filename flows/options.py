@@ -1,0 +1,52 @@
+"""The ``--storage-options`` option of ckptflow's store commands, parsed in one place.
+
+fsspec options (s3 credentials, ``client_kwargs.endpoint_url``) arrive as a JSON
+object, or ``@FILE`` holding one, from the flag or ``CKPTFLOW_STORAGE_OPTIONS``.
+What always holds: the value is never printed, not even in an error message
+(it may hold secrets). This module imports neither the storage library nor
+Prefect, so every command module can import it at the top.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+HELP = (
+    "fsspec options for the URL as a JSON object (s3: key, secret, "
+    'client_kwargs={"endpoint_url": ...}), or @FILE holding it. Never printed.'
+)
+
+
+def parse_storage_options(text: str) -> dict[str, Any]:
+    """Parse ``--storage-options``; the message never repeats the value (it may hold secrets)."""
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text()
+        except OSError as exc:
+            raise typer.BadParameter(f"cannot read {text[1:]}: {exc.strerror or exc}") from None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"not valid JSON ({exc.msg} at character {exc.pos})") from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter("must be a JSON object, e.g. '{\"anon\": true}'")
+    return value
+
+
+def storage_options_option(help: str = HELP) -> Any:
+    """The typer option: parsed by :func:`parse_storage_options`, ``None`` when not given."""
+    return typer.Option(
+        "--storage-options",
+        metavar="JSON",
+        parser=parse_storage_options,
+        envvar="CKPTFLOW_STORAGE_OPTIONS",
+        help=help,
+        show_default=False,
+    )
+
+
+StorageOptions = Annotated[Any, storage_options_option()]
