@@ -187,3 +187,36 @@ def test_bad_nproc_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValidationError, match="nproc"):
         make_config(tmp_path / "x", nproc=0)
     assert not (tmp_path / "x").exists()
+
+
+def test_the_rank_worker_runs_under_torchrun(tmp_path):
+    """The entry point the pipeline launches is a plain torch.distributed program (multi-machine path)."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    from tests.pipeline.helpers import REPO
+
+    config = make_config(tmp_path / "T", epochs=2, nproc=2)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"config": config.model_dump(mode="json"), "storage_options": {}}))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    launcher += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+    done = subprocess.run(
+        [*launcher, "-m", "ckptflow.tasks.rank_worker", str(job)],
+        cwd=REPO,
+        capture_output=True,
+        timeout=240,
+    )
+    output = (done.stdout + done.stderr).decode(errors="replace")
+    assert done.returncode == 0, output[-4000:]
+    assert "reached epoch 2" in output
+    store = CheckpointStore(config.storage)
+    assert [v.version for v in store.versions()] == [1, 2]
+    manifest = store.manifest(2)
+    assert manifest.world_size == 2 and {s.rank for s in manifest.shards} == {0, 1}
+    store.verify(2)
