@@ -40,7 +40,9 @@ from .config import PipelineConfig
 from .rank_worker import REPORT_ADDRESS_ENV, REPORT_KEY_ENV
 
 Message = dict[str, Any]
+FLOW_RUN_ENV = "CKPTFLOW_FLOW_RUN_ID"  # the ranks' flow run, for the spec's own logging
 GRACE_SECONDS = 120.0  # how long interrupted ranks get to commit the save in flight
+CANCEL_POLL_SECONDS = 1.0  # how often the flow run is checked for a cancellation (one API read)
 
 
 class RankCrashedError(RuntimeError):
@@ -69,6 +71,7 @@ class Gang:
         self._accepting.start()
         job = json.dumps({"config": config.model_dump(mode="json"), "storage_options": storage_options})
         master_port = str(_free_port())
+        run_id = _flow_run_id()
         self.procs: list[subprocess.Popen[bytes]] = []
         for rank in range(config.nproc):
             env = {
@@ -81,6 +84,8 @@ class Gang:
                 "MASTER_PORT": master_port,
                 "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(_threads_per_rank(config.nproc))),
             }
+            if run_id:
+                env[FLOW_RUN_ENV] = run_id
             if rank == 0:
                 env[REPORT_ADDRESS_ENV] = f"{host}:{port}"
                 env[REPORT_KEY_ENV] = key.hex()
@@ -107,7 +112,7 @@ class Gang:
     def run(self, on_message: Callable[[Message], None], cancel_requested: Callable[[], bool]) -> GangResult:
         """Relay rank 0's messages until every rank has exited; raise RankCrashedError if one failed."""
         result = GangResult()
-        next_check = time.monotonic() + 2.0
+        next_check = time.monotonic() + CANCEL_POLL_SECONDS
         cancel_sent = False
         while True:
             for message in self._receive(0.2):
@@ -127,7 +132,7 @@ class Gang:
                     on_message(message)
                 return result
             if not cancel_sent and time.monotonic() >= next_check:
-                next_check = time.monotonic() + 2.0
+                next_check = time.monotonic() + CANCEL_POLL_SECONDS
                 if cancel_requested():
                     cancel_sent = self.cancel()
 
@@ -211,6 +216,12 @@ def train_ranks(
         except BaseException:  # interrupted here: let the ranks commit what they are saving
             gang.interrupt()
             raise
+
+
+def _flow_run_id() -> str:
+    from prefect.runtime import flow_run
+
+    return str(flow_run.get_id() or "")
 
 
 def _tail(path: Path, lines: int = 25) -> str:

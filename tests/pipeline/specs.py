@@ -53,13 +53,13 @@ class MarkedDigitsSpec(DigitsSpec):
 
 
 def _flow_run_id() -> str:
-    """The flow run's id; empty in a training rank, which must not import Prefect for it.
+    """The flow run's id; a training rank reads it from its environment, without importing Prefect.
 
     Importing Prefect draws from Python's ``random``: a rank that imported it only in a
     marked run would not be bitwise comparable with an unmarked one.
     """
     if "prefect" not in sys.modules:
-        return ""
+        return os.environ.get("CKPTFLOW_FLOW_RUN_ID", "")
     from prefect.runtime import flow_run
 
     return str(flow_run.get_id() or "")

@@ -29,11 +29,13 @@ def flow_run_state(run_id: UUID):
         return client.read_flow_run(run_id).state
 
 
-def test_cancelled_run_commits_the_running_epoch_and_resumes_from_it(prefect_server, tmp_path):
-    config = make_config(tmp_path / "s", epochs=EPOCHS)
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "two-ranks"])
+def test_cancelled_run_commits_the_running_epoch_and_resumes_from_it(prefect_server, tmp_path, nproc):
+    """With two ranks the flow passes the cancellation to rank 0, which stops both after the epoch."""
+    config = make_config(tmp_path / "s", epochs=EPOCHS, nproc=nproc)
     markers = tmp_path / "markers"
     markers.mkdir()
-    env = {MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(CANCELLED_IN), SLOW_SECONDS_ENV: "3"}
+    env = {MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(CANCELLED_IN), SLOW_SECONDS_ENV: "5"}
     child = Child(prefect_server, config, tmp_path / "child.log", **env)
     try:
         started = marker(markers, CANCELLED_IN)
