@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
@@ -68,26 +70,28 @@ class RankGroup:
         """Rank 0's JSON value, on every rank."""
         data = _encode(value) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
-        dist.broadcast(size, src=0, group=self.group)
-        if self.rank != 0:
-            data = torch.empty(int(size.item()), dtype=torch.uint8)
-        if data.numel():
-            dist.broadcast(data, src=0, group=self.group)
+        with _collective():
+            dist.broadcast(size, src=0, group=self.group)
+            if self.rank != 0:
+                data = torch.empty(int(size.item()), dtype=torch.uint8)
+            if data.numel():
+                dist.broadcast(data, src=0, group=self.group)
         return _decode(data)
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's JSON value, in rank order, on rank 0 (None on the others)."""
         data = _encode(value)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
-        longest = max(int(s.item()) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
-        padded[: data.numel()] = data
-        if self.rank == 0:
-            out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-            dist.gather(padded, out, dst=0, group=self.group)
-            return [_decode(t[: int(n.item())]) for t, n in zip(out, sizes, strict=True)]
-        dist.gather(padded, None, dst=0, group=self.group)
+        with _collective():
+            dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
+            longest = max(int(s.item()) for s in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: data.numel()] = data
+            if self.rank == 0:
+                out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+                dist.gather(padded, out, dst=0, group=self.group)
+                return [_decode(t[: int(n.item())]) for t, n in zip(out, sizes, strict=True)]
+            dist.gather(padded, None, dst=0, group=self.group)
         return None
 
     def agree(self, work: Any, what: str) -> Any:
@@ -104,6 +108,18 @@ class RankGroup:
         if "error" in outcome:
             raise RankFailedError(f"{what} failed on rank 0: {outcome['error']}")
         return outcome["ok"]
+
+
+@contextmanager
+def _collective() -> Iterator[None]:
+    """A collective of the checkpoint group that failed (a rank died, or it timed out), as RankFailedError."""
+    try:
+        yield
+    except RuntimeError as exc:  # what gloo raises for a peer that closed its connection, or a timeout
+        raise RankFailedError(
+            f"a rank of the checkpoint group died or timed out ({exc}); the save did not complete on "
+            "every rank and the previous committed version is intact"
+        ) from exc
 
 
 def _encode(value: Any) -> torch.Tensor:

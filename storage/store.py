@@ -13,6 +13,7 @@ one process may write to a store at a time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -170,11 +171,11 @@ class CheckpointStore:
         """
         self._saver.wait_previous()
         job = self._prepare(state, epoch, step, metrics, version, user, rank_state)
+        if job.ranked is not None:  # reads only this rank's share: staging every device blob would waste it
+            return self._write_ranked(job, lambda b: tensor_bytes(b.source), lambda b: tensor_bytes(b.source))
         device = [b for b in job.plan.blobs if b.source.device.type != "cpu"]
         staged = self._staging.stage(device) if device else {}
-        if job.ranked is None:
-            return self._write(job, lambda b: staged.get(b.index) or tensor_bytes(b.source))
-        return self._write_ranked(job, lambda b: tensor_bytes(b.source), lambda b: tensor_bytes(b.source))
+        return self._write(job, lambda b: staged.get(b.index) or tensor_bytes(b.source))
 
     def save_async(
         self,
@@ -244,33 +245,39 @@ class CheckpointStore:
         user: dict[str, Any] | None,
         rank_state: object = None,
     ) -> _SaveJob:
-        structure, leaves = encode(state)  # raises on unsupported values, before any I/O
-        ranked: RankPlan | None = None
-        if self.group is None and rank_state is None:
-            plan = plan_save(leaves, shards=self.options.shards)
-        else:
-            blobs, blob_refs = plan_blobs(leaves)
-            ranked = plan_rank(
-                blobs,
-                blob_refs,
-                rank_state,
-                shards=self.options.shards,
-                rank=self.rank,
-                world_size=self.world_size,
-            )
-            plan = ranked.shared
-        refs = [
-            TensorEntry(
-                path=leaf.path,
-                blob=r.blob,
-                dtype=_name(r.dtype),
-                shape=list(r.shape),
-                stride=list(r.stride) if r.stride is not None else None,
-                offset=r.offset,
-            )
-            for leaf, r in zip(leaves, plan.refs, strict=True)
-        ]
-        clean = clean_metrics(metrics)
+        try:
+            structure, leaves = encode(state)  # raises on unsupported values, before any I/O
+            ranked: RankPlan | None = None
+            if self.group is None and rank_state is None:
+                plan = plan_save(leaves, shards=self.options.shards)
+            else:
+                blobs, blob_refs = plan_blobs(leaves)
+                ranked = plan_rank(
+                    blobs,
+                    blob_refs,
+                    rank_state,
+                    shards=self.options.shards,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                )
+                plan = ranked.shared
+            refs = [
+                TensorEntry(
+                    path=leaf.path,
+                    blob=r.blob,
+                    dtype=_name(r.dtype),
+                    shape=list(r.shape),
+                    stride=list(r.stride) if r.stride is not None else None,
+                    offset=r.offset,
+                )
+                for leaf, r in zip(leaves, plan.refs, strict=True)
+            ]
+            clean = clean_metrics(metrics)
+        except Exception as exc:
+            if self.group is not None:  # the other ranks wait for this one in the claim: tell them
+                with contextlib.suppress(CheckpointError):
+                    self._claim_together(version, None, failure=exc)
+            raise
         if self.group is None:
             with translate_errors(self.loc, "saving to"):
                 number = self._claim_version(version)
@@ -278,14 +285,28 @@ class CheckpointStore:
             number = self._claim_together(version, plan.blobs)
         return _SaveJob(number, epoch, step, clean, structure, refs, plan, dict(user or {}), ranked)
 
-    def _claim_together(self, version: int | None, blobs: list[Blob]) -> int:
-        """Rank 0 checks that every rank has the same replicated state and claims the version."""
+    def _claim_together(
+        self, version: int | None, blobs: list[Blob] | None, *, failure: Exception | None = None
+    ) -> int:
+        """Rank 0 checks that every rank has the same replicated state and claims the version.
+
+        A rank that could not plan its save (``failure``) takes part all the same, so that no rank
+        waits for it: every rank then raises.
+        """
         assert self.group is not None
         group = self.group
-        found = group.gather([[b.name, str(b.dtype), list(b.shape)] for b in blobs])
+        if failure is not None or blobs is None:
+            found = group.gather({"error": f"{type(failure).__name__}: {failure}"})
+        else:
+            found = group.gather([[b.name, str(b.dtype), list(b.shape)] for b in blobs])
 
         def claim() -> int:
             assert found is not None
+            failed = [f"rank {r}: {sig['error']}" for r, sig in enumerate(found) if isinstance(sig, dict)]
+            if failed:
+                raise RankFailedError(
+                    f"nothing was written, a rank could not prepare its save: {'; '.join(failed)}"
+                )
             differ = [r for r, sig in enumerate(found) if sig != found[0]]
             if differ:
                 raise CheckpointError(
