@@ -26,6 +26,8 @@ Deployment entrypoint: ``flows/train.py:train_pipeline``.
 
 from __future__ import annotations
 
+import contextvars
+import threading
 from typing import Any
 from uuid import UUID
 
@@ -71,24 +73,27 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     reason = f"already at epoch {run.epoch}" if run.epoch >= config.epochs else None
     pending: SaveHandle | None = None
     archiver = ArchiveQueue(run.store, config.archive, existing, on_result=monitor.archived)
+    train = train_epoch.with_options(retries=config.epoch_retries)
+    save = save_checkpoint.with_options(retries=config.save_retries)
+    watch = CancelWatch()
     try:
         archiver.catch_up()  # versions an interrupted run committed but did not archive
         while reason is None:
             epoch = run.epoch + 1
             attempts = EpochAttempts(run, keep_snapshot=config.epoch_retries > 0)
-            metrics = train_epoch.with_options(retries=config.epoch_retries)(run, epoch, attempts)
+            metrics = train(run, epoch, attempts)
             logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(metrics))
             monitor.epoch_done(epoch, metrics)
-            reason = stopper.update(epoch, metrics) or _cancel_requested()
+            reason = stopper.update(epoch, metrics) or watch.reason()
             if epoch % config.save_every == 0 or reason is not None:
-                _commit(pending, monitor, config.save_retries, archiver)
+                result = save(run, epoch, async_save=config.async_save, previous=pending)
                 pending = None
-                save = save_checkpoint.with_options(retries=config.save_retries)
-                result = save(run, epoch, async_save=config.async_save)
-                if isinstance(result, SaveHandle):
-                    pending = result
+                if result.previous is not None:
+                    _committed(result.previous, monitor, archiver)
+                if isinstance(result.saved, SaveHandle):
+                    pending = result.saved
                 else:
-                    _committed(result, monitor, archiver)
+                    _committed(result.saved, monitor, archiver)
     except BaseException:
         archiver.abandon()
         if pending is not None:
@@ -96,6 +101,8 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
         monitor.catch_up(run.store.versions)  # ...and reports what committed (a worker's SIGTERM)
         monitor.flush()
         raise
+    finally:
+        watch.close()
     _commit(pending, monitor, config.save_retries, archiver)
     archiver.drain()
     removed = finalize(run.store, config.retention)
@@ -130,15 +137,18 @@ def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
         elif kind == "committed":
             _committed(VersionInfo(**message["info"]), monitor, archiver)
 
+    watch = CancelWatch()
     try:
         archiver.catch_up()
         ranks = train_ranks.with_options(retries=config.epoch_retries)
-        result = ranks(config, relay, lambda: _cancel_requested() is not None)
+        result = ranks(config, relay, lambda: watch.requested)
     except BaseException:
         archiver.abandon()
         monitor.catch_up(store.versions)
         monitor.flush()
         raise
+    finally:
+        watch.close()
     archiver.drain()
     removed = finalize(store, config.retention)
     last_epoch = result.last_epoch if result.last_epoch is not None else last
@@ -175,19 +185,45 @@ def _committed(info: VersionInfo, monitor: RunMonitor, archiver: ArchiveQueue) -
     archiver.committed(info)  # queues archive/upload jobs the policy says are due
 
 
-def _cancel_requested() -> str | None:
-    """Whether this flow run was asked to cancel (a local run gets no SIGTERM for it)."""
-    run_id = flow_run.get_id()
-    if run_id is None:
-        return None
-    from prefect.client.orchestration import get_client
+class CancelWatch:
+    """Whether this flow run was asked to cancel (a local run gets no SIGTERM for it).
 
-    try:
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(UUID(run_id)).state
-    except Exception:
-        return None
-    return CANCELLED if state is not None and (state.is_cancelling() or state.is_cancelled()) else None
+    A thread reads the run's state once a second, so the epoch loop never waits for the API.
+    """
+
+    def __init__(self, every: float = 1.0) -> None:
+        self.requested = False
+        self._every = every
+        self._stop = threading.Event()
+        run_id = flow_run.get_id()
+        if run_id is not None:
+            context = contextvars.copy_context()  # the run's Prefect settings (API URL)
+            thread = threading.Thread(
+                target=context.run,
+                args=(self._watch, UUID(run_id)),
+                name="ckptflow-cancel-watch",
+                daemon=True,
+            )
+            thread.start()
+
+    def reason(self) -> str | None:
+        return CANCELLED if self.requested else None
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _watch(self, run_id: UUID) -> None:
+        from prefect.client.orchestration import get_client
+
+        while not self._stop.wait(self._every):
+            try:
+                with get_client(sync_client=True) as client:
+                    state = client.read_flow_run(run_id).state
+            except Exception:
+                continue
+            if state is not None and (state.is_cancelling() or state.is_cancelled()):
+                self.requested = True
+                return
 
 
 def _summary(

@@ -170,13 +170,29 @@ def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str,
     return clean
 
 
+@dataclass(frozen=True)
+class SaveResult:
+    """What ``save_checkpoint`` did: the new save (committed, or a handle) and the previous save's commit."""
+
+    saved: VersionInfo | SaveHandle
+    previous: VersionInfo | None = None
+
+
 @io_task("save_checkpoint")
-def save_checkpoint(run: RunState, epoch: int, *, async_save: bool) -> VersionInfo | SaveHandle:
-    """Save the state after ``epoch`` as version ``epoch``; async saves return once the state is copied."""
+def save_checkpoint(
+    run: RunState, epoch: int, *, async_save: bool, previous: SaveHandle | None = None
+) -> SaveResult:
+    """Commit the async save in flight, then save the state after ``epoch`` as version ``epoch``.
+
+    Async saves return once the state is copied. Waiting for ``previous`` here, not in a task of
+    its own, saves a task run per epoch; if its background write failed, it is written again
+    from its staged bytes on the next attempt, before anything else.
+    """
+    committed = _shielded_commit(previous) if previous is not None else None
     existing = _committed(run.store, epoch)
     if existing is not None:
         get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
-        return existing
+        return SaveResult(existing, committed)
     state = capture(run.trainable, run.spec, epoch=run.epoch, step=run.step, rng=run.rng)
     kwargs: dict[str, Any] = {
         "epoch": epoch,
@@ -185,13 +201,17 @@ def save_checkpoint(run: RunState, epoch: int, *, async_save: bool) -> VersionIn
         "version": epoch,
     }
     if async_save:
-        return run.store.save_async(state, **kwargs)
-    return _shielded(lambda: run.store.save(state, **kwargs))
+        return SaveResult(run.store.save_async(state, **kwargs), committed)
+    return SaveResult(_shielded(lambda: run.store.save(state, **kwargs)), committed)
 
 
 @io_task("commit_checkpoint")
 def commit_checkpoint(handle: SaveHandle) -> VersionInfo:
     """Wait until an async save is committed; a failed write is redone on the next attempt."""
+    return _shielded_commit(handle)
+
+
+def _shielded_commit(handle: SaveHandle) -> VersionInfo:
     try:
         return _shielded(handle.wait)
     except Exception:
@@ -250,6 +270,7 @@ __all__ = [
     "ConfigMismatchError",
     "EpochAttempts",
     "RunState",
+    "SaveResult",
     "commit_checkpoint",
     "finalize",
     "init_model",
