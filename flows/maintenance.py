@@ -4,11 +4,13 @@
 on a cron schedule in ``deployments/prefect.yaml``) runs the same sequence of
 tasks on every store of its config:
 
-    retention ─► gc (leftovers of interrupted saves) ─► publish (table + latest checkpoint)
+    archive + upload ─► retention ─► gc (leftovers of interrupted saves) ─► publish (table + latest)
 
-A store that a training run is writing to is only published (see
-``ckptflow.tasks.maintenance``). The sequence is the place for more steps
-(archive, upload): each is a task taking the opened store.
+Archiving follows the same policy as in a training run (``archive.every`` /
+``archive.target_bytes``, ``upload_to``, ``upload_versions``), over the loose
+versions a store holds: stores written by runs that did not archive, or whose
+archive jobs were cut off, are consolidated and mirrored here. A store that a
+training run is writing to is only published (see ``ckptflow.tasks.maintenance``).
 
 ``publish_store_checkpoints`` publishes one store's table, for
 ``ckptflow publish URL``: it is how to see a store's checkpoints in the UI
@@ -22,6 +24,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.maintenance import (
     MaintenanceConfig,
     active_training_runs,
@@ -34,7 +37,7 @@ from ckptflow.tasks.maintenance import (
 
 @flow(name="ckptflow-maintenance", validate_parameters=True)
 def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
-    """Apply retention, remove leftovers and publish the checkpoint table of each store."""
+    """Archive and upload what is due, apply retention, remove leftovers and publish each store's table."""
     logger = get_run_logger()
     source = f"maintenance run `{flow_run.get_name() or 'local'}`"
     report = []
@@ -43,6 +46,7 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
         busy = active_training_runs(store.url)
         if busy:
             logger.warning("%s is being written by %s: retention and gc skipped", store.url, ", ".join(busy))
+        archives = _archive(store, config) if not busy else []
         pruned = apply_retention(store, config.retention) if config.retention.enabled() and not busy else []
         removed = collect_garbage(store) if config.gc and not busy else []
         artifacts = publish_checkpoints(store, source=source) if config.publish else {}
@@ -50,6 +54,8 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
             {
                 "storage": store.url,
                 "busy": busy,
+                "archived": [a.versions for a in archives],
+                "uploaded": [a.uploaded for a in archives if a.uploaded],
                 "pruned": pruned,
                 "gc": removed,
                 "versions": [v.version for v in store.versions()],
@@ -58,6 +64,15 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
         )
         logger.info("%s: pruned %s, removed leftovers %s", store.url, pruned or "none", removed or "none")
     return report
+
+
+def _archive(store: Any, config: MaintenanceConfig) -> list[Any]:
+    """The archive (and upload) jobs the policy says are due, run to the end."""
+    if not (config.archive.enabled() or config.archive.upload_versions):
+        return []
+    queue = ArchiveQueue(store, config.archive, store.versions())
+    queue.catch_up()
+    return queue.drain()
 
 
 @flow(name="ckptflow-publish", validate_parameters=True)

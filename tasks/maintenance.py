@@ -1,4 +1,4 @@
-"""Upkeep of checkpoint stores outside training runs: retention, leftovers, the published table.
+"""Upkeep of checkpoint stores outside training runs: archives, retention, leftovers, the published table.
 
 The maintenance flow (``flows/maintenance.py``) runs these tasks per store, in
 order; each is a thin wrapper over ``ckptflow.storage`` and safe to retry.
@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from ckptflow.storage import CheckpointStore, RetentionPolicy
 
-from .config import PipelineConfig, RetentionConfig
+from .config import ArchiveConfig, PipelineConfig, RetentionConfig
 from .monitoring import publish_store
 
 TRAIN_FLOW = "ckptflow-train"
@@ -57,6 +57,10 @@ class MaintenanceConfig(BaseModel):
         default_factory=lambda: RetentionConfig(), description="versions to keep (default: all)"
     )
     gc: bool = Field(True, description="remove the leftovers of interrupted saves")
+    archive: ArchiveConfig = Field(
+        default_factory=lambda: ArchiveConfig(),
+        description="consolidate (and upload) the loose versions the policy says are due (default: off)",
+    )
     publish: bool = Field(True, description="publish each store's checkpoint table and latest checkpoint")
 
     @model_validator(mode="after")

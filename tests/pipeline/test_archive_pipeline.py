@@ -625,3 +625,41 @@ def _slug(text: str) -> str:
     from ckptflow.tasks.monitoring import slug
 
     return slug(text)
+
+
+@pytest.mark.prefect
+@pytest.mark.s3
+def test_maintenance_archives_and_uploads_a_store_trained_without_archiving(
+    prefect_server, reference, s3_server, s3_bucket, tmp_path
+):
+    """The maintenance flow applies the archive policy to the loose versions a store already holds."""
+    from ckptflow.flows.maintenance import maintain_stores
+
+    config = make_config(tmp_path / "store", epochs=EPOCHS)
+    run_summary(config)
+    assert version_dirs(config.storage) == [f"v{v:06d}" for v in range(1, EPOCHS + 1)]
+    bucket, _ = s3_bucket
+    upload_to = f"s3://{bucket}/mirror"
+    archive = {"every": 2, "upload_to": upload_to, "upload_options": remote_options(s3_server)}
+
+    report = maintain_stores({"storages": [config.storage], "archive": archive, "publish": False})
+    assert report[0]["archived"] == [[1, 2], [3, 4]]
+    assert report[0]["uploaded"] == [f"{upload_to}/archive/{TAR_12}", f"{upload_to}/archive/{TAR_34}"]
+    assert version_dirs(config.storage) == ["v000005"]  # 1-4 dropped once their upload was verified
+    store = CheckpointStore(config.storage)
+    assert [(v.version, v.archived) for v in store.versions()] == [
+        (1, True),
+        (2, True),
+        (3, True),
+        (4, True),
+        (5, False),
+    ]
+    remote = remote_store(upload_to, s3_server)
+    assert [v.version for v in remote.versions()] == [1, 2, 3, 4]
+    for v in range(1, EPOCHS + 1):
+        assert_same_checkpoint(store, reference, v)
+    for v in range(1, 5):
+        remote.verify(v)
+
+    again = maintain_stores({"storages": [config.storage], "archive": archive, "publish": False})
+    assert again[0]["archived"] == [] and version_dirs(config.storage) == ["v000005"]  # nothing new is due
