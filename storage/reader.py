@@ -10,20 +10,22 @@ than the manifest says, or bytes that do not match, raise
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from .byteio import MAX_REQUEST, ReadRange, coalesce, empty_bytes, read_ranges
+from .byteio import MAX_REQUEST, ReadRange, coalesce, empty_bytes, read_hashed_local, read_ranges
 from .checksum import digest
 from .errors import CorruptShardError
 from .location import Location
 from .manifest import Manifest
 
 SPLIT = 64 << 20  # large blobs are read as several ranges, in parallel
+FUSED_MAX = 256 << 20  # verified local blobs up to this size are read and hashed in one pass
 
 
 @dataclass(frozen=True)
@@ -57,22 +59,65 @@ def read_blobs(
     """uint8 tensors holding the bytes of the ``wanted`` blobs (``buffers``: where to put some)."""
     given = buffers or {}
     out = {i: given[i] if i in given else empty_bytes(manifest.blobs[i].nbytes) for i in wanted}
-    jobs: list[tuple[ShardSource, list[ReadRange]]] = []
+    # Local and verified: each blob up to FUSED_MAX is read and hashed in one pass (see
+    # read_hashed_local), its blobs spread over the threads by size. Larger blobs are read
+    # in SPLIT-sized ranges by several threads and hashed afterwards.
+    fused = [
+        i
+        for i in wanted
+        if verify
+        and loc.is_local
+        and manifest.blobs[i].offset is not None
+        and 0 < manifest.blobs[i].nbytes <= FUSED_MAX
+    ]
+    rest = [i for i in wanted if i not in set(fused)]
+    jobs: list[Callable[[], None]] = []
     for shard_index in sorted({manifest.blobs[i].shard for i in wanted}):
         source = sources[shard_index]
         if verify:
             check_size(loc, source)
         ranges = [
             r
-            for i in wanted
+            for i in rest
             if manifest.blobs[i].shard == shard_index
             for r in _ranges(_offset(source, manifest.blobs[i].offset), out[i])
         ]
-        jobs.extend((source, batch) for batch in _batches(ranges, loc.is_local))
-    _run(jobs, loc, threads)
+        jobs.extend(partial(_read_job, loc, source, batch) for batch in _batches(ranges, loc.is_local))
+    for group in _spread(fused, manifest, threads):
+        jobs.append(partial(_read_and_check, sources, manifest, group, out))
+    _parallel(threads, jobs)
     if verify:
-        _parallel(threads, [partial(_check_blob, sources, manifest, i, out[i]) for i in wanted])
+        _parallel(threads, [partial(_check_blob, sources, manifest, i, out[i]) for i in rest])
     return out
+
+
+def _spread(blobs: list[int], manifest: Manifest, bins: int) -> list[list[int]]:
+    """Blob indices in ``bins`` groups of about equal bytes (largest first into the lightest)."""
+    groups: list[list[int]] = [[] for _ in range(max(1, bins))]
+    loads = [0] * len(groups)
+    for i in sorted(blobs, key=lambda i: -manifest.blobs[i].nbytes):
+        target = loads.index(min(loads))
+        groups[target].append(i)
+        loads[target] += manifest.blobs[i].nbytes
+    return [
+        sorted(g, key=lambda i: (manifest.blobs[i].shard, manifest.blobs[i].offset or 0)) for g in groups if g
+    ]
+
+
+def _read_and_check(
+    sources: list[ShardSource], manifest: Manifest, blobs: list[int], out: dict[int, torch.Tensor]
+) -> None:
+    for i in blobs:
+        blob = manifest.blobs[i]
+        source = sources[blob.shard]
+        offset = _offset(source, blob.offset)
+        assert offset is not None
+        with _shard_errors(source):
+            actual = read_hashed_local(source.path, offset, out[i].numpy().data)
+        if actual != blob.checksum:
+            raise CorruptShardError(
+                f"{source.name} (dataset {blob.dataset})", expected=blob.checksum, actual=actual
+            )
 
 
 def _offset(source: ShardSource, offset: int | None) -> int | None:
@@ -114,21 +159,22 @@ def _batches(ranges: list[ReadRange], local: bool) -> list[list[ReadRange]]:
     return batches
 
 
-def _run(jobs: list[tuple[ShardSource, list[ReadRange]]], loc: Location, threads: int) -> None:
-    def one(job: tuple[ShardSource, list[ReadRange]]) -> None:
-        source, ranges = job
-        try:
-            read_ranges(loc.fs, source.path, ranges, local=loc.is_local)
-        except FileNotFoundError:
-            raise CorruptShardError(
-                source.name, expected="a shard file", actual="no file", what="presence"
-            ) from None
-        except EOFError as exc:
-            raise CorruptShardError(
-                source.name, expected="more bytes", actual=str(exc), what="size"
-            ) from None
+def _read_job(loc: Location, source: ShardSource, ranges: list[ReadRange]) -> None:
+    with _shard_errors(source):
+        read_ranges(loc.fs, source.path, ranges, local=loc.is_local)
 
-    _parallel(threads, [partial(one, job) for job in jobs])
+
+@contextmanager
+def _shard_errors(source: ShardSource) -> Iterator[None]:
+    """A missing or short shard file, as CorruptShardError naming it."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CorruptShardError(
+            source.name, expected="a shard file", actual="no file", what="presence"
+        ) from None
+    except EOFError as exc:
+        raise CorruptShardError(source.name, expected="more bytes", actual=str(exc), what="size") from None
 
 
 def _parallel(threads: int, calls: list[Callable[[], None]]) -> None:

@@ -17,6 +17,17 @@ from ckptflow.storage import (
 from tests.conftest import assert_same_state, tensor_bits
 
 
+@pytest.fixture(autouse=True, params=["one-pass", "read-then-hash"])
+def read_path(request, monkeypatch):
+    """Both ways a verified load reads: local blobs read and hashed in one pass, and larger blobs
+    (here: every blob, by lowering the limit) read in ranges and hashed afterwards."""
+    from ckptflow.storage import reader
+
+    if request.param == "read-then-hash":
+        monkeypatch.setattr(reader, "FUSED_MAX", 0)
+    return request.param
+
+
 def _state():
     gen = torch.Generator().manual_seed(0)
     return {
