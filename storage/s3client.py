@@ -6,12 +6,18 @@ timeout and botocore's "standard" retry mode with ``max_attempts`` tries, so a
 dropped, reset or stalled connection costs one bounded attempt, not a hang.
 The second level is the caller's (a Prefect task's retries).
 
-aiohttp applies its read timeout only once a request body has been sent: it
-waits for "100 Continue" and for the peer to drain the body without any time
-limit, so an upload to a peer that stopped reading would hang forever.
-:class:`StallGuardSession` closes that gap: a request whose body makes no
-progress for ``read_timeout`` fails with botocore's ``ReadTimeoutError``, which
-botocore retries like any other timeout.
+aiohttp's read timeout has two gaps. It starts only once a request body has
+been sent: aiohttp waits for "100 Continue" and for the peer to drain the body
+without any time limit. And every bodiless message it reads stops it, interim
+ones too: a "100 Continue" that arrives after the body (moto's server sends
+two) leaves the wait for the real answer with no limit at all. Either way a
+request to a peer that went silent would hang until the peer gave up.
+:class:`StallGuardSession` closes both: until its response headers arrive, a
+request that makes no progress for ``read_timeout`` (no connection, no body
+piece taken, no answer once the body is out) fails with botocore's
+``ReadTimeoutError``, which botocore retries like any other timeout. Once the
+headers are in, aiohttp's read timeout bounds the response body: it runs
+while the body streams and stops only at its end.
 
 Credentials come the usual AWS ways (environment, profile, or ``key``/``secret``
 in ``storage_options``). They are never logged, and every message this module
@@ -22,8 +28,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, TypeVar
 
 import aiohttp
@@ -86,15 +93,27 @@ def merge_storage_options(
 
 
 class StallGuardSession(AIOHTTPSession):
-    """aiobotocore's aiohttp session, failing a request whose body stops moving for ``read_timeout``."""
+    """aiobotocore's aiohttp session, failing a request that stops moving for ``read_timeout``.
+
+    It watches every request until its response headers arrive (aiohttp's own
+    read timeout, once running, bounds the response body): the body piece by
+    piece, then the wait for the answer.
+    """
+
+    async def _get_session(self, proxy_url):
+        session = await super()._get_session(proxy_url)
+        if _TRACE not in session.trace_configs:  # the live list: aiohttp reads it for each request
+            session.trace_configs.append(_TRACE)
+        return session
 
     async def send(self, request):
         limit = self._timeout.sock_read
         body = request.body
-        if not limit or not _watchable(body):
+        if not limit or (body and not _watchable(body)):
             return await super().send(request)
-        watch = _BodyWatch(body, grace=self._timeout.sock_connect or 0.0)
-        request.body = watch.chunks()
+        watch = _Watch(grace=self._timeout.sock_connect or 0.0, has_body=bool(body))
+        if body:
+            request.body = watch.chunks(body)
         try:
             return await watch.guard(super().send(request), limit, request.url)
         finally:
@@ -103,43 +122,103 @@ class StallGuardSession(AIOHTTPSession):
 
 def _watchable(body: Any) -> bool:
     if isinstance(body, (bytes, bytearray)):
-        return len(body) > 0
+        return True
     read = getattr(body, "read", None)
     return read is not None and not asyncio.iscoroutinefunction(read)
 
 
-class _BodyWatch:
-    """Feeds a request body to aiohttp in pieces and notes when each piece is taken."""
+class _Watch:
+    """One request's progress until its response headers arrive: the stall guard's clock.
 
-    def __init__(self, body: Any, *, grace: float) -> None:
-        self.body = body
-        self.last = time.monotonic() + grace  # the connection may take up to the connect timeout
-        self.done = False
+    States: ``connecting`` (a connection is due within the connect timeout, plus
+    ``limit``), ``queued`` (waiting for a free pooled connection: no clock, the
+    requests ahead are bounded themselves), ``sending`` (each body piece aiohttp
+    takes restarts the clock), ``waiting`` (the whole body is out: the answer is
+    due within ``limit``), ``answered`` (the response headers are in; the guard
+    is done). aiohttp's signals (see ``_TRACE``) move it along.
+    """
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        if isinstance(self.body, (bytes, bytearray)):
-            view = memoryview(self.body)
+    LIMITS = {"connecting": "no connection", "sending": "the request stalled", "waiting": "no answer"}
+
+    def __init__(self, *, grace: float, has_body: bool) -> None:
+        self.grace, self.has_body = grace, has_body
+        self.state = "connecting"
+        self.last = time.monotonic() + grace
+
+    def queued(self) -> None:
+        self.state = "queued"
+
+    def dequeued(self) -> None:
+        self.state, self.last = "connecting", time.monotonic() + self.grace
+
+    def connected(self) -> None:
+        self.state, self.last = ("sending" if self.has_body else "waiting"), time.monotonic()
+
+    def answered(self) -> None:
+        self.state = "answered"
+
+    def stalled(self, limit: float) -> bool:
+        return self.state in self.LIMITS and time.monotonic() - self.last > limit
+
+    async def chunks(self, body: Any) -> AsyncIterator[bytes]:
+        """``body`` in pieces, noting when aiohttp takes each one and when it asks past the last."""
+        if isinstance(body, (bytes, bytearray)):
+            view = memoryview(body)
             pieces: Iterator[Any] = (view[i : i + BODY_CHUNK] for i in range(0, len(view), BODY_CHUNK))
         else:
-            pieces = iter(lambda: self.body.read(BODY_CHUNK), b"")
+            pieces = iter(lambda: body.read(BODY_CHUNK), b"")
         for piece in pieces:
             self.last = time.monotonic()
             yield piece
-        self.done = True  # aiohttp asked for more after the last piece was drained
+        if self.state == "sending":  # aiohttp drained the last piece: now the answer is due
+            self.state, self.last = "waiting", time.monotonic()
 
     async def guard(self, send: Awaitable[T], limit: float, url: str) -> T:
-        task = asyncio.ensure_future(send)
+        token = _WATCH.set(self)  # the task below copies the context: aiohttp's signals find this watch
+        try:
+            task = asyncio.ensure_future(send)
+        finally:
+            _WATCH.reset(token)
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=min(limit, 1.0) / 4)
                 if done:
                     return task.result()
-                if not self.done and time.monotonic() - self.last > limit:
-                    raise bex.ReadTimeoutError(endpoint_url=url, error=f"request body stalled for {limit:g}s")
+                if self.stalled(limit):
+                    raise bex.ReadTimeoutError(
+                        endpoint_url=url, error=f"{self.LIMITS[self.state]} for {limit:g}s"
+                    )
         finally:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+
+
+_WATCH: ContextVar[_Watch | None] = ContextVar("ckptflow_s3_watch", default=None)
+
+
+def _on(step: Callable[[_Watch], None]) -> Callable[..., Awaitable[None]]:
+    async def signal(session: Any, context: Any, params: Any) -> None:
+        watch = _WATCH.get()
+        if watch is not None:
+            step(watch)
+
+    return signal
+
+
+def _trace_config() -> aiohttp.TraceConfig:
+    """aiohttp's request signals, forwarded to the :class:`_Watch` of the request they belong to."""
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_queued_start.append(_on(_Watch.queued))
+    trace.on_connection_queued_end.append(_on(_Watch.dequeued))
+    trace.on_connection_create_end.append(_on(_Watch.connected))
+    trace.on_connection_reuseconn.append(_on(_Watch.connected))
+    trace.on_request_end.append(_on(_Watch.answered))  # the final answer's headers, not a 1xx's
+    trace.freeze()
+    return trace
+
+
+_TRACE = _trace_config()
 
 
 def error_code(exc: BaseException) -> str:

@@ -10,7 +10,13 @@ seeded RNG so a failing run can be replayed, it injects one fault:
 - ``stall``: after N bytes the proxy stops forwarding (and stops reading, so
   the sender's buffers fill up) for ``stall_seconds``, then resets both sides;
 - ``corrupt`` (only when asked for): the byte at offset N is flipped, and
-  forwarding goes on as if nothing happened.
+  forwarding goes on as if nothing happened;
+- ``late-continue`` (only when asked for): the first request past N bytes
+  goes through whole (body included); ``continue_delay`` later the proxy sends
+  the client an interim ``100 Continue`` of its own and then stalls as above:
+  a server that took the request and went silent, after an interim answer
+  that came late (moto sends two ``100 Continue``, the second one at random
+  before or after the body is out).
 
 ``force(kind, n, offset, match)`` queues ``n`` faults regardless of the rate;
 each is taken by the first connection that reaches ``offset`` bytes (and
@@ -40,7 +46,8 @@ from urllib.parse import urlsplit
 import pytest
 
 KINDS = ("drop", "reset", "stall")  # the kinds drawn at random by default
-ALL_KINDS = (*KINDS, "corrupt")
+ALL_KINDS = (*KINDS, "corrupt", "late-continue")
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _CHUNK = 256 << 10
 _POLL = 0.1
 
@@ -62,6 +69,7 @@ class FaultProxy:
     kinds: tuple[str, ...] = KINDS
     seed: int = 0
     stall_seconds: float = 5.0
+    continue_delay: float = 0.5  # late-continue: the client is done sending by then, its timeouts running
     max_offset: int = 4 << 20  # a reset or stall happens after 1..max_offset bytes
     counts: Counter = field(default_factory=Counter)  # "connections" and one count per fault kind
     requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path?query)
@@ -182,7 +190,7 @@ class FaultProxy:
     def _next_offset(self, fault: Fault | None, moved: int) -> int | None:
         """The nearest byte count at which a fault may fire: reads stop there."""
         if fault is not None:
-            return fault.offset if not fault.fired else None
+            return fault.offset if not fault.fired and fault.offset > moved else None
         with self._lock:
             ahead = [f.offset for f in self._forced if f.kind != "drop" and f.offset > moved]
         return min(ahead, default=None)
@@ -232,21 +240,24 @@ class FaultProxy:
                     self._record(found)
                 moved += len(data)
                 fault = fault or self._claim(moved, targets)
-                if fault is not None and not fault.fired and moved >= fault.offset:
+                if _due(fault, moved, request_over=src is client and parser.ended > 0):
+                    assert fault is not None
                     fault.fired = True
                     if fault.kind != "corrupt":
                         peer[src].sendall(data)
-                        self._fault(fault.kind)
+                        self._fault(fault.kind, client)
                         return True
                     data = data[:-1] + bytes([data[-1] ^ 0xFF])
                     self._count(fault.kind)
                 peer[src].sendall(data)
         return False
 
-    def _fault(self, kind: str | None) -> None:
-        assert kind is not None
+    def _fault(self, kind: str, client: socket.socket) -> None:
         self._count(kind)
-        if kind == "stall":
+        if kind == "late-continue":
+            self._stop.wait(self.continue_delay)
+            client.sendall(_CONTINUE)
+        if kind in ("stall", "late-continue"):
             self._stop.wait(self.stall_seconds)
 
     def _record(self, requests: list[tuple[str, str]]) -> None:
@@ -259,6 +270,13 @@ class FaultProxy:
             self.counts[kind] += 1
 
 
+def _due(fault: Fault | None, moved: int, *, request_over: bool) -> bool:
+    """Whether ``fault`` fires now (a late-continue waits for the end of a request past its offset)."""
+    if fault is None or fault.fired or moved < fault.offset:
+        return False
+    return fault.kind != "late-continue" or request_over
+
+
 class RequestParser:
     """Splits a client's byte stream into HTTP/1.1 requests (Content-Length or chunked bodies)."""
 
@@ -266,6 +284,7 @@ class RequestParser:
         self.buf = b""
         self.body = 0  # body bytes still to skip
         self.chunked = False
+        self.ended = 0  # requests received whole, body included
 
     def feed(self, data: bytes) -> list[tuple[str, str]]:
         """Request lines (method, target) completed by ``data``."""
@@ -279,6 +298,8 @@ class RequestParser:
         if self.body:
             n = min(self.body, len(self.buf))
             self.buf, self.body = self.buf[n:], self.body - n
+            if not self.body and not self.chunked:
+                self.ended += 1
             return bool(self.buf)
         if self.chunked:
             return self._chunk()
@@ -292,6 +313,8 @@ class RequestParser:
         headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields)}
         self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         self.body = 0 if self.chunked else int(headers.get("content-length") or 0)
+        if not self.chunked and not self.body:
+            self.ended += 1
         return True
 
     def _chunk(self) -> bool:
@@ -306,6 +329,7 @@ class RequestParser:
         if close < 0:
             return False
         self.buf, self.chunked = self.buf[close + 4 :], False
+        self.ended += 1
         return True
 
 

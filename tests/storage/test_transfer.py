@@ -7,6 +7,7 @@ back straight from moto (no proxy) and compared with the source.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import random
@@ -355,6 +356,81 @@ class TestStalls:
         client = sync(fs.loop, fs.set_session)
         with pytest.raises(FSTimeoutError):
             sync(fs.loop, client.put_object, Bucket=bucket, Key="k", Body=b"x" * (8 * MiB), timeout=4)
+
+    def test_a_part_whose_answer_never_comes_is_retried_within_the_timeout(self, s3, tmp_path):
+        """Fixes: a "100 Continue" that reached aiohttp after the body was out stopped its read timeout,
+        and the guard stopped watching once the body was taken: a part whose answer then stalled waited
+        for the peer to give up (60 s) instead of the read timeout. moto sends two 100 Continues, so the
+        stall test above hit this at random (about 1 run in 6); ``late-continue`` hits it every time,
+        here on a part's first attempt and on its retry."""
+        bucket, options, proxy, raw = s3
+        proxy.stall_seconds = 60.0
+        proxy.force("late-continue", 2, offset=1, match="partNumber=2")
+        data = payload(3 * PART, seed=7)
+        start = time.monotonic()
+        upload_file(write(tmp_path / "lc", data), f"s3://{bucket}/lc", storage_options=options, options=FAST)
+        elapsed = time.monotonic() - start
+        assert proxy.counts["late-continue"] == 2
+        assert elapsed < 15, f"took {elapsed:.1f}s: the silent answer was waited out instead of timed out"
+        assert remote_bytes(raw, bucket, "lc") == data
+
+    @pytest.mark.parametrize("method", ["put_object", "head_object"])
+    def test_a_late_interim_answer_does_not_stop_the_read_timeout(self, s3_bucket, fault_proxy, method):  # noqa: F811
+        """The guard covers the wait for the answer of a request with or without a body."""
+        bucket, options = s3_bucket
+        fault_proxy.stall_seconds = 60.0
+        fault_proxy.force("late-continue", 2, offset=1)  # both attempts
+        opts = TransferOptions(connect_timeout=1, read_timeout=1, max_attempts=2)
+        fs = fsspec.filesystem("s3", **s3_storage_options(via(fault_proxy.url, options), opts))
+        client = sync(fs.loop, fs.set_session)
+        kwargs = {"Body": b"x" * MiB} if method == "put_object" else {}
+        start = time.monotonic()
+        with pytest.raises(Exception, match=r"[Tt]imeout") as err:
+            sync(fs.loop, getattr(client, method), Bucket=bucket, Key="k", timeout=30, **kwargs)
+        assert time.monotonic() - start < 15 and fault_proxy.counts["late-continue"] == 2
+        no_secret(err.value)
+
+    @pytest.mark.parametrize("method", ["put_object", "head_object"])
+    def test_without_the_guard_a_late_interim_answer_hangs(self, s3_bucket, fault_proxy, method):  # noqa: F811
+        """The control for the test above: aiohttp alone stops its read timeout at the interim answer."""
+        bucket, options = s3_bucket
+        fault_proxy.stall_seconds = 60.0
+        fault_proxy.force("late-continue", 1, offset=1)
+        merged = s3_storage_options(
+            via(fault_proxy.url, options), TransferOptions(connect_timeout=1, read_timeout=1)
+        )
+        del merged["config_kwargs"]["http_session_cls"]
+        fs = fsspec.filesystem("s3", **merged)
+        client = sync(fs.loop, fs.set_session)
+        kwargs = {"Body": b"x" * MiB} if method == "put_object" else {}
+        with pytest.raises(FSTimeoutError):
+            sync(fs.loop, getattr(client, method), Bucket=bucket, Key="k", timeout=3, **kwargs)
+        assert fault_proxy.counts["late-continue"] == 1
+
+    def test_waiting_for_a_pooled_connection_is_no_stall(self, s3_bucket, fault_proxy, raw):  # noqa: F811
+        """The guard's clock stops while a request waits for a free connection of the pool (the
+        requests ahead are bounded themselves): a queue is no stall, however long."""
+        bucket, options = s3_bucket
+        fault_proxy.stall_seconds = 60.0
+        fault_proxy.force("late-continue", 2, offset=1)  # each holds the only connection a read timeout
+        opts = TransferOptions(connect_timeout=0.1, read_timeout=1, max_attempts=1, concurrency=1)
+        pooled = {**via(fault_proxy.url, options), "config_kwargs": {"max_pool_connections": 1}}
+        fs = fsspec.filesystem("s3", **s3_storage_options(pooled, opts))
+        client = sync(fs.loop, fs.set_session)
+
+        async def put_all() -> list[Any]:
+            puts = [client.put_object(Bucket=bucket, Key=f"q{i}", Body=b"q" * 1000) for i in range(3)]
+            return await asyncio.gather(*puts, return_exceptions=True)
+
+        start = time.monotonic()
+        results = sync(fs.loop, put_all, timeout=30)
+        outcomes = sorted(type(r).__name__ if isinstance(r, BaseException) else "ok" for r in results)
+        # the first two to get the connection find no answer; the third waited for both, > 2 s
+        assert outcomes == ["ReadTimeoutError", "ReadTimeoutError", "ok"], results
+        assert all("no answer" in str(r.kwargs) for r in results if isinstance(r, BaseException)), results
+        assert time.monotonic() - start > 2 and fault_proxy.counts["late-continue"] == 2
+        (done,) = [i for i, r in enumerate(results) if not isinstance(r, BaseException)]
+        assert remote_bytes(raw, bucket, f"q{done}") == b"q" * 1000
 
     def test_unreachable_endpoint_fails_in_bounded_time_without_secrets(self, s3_bucket, tmp_path, caplog):
         bucket, options = s3_bucket
