@@ -34,6 +34,7 @@ from uuid import UUID
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
+from prefect.utilities.annotations import quote
 
 from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
 from ckptflow.tasks.archiving import ArchiveQueue
@@ -81,12 +82,12 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
         while reason is None:
             epoch = run.epoch + 1
             attempts = EpochAttempts(run, keep_snapshot=config.epoch_retries > 0)
-            metrics = train(run, epoch, attempts)
+            metrics = train(quote(run), epoch, quote(attempts))  # quote: Prefect need not walk the model
             logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(metrics))
             monitor.epoch_done(epoch, metrics)
             reason = stopper.update(epoch, metrics) or watch.reason()
             if epoch % config.save_every == 0 or reason is not None:
-                result = save(run, epoch, async_save=config.async_save, previous=pending)
+                result = save(quote(run), epoch, async_save=config.async_save, previous=quote(pending))
                 pending = None
                 if result.previous is not None:
                     _committed(result.previous, monitor, archiver)

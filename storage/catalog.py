@@ -67,15 +67,22 @@ def newest(loc: Location) -> Located | None:
 
 def find(loc: Location, version: int) -> Located:
     """One committed version; raises its manifest's error, or VersionNotFoundError listing the committed."""
+    found = lookup(loc, version)
+    if found is not None:
+        return found
+    record = protocol.read_record(loc, version)
+    if record is not None and record.error is not None:
+        raise record.error
+    raise VersionNotFoundError(version, loc.display(), [x.version for x in committed(loc)])
+
+
+def lookup(loc: Location, version: int) -> Located | None:
+    """One committed version, or None (a cheap test: it lists nothing but the archive indexes)."""
     record = protocol.read_record(loc, version)
     if record is not None and record.manifest is not None:
         return Located(record.manifest)
     archived = list_archived(loc).get(version)
-    if archived is not None:
-        return Located(archived.manifest, archived)
-    if record is not None and record.error is not None:
-        raise record.error
-    raise VersionNotFoundError(version, loc.display(), [x.version for x in committed(loc)])
+    return Located(archived.manifest, archived) if archived is not None else None
 
 
 def next_version(loc: Location) -> int:

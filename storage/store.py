@@ -435,6 +435,12 @@ class CheckpointStore:
         """One committed version (the newest when ``version`` is None); raises if not committed."""
         return self._info(self._locate(version))
 
+    def find(self, version: int) -> VersionInfo | None:
+        """A committed version, or None if ``version`` is not committed (without listing the others)."""
+        with translate_errors(self.loc, "reading"):
+            found = catalog.lookup(self.loc, version)
+        return self._info(found) if found is not None else None
+
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a committed version (the newest when ``version`` is None)."""
         return self._locate(version).manifest

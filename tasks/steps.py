@@ -45,7 +45,6 @@ from ckptflow.storage import (
     SaveHandle,
     StoreOptions,
     VersionInfo,
-    VersionNotFoundError,
 )
 
 from .config import PipelineConfig, RetentionConfig, identity_differences
@@ -189,7 +188,7 @@ def save_checkpoint(
     from its staged bytes on the next attempt, before anything else.
     """
     committed = _shielded_commit(previous) if previous is not None else None
-    existing = _committed(run.store, epoch)
+    existing = run.store.find(epoch)
     if existing is not None:
         get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
         return SaveResult(existing, committed)
@@ -236,13 +235,6 @@ def finalize(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
     if removed:
         get_run_logger().info("retention removed versions %s", removed)
     return removed
-
-
-def _committed(store: CheckpointStore, version: int) -> VersionInfo | None:
-    try:
-        return store.info(version)
-    except VersionNotFoundError:
-        return None
 
 
 def _shielded(call: Any) -> Any:
