@@ -220,3 +220,27 @@ def test_the_rank_worker_runs_under_torchrun(tmp_path):
     manifest = store.manifest(2)
     assert manifest.world_size == 2 and {s.rank for s in manifest.shards} == {0, 1}
     store.verify(2)
+
+
+def test_ckptflow_run_nproc_trains_on_ranks_and_archives_their_commits(prefect_server, tmp_path, monkeypatch):
+    """``ckptflow run --nproc 2`` end to end; the flow process archives what rank 0 commits."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from ckptflow.flows.cli import app
+    from tests.pipeline.specs import MARKED_SPEC, SPEC_CONFIG
+
+    monkeypatch.setenv("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")  # run sets it otherwise
+    storage = tmp_path / "cli"
+    args = ["run", "--storage", str(storage), "--epochs", "3", "--nproc", "2", "--shards", "2"]
+    args += ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--archive-every", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "epoch    3" in result.output and "--nproc 2" in result.output  # progress, then how to resume
+    store = CheckpointStore(storage)
+    assert [(v.version, v.archived) for v in store.versions()] == [(1, True), (2, True), (3, False)]
+    for v in (1, 2, 3):
+        assert store.manifest(v).world_size == 2
+        store.verify(v)
+        assert store.load_rank_state(v, rank=1, world_size=2)["rng"]["torch"].dtype.is_floating_point is False
