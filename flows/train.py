@@ -82,12 +82,18 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
         while reason is None:
             epoch = run.epoch + 1
             attempts = EpochAttempts(run, keep_snapshot=config.epoch_retries > 0)
-            metrics = train(quote(run), epoch, quote(attempts))  # quote: Prefect need not walk the model
+            metrics = train(_opaque(run), epoch, _opaque(attempts))
             logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(metrics))
             monitor.epoch_done(epoch, metrics)
             reason = stopper.update(epoch, metrics) or watch.reason()
             if epoch % config.save_every == 0 or reason is not None:
-                result = save(quote(run), epoch, async_save=config.async_save, previous=quote(pending))
+                result = save(
+                    _opaque(run),
+                    epoch,
+                    async_save=config.async_save,
+                    previous=_opaque(pending),
+                    timeout=config.save_timeout_seconds,
+                )
                 pending = None
                 if result.previous is not None:
                     _committed(result.previous, monitor, archiver)
@@ -104,7 +110,7 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
         raise
     finally:
         watch.close()
-    _commit(pending, monitor, config.save_retries, archiver)
+    _commit(pending, monitor, config, archiver)
     archiver.drain()
     removed = finalize(run.store, config.retention)
     resumed_from = run.resumed_from.version if run.resumed_from else None
@@ -175,10 +181,22 @@ def _finish(
     return summary
 
 
-def _commit(pending: SaveHandle | None, monitor: RunMonitor, retries: int, archiver: ArchiveQueue) -> None:
+def _opaque(value: Any) -> Any:
+    """``value`` for a task argument that Prefect passes on without walking through it.
+
+    Prefect visits every dataclass, model and collection in a task's arguments; a run's state
+    (model, optimizer, data) made that cost more than the rest of an epoch's orchestration.
+    """
+    return quote(value)
+
+
+def _commit(
+    pending: SaveHandle | None, monitor: RunMonitor, config: PipelineConfig, archiver: ArchiveQueue
+) -> None:
     """Wait until the async save in flight (if any) is committed, and report it."""
     if pending is not None:
-        _committed(commit_checkpoint.with_options(retries=retries)(pending), monitor, archiver)
+        commit = commit_checkpoint.with_options(retries=config.save_retries)
+        _committed(commit(pending, timeout=config.save_timeout_seconds), monitor, archiver)
 
 
 def _committed(info: VersionInfo, monitor: RunMonitor, archiver: ArchiveQueue) -> None:

@@ -105,7 +105,11 @@ class PipelineConfig(_Strict):
     async_save: bool = True
     epoch_retries: int = Field(1, ge=0, description="retries of a failed epoch, from its start state")
     save_retries: int = Field(3, ge=0)
-    save_timeout_seconds: float | None = Field(None, gt=0)
+    save_timeout_seconds: float | None = Field(
+        None,
+        gt=0,
+        description="fail a save or commit task that waits longer (retried; the write goes on)",
+    )
     retention: RetentionConfig = Field(default_factory=lambda: RetentionConfig())
     stop: StopConfig = Field(default_factory=lambda: StopConfig())
     archive: ArchiveConfig = Field(default_factory=lambda: ArchiveConfig())

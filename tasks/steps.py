@@ -31,6 +31,7 @@ import math
 import threading
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +73,11 @@ class RunState:
     resumed_from: VersionInfo | None = None
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
+    writing: tuple[int, Future[Any]] | None = None  # (version, sync save) that outlived its task's timeout
+
+
+class SaveTimeoutError(TimeoutError):
+    """A save did not commit within ``save_timeout_seconds``; its write goes on, and a retry waits for it."""
 
 
 def open_store(config: PipelineConfig) -> CheckpointStore:
@@ -179,15 +185,36 @@ class SaveResult:
 
 @io_task("save_checkpoint")
 def save_checkpoint(
-    run: RunState, epoch: int, *, async_save: bool, previous: SaveHandle | None = None
+    run: RunState,
+    epoch: int,
+    *,
+    async_save: bool,
+    previous: SaveHandle | None = None,
+    timeout: float | None = None,
 ) -> SaveResult:
     """Commit the async save in flight, then save the state after ``epoch`` as version ``epoch``.
 
     Async saves return once the state is copied. Waiting for ``previous`` here, not in a task of
     its own, saves a task run per epoch; if its background write failed, it is written again
     from its staged bytes on the next attempt, before anything else.
+
+    ``timeout`` bounds each wait for a commit (SaveTimeoutError). A write is never started
+    twice: a write that outlived its attempt goes on, and the next attempt waits for it.
     """
-    committed = _shielded_commit(previous) if previous is not None else None
+    committed = _commit_within(previous, timeout) if previous is not None else None
+    if run.writing is not None and run.writing[0] == epoch:
+        earlier = run.writing[1]
+        try:
+            info = _wait_for(earlier, timeout, epoch)
+        except SaveTimeoutError:
+            raise
+        except Exception as exc:  # that write failed: write again below
+            get_run_logger().warning("the earlier save of version %d failed (%s): saving again", epoch, exc)
+        else:
+            return SaveResult(info, committed)
+        finally:
+            if earlier.done():
+                run.writing = None
     existing = run.store.find(epoch)
     if existing is not None:
         get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
@@ -201,18 +228,24 @@ def save_checkpoint(
     }
     if async_save:
         return SaveResult(run.store.save_async(state, **kwargs), committed)
-    return SaveResult(_shielded(lambda: run.store.save(state, **kwargs)), committed)
+    future = _in_thread(lambda: run.store.save(state, **kwargs))
+    run.writing = (epoch, future)
+    info = _wait_for(future, timeout, epoch)
+    run.writing = None
+    return SaveResult(info, committed)
 
 
 @io_task("commit_checkpoint")
-def commit_checkpoint(handle: SaveHandle) -> VersionInfo:
+def commit_checkpoint(handle: SaveHandle, timeout: float | None = None) -> VersionInfo:
     """Wait until an async save is committed; a failed write is redone on the next attempt."""
-    return _shielded_commit(handle)
+    return _commit_within(handle, timeout)
 
 
-def _shielded_commit(handle: SaveHandle) -> VersionInfo:
+def _commit_within(handle: SaveHandle, timeout: float | None) -> VersionInfo:
     try:
-        return _shielded(handle.wait)
+        return _wait_for(_in_thread(handle.wait), timeout, handle.version)
+    except SaveTimeoutError:
+        raise  # still writing: the next attempt waits again
     except Exception:
         handle.resubmit()
         raise
@@ -237,8 +270,8 @@ def finalize(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
     return removed
 
 
-def _shielded(call: Any) -> Any:
-    """Run ``call`` in a thread and wait for it, even if this thread is interrupted meanwhile."""
+def _in_thread(call: Any) -> Future[Any]:
+    """Start ``call`` in a thread of its own (not a daemon: a save in progress holds the process open)."""
     future: Future[Any] = Future()
 
     def run() -> None:
@@ -247,13 +280,25 @@ def _shielded(call: Any) -> Any:
         except BaseException as exc:
             future.set_exception(exc)
 
-    worker = threading.Thread(target=run, name="ckptflow-save", daemon=False)
-    worker.start()
+    threading.Thread(target=run, name="ckptflow-save", daemon=False).start()
+    return future
+
+
+def _wait_for(future: Future[Any], timeout: float | None, version: int) -> Any:
+    """``future``'s result within ``timeout``; if this thread is interrupted meanwhile (a worker's
+    SIGTERM), the save still finishes, and commits, before the interruption goes on."""
     try:
-        return future.result()
+        return future.result(timeout)
+    except TimeoutError:
+        if future.done():
+            raise  # the save's own error
+        raise SaveTimeoutError(
+            f"the save of version {version} did not commit within {timeout:g}s (save_timeout_seconds); "
+            "its write goes on, and the next attempt waits for it"
+        ) from None
     except BaseException:
-        worker.join()  # let the save finish (and commit) before the interruption goes on
-        if future.done() and future.exception() is not None:
+        wait_futures([future])
+        if future.exception() is not None:
             raise future.exception() from None  # type: ignore[misc]
         raise
 
@@ -263,6 +308,7 @@ __all__ = [
     "EpochAttempts",
     "RunState",
     "SaveResult",
+    "SaveTimeoutError",
     "commit_checkpoint",
     "finalize",
     "init_model",

@@ -181,3 +181,32 @@ class TestSaveRetry:
             state.result()
         assert assert_only_committed(config.storage, garbage_allowed=True) == [1]
         assert run_counts(run_id, "save_checkpoint", 2) == [1, 1]
+
+
+class TestSaveTimeout:
+    @pytest.mark.parametrize("async_save", [False, True], ids=["sync-save", "async-save"])
+    def test_a_slow_save_times_out_and_the_retry_waits_for_the_same_write(
+        self, prefect_server, tmp_path, monkeypatch, async_save
+    ):
+        """``save_timeout_seconds`` fails the waiting task; its retry waits for the write in progress
+        instead of starting a second one: each version is written once and committed once."""
+        real = writer.write_shards
+        writes: dict[str, int] = {}
+
+        def slow_write(loc, version_dir, *args, **kwargs):
+            writes[version_dir] = writes.get(version_dir, 0) + 1
+            if version_dir == "v000002":
+                threading.Event().wait(3.0)  # longer than the timeout, shorter than timeout x attempts
+            return real(loc, version_dir, *args, **kwargs)
+
+        monkeypatch.setattr(writer, "write_shards", slow_write)
+        config = make_config(
+            tmp_path / "s", epochs=EPOCHS, async_save=async_save, save_timeout_seconds=1.0, save_retries=3
+        )
+        summary, run_id = run_summary(config)
+        assert summary["last_epoch"] == EPOCHS
+        assert writes == {"v000001": 1, "v000002": 1, "v000003": 1}, "a version was written twice"
+        assert assert_only_committed(config.storage) == [1, 2, 3]
+        # sync: the save of epoch 2 waited past its timeout; async: the save of 3, committing 2 first
+        counts = run_counts(run_id, "save_checkpoint", EPOCHS)
+        assert counts[:2] == [1, 1] and counts[2] >= 2, counts
