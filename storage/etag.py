@@ -1,24 +1,34 @@
-"""Part plans and S3 ETags, computed locally: pure functions, no I/O.
+"""Part plans, S3 ETags and S3 CRC32 checksums, computed locally: pure functions, no I/O.
 
-An upload is verified end to end without downloading it: S3 reports for every
-object an ETag that, for unencrypted (or SSE-S3) objects, is a function of its
-bytes and of how they were uploaded:
+An upload is verified end to end without downloading it, by a value S3
+reports for the object (HEAD) and the uploader computes from the local file
+and the part plan:
 
-- one PUT: the hex MD5 of the body;
-- a multipart upload of N parts: the hex MD5 of the concatenated binary MD5s
-  of the parts, followed by ``-N``.
+- its CRC32 (asked for with ``ChecksumMode=ENABLED``; flexible checksums):
+  for one PUT, the CRC32 of the body; for a multipart upload of N parts, the
+  CRC32 of the concatenated 4-byte big-endian CRC32s of the parts, followed by
+  ``-N`` (a "composite" checksum, :func:`crc32_of`). S3 checks each part's
+  CRC32 as it arrives, and computes the object's from the parts it kept;
+- its ETag, for servers without flexible checksums. For unencrypted (or
+  SSE-S3) objects: for one PUT, the hex MD5 of the body; for a multipart
+  upload, the hex MD5 of the concatenated binary MD5s of the parts, then
+  ``-N`` (:func:`etag_of`). Objects encrypted with SSE-KMS or SSE-C have ETags
+  that are not MD5s; :func:`is_md5_etag` tells them apart.
 
-So the uploader computes the same value from the local file and the part plan
-and compares it with the ETag of a HEAD request. A downloader that can tell
-the part size (from the ETag's part count and the object's size) checks the
-bytes it receives the same way. Objects encrypted with SSE-KMS or SSE-C have
-ETags that are not MD5s; :func:`is_md5_etag` tells them apart.
+A downloader that can tell the part size (from the ETag's part count and the
+object's size) checks the bytes it receives by their MD5s the same way.
+A CRC32 is weaker than an MD5: it misses one random corruption in 2^32 (it
+catches every burst of up to 32 bits), and two different files of the same
+size pass for each other once in 2^32 comparisons (MD5 ETags: never in
+practice). Downloads still check MD5s.
 """
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
+import zlib
 from dataclasses import dataclass
 
 MiB = 1 << 20
@@ -65,6 +75,26 @@ def etag_of(plan: PartPlan, md5s: list[bytes]) -> str:
     if not plan.multipart:
         return md5s[0].hex()
     return f"{hashlib.md5(b''.join(md5s)).hexdigest()}-{len(md5s)}"
+
+
+def crc32_of(plan: PartPlan, crcs: list[str]) -> str:
+    """The ChecksumCRC32 S3 reports for an upload by ``plan`` whose parts have base64 CRC32s ``crcs``."""
+    if len(crcs) != len(plan.parts):
+        raise ValueError(f"{len(crcs)} part checksums for a plan of {len(plan.parts)} parts")
+    if not plan.multipart:
+        return crcs[0]
+    crc = zlib.crc32(b"".join(base64.b64decode(c) for c in crcs))
+    return f"{base64.b64encode(crc.to_bytes(4, 'big')).decode()}-{len(crcs)}"
+
+
+def same_checksum(reported: str, expected: str) -> bool:
+    """True when S3's ``reported`` checksum is ``expected``: the base64 value and, if reported, the ``-N``.
+
+    S3 reports a composite checksum as ``<base64>-N``; moto leaves ``-N`` out.
+    """
+    value, _, parts = reported.strip().partition("-")
+    want, _, want_parts = expected.partition("-")
+    return value == want and (not parts or parts == want_parts)
 
 
 def clean_etag(etag: str | None) -> str:

@@ -1,16 +1,27 @@
-"""Parallel multipart uploads and ranged downloads on S3, verified by ETag.
+"""Parallel multipart uploads and ranged downloads on S3, verified by CRC32 (uploads) and MD5 (downloads).
 
 Runs on s3fs's event loop with s3fs's aiobotocore client (so the store and the
 transfers share credentials, endpoint and connection settings); at most
-``concurrency`` parts are in flight; local file I/O runs in a small thread pool
-beside the loop, MD5 in an even smaller one (both release the GIL).
+``concurrency`` parts are in flight; local file I/O and CRC32s run in a small
+thread pool beside the loop, MD5s in an even smaller one (both release the GIL).
+
+How an upload is verified, end to end and without MD5s (~1.3 CPU-s per GiB):
+every part is sent with its CRC32 (zlib, ~6 GB/s), which S3 checks on arrival
+(a part corrupted on the way is refused and sent again); then one HEAD with
+``ChecksumMode=ENABLED`` must show the file's size and the CRC32 computed
+locally from the part CRC32s (see :mod:`.etag`), which S3 derives from the
+parts it kept. A server without flexible checksums (no CRC32 in the HEAD) gets
+the older test: each part's ETag and the object's against MD5s of the file,
+computed then; SSE-KMS/SSE-C ETags are no MD5s, so such an object without a
+CRC32 is checked by size only (with a warning).
 
 What must always hold:
 
-- An upload is done only when a HEAD shows the expected size and ETag; an
-  existing object counts as uploaded only under the same test (so an object of
-  the right size with other bytes is uploaded again). An unfinished multipart
-  upload is not an object: it is aborted before a new upload of the key.
+- An upload is done only when that HEAD matches; an existing object counts as
+  uploaded only under the same test, with the part plan told from its ETag's
+  ``-N`` (so an object of the right size with other bytes is uploaded again).
+  An unfinished multipart upload is not an object: it is aborted before a new
+  upload of the key.
 - A verification failure deletes the object, so nothing unverified stays.
 - A download is written to a temporary file and renamed only after its size
   (and, when the ETag allows it, its MD5s) match.
@@ -33,18 +44,32 @@ from typing import Any, TypeVar
 
 import botocore.exceptions as bex
 
-from .etag import MiB, Part, PartPlan, clean_etag, download_ranges, etag_of, plan_for_etag
+from .etag import (
+    MiB,
+    Part,
+    PartPlan,
+    clean_etag,
+    crc32_of,
+    download_ranges,
+    etag_of,
+    plan_for_etag,
+    same_checksum,
+)
 from .s3client import TRANSIENT, error_code
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 READ_CHUNK = 1 << 20  # bytes per read of a response body
-# MD5 runs at ~0.8 GB/s per core. Threads for it are capped at a quarter of the cores, so that
-# hashing never crowds out the transfer itself (nor, on a training node, the training).
+# MD5 (downloads; uploads only on servers without CRC32s) runs at ~0.8 GB/s per core. Threads for
+# it are capped at a quarter of the cores, so that hashing never crowds out the transfer itself
+# (nor, on a training node, the training).
 HASH_THREADS = max(1, (os.cpu_count() or 1) // 4)
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _KMS = {"aws:kms", "aws:kms:dsse"}
 _DIGEST_ERRORS = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"}
+# A HEAD asking for the checksums of an SSE-KMS object needs kms:Decrypt, which a single-PUT
+# uploader may lack: refused, it asks again without them (and falls back to the ETag test).
+_DENIED = {"403", "AccessDenied", "Forbidden"}
 
 
 class VerifyFailed(Exception):
@@ -56,22 +81,18 @@ class Head:
     size: int
     etag: str  # without quotes
     md5_etag: bool  # False for SSE-KMS / SSE-C objects, whose ETag is not an MD5
+    crc: str | None = None  # ChecksumCRC32 ("<base64>" or "<base64>-N"); None: not asked for, or none
+    full_object: bool = False  # the CRC32 is of the whole object even if multipart (ChecksumType)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sent:
-    """A part as S3 took it: its ETag and CRC32, and its MD5 (a future: it may still be computing)."""
+    """A part as S3 took it (after checking its CRC32, when S3 has flexible checksums)."""
 
     what: str  # "part 3", "the object"
-    md5: asyncio.Future
     etag: str
-    crc: str
+    crc: str  # base64, as sent
     md5_etag: bool  # False: the ETag is no MD5 (KMS/SSE-C), there is nothing to compare
-
-    async def mismatch(self) -> tuple[str, str] | None:
-        """(expected, found) when the ETag is not the MD5 of the bytes sent."""
-        md5 = (await self.md5).hex()
-        return (md5, self.etag) if self.md5_etag and md5 != self.etag else None
 
 
 class S3Transfer:
@@ -112,27 +133,48 @@ class S3Transfer:
         """MD5 work, on at most HASH_THREADS threads."""
         return asyncio.get_running_loop().run_in_executor(self.hash_pool, fn, *args)
 
-    async def head(self) -> Head | None:
+    async def head(self, *, checksums: bool = False) -> Head | None:
+        """The object's size, ETag and (if ``checksums``) CRC32; None if there is no object."""
         try:
-            resp = await self.call("head_object")
+            resp = await self.call("head_object", **({"ChecksumMode": "ENABLED"} if checksums else {}))
         except bex.ClientError as exc:
             if error_code(exc) in _NOT_FOUND:
                 return None
+            if checksums and error_code(exc) in _DENIED:
+                log.debug("s3://%s/%s: checksums refused, HEAD without them", self.bucket, self.key)
+                return await self.head()
             raise
-        return Head(int(resp["ContentLength"]), clean_etag(resp.get("ETag")), _md5_etag(resp))
+        crc = resp.get("ChecksumCRC32") or None
+        full = resp.get("ChecksumType") == "FULL_OBJECT"
+        return Head(int(resp["ContentLength"]), clean_etag(resp.get("ETag")), _md5_etag(resp), crc, full)
 
     # -- upload ------------------------------------------------------------------------------
 
     async def already_uploaded(self, fd: int, size: int, part_size: int) -> str | None:
-        """The object's ETag if it holds exactly the local file's bytes, else None."""
-        head = await self.head()
-        if head is None or head.size != size or not head.md5_etag:
+        """The object's ETag if it holds exactly the local file's bytes (by CRC32, else MD5s), else None."""
+        head = await self.head(checksums=True)
+        if head is None or head.size != size:
             return None
         plan = plan_for_etag(size, head.etag, part_size)
         if plan is None:
             return None
-        md5s = await gather_all([self.hash(md5_range, fd, p.offset, p.length) for p in plan.parts])
-        return head.etag if etag_of(plan, md5s) == head.etag else None
+        if head.crc is not None:
+            return head.etag if same_checksum(head.crc, await self.local_crc(fd, plan, head)) else None
+        if not head.md5_etag:
+            return None
+        log.debug("s3://%s/%s has no CRC32: comparing its ETag with MD5s", self.bucket, self.key)
+        return head.etag if etag_of(plan, await self.md5s(fd, plan)) == head.etag else None
+
+    async def local_crc(self, fd: int, plan: PartPlan, head: Head, crcs: list[str] | None = None) -> str:
+        """The CRC32 ``head`` must show if the object holds the file's bytes, uploaded by ``plan``."""
+        if head.full_object and plan.multipart:  # another uploader's choice: a CRC32 of the whole
+            return await self.run(crc32_range, fd, 0, plan.size)
+        if crcs is None:
+            crcs = await gather_all([self.run(crc32_range, fd, p.offset, p.length) for p in plan.parts])
+        return crc32_of(plan, crcs)
+
+    async def md5s(self, fd: int, plan: PartPlan) -> list[bytes]:
+        return await gather_all([self.hash(md5_range, fd, p.offset, p.length) for p in plan.parts])
 
     async def abort_stale(self) -> int:
         """Abort every unfinished multipart upload of this key; return how many."""
@@ -155,21 +197,18 @@ class S3Transfer:
             if error_code(exc) != "NoSuchUpload":
                 raise
 
-    async def upload(self, fd: int, plan: PartPlan) -> str:
-        """Upload the file by ``plan``; return the ETag S3 must now report for it."""
+    async def upload(self, fd: int, plan: PartPlan) -> list[Sent]:
+        """Upload the file by ``plan``; return its parts as S3 took them (for :meth:`verify`)."""
         if not plan.multipart:
-            whole = await self.put_checked("put_object", fd, plan.parts[0], "the object")
-            await self.check_sent([whole])
-            return (await whole.md5).hex()
+            return [await self.put_checked("put_object", fd, plan.parts[0], "the object")]
         upload_id = (await self.call("create_multipart_upload", ChecksumAlgorithm="CRC32"))["UploadId"]
         try:
             sent = await gather_all([self.put_part(fd, upload_id, p) for p in plan.parts])
-            await self.complete(upload_id, [(s.etag, s.crc) for s in sent])  # MD5s finish meanwhile
+            await self.complete(upload_id, [(s.etag, s.crc) for s in sent])
         except BaseException:
             await asyncio.shield(self._abort_quietly(upload_id))
             raise
-        await self.check_sent(sent)
-        return etag_of(plan, [await s.md5 for s in sent])
+        return sent
 
     async def put_part(self, fd: int, upload_id: str, part: Part) -> Sent:
         async with self.sem:
@@ -178,40 +217,25 @@ class S3Transfer:
             )
 
     async def put_checked(self, method: str, fd: int, part: Part, what: str, **kwargs: Any) -> Sent:
-        """Send ``part``; S3 checks its CRC32 on arrival. If its MD5 is ready by S3's answer and
-        differs from the ETag, the part is sent again; if not ready, :meth:`check_sent` checks later.
-        """
-        md5 = asyncio.ensure_future(self.hash(md5_range, fd, part.offset, part.length))
-        try:
-            # Computed here, in a thread, the CRC32 spares botocore a pass over the body on the
-            # event loop, which would hold up every other part meanwhile.
-            crc = await self.run(crc32_range, fd, part.offset, part.length)
-            for attempt in range(1, self.max_attempts + 1):
-                body = FileSlice(fd, part.offset, part.length)
-                try:
-                    resp = await self.call(
-                        method, Body=body, ChecksumAlgorithm="CRC32", ChecksumCRC32=crc, **kwargs
-                    )
-                except bex.ClientError as exc:  # S3 saw a checksum mismatch: corrupted on the way
-                    if error_code(exc) not in _DIGEST_ERRORS or attempt == self.max_attempts:
-                        raise
-                    continue
-                sent = Sent(what, md5, clean_etag(resp.get("ETag")), crc, _md5_etag(resp))
-                if not md5.done() or not await sent.mismatch():
-                    return sent
+        """Send ``part`` with its CRC32; S3 checks it on arrival and refuses a part corrupted on the
+        way, which is then sent again (up to ``max_attempts`` times)."""
+        # Computed here, in a thread, the CRC32 spares botocore a pass over the body on the
+        # event loop, which would hold up every other part meanwhile.
+        crc = await self.run(crc32_range, fd, part.offset, part.length)
+        attempt = 1
+        while True:
+            body = FileSlice(fd, part.offset, part.length)
+            try:
+                resp = await self.call(
+                    method, Body=body, ChecksumAlgorithm="CRC32", ChecksumCRC32=crc, **kwargs
+                )
+            except bex.ClientError as exc:  # S3 saw a checksum mismatch: corrupted on the way
+                if error_code(exc) not in _DIGEST_ERRORS or attempt >= self.max_attempts:
+                    raise
+                attempt += 1
                 log.warning("%s of s3://%s/%s arrived corrupt: sending it again", what, self.bucket, self.key)
-            raise VerifyFailed(f"ETag of {what}", *(await sent.mismatch() or ("?", "?")))
-        except BaseException:
-            md5.cancel()
-            raise
-
-    async def check_sent(self, sent: list[Sent]) -> None:
-        """Compare every part's MD5 with the ETag S3 gave it; on a mismatch remove the object."""
-        for part in sent:
-            problem = await part.mismatch()
-            if problem:
-                await self.call("delete_object")
-                raise VerifyFailed(f"ETag of {part.what}", *problem)
+                continue
+            return Sent(what, clean_etag(resp.get("ETag")), crc, _md5_etag(resp))
 
     async def complete(self, upload_id: str, sent: list[tuple[str, str]]) -> None:
         """Complete the upload from each part's (ETag, CRC32)."""
@@ -233,18 +257,44 @@ class S3Transfer:
                 "could not abort a failed multipart upload (%s); the next upload will", type(exc).__name__
             )
 
-    async def verify(self, size: int, expected_etag: str) -> str:
-        """Check the uploaded object by HEAD; on mismatch delete it and raise VerifyFailed."""
-        head = await self.head()
+    async def verify(self, fd: int, plan: PartPlan, sent: list[Sent]) -> str:
+        """Check the uploaded object by one HEAD: size and CRC32 (without a CRC32: ETags by MD5s).
+
+        On a mismatch delete the object and raise VerifyFailed; return the object's ETag.
+        """
+        head = await self.head(checksums=True)
         if head is None:
             raise VerifyFailed("object", "an object", "none after the upload")
-        problem = _mismatch(head, size, expected_etag)
+        if head.size != plan.size:
+            problem: tuple[str, str, str] | None = ("size", str(plan.size), str(head.size))
+        elif head.crc is not None:
+            expected = await self.local_crc(fd, plan, head, [s.crc for s in sent])
+            problem = None if same_checksum(head.crc, expected) else ("CRC32", expected, head.crc)
+        else:
+            problem = await self.md5_mismatch(fd, plan, sent, head)
         if problem:
             await self.call("delete_object")
             raise VerifyFailed(*problem)
-        if not head.md5_etag:
-            log.warning("s3://%s/%s has a KMS/SSE-C ETag (no MD5): size checked only", self.bucket, self.key)
         return head.etag
+
+    async def md5_mismatch(
+        self, fd: int, plan: PartPlan, sent: list[Sent], head: Head
+    ) -> tuple[str, str, str] | None:
+        """The check for servers without flexible checksums: every ETag against MD5s of the file."""
+        if not head.md5_etag:
+            log.warning(
+                "s3://%s/%s has no CRC32 and a KMS/SSE-C ETag (no MD5): size checked only",
+                self.bucket,
+                self.key,
+            )
+            return None
+        log.debug("s3://%s/%s has no CRC32: checking its ETags by MD5s", self.bucket, self.key)
+        md5s = await self.md5s(fd, plan)
+        for part, md5 in zip(sent, md5s, strict=True):
+            if part.md5_etag and md5.hex() != part.etag:
+                return (f"ETag of {part.what}", md5.hex(), part.etag)
+        expected = etag_of(plan, md5s)
+        return None if expected == head.etag else ("ETag", expected, head.etag)
 
     # -- download ----------------------------------------------------------------------------
 
@@ -308,14 +358,6 @@ class _Cursor:
 
 def _md5_etag(resp: dict[str, Any]) -> bool:
     return resp.get("ServerSideEncryption") not in _KMS and not resp.get("SSECustomerAlgorithm")
-
-
-def _mismatch(head: Head, size: int, etag: str) -> tuple[str, str, str] | None:
-    if head.size != size:
-        return ("size", str(size), str(head.size))
-    if head.md5_etag and head.etag != etag:
-        return ("ETag", etag, head.etag)
-    return None
 
 
 def backoff(failures: int) -> float:

@@ -4,9 +4,12 @@
 copy is already complete and verified, and redoes anything else. "Verified"
 means checked end to end without downloading:
 
-- on S3, the object's size and ETag (see :mod:`.etag`) must match what the
-  local file yields; an unfinished multipart upload is never an object, and
-  stale ones are aborted before a new upload of the same key;
+- on S3, each part goes with its CRC32, which S3 checks on arrival, and the
+  object's size and CRC32 (a HEAD with ``ChecksumMode``; see :mod:`.etag`)
+  must match what the local file yields; a server without flexible checksums
+  gets the ETag test instead (MD5s of the file, computed only then). An
+  unfinished multipart upload is never an object, and stale ones are aborted
+  before a new upload of the same key;
 - on other filesystems (local disks, ``memory://``, ...), which are cheap to
   read, the size and the xxh3-64 checksum of the remote copy read back.
 
@@ -184,8 +187,9 @@ def _upload_s3(loc: Location, fd: int, size: int, options: TransferOptions) -> t
         aborted = await xfer.abort_stale()
         if aborted:
             log.info("aborted %d unfinished multipart upload(s) of %s", aborted, loc.display())
-        expected = await xfer.upload(fd, plan_parts(size, options.part_size))
-        return await xfer.verify(size, expected), False
+        plan = plan_parts(size, options.part_size)
+        sent = await xfer.upload(fd, plan)
+        return await xfer.verify(fd, plan, sent), False
 
     return _run_s3(loc, options, "uploading to", run, on_mismatch="the remote copy was removed")
 

@@ -8,6 +8,7 @@ back straight from moto (no proxy) and compared with the source.
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import os
 import random
@@ -18,14 +19,17 @@ import textwrap
 import time
 import traceback
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import boto3
+import botocore.exceptions as bex
 import fsspec
 import pytest
 from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
 from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 
@@ -35,12 +39,14 @@ from ckptflow.storage import transfer as transfer_module
 from ckptflow.storage.etag import (
     MAX_PARTS,
     MiB,
+    crc32_of,
     download_ranges,
     etag_of,
     guess_part_size,
     is_md5_etag,
     plan_for_etag,
     plan_parts,
+    same_checksum,
 )
 from ckptflow.storage.transfer import (
     TransferOptions,
@@ -69,6 +75,19 @@ def write(path: Path, data: bytes) -> Path:
 def local_etag(data: bytes, part_size: int = PART) -> str:
     plan = plan_parts(len(data), part_size)
     return etag_of(plan, [hashlib.md5(data[p.offset : p.offset + p.length]).digest() for p in plan.parts])
+
+
+def crc_b64(data: bytes) -> str:
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+def local_crc(data: bytes, part_size: int = PART) -> str:
+    """The object's CRC32 as computed independently: composite ``<b64>-N`` for multipart."""
+    plan = plan_parts(len(data), part_size)
+    crcs = [zlib.crc32(data[p.offset : p.offset + p.length]).to_bytes(4, "big") for p in plan.parts]
+    if not plan.multipart:
+        return crc_b64(data)
+    return f"{crc_b64(b''.join(crcs))}-{len(crcs)}"
 
 
 def via(endpoint: str, storage_options: dict[str, Any]) -> dict[str, Any]:
@@ -102,6 +121,34 @@ def s3(s3_bucket, fault_proxy, raw):  # noqa: F811
     """(bucket, storage options through the proxy, the proxy, a raw client)."""
     bucket, options = s3_bucket
     return bucket, via(fault_proxy.url, options), fault_proxy, raw
+
+
+@pytest.fixture
+def md5_calls(monkeypatch) -> list[int]:
+    """Counts the uploader's MD5 computations (one entry per part hashed, its length)."""
+    calls: list[int] = []
+    md5_range = s3transfer_module.md5_range
+
+    def counted(fd, offset, length):
+        calls.append(length)
+        return md5_range(fd, offset, length)
+
+    monkeypatch.setattr(s3transfer_module, "md5_range", counted)
+    return calls
+
+
+@pytest.fixture
+def no_crc_in_head(monkeypatch) -> None:
+    """HEADs answered as by an S3-compatible server without flexible checksums: no ChecksumCRC32."""
+    call = s3transfer_module.S3Transfer.call
+
+    async def without_crc(self, method: str, **kwargs: Any) -> Any:
+        resp = await call(self, method, **kwargs)
+        if method == "head_object":
+            resp = {k: v for k, v in resp.items() if not k.startswith("Checksum")}
+        return resp
+
+    monkeypatch.setattr(s3transfer_module.S3Transfer, "call", without_crc)
 
 
 def remote_bytes(raw, bucket: str, key: str) -> bytes:
@@ -142,6 +189,26 @@ class TestPlanAndEtag:
         md5s.append(hashlib.md5(data[2 * PART :]).digest())
         assert local_etag(data) == hashlib.md5(b"".join(md5s)).hexdigest() + "-3"
         assert local_etag(b"abc") == hashlib.md5(b"abc").hexdigest()
+
+    def test_composite_crc32_is_crc32_of_part_crc32s(self):
+        data = payload(2 * PART + 3)
+        plan = plan_parts(len(data), PART)
+        crcs = [crc_b64(data[p.offset : p.offset + p.length]) for p in plan.parts]
+        assert crc32_of(plan, crcs) == local_crc(data) and local_crc(data).endswith("-3")
+        single = plan_parts(1000, PART)
+        assert crc32_of(single, [crc_b64(data[:1000])]) == crc_b64(data[:1000])
+        one_part = plan_for_etag(len(data), "a" * 32 + "-1", PART)  # a multipart upload of 1 part
+        assert one_part is not None and one_part.multipart
+        assert crc32_of(one_part, [crc_b64(data)]) == f"{crc_b64(zlib.crc32(data).to_bytes(4, 'big'))}-1"
+        with pytest.raises(ValueError):
+            crc32_of(plan, crcs[:2])
+
+    def test_reported_checksums_with_or_without_part_count(self):
+        assert same_checksum("FJvK5w==-2", "FJvK5w==-2") and same_checksum("FJvK5w==", "FJvK5w==-2")
+        assert same_checksum(" FJvK5w== ", "FJvK5w==")
+        assert not same_checksum("FJvK5w==-3", "FJvK5w==-2")  # S3's part count disagrees
+        assert not same_checksum("FJvK5w==-2", "FJvK5w==")  # a multipart object, a single-PUT plan
+        assert not same_checksum("AAAAAA==-2", "FJvK5w==-2") and not same_checksum("AAAAAA==", "FJvK5w==")
 
     def test_guess_part_size(self):
         assert guess_part_size(20 * MiB, 3) == 8 * MiB
@@ -191,7 +258,7 @@ class TestOptions:
 
 @pytest.mark.s3
 class TestS3Upload:
-    def test_multipart_upload_is_verified_by_etag(self, s3, tmp_path):
+    def test_multipart_upload_stores_the_composite_crc32(self, s3, tmp_path):
         bucket, options, proxy, raw = s3
         data = payload(3 * PART + 1234)
         result = upload_file(
@@ -199,9 +266,12 @@ class TestS3Upload:
         )
         assert (result.size, result.skipped) == (len(data), False)
         assert result.etag == local_etag(data) and result.etag.endswith("-4")
-        assert raw.head_object(Bucket=bucket, Key="x/a.tar")["ETag"].strip('"') == result.etag
+        head = raw.head_object(Bucket=bucket, Key="x/a.tar", ChecksumMode="ENABLED")
+        assert head["ETag"].strip('"') == result.etag
+        assert same_checksum(head["ChecksumCRC32"], local_crc(data))
         assert remote_bytes(raw, bucket, "x/a.tar") == data
         assert proxy.methods()["PUT"] == 4  # one per part
+        assert proxy.methods()["HEAD"] == 2  # is it there already? is it whole?
 
     @pytest.mark.parametrize("size", [0, 1000, PART])
     def test_small_file_is_one_put(self, s3, tmp_path, size):
@@ -235,54 +305,51 @@ class TestS3Upload:
             assert remote_bytes(raw, bucket, name) == data, name
         assert pending_uploads(raw, bucket) == []
 
-    def test_corruption_in_transit_never_leaves_a_bad_object(self, s3, tmp_path):
-        """moto does not check the CRC32 as S3 does, so the MD5s catch it: a part whose MD5 is ready
-        when S3 answers is sent again; otherwise the check after complete removes the object and
-        raises, and the re-run completes."""
+    def test_corruption_in_transit_never_leaves_a_bad_object(self, s3, tmp_path, md5_calls):
+        """S3 refuses a part whose CRC32 does not match; moto does not check it, but builds the
+        object's CRC32 from the bytes it kept: the HEAD after complete sees the mismatch, the object
+        is removed, and the re-run completes. No MD5 is needed for any of it."""
         bucket, options, proxy, raw = s3
         data = payload(3 * PART, seed=3)
         src = write(tmp_path / "c", data)
         proxy.force("corrupt", 2, offset=PART // 2)  # two parts get a byte flipped
-        try:
-            result = upload_file(src, f"s3://{bucket}/c", storage_options=options, options=FAST)
-        except TransferVerifyError as err:
-            assert "ETag of part" in str(err) and "Contents" not in raw.list_objects_v2(Bucket=bucket)
-            result = upload_file(src, f"s3://{bucket}/c", storage_options=options, options=FAST)
-        assert proxy.counts["corrupt"] >= 1
-        assert result.etag == local_etag(data) and remote_bytes(raw, bucket, "c") == data
-
-    def test_a_late_md5_still_catches_a_corrupt_part_after_complete(self, s3, tmp_path, monkeypatch):
-        bucket, options, proxy, raw = s3
-        slow = s3transfer_module.md5_range
-
-        def late_md5(fd, offset, length):
-            time.sleep(1.0)  # S3 answers first: the check happens after complete
-            return slow(fd, offset, length)
-
-        monkeypatch.setattr(s3transfer_module, "md5_range", late_md5)
-        proxy.force("corrupt", 1, offset=PART // 2, match="partNumber=2")
-        src = write(tmp_path / "late", payload(2 * PART + 1, seed=22))
-        with pytest.raises(TransferVerifyError, match="ETag of part 2 expected") as err:
-            upload_file(src, f"s3://{bucket}/late", storage_options=options, options=FAST)
+        with pytest.raises(TransferVerifyError, match="CRC32 expected") as err:
+            upload_file(src, f"s3://{bucket}/c", storage_options=options, options=FAST)
         assert "remote copy was removed" in str(err.value)
         assert "Contents" not in raw.list_objects_v2(Bucket=bucket) and pending_uploads(raw, bucket) == []
-        assert proxy.methods()["POST"] == 2  # create and complete: the part was not sent again
+        result = upload_file(src, f"s3://{bucket}/c", storage_options=options, options=FAST)
+        assert proxy.counts["corrupt"] == 2 and not result.skipped
+        assert result.etag == local_etag(data) and remote_bytes(raw, bucket, "c") == data
+        assert md5_calls == []
+
+    def test_a_corrupt_part_is_caught_once_after_complete(self, s3, tmp_path):
+        """One corrupt part costs no extra request before complete: the one HEAD finds it."""
+        bucket, options, proxy, raw = s3
+        proxy.force("corrupt", 1, offset=PART // 2, match="partNumber=2")
+        data = payload(2 * PART + 1, seed=22)
+        src = write(tmp_path / "late", data)
+        with pytest.raises(TransferVerifyError, match=r"CRC32 expected \S+-3, found") as err:
+            upload_file(src, f"s3://{bucket}/late", storage_options=options, options=FAST)
+        assert local_crc(data).split("-")[0] in str(err.value) and "remote copy was removed" in str(err.value)
+        assert "Contents" not in raw.list_objects_v2(Bucket=bucket) and pending_uploads(raw, bucket) == []
+        assert proxy.methods()["POST"] == 2 and proxy.methods()["PUT"] == 3  # nothing sent twice
+        assert proxy.methods()["HEAD"] == 2 and proxy.methods()["DELETE"] == 1
 
     def test_persistent_corruption_fails_and_leaves_nothing(self, s3, tmp_path):
         bucket, options, proxy, raw = s3
         proxy.force("corrupt", 100, offset=1 << 20)
         src = write(tmp_path / "c", payload(2 * PART, seed=4))
-        with pytest.raises(TransferVerifyError, match=rf"s3://{bucket}/c failed verification: ETag of part"):
+        with pytest.raises(TransferVerifyError, match=rf"s3://{bucket}/c failed verification: CRC32"):
             upload_file(src, f"s3://{bucket}/c", storage_options=options, options=FAST)
         proxy.clear_forced()
         assert "Contents" not in raw.list_objects_v2(Bucket=bucket)
         assert pending_uploads(raw, bucket) == []
 
     def test_a_mismatch_after_upload_deletes_the_object(self, s3, tmp_path, monkeypatch):
-        """The HEAD check after complete is what decides: a wrong ETag there removes the object."""
+        """The HEAD check after complete is what decides: a wrong CRC32 there removes the object."""
         bucket, options, _, raw = s3
-        monkeypatch.setattr(s3transfer_module, "etag_of", lambda plan, md5s: "0" * 32 + "-3")
-        with pytest.raises(TransferVerifyError, match=r"ETag expected 0+-3, found") as err:
+        monkeypatch.setattr(s3transfer_module, "crc32_of", lambda plan, crcs: "AAAAAA==-3")
+        with pytest.raises(TransferVerifyError, match=r"CRC32 expected AAAAAA==-3, found") as err:
             upload_file(
                 write(tmp_path / "m", payload(3 * PART)),
                 f"s3://{bucket}/m",
@@ -292,8 +359,28 @@ class TestS3Upload:
         assert "remote copy was removed" in str(err.value)
         assert "Contents" not in raw.list_objects_v2(Bucket=bucket)
 
-    def test_kms_objects_are_checked_by_size_and_never_skipped(self, s3, tmp_path, caplog):
-        """SSE-KMS ETags are not MD5s: the upload must neither compare them nor trust them for a skip."""
+    def test_kms_objects_are_verified_and_skipped_by_crc32(self, s3, tmp_path, caplog, md5_calls):
+        """SSE-KMS ETags are not MD5s, but the CRC32 is of the bytes, encrypted or not."""
+        bucket, options, _, raw = s3
+        kms = {**options, "s3_additional_kwargs": {"ServerSideEncryption": "aws:kms"}}
+        data = payload(2 * PART + 1, seed=20)
+        src = write(tmp_path / "kms", data)
+        with caplog.at_level("DEBUG", logger="ckptflow"):
+            first = upload_file(src, f"s3://{bucket}/kms", storage_options=kms, options=FAST)
+            again = upload_file(src, f"s3://{bucket}/kms", storage_options=kms, options=FAST)
+        head = raw.head_object(Bucket=bucket, Key="kms", ChecksumMode="ENABLED")
+        assert head["ServerSideEncryption"] == "aws:kms" and same_checksum(
+            head["ChecksumCRC32"], local_crc(data)
+        )
+        assert not first.skipped and again.skipped
+        assert "size checked only" not in caplog.text and "no CRC32" not in caplog.text and md5_calls == []
+        assert remote_bytes(raw, bucket, "kms") == data
+
+    def test_kms_objects_without_crc32_are_checked_by_size_and_never_skipped(
+        self, s3, tmp_path, caplog, no_crc_in_head, md5_calls
+    ):
+        """Without a CRC32 (a server without flexible checksums), SSE-KMS ETags are not MD5s: the
+        upload must neither compare them nor trust them for a skip."""
         bucket, options, _, raw = s3
         kms = {**options, "s3_additional_kwargs": {"ServerSideEncryption": "aws:kms"}}
         data = payload(2 * PART + 1, seed=20)
@@ -303,9 +390,25 @@ class TestS3Upload:
             again = upload_file(src, f"s3://{bucket}/kms", storage_options=kms, options=FAST)
         assert raw.head_object(Bucket=bucket, Key="kms")["ServerSideEncryption"] == "aws:kms"
         assert not first.skipped and not again.skipped
-        assert "size checked only" in caplog.text
+        assert "size checked only" in caplog.text and md5_calls == []
         download_file(f"s3://{bucket}/kms", tmp_path / "back", storage_options=kms, options=FAST)
         assert (tmp_path / "back").read_bytes() == data == remote_bytes(raw, bucket, "kms")
+
+    @pytest.mark.parametrize("size", [1000, 2 * PART + 7])
+    def test_an_upload_and_its_rerun_compute_no_md5(self, s3, tmp_path, md5_calls, size):
+        """The MD5s (~1.3 CPU-s per GiB) made uploads slower than boto3's: CRC32s verify them now."""
+        bucket, options, proxy, raw = s3
+        data = payload(size, seed=23)
+        src = write(tmp_path / "n", data)
+        first = upload_file(src, f"s3://{bucket}/n", storage_options=options, options=FAST)
+        again = upload_file(src, f"s3://{bucket}/n", storage_options=options, options=FAST)
+        assert not first.skipped and again.skipped and first.etag == again.etag == local_etag(data)
+        assert md5_calls == []
+        head = raw.head_object(Bucket=bucket, Key="n", ChecksumMode="ENABLED")
+        assert (
+            same_checksum(head["ChecksumCRC32"], local_crc(data)) and remote_bytes(raw, bucket, "n") == data
+        )
+        assert proxy.methods()["HEAD"] == 3
 
     def test_a_directory_is_refused(self, s3, tmp_path):
         bucket, options, proxy, _ = s3
@@ -496,6 +599,27 @@ class TestIdempotentUpload:
         assert not result.skipped
         assert remote_bytes(raw, bucket, "w") == data
 
+    @pytest.mark.parametrize("by", ["ckptflow", "boto3 upload_file", "boto3 put_object"])
+    def test_one_byte_off_fails_the_crc32_and_is_uploaded_again(self, s3, tmp_path, md5_calls, by):
+        """An object of the right size and part plan, with a CRC32, one byte off: uploaded again."""
+        bucket, options, _, raw = s3
+        data = payload(3 * PART if by != "boto3 put_object" else PART - 5, seed=24)
+        other = bytearray(data)
+        other[-2] ^= 0x01
+        src, other_src = write(tmp_path / "d", data), write(tmp_path / "o", bytes(other))
+        if by == "ckptflow":
+            upload_file(other_src, f"s3://{bucket}/d", storage_options=options, options=FAST)
+        elif by == "boto3 upload_file":
+            config = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART)
+            raw.upload_file(str(other_src), bucket, "d", Config=config)
+        else:
+            raw.put_object(Bucket=bucket, Key="d", Body=bytes(other))
+        head = raw.head_object(Bucket=bucket, Key="d", ChecksumMode="ENABLED")
+        assert head["ETag"].strip('"') == local_etag(bytes(other)) and "ChecksumCRC32" in head
+        result = upload_file(src, f"s3://{bucket}/d", storage_options=options, options=FAST)
+        assert not result.skipped and result.etag == local_etag(data)
+        assert remote_bytes(raw, bucket, "d") == data and md5_calls == []
+
     def test_abandoned_multipart_uploads_of_the_key_are_aborted(self, s3, tmp_path, raw):
         bucket, options, _, _ = s3
         for key in ("k.tar", "k.tar.index"):  # the second only shares a prefix: it must survive
@@ -540,6 +664,79 @@ class TestIdempotentUpload:
         result = upload_file(src, f"s3://{bucket}/kill", storage_options=options, options=FAST)
         assert not result.skipped and result.etag == local_etag(data)
         assert remote_bytes(raw, bucket, "kill") == data and pending_uploads(raw, bucket) == []
+
+
+@pytest.mark.s3
+class TestWithoutFlexibleChecksums:
+    """S3-compatible servers that keep no CRC32: the ETags are checked against MD5s, as before."""
+
+    def test_an_upload_is_checked_by_md5s(self, s3, tmp_path, no_crc_in_head, md5_calls, caplog):
+        bucket, options, _, raw = s3
+        data = payload(2 * PART + 9, seed=25)
+        with caplog.at_level("DEBUG", logger="ckptflow"):
+            result = upload_file(
+                write(tmp_path / "f", data), f"s3://{bucket}/f", storage_options=options, options=FAST
+            )
+        assert result.etag == local_etag(data) and remote_bytes(raw, bucket, "f") == data
+        assert sorted(md5_calls) == [9, PART, PART]  # each part once, after complete
+        assert "has no CRC32: checking its ETags by MD5s" in caplog.text
+
+    def test_a_corrupt_part_is_caught_by_its_etag(self, s3, tmp_path, no_crc_in_head):
+        bucket, options, proxy, raw = s3
+        data = payload(2 * PART + 1, seed=26)
+        proxy.force("corrupt", 1, offset=PART // 2, match="partNumber=2")
+        md5 = hashlib.md5(data[PART : 2 * PART]).hexdigest()
+        with pytest.raises(TransferVerifyError, match=f"ETag of part 2 expected {md5}") as err:
+            upload_file(
+                write(tmp_path / "c", data), f"s3://{bucket}/c", storage_options=options, options=FAST
+            )
+        assert "remote copy was removed" in str(err.value)
+        assert "Contents" not in raw.list_objects_v2(Bucket=bucket) and pending_uploads(raw, bucket) == []
+
+    def test_objects_without_a_crc32_are_skipped_or_replaced_by_md5s(
+        self, s3, s3_server, tmp_path, md5_calls
+    ):
+        """Objects uploaded without checksums (older ckptflow, other tools): the MD5 ETag decides."""
+        bucket, options, _, _ = s3
+        plain = boto3.client(
+            "s3",
+            endpoint_url=s3_server,
+            aws_access_key_id=S3_KEY,
+            aws_secret_access_key=S3_SECRET,
+            region_name="us-east-1",
+            config=Config(request_checksum_calculation="when_required"),
+        )
+        data, other = payload(3 * PART, seed=27), payload(3 * PART, seed=28)
+        src = write(tmp_path / "same", data)
+        config = TransferConfig(multipart_threshold=PART, multipart_chunksize=PART)
+        plain.upload_file(str(src), bucket, "same", Config=config)
+        plain.upload_file(str(write(tmp_path / "other", other)), bucket, "other", Config=config)
+        for key in ("same", "other"):
+            assert "ChecksumCRC32" not in plain.head_object(Bucket=bucket, Key=key, ChecksumMode="ENABLED")
+        assert upload_file(src, f"s3://{bucket}/same", storage_options=options, options=FAST).skipped
+        assert sorted(md5_calls) == [PART] * 3
+        replaced = upload_file(src, f"s3://{bucket}/other", storage_options=options, options=FAST)
+        assert not replaced.skipped and remote_bytes(plain, bucket, "other") == data
+        assert "ChecksumCRC32" in plain.head_object(Bucket=bucket, Key="other", ChecksumMode="ENABLED")
+
+    def test_a_head_refused_its_checksums_falls_back_to_etags(self, s3, tmp_path, monkeypatch, md5_calls):
+        """A HEAD with ChecksumMode on an SSE-KMS object needs kms:Decrypt: refused, it is asked again
+        without, and the ETags decide."""
+        bucket, options, _, raw = s3
+        call = s3transfer_module.S3Transfer.call
+
+        async def refuse_checksums(self, method: str, **kwargs: Any) -> Any:
+            if method == "head_object" and kwargs.get("ChecksumMode"):
+                raise bex.ClientError({"Error": {"Code": "403", "Message": "Forbidden"}}, "HeadObject")
+            return await call(self, method, **kwargs)
+
+        monkeypatch.setattr(s3transfer_module.S3Transfer, "call", refuse_checksums)
+        data = payload(PART + 3, seed=29)
+        result = upload_file(
+            write(tmp_path / "r", data), f"s3://{bucket}/r", storage_options=options, options=FAST
+        )
+        assert result.etag == local_etag(data) and remote_bytes(raw, bucket, "r") == data
+        assert sorted(md5_calls) == [3, PART]
 
 
 _CHILD = textwrap.dedent(
