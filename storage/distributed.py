@@ -150,7 +150,9 @@ def plan_rank(
     be exchanged before writing.
     """
     mine = balance(blobs, world_size)[rank]
-    shared_shards = assign_shards(mine, shards=shards, rank=rank) if mine else []
+    # ``shards`` files in all, spread over the ranks: W ranks on one machine share its cores and disk
+    per_rank = max(1, -(-shards // world_size))
+    shared_shards = assign_shards(mine, shards=per_rank, rank=rank) if mine else []
     structure, leaves = encode(rank_state if rank_state is not None else {})
     own_blobs, own_refs = plan_blobs(leaves)
     own_bytes = sum(b.nbytes for b in own_blobs)
