@@ -303,3 +303,32 @@ class TestBackgroundFailure:
         assert set(store.gc()) <= {1}
         assert [v.version for v in store.versions()] == [0, info.version]
         store.close()
+
+
+def test_staging_copies_in_pieces_on_several_threads_exactly(monkeypatch):
+    """Large stagings are cut into pieces copied by several threads: every byte lands where it belongs."""
+    from ckptflow.storage import staging
+    from ckptflow.storage.planner import plan_blobs
+    from ckptflow.storage.structure import encode
+
+    monkeypatch.setattr(staging, "PIECE", 4096 + 13)  # pieces that cut through tensors at odd offsets
+    monkeypatch.setattr(staging, "PARALLEL_FROM", 1)
+    monkeypatch.setattr(staging, "COPY_THREADS", 3)
+    gen = torch.Generator().manual_seed(5)
+    state = {
+        "big": torch.randn(300, 257, generator=gen),
+        "odd": torch.randint(0, 255, (12345,), dtype=torch.uint8, generator=gen),
+        "strided": torch.randn(64, 64, generator=gen).t(),  # not contiguous: copied by torch
+        "empty": torch.empty(0),
+        "bf16": torch.randn(999, generator=gen).to(torch.bfloat16),
+    }
+    _, leaves = encode(state)
+    blobs, _ = plan_blobs(leaves)
+    buffer = staging.StagingBuffer()
+    try:
+        views = buffer.stage(blobs)
+        for blob in blobs:
+            expected = blob.source.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            assert bytes(views[blob.index]) == expected, blob.name
+    finally:
+        buffer.release()
