@@ -158,7 +158,11 @@ def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
         watch.close()
     archiver.drain()
     removed = finalize(store, config.retention)
-    last_epoch = result.last_epoch if result.last_epoch is not None else last
+    if result.last_epoch is not None:
+        last_epoch = result.last_epoch
+    else:  # rank 0's last report was lost: the store knows how far the run got
+        newest = store.latest()
+        last_epoch = newest.epoch if newest is not None and newest.epoch is not None else last
     return _finish(
         store, monitor, last + 1, last_epoch, latest.version if latest else None, result.reason, removed
     )

@@ -114,20 +114,15 @@ class Gang:
         cancel_sent = False
         while True:
             for message in self._receive(0.2):
-                result.messages.append(message)
-                if message["kind"] == "started":
-                    result.resumed_from = message.get("resumed_from")
-                if message["kind"] == "done":
-                    result.reason, result.last_epoch = message.get("reason"), message.get("epoch")
-                on_message(message)
+                _note(result, message, on_message)
             failed = [(r, p.returncode) for r, p in enumerate(self.procs) if p.poll() not in (None, 0)]
             if failed:
                 self.kill()
                 rank, code = failed[0]
                 raise RankCrashedError(self._failure(rank, code))
             if all(p.poll() == 0 for p in self.procs):
-                for message in self._receive(0):
-                    on_message(message)
+                for message in self._receive(0):  # what rank 0 sent just before it exited
+                    _note(result, message, on_message)
                 return result
             if not cancel_sent and cancel_requested():  # cheap: the flow's CancelWatch reads the API
                 cancel_sent = self.cancel()
@@ -194,6 +189,15 @@ class Gang:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _note(result: GangResult, message: Message, on_message: Callable[[Message], None]) -> None:
+    result.messages.append(message)
+    if message["kind"] == "started":
+        result.resumed_from = message.get("resumed_from")
+    elif message["kind"] == "done":
+        result.reason, result.last_epoch = message.get("reason"), message.get("epoch")
+    on_message(message)
 
 
 @task(name="train_ranks", cache_policy=NO_CACHE)
