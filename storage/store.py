@@ -1,105 +1,47 @@
 """CheckpointStore: save, load, list, verify, prune and collect garbage at one URL.
 
 This is the library's front door. It composes the pure parts (structure,
-planner, retention) with the mechanism (writer, reader, commit) and holds the
-one piece of state a store needs in memory: the async save in flight, if any.
+planner, retention) with the mechanism (:mod:`.saving` plans, numbers, writes
+and commits a version; reader, catalog, housekeeping) and holds the state a
+store needs in memory: the async save in flight, its staging buffer, and, in
+a torch.distributed job, the checkpoint's process group.
 
 What always holds: ``save`` returns only after the version is committed;
 ``save_async`` returns once the state is copied, and the version is committed
 by the time its handle's ``wait()`` returns. A failed or interrupted save
 leaves the previous committed version the latest and exposes nothing. Only
-one process may write to a store at a time.
+one process (or one rank group) may write to a store at a time.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import logging
 import os
-import time
 import warnings
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
 
 from . import catalog, housekeeping
 from . import commit as protocol
-from .archiving import list_archived
 from .async_save import AsyncSaver, SaveHandle
 from .byteio import hash_range, tensor_bytes
-from .checksum import ALGORITHM
-from .commit import version_dir
-from .distributed import RankFailedError, RankGroup, RankPlan, assemble, plan_rank, report, staged_blobs
-from .errors import (
-    CheckpointError,
-    CorruptShardError,
-    ManifestError,
-    VersionExistsError,
-    VersionNotFoundError,
-)
+from .distributed import RankGroup, staged_blobs
+from .errors import CheckpointError, CorruptShardError, ManifestError, VersionNotFoundError
+from .info import StoreOptions, VersionInfo
 from .loader import as_bytes, build_tensors, target_buffers
 from .location import open_location, translate_errors
-from .manifest import RANKS_FORMAT_VERSION, Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
-from .planner import Blob, SavePlan, plan_blobs, plan_save
+from .manifest import Manifest
 from .reader import check_size, read_blobs
 from .retention import RetentionPolicy
+from .saving import SaveJob, VersionWriter
 from .staging import StagingBuffer
-from .structure import decode, encode, leaf_refs, select
+from .structure import decode, leaf_refs, select
 from .tarindex import TarIndex
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StoreOptions:
-    """How a store writes and reads; the defaults suit a local disk or S3."""
-
-    shards: int = 4
-    threads: int = 4
-    verify_on_load: bool = True
-
-    def __post_init__(self) -> None:
-        if self.shards < 1:
-            raise ValueError(f"shards must be >= 1, got {self.shards}")
-        if self.threads < 1:
-            raise ValueError(f"threads must be >= 1, got {self.threads}")
-
-
-@dataclass(frozen=True)
-class VersionInfo:
-    """A committed version, as listed by :meth:`CheckpointStore.versions`."""
-
-    version: int
-    epoch: int | None
-    step: int | None
-    metrics: dict[str, float]
-    created: str
-    nbytes: int  # tensor bytes in the state
-    size: int  # bytes on storage
-    url: str
-    save_seconds: float | None = None
-    user: dict[str, Any] = field(default_factory=dict)
-    archived: bool = False  # lives in a tarball under archive/ (url names the tarball and member)
-
-    @classmethod
-    def from_manifest(cls, m: Manifest, url: str, *, archived: bool = False) -> VersionInfo:
-        return cls(
-            m.version,
-            m.epoch,
-            m.step,
-            dict(m.metrics),
-            m.created,
-            m.nbytes,
-            m.total_size,
-            url,
-            m.user.get("save_seconds"),
-            dict(m.user),
-            archived,
-        )
 
 
 class RankStateWarning(UserWarning):
@@ -133,6 +75,7 @@ class CheckpointStore:
             self.group = distributed
         elif distributed:
             self.group = RankGroup.create()
+        self._writer = VersionWriter(self.loc, self.options, self.group)
 
     @property
     def rank(self) -> int:
@@ -170,12 +113,14 @@ class CheckpointStore:
         same on every rank, and each rank passes its own ``rank_state``.
         """
         self._saver.wait_previous()
-        job = self._prepare(state, epoch, step, metrics, version, user, rank_state)
+        job = self._writer.prepare(state, epoch, step, metrics, version, user, rank_state)
         if job.ranked is not None:  # reads only this rank's share: staging every device blob would waste it
-            return self._write_ranked(job, lambda b: tensor_bytes(b.source), lambda b: tensor_bytes(b.source))
+            return self._writer.write_ranked(
+                job, lambda b: tensor_bytes(b.source), lambda b: tensor_bytes(b.source)
+            )
         device = [b for b in job.plan.blobs if b.source.device.type != "cpu"]
         staged = self._staging.stage(device) if device else {}
-        return self._write(job, lambda b: staged.get(b.index) or tensor_bytes(b.source))
+        return self._writer.write(job, lambda b: staged.get(b.index) or tensor_bytes(b.source))
 
     def save_async(
         self,
@@ -196,7 +141,7 @@ class CheckpointStore:
         distributed store each rank copies only the share it writes.
         """
         self._saver.wait_previous()
-        job = self._prepare(state, epoch, step, metrics, version, user, rank_state)
+        job = self._writer.prepare(state, epoch, step, metrics, version, user, rank_state)
         if job.ranked is not None:
             return self._submit_ranked(job)
         staged = self._staging.stage(job.plan.blobs)
@@ -207,11 +152,11 @@ class CheckpointStore:
             attempts += 1
             if attempts > 1:  # a resubmitted save: drop what the failed attempt left
                 protocol.clear_leftovers(self.loc, job.version)
-            return self._write(job, lambda b: staged[b.index])
+            return self._writer.write(job, lambda b: staged[b.index])
 
         return self._saver.submit(write, job.version)
 
-    def _submit_ranked(self, job: _SaveJob) -> SaveHandle:
+    def _submit_ranked(self, job: SaveJob) -> SaveHandle:
         assert job.ranked is not None
         blobs, offset = staged_blobs(job.ranked)
         staged = self._staging.stage(blobs)
@@ -227,196 +172,15 @@ class CheckpointStore:
                 )
             if attempts > 1:
                 protocol.clear_leftovers(self.loc, job.version)
-            return self._write_ranked(job, lambda b: staged[b.index], lambda b: staged[b.index + offset])
+            return self._writer.write_ranked(
+                job, lambda b: staged[b.index], lambda b: staged[b.index + offset]
+            )
 
         return self._saver.submit(write, job.version)
 
     def wait(self) -> VersionInfo | None:
         """Wait for the async save in flight, if any; raise its failure."""
         return self._saver.wait_previous()
-
-    def _prepare(
-        self,
-        state: object,
-        epoch: int | None,
-        step: int | None,
-        metrics: dict[str, float] | None,
-        version: int | None,
-        user: dict[str, Any] | None,
-        rank_state: object = None,
-    ) -> _SaveJob:
-        try:
-            structure, leaves = encode(state)  # raises on unsupported values, before any I/O
-            ranked: RankPlan | None = None
-            if self.group is None and rank_state is None:
-                plan = plan_save(leaves, shards=self.options.shards)
-            else:
-                blobs, blob_refs = plan_blobs(leaves)
-                ranked = plan_rank(
-                    blobs,
-                    blob_refs,
-                    rank_state,
-                    shards=self.options.shards,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                )
-                plan = ranked.shared
-            refs = [
-                TensorEntry(
-                    path=leaf.path,
-                    blob=r.blob,
-                    dtype=_name(r.dtype),
-                    shape=list(r.shape),
-                    stride=list(r.stride) if r.stride is not None else None,
-                    offset=r.offset,
-                )
-                for leaf, r in zip(leaves, plan.refs, strict=True)
-            ]
-            clean = clean_metrics(metrics)
-        except Exception as exc:
-            if self.group is not None:  # the other ranks wait for this one in the claim: tell them
-                with contextlib.suppress(CheckpointError):
-                    self._claim_together(version, None, failure=exc)
-            raise
-        if self.group is None:
-            with translate_errors(self.loc, "saving to"):
-                number = self._claim_version(version)
-        else:
-            number = self._claim_together(version, plan.blobs)
-        return _SaveJob(number, epoch, step, clean, structure, refs, plan, dict(user or {}), ranked)
-
-    def _claim_together(
-        self, version: int | None, blobs: list[Blob] | None, *, failure: Exception | None = None
-    ) -> int:
-        """Rank 0 checks that every rank has the same replicated state and claims the version.
-
-        A rank that could not plan its save (``failure``) takes part all the same, so that no rank
-        waits for it: every rank then raises.
-        """
-        assert self.group is not None
-        group = self.group
-        if failure is not None or blobs is None:
-            found = group.gather({"error": f"{type(failure).__name__}: {failure}"})
-        else:
-            found = group.gather([[b.name, str(b.dtype), list(b.shape)] for b in blobs])
-
-        def claim() -> int:
-            assert found is not None
-            failed = [f"rank {r}: {sig['error']}" for r, sig in enumerate(found) if isinstance(sig, dict)]
-            if failed:
-                raise RankFailedError(
-                    f"nothing was written, a rank could not prepare its save: {'; '.join(failed)}"
-                )
-            differ = [r for r, sig in enumerate(found) if sig != found[0]]
-            if differ:
-                raise CheckpointError(
-                    f"the replicated state of rank(s) {differ} differs from rank 0's (tensor names, "
-                    "dtypes or shapes): every rank must pass the same state; put what differs in rank_state"
-                )
-            with translate_errors(self.loc, "saving to"):
-                return self._claim_version(version)
-
-        return int(group.agree(claim, "claiming a version"))
-
-    def _claim_version(self, version: int | None) -> int:
-        if version is None:  # above every directory, committed or not: never reuse a crashed one's name
-            return catalog.next_version(self.loc)
-        if version < 0:
-            raise ValueError(f"version must be >= 0, got {version}")
-        record = protocol.read_record(self.loc, version)
-        if (record is not None and not record.is_writing()) or version in list_archived(self.loc):
-            raise VersionExistsError(version, self.url)
-        if record is not None:
-            log.info("removing leftovers of an interrupted save of version %d", version)
-            protocol.clear_leftovers(self.loc, version)
-        return version
-
-    def _write(self, job: _SaveJob, blob_bytes) -> VersionInfo:
-        from .writer import write_shards
-
-        start = time.perf_counter()
-        vdir = version_dir(job.version)
-        with translate_errors(self.loc, "saving to"):
-            shards, written = write_shards(self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads)
-            blobs = [written[i] for i in range(len(job.plan.blobs))]
-            seconds = time.perf_counter() - start
-            manifest = Manifest(
-                version=job.version,
-                epoch=job.epoch,
-                step=job.step,
-                metrics=job.metrics,
-                created=utc_now(),
-                writer=writer_versions(),
-                checksum_algorithm=ALGORITHM,
-                nbytes=job.plan.nbytes,
-                shards=shards,
-                blobs=blobs,
-                tensors=job.refs,
-                structure=job.structure,
-                user={**job.user, "save_seconds": round(seconds, 4)},
-            )
-            protocol.commit(self.loc, manifest)
-        log.info("committed %s (%d bytes in %.2fs)", self.loc.display(vdir), manifest.total_size, seconds)
-        return VersionInfo.from_manifest(manifest, self.loc.display(vdir))
-
-    def _write_ranked(self, job: _SaveJob, shared_bytes: Callable, own_bytes: Callable) -> VersionInfo:
-        """Write this rank's files, report them to rank 0, which commits if every rank succeeded."""
-        from .writer import write_shards
-
-        assert job.ranked is not None
-        start = time.perf_counter()
-        vdir = version_dir(job.version)
-        failure: Exception | None = None
-        try:
-            with translate_errors(self.loc, "saving to"):
-                threads = self.options.threads
-                shards, written = write_shards(
-                    self.loc, vdir, job.ranked.shared, shared_bytes, threads=threads, rank=self.rank
-                )
-                own = write_shards(self.loc, vdir, job.ranked.own, own_bytes, threads=1, rank=self.rank)
-            mine: dict[str, Any] = report(shards, written, own, job.ranked)
-        except Exception as exc:  # tell rank 0, so that it does not commit and nobody waits forever
-            failure = exc
-            mine = {"error": f"{type(exc).__name__}: {exc}"}
-        reports = self.group.gather(mine) if self.group else [mine]
-
-        def commit() -> dict[str, Any]:
-            assert reports is not None
-            errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
-            if errors:
-                raise RankFailedError(f"nothing was committed: {'; '.join(errors)}")
-            parts = assemble(reports, len(job.plan.blobs))
-            seconds = time.perf_counter() - start
-            manifest = Manifest(
-                format_version=RANKS_FORMAT_VERSION,
-                version=job.version,
-                epoch=job.epoch,
-                step=job.step,
-                metrics=job.metrics,
-                created=utc_now(),
-                writer=writer_versions(),
-                checksum_algorithm=ALGORITHM,
-                nbytes=job.plan.nbytes + parts.own_nbytes,
-                shards=parts.shards,
-                blobs=parts.blobs,
-                tensors=job.refs,
-                structure=job.structure,
-                user={**job.user, "save_seconds": round(seconds, 4)},
-                world_size=self.world_size,
-                ranks=parts.ranks,
-            )
-            with translate_errors(self.loc, "saving to"):
-                protocol.commit(self.loc, manifest)
-            log.info("committed %s (%d ranks)", self.loc.display(vdir), self.world_size)
-            return dataclasses.asdict(VersionInfo.from_manifest(manifest, self.loc.display(vdir)))
-
-        try:
-            info = self.group.agree(commit, f"the save of version {job.version}") if self.group else commit()
-        except RankFailedError:
-            if failure is not None:
-                raise failure from None
-            raise
-        return VersionInfo(**info)
 
     # -- reading --------------------------------------------------------------
 
@@ -649,29 +413,10 @@ class CheckpointStore:
         self.close()
 
 
-@dataclass(frozen=True)
-class _SaveJob:
-    version: int
-    epoch: int | None
-    step: int | None
-    metrics: dict[str, float]
-    structure: Any
-    refs: list[TensorEntry]
-    plan: SavePlan
-    user: dict[str, Any]
-    ranked: RankPlan | None = None  # a save with per-rank state, or from several ranks
-
-
 def _meta_name(name: str) -> str:
     if not name or "/" in name or name.startswith(".") or protocol.parse_version_dir(name) is not None:
         raise ValueError(f"{name!r} is not a valid metadata file name (a plain name like 'run.json')")
     return name
-
-
-def _name(dtype: torch.dtype) -> str:
-    from .dtypes import dtype_name
-
-    return dtype_name(dtype)
 
 
 __all__ = ["CheckpointStore", "RankStateWarning", "StoreOptions", "VersionInfo"]

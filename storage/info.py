@@ -1,0 +1,63 @@
+"""What a store takes and what it reports: its options, and a committed version as listed.
+
+Plain frozen dataclasses, apart from the store so that the modules that save
+and load can build them without importing the store itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .manifest import Manifest
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """How a store writes and reads; the defaults suit a local disk or S3."""
+
+    shards: int = 4
+    threads: int = 4
+    verify_on_load: bool = True
+
+    def __post_init__(self) -> None:
+        if self.shards < 1:
+            raise ValueError(f"shards must be >= 1, got {self.shards}")
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class VersionInfo:
+    """A committed version, as listed by :meth:`CheckpointStore.versions`."""
+
+    version: int
+    epoch: int | None
+    step: int | None
+    metrics: dict[str, float]
+    created: str
+    nbytes: int  # tensor bytes in the state
+    size: int  # bytes on storage
+    url: str
+    save_seconds: float | None = None
+    user: dict[str, Any] = field(default_factory=dict)
+    archived: bool = False  # lives in a tarball under archive/ (url names the tarball and member)
+
+    @classmethod
+    def from_manifest(cls, m: Manifest, url: str, *, archived: bool = False) -> VersionInfo:
+        return cls(
+            m.version,
+            m.epoch,
+            m.step,
+            dict(m.metrics),
+            m.created,
+            m.nbytes,
+            m.total_size,
+            url,
+            m.user.get("save_seconds"),
+            dict(m.user),
+            archived,
+        )
+
+
+__all__ = ["StoreOptions", "VersionInfo"]

@@ -1,0 +1,255 @@
+"""How a save becomes a committed version: plan it, claim a number, write, commit.
+
+:class:`VersionWriter` does this for one process, or for one rank of a
+torch.distributed job (see :mod:`.distributed`): every rank plans the same
+split of the replicated state, rank 0 claims the version number for all,
+each rank writes its share, and rank 0 commits. The store around it decides
+when (now, or in the background from staged bytes) and keeps the state.
+
+What must always hold: nothing is written before the whole state is known to
+be storable and the version number is claimed; the manifest, written last,
+is what makes the version exist; a failed save exposes nothing and leaves
+the previous version the latest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from . import catalog
+from . import commit as protocol
+from .archiving import list_archived
+from .checksum import ALGORITHM
+from .commit import version_dir
+from .distributed import RankFailedError, RankGroup, RankPlan, assemble, plan_rank, report
+from .dtypes import dtype_name
+from .errors import CheckpointError, VersionExistsError
+from .info import StoreOptions, VersionInfo
+from .location import Location, translate_errors
+from .manifest import RANKS_FORMAT_VERSION, Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
+from .planner import Blob, SavePlan, plan_blobs, plan_save
+from .structure import encode
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """A save, planned and numbered: what writing it needs."""
+
+    version: int
+    epoch: int | None
+    step: int | None
+    metrics: dict[str, float]
+    structure: Any
+    refs: list[TensorEntry]
+    plan: SavePlan
+    user: dict[str, Any]
+    ranked: RankPlan | None = None  # a save with per-rank state, or from several ranks
+
+
+class VersionWriter:
+    """Writes versions into one store, as one process or as one rank of a group."""
+
+    def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
+        self.loc, self.options, self.group = loc, options, group
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank if self.group else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size if self.group else 1
+
+    def prepare(
+        self,
+        state: object,
+        epoch: int | None,
+        step: int | None,
+        metrics: dict[str, float] | None,
+        version: int | None,
+        user: dict[str, Any] | None,
+        rank_state: object = None,
+    ) -> SaveJob:
+        try:
+            structure, leaves = encode(state)  # raises on unsupported values, before any I/O
+            ranked: RankPlan | None = None
+            if self.group is None and rank_state is None:
+                plan = plan_save(leaves, shards=self.options.shards)
+            else:
+                blobs, blob_refs = plan_blobs(leaves)
+                ranked = plan_rank(
+                    blobs,
+                    blob_refs,
+                    rank_state,
+                    shards=self.options.shards,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                )
+                plan = ranked.shared
+            refs = [
+                TensorEntry(
+                    path=leaf.path,
+                    blob=r.blob,
+                    dtype=dtype_name(r.dtype),
+                    shape=list(r.shape),
+                    stride=list(r.stride) if r.stride is not None else None,
+                    offset=r.offset,
+                )
+                for leaf, r in zip(leaves, plan.refs, strict=True)
+            ]
+            clean = clean_metrics(metrics)
+        except Exception as exc:
+            if self.group is not None:  # the other ranks wait for this one in the claim: tell them
+                with contextlib.suppress(CheckpointError):
+                    self._claim_together(version, None, failure=exc)
+            raise
+        if self.group is None:
+            with translate_errors(self.loc, "saving to"):
+                number = self._claim_version(version)
+        else:
+            number = self._claim_together(version, plan.blobs)
+        return SaveJob(number, epoch, step, clean, structure, refs, plan, dict(user or {}), ranked)
+
+    def _claim_together(
+        self, version: int | None, blobs: list[Blob] | None, *, failure: Exception | None = None
+    ) -> int:
+        """Rank 0 checks that every rank has the same replicated state and claims the version.
+
+        A rank that could not plan its save (``failure``) takes part all the same, so that no rank
+        waits for it: every rank then raises.
+        """
+        assert self.group is not None
+        group = self.group
+        if failure is not None or blobs is None:
+            found = group.gather({"error": f"{type(failure).__name__}: {failure}"})
+        else:
+            found = group.gather([[b.name, str(b.dtype), list(b.shape)] for b in blobs])
+
+        def claim() -> int:
+            assert found is not None
+            failed = [f"rank {r}: {sig['error']}" for r, sig in enumerate(found) if isinstance(sig, dict)]
+            if failed:
+                raise RankFailedError(
+                    f"nothing was written, a rank could not prepare its save: {'; '.join(failed)}"
+                )
+            differ = [r for r, sig in enumerate(found) if sig != found[0]]
+            if differ:
+                raise CheckpointError(
+                    f"the replicated state of rank(s) {differ} differs from rank 0's (tensor names, "
+                    "dtypes or shapes): every rank must pass the same state; put what differs in rank_state"
+                )
+            with translate_errors(self.loc, "saving to"):
+                return self._claim_version(version)
+
+        return int(group.agree(claim, "claiming a version"))
+
+    def _claim_version(self, version: int | None) -> int:
+        if version is None:  # above every directory, committed or not: never reuse a crashed one's name
+            return catalog.next_version(self.loc)
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        record = protocol.read_record(self.loc, version)
+        if (record is not None and not record.is_writing()) or version in list_archived(self.loc):
+            raise VersionExistsError(version, self.loc.display())
+        if record is not None:
+            log.info("removing leftovers of an interrupted save of version %d", version)
+            protocol.clear_leftovers(self.loc, version)
+        return version
+
+    def write(self, job: SaveJob, blob_bytes: Callable[[Blob], memoryview]) -> VersionInfo:
+        from .writer import write_shards
+
+        start = time.perf_counter()
+        vdir = version_dir(job.version)
+        with translate_errors(self.loc, "saving to"):
+            shards, written = write_shards(self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads)
+            blobs = [written[i] for i in range(len(job.plan.blobs))]
+            seconds = time.perf_counter() - start
+            manifest = Manifest(
+                version=job.version,
+                epoch=job.epoch,
+                step=job.step,
+                metrics=job.metrics,
+                created=utc_now(),
+                writer=writer_versions(),
+                checksum_algorithm=ALGORITHM,
+                nbytes=job.plan.nbytes,
+                shards=shards,
+                blobs=blobs,
+                tensors=job.refs,
+                structure=job.structure,
+                user={**job.user, "save_seconds": round(seconds, 4)},
+            )
+            protocol.commit(self.loc, manifest)
+        log.info("committed %s (%d bytes in %.2fs)", self.loc.display(vdir), manifest.total_size, seconds)
+        return VersionInfo.from_manifest(manifest, self.loc.display(vdir))
+
+    def write_ranked(self, job: SaveJob, shared_bytes: Callable, own_bytes: Callable) -> VersionInfo:
+        """Write this rank's files, report them to rank 0, which commits if every rank succeeded."""
+        from .writer import write_shards
+
+        assert job.ranked is not None
+        start = time.perf_counter()
+        vdir = version_dir(job.version)
+        failure: Exception | None = None
+        try:
+            with translate_errors(self.loc, "saving to"):
+                threads = self.options.threads
+                shards, written = write_shards(
+                    self.loc, vdir, job.ranked.shared, shared_bytes, threads=threads, rank=self.rank
+                )
+                own = write_shards(self.loc, vdir, job.ranked.own, own_bytes, threads=1, rank=self.rank)
+            mine: dict[str, Any] = report(shards, written, own, job.ranked)
+        except Exception as exc:  # tell rank 0, so that it does not commit and nobody waits forever
+            failure = exc
+            mine = {"error": f"{type(exc).__name__}: {exc}"}
+        reports = self.group.gather(mine) if self.group else [mine]
+
+        def commit() -> dict[str, Any]:
+            assert reports is not None
+            errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
+            if errors:
+                raise RankFailedError(f"nothing was committed: {'; '.join(errors)}")
+            parts = assemble(reports, len(job.plan.blobs))
+            seconds = time.perf_counter() - start
+            manifest = Manifest(
+                format_version=RANKS_FORMAT_VERSION,
+                version=job.version,
+                epoch=job.epoch,
+                step=job.step,
+                metrics=job.metrics,
+                created=utc_now(),
+                writer=writer_versions(),
+                checksum_algorithm=ALGORITHM,
+                nbytes=job.plan.nbytes + parts.own_nbytes,
+                shards=parts.shards,
+                blobs=parts.blobs,
+                tensors=job.refs,
+                structure=job.structure,
+                user={**job.user, "save_seconds": round(seconds, 4)},
+                world_size=self.world_size,
+                ranks=parts.ranks,
+            )
+            with translate_errors(self.loc, "saving to"):
+                protocol.commit(self.loc, manifest)
+            log.info("committed %s (%d ranks)", self.loc.display(vdir), self.world_size)
+            return dataclasses.asdict(VersionInfo.from_manifest(manifest, self.loc.display(vdir)))
+
+        try:
+            info = self.group.agree(commit, f"the save of version {job.version}") if self.group else commit()
+        except RankFailedError:
+            if failure is not None:
+                raise failure from None
+            raise
+        return VersionInfo(**info)
+
+
+__all__ = ["SaveJob", "VersionWriter"]
