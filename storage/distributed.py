@@ -29,10 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .dtypes import dtype_name
 from .errors import CheckpointError, SaveFailedError
 from .manifest import BlobEntry, RankPart, ShardEntry, TensorEntry
-from .planner import Blob, SavePlan, ShardPlan, assign_shards, balance, plan_blobs
-from .structure import encode
+from .planner import Blob, SavePlan, ShardPlan, TensorRef, assign_shards, balance, plan_blobs
+from .structure import Leaf, encode
 
 log = logging.getLogger(__name__)
 
@@ -157,17 +158,7 @@ def plan_rank(
     own_blobs, own_refs = plan_blobs(leaves)
     own_bytes = sum(b.nbytes for b in own_blobs)
     own_file = ShardPlan(0, f"state-r{rank}.h5", [b.index for b in own_blobs], own_bytes)
-    entries = [
-        TensorEntry(
-            path=leaf.path,
-            blob=r.blob,
-            dtype=_dtype_name(r.dtype),
-            shape=list(r.shape),
-            stride=list(r.stride) if r.stride is not None else None,
-            offset=r.offset,
-        )
-        for leaf, r in zip(leaves, own_refs, strict=True)
-    ]
+    entries = tensor_entries(leaves, own_refs)
     return RankPlan(
         SavePlan(blobs, refs, shared_shards), SavePlan(own_blobs, own_refs, [own_file]), structure, entries
     )
@@ -242,10 +233,19 @@ def assemble(reports: list[dict], blob_count: int) -> Assembled:
     return Assembled(shards, [blobs[i] for i in range(blob_count)], ranks, own_nbytes)
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    from .dtypes import dtype_name
-
-    return dtype_name(dtype)
+def tensor_entries(leaves: list[Leaf], refs: list[TensorRef]) -> list[TensorEntry]:
+    """The manifest's entries of the planned leaves: key path, blob, dtype, shape, view."""
+    return [
+        TensorEntry(
+            path=leaf.path,
+            blob=r.blob,
+            dtype=dtype_name(r.dtype),
+            shape=list(r.shape),
+            stride=list(r.stride) if r.stride is not None else None,
+            offset=r.offset,
+        )
+        for leaf, r in zip(leaves, refs, strict=True)
+    ]
 
 
 __all__ = ["RankFailedError", "RankGroup", "RankPlan", "assemble", "plan_rank", "report", "staged_blobs"]

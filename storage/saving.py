@@ -27,8 +27,7 @@ from . import commit as protocol
 from .archiving import list_archived
 from .checksum import ALGORITHM
 from .commit import version_dir
-from .distributed import RankFailedError, RankGroup, RankPlan, assemble, plan_rank, report
-from .dtypes import dtype_name
+from .distributed import RankFailedError, RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
 from .errors import CheckpointError, VersionExistsError
 from .info import StoreOptions, VersionInfo
 from .location import Location, translate_errors
@@ -52,6 +51,25 @@ class SaveJob:
     plan: SavePlan
     user: dict[str, Any]
     ranked: RankPlan | None = None  # a save with per-rank state, or from several ranks
+
+    def manifest(self, shards: list[Any], blobs: list[Any], seconds: float, **extra: Any) -> Manifest:
+        """The manifest of this save, once its shards are written (``extra``: multi-process fields)."""
+        fields: dict[str, Any] = {
+            "version": self.version,
+            "epoch": self.epoch,
+            "step": self.step,
+            "metrics": self.metrics,
+            "created": utc_now(),
+            "writer": writer_versions(),
+            "checksum_algorithm": ALGORITHM,
+            "nbytes": self.plan.nbytes,
+            "shards": shards,
+            "blobs": blobs,
+            "tensors": self.refs,
+            "structure": self.structure,
+            "user": {**self.user, "save_seconds": round(seconds, 4)},
+        }
+        return Manifest(**{**fields, **extra})
 
 
 class VersionWriter:
@@ -94,17 +112,7 @@ class VersionWriter:
                     world_size=self.world_size,
                 )
                 plan = ranked.shared
-            refs = [
-                TensorEntry(
-                    path=leaf.path,
-                    blob=r.blob,
-                    dtype=dtype_name(r.dtype),
-                    shape=list(r.shape),
-                    stride=list(r.stride) if r.stride is not None else None,
-                    offset=r.offset,
-                )
-                for leaf, r in zip(leaves, plan.refs, strict=True)
-            ]
+            refs = tensor_entries(leaves, plan.refs)
             clean = clean_metrics(metrics)
         except Exception as exc:
             if self.group is not None:  # the other ranks wait for this one in the claim: tell them
@@ -173,21 +181,7 @@ class VersionWriter:
             shards, written = write_shards(self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads)
             blobs = [written[i] for i in range(len(job.plan.blobs))]
             seconds = time.perf_counter() - start
-            manifest = Manifest(
-                version=job.version,
-                epoch=job.epoch,
-                step=job.step,
-                metrics=job.metrics,
-                created=utc_now(),
-                writer=writer_versions(),
-                checksum_algorithm=ALGORITHM,
-                nbytes=job.plan.nbytes,
-                shards=shards,
-                blobs=blobs,
-                tensors=job.refs,
-                structure=job.structure,
-                user={**job.user, "save_seconds": round(seconds, 4)},
-            )
+            manifest = job.manifest(shards, blobs, seconds)
             protocol.commit(self.loc, manifest)
         log.info("committed %s (%d bytes in %.2fs)", self.loc.display(vdir), manifest.total_size, seconds)
         return VersionInfo.from_manifest(manifest, self.loc.display(vdir))
@@ -220,21 +214,12 @@ class VersionWriter:
                 raise RankFailedError(f"nothing was committed: {'; '.join(errors)}")
             parts = assemble(reports, len(job.plan.blobs))
             seconds = time.perf_counter() - start
-            manifest = Manifest(
+            manifest = job.manifest(
+                parts.shards,
+                parts.blobs,
+                seconds,
                 format_version=RANKS_FORMAT_VERSION,
-                version=job.version,
-                epoch=job.epoch,
-                step=job.step,
-                metrics=job.metrics,
-                created=utc_now(),
-                writer=writer_versions(),
-                checksum_algorithm=ALGORITHM,
                 nbytes=job.plan.nbytes + parts.own_nbytes,
-                shards=parts.shards,
-                blobs=parts.blobs,
-                tensors=job.refs,
-                structure=job.structure,
-                user={**job.user, "save_seconds": round(seconds, 4)},
                 world_size=self.world_size,
                 ranks=parts.ranks,
             )

@@ -79,11 +79,11 @@ class CheckpointStore:
 
     @property
     def rank(self) -> int:
-        return self.group.rank if self.group else 0
+        return self._writer.rank
 
     @property
     def world_size(self) -> int:
-        return self.group.world_size if self.group else 1
+        return self._writer.world_size
 
     @property
     def url(self) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import sys
@@ -45,7 +44,7 @@ from ckptflow.storage import CheckpointStore, RankGroup, SaveHandle, StoreOption
 from .config import PipelineConfig
 from .spec import Trainable, TrainingSpec, load_spec_class
 from .stopping import StopTracker
-from .training_state import capture, restore, rng_state, seed_everything, set_rng_state, split_ranked
+from .training_state import capture, restore, rng_state, run_epoch, seed_everything, split_ranked
 
 log = logging.getLogger("ckptflow.rank")
 
@@ -157,12 +156,7 @@ class RankTrainer:
             seed_everything(rank_seed(self.config.seed, epoch, self.rank))
 
     def _train(self, epoch: int) -> dict[str, float]:
-        set_rng_state(self.rng)
-        metrics = dict(self.spec.train_epoch(self.trainable, epoch))
-        metrics.update(self.spec.evaluate(self.trainable, epoch))
-        self.rng = rng_state()
-        steps = int(metrics.pop("steps", 0))
-        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+        clean, steps, self.rng = run_epoch(self.spec, self.trainable, epoch, self.rng)
         self.epoch, self.step = epoch, self.step + steps
         self.history[epoch] = clean
         return clean

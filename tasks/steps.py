@@ -27,7 +27,6 @@ save in progress finishes and commits, and nothing half-written is exposed.
 
 from __future__ import annotations
 
-import math
 import threading
 import warnings
 from concurrent.futures import Future
@@ -51,7 +50,7 @@ from ckptflow.storage import (
 from .config import PipelineConfig, RetentionConfig, identity_differences
 from .retrying import io_task
 from .spec import SpecError, Trainable, TrainingSpec, load_spec_class
-from .training_state import Snapshot, capture, restore, rng_state, seed_everything, set_rng_state
+from .training_state import Snapshot, capture, restore, rng_state, run_epoch, seed_everything
 
 RUN_FILE = "run.json"
 
@@ -163,13 +162,7 @@ def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str,
             raise RuntimeError(f"epoch {epoch} cannot be retried: no start state was kept")
         run.epoch, run.step = attempts.snapshot.restore(run.trainable, run.spec)
         get_run_logger().warning("retrying epoch %d from its start state (attempt %d)", epoch, attempts.count)
-    if run.rng is not None:
-        set_rng_state(run.rng)
-    metrics = dict(run.spec.train_epoch(run.trainable, epoch))
-    metrics.update(run.spec.evaluate(run.trainable, epoch))
-    run.rng = rng_state()
-    steps = int(metrics.pop("steps", 0))
-    clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    clean, steps, run.rng = run_epoch(run.spec, run.trainable, epoch, run.rng)
     run.epoch, run.step = epoch, run.step + steps
     run.metrics[epoch] = clean
     return clean

@@ -13,6 +13,7 @@ half-updated model.
 from __future__ import annotations
 
 import copy
+import math
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -95,6 +96,20 @@ def split_ranked(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]
     """A captured state as (replicated, this rank's own): RNG states and the spec's state are per rank."""
     shared = {k: v for k, v in state.items() if k not in RANK_KEYS}
     return shared, {k: state[k] for k in RANK_KEYS if k in state}
+
+
+def run_epoch(
+    spec: TrainingSpec, trainable: Trainable, epoch: int, rng: Mapping[str, Any] | None
+) -> tuple[dict[str, float], int, dict[str, Any]]:
+    """Train and evaluate one epoch from RNG states ``rng``: (finite float metrics, steps, RNG after)."""
+    if rng is not None:
+        set_rng_state(rng)
+    metrics = dict(spec.train_epoch(trainable, epoch))
+    metrics.update(spec.evaluate(trainable, epoch))
+    after = rng_state()
+    steps = int(metrics.pop("steps", 0))
+    clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    return clean, steps, after
 
 
 class Snapshot:
