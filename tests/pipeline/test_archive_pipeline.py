@@ -491,6 +491,10 @@ class TestCrashes:
 
     @pytest.mark.parametrize("collect_first", [True, False], ids=["gc-then-rerun", "rerun"])
     def test_killed_while_writing_a_tarball(self, prefect_server, reference, tmp_path, collect_first):
+        """Test fix (failed CI once): the job of 3-4 can start its tarball before the kill lands.
+
+        The test took the tarball of 1-2 as the only partial one; archive jobs run side by side.
+        """
         config = make_config(tmp_path / "store", epochs=4, archive={"every": 2})
         markers = tmp_path / "markers"
         markers.mkdir()
@@ -502,14 +506,17 @@ class TestCrashes:
         finally:
             child.kill()
         assert child.proc.returncode == -9
-        assert (markers / hang_child.TAR_MARKER).read_text() == TAR_12
+        first = (markers / hang_child.TAR_MARKER).read_text()
+        assert first in (TAR_12, TAR_34)
 
-        # Half a tar, no index: every committed version loads from its loose files.
+        # Half a tar, no index: every committed version loads from its loose files. Archive jobs
+        # run side by side, so the job of 3-4 may have begun its own tarball (and hang) as well.
         root = Path(config.storage)
-        partial = root / "archive" / TAR_12
-        assert archive_files(root) == [TAR_12] and partial.stat().st_size > 0
+        partials = archive_files(root)
+        assert first in partials and set(partials) <= {TAR_12, TAR_34}, partials
+        assert (root / "archive" / first).stat().st_size > 0
         store = CheckpointStore(str(root))
-        assert list_tarballs(store.loc) == ([], [TAR_12])
+        assert list_tarballs(store.loc) == ([], partials)
         committed = assert_only_committed(root, garbage_allowed=True)
         assert committed[:2] == [1, 2], committed
         assert not any(v.archived for v in store.versions())
