@@ -51,6 +51,10 @@ def run_command(
     upload_options: Annotated[
         str, Opt("--upload-options", metavar="JSON", help="fsspec options for --upload-to (no credentials).")
     ] = "{}",
+    upload_secret: Annotated[
+        str | None,
+        Opt("--upload-secret", metavar="BLOCK", help="Credentials for --upload-to, as --storage-secret."),
+    ] = None,
     upload_versions: Annotated[
         bool, Opt("--upload-versions", help="Also upload each committed version as it commits.")
     ] = False,
@@ -79,7 +83,12 @@ def run_command(
         Opt("--storage-options", metavar="JSON", envvar="CKPTFLOW_STORAGE_OPTIONS", help="fsspec options."),
     ] = "{}",
     storage_secret: Annotated[
-        str | None, Opt("--storage-secret", metavar="BLOCK", help="Prefect Secret block with credentials.")
+        str | None,
+        Opt(
+            "--storage-secret",
+            metavar="BLOCK",
+            help="Prefect block with credentials: a Secret block NAME or aws-credentials/NAME.",
+        ),
     ] = None,
     allow_config_change: Annotated[
         bool, Opt("--allow-config-change", help="Resume even if spec, spec config or seed changed.")
@@ -108,6 +117,7 @@ def run_command(
             "keep_loose": keep_loose,
             "upload_to": upload_to,
             "upload_options": _json_object("--upload-options", upload_options),
+            "upload_secret": upload_secret,
             "upload_versions": upload_versions,
         },
         "retention": {

@@ -159,7 +159,12 @@ def publish_command(
         ),
     ] = None,
     storage_secret: Annotated[
-        str | None, typer.Option("--storage-secret", metavar="BLOCK", help="A Secret block with credentials.")
+        str | None,
+        typer.Option(
+            "--storage-secret",
+            metavar="BLOCK",
+            help="Prefect block with credentials: a Secret block NAME or aws-credentials/NAME.",
+        ),
     ] = None,
 ) -> None:
     """Publish a store's checkpoints to the Prefect UI, without a training run (prints the links)."""

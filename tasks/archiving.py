@@ -32,7 +32,8 @@ from ckptflow.storage.location import open_location, redact
 from ckptflow.storage.tarindex import TarIndex, index_name, read_index
 from ckptflow.storage.transfer import TransferOptions, s3_storage_options, upload_file
 
-from .config import ArchiveConfig, with_secret
+from .config import ArchiveConfig
+from .credentials import with_secret
 from .retrying import io_task
 
 

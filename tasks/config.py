@@ -5,8 +5,9 @@ starts, so a bad value fails fast with a message naming the field.
 Credentials are never parameters: Prefect stores a run's parameters in clear
 (the UI shows them), so ``storage_options`` refuses keys such as ``secret`` or
 ``token`` with a message saying where credentials go instead: the environment
-or an AWS profile (read by s3fs as usual), or a Prefect Secret block named by
-``storage_secret`` whose JSON value is merged into the options at run time.
+or an AWS profile (read by s3fs as usual), or a Prefect block named by
+``storage_secret`` (a Secret block, or ``aws-credentials/NAME``) whose options
+are merged in at run time (see :mod:`.credentials`).
 
 The *identity* of a run (spec, spec config, seed) is stored beside its
 checkpoints as ``run.json``. A resumed run must match it; other fields (more
@@ -15,10 +16,11 @@ epochs, a different save cadence or shard count) may change freely.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from .credentials import check_block_ref, credential_keys, with_secret
 
 DEMO_SPEC = "ckptflow.flows.demo:DigitsSpec"
 IDENTITY_FIELDS = ("spec", "spec_config", "seed")
@@ -66,16 +68,23 @@ class ArchiveConfig(_Strict):
     keep_loose: bool = Field(False, description="keep the loose files of archived versions")
     upload_to: str | None = Field(None, description="a URL (e.g. s3://bucket/run1) to mirror archives to")
     upload_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options, no credentials")
-    upload_secret: str | None = Field(None, description="a Prefect Secret block with upload credentials")
+    upload_secret: str | None = Field(
+        None, description="a Prefect block with upload credentials: NAME of a Secret, or aws-credentials/NAME"
+    )
     upload_versions: bool = Field(False, description="also upload every committed version as it commits")
     max_pending: int = Field(2, ge=1, le=16, description="archive jobs queued in the background at most")
 
     def enabled(self) -> bool:
         return self.every is not None or self.target_bytes is not None
 
+    @field_validator("upload_secret")
+    @classmethod
+    def _block_ref(cls, value: str | None) -> str | None:
+        return check_block_ref(value, "archive.upload_secret")
+
     @model_validator(mode="after")
     def _check(self) -> ArchiveConfig:
-        found = _credential_keys(self.upload_options)
+        found = credential_keys(self.upload_options)
         if found:
             raise ValueError(
                 f"archive.upload_options must not hold credentials ({', '.join(found)}): use the "
@@ -94,7 +103,9 @@ class PipelineConfig(_Strict):
         default_factory=dict, description="fsspec options without credentials, e.g. an endpoint or a profile"
     )
     storage_secret: str | None = Field(
-        None, description="a Prefect Secret block whose JSON value (credentials) joins storage_options"
+        None,
+        description="a Prefect block whose credentials join storage_options: NAME of a Secret block "
+        "(a JSON object of fsspec options) or aws-credentials/NAME (a prefect-aws AwsCredentials block)",
     )
     spec: str = Field(DEMO_SPEC, description="the TrainingSpec, as 'package.module:ClassName'")
     spec_config: dict[str, Any] = Field(default_factory=dict)
@@ -124,15 +135,21 @@ class PipelineConfig(_Strict):
         600, gt=0, description="how long a rank waits for the others in a collective before failing"
     )
 
+    @field_validator("storage_secret")
+    @classmethod
+    def _block_ref(cls, value: str | None) -> str | None:
+        return check_block_ref(value, "storage_secret")
+
     @model_validator(mode="after")
     def _no_credentials(self) -> PipelineConfig:
-        found = _credential_keys(self.storage_options)
+        found = credential_keys(self.storage_options)
         if found:
             raise ValueError(
                 f"storage_options must not hold credentials ({', '.join(found)}): Prefect stores "
                 "parameters in clear. Use environment variables (AWS_ACCESS_KEY_ID, "
-                "AWS_SECRET_ACCESS_KEY), an AWS profile ({'profile': 'name'}), or a Prefect Secret "
-                "block holding the options as JSON, named by storage_secret"
+                "AWS_SECRET_ACCESS_KEY), an AWS profile ({'profile': 'name'}), or a Prefect block "
+                "named by storage_secret: a Secret block holding the options as JSON, or "
+                "'aws-credentials/NAME' for a prefect-aws AwsCredentials block"
             )
         return self
 
@@ -149,59 +166,8 @@ class PipelineConfig(_Strict):
         return {name: getattr(self, name) for name in IDENTITY_FIELDS}
 
     def resolved_storage_options(self) -> dict[str, Any]:
-        """``storage_options`` with the Secret block's options merged in (call inside a run)."""
+        """``storage_options`` with the credential block's options merged in (call inside a run)."""
         return with_secret(self.storage_options, self.storage_secret)
-
-
-def with_secret(options: dict[str, Any], secret_block: str | None) -> dict[str, Any]:
-    """fsspec ``options`` with the JSON options of a Prefect Secret block merged in."""
-    if not secret_block:
-        return dict(options)
-    from prefect.blocks.system import Secret
-
-    block: Any = Secret.load(secret_block)  # sync in a sync context
-    value = block.get()
-    secret = json.loads(value) if isinstance(value, str) else value
-    if not isinstance(secret, dict):
-        raise ValueError(f"the Secret block {secret_block!r} must hold a JSON object of fsspec options")
-    merged = {**options, **secret}
-    for nested in ("client_kwargs", "config_kwargs"):
-        if isinstance(options.get(nested), dict) and isinstance(secret.get(nested), dict):
-            merged[nested] = {**options[nested], **secret[nested]}
-    return merged
-
-
-CREDENTIAL_KEYS = frozenset(
-    {
-        "key",
-        "secret",
-        "token",
-        "password",
-        "passwd",
-        "session_token",
-        "security_token",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "account_key",
-        "sas_token",
-        "client_secret",
-        "connection_string",
-        "credentials",
-    }
-)
-
-
-def _credential_keys(options: Any, prefix: str = "") -> list[str]:
-    """Paths of keys that look like credentials, anywhere in nested options."""
-    found: list[str] = []
-    if isinstance(options, dict):
-        for name, value in options.items():
-            path = f"{prefix}{name}"
-            if str(name).lower() in CREDENTIAL_KEYS:
-                found.append(path)
-            found.extend(_credential_keys(value, f"{path}."))
-    return found
 
 
 def identity_differences(stored: dict[str, Any], current: dict[str, Any]) -> list[str]:

@@ -14,7 +14,8 @@ What must hold:
   Crashed (``ckptflow setup-server``), and holds its store until then.
 - Credentials are never parameters, as for the training pipeline:
   ``storage_options`` refuse them; they come from the environment, an AWS
-  profile, a Secret block (``storage_secret``), or, for a flow run started
+  profile, a credential block (``storage_secret``: a Secret block or
+  ``aws-credentials/NAME``), or, for a flow run started
   in-process by the CLI, :func:`private_storage_options`, which never
   reaches the Prefect API.
 """
@@ -51,7 +52,9 @@ class MaintenanceConfig(BaseModel):
         default_factory=dict, description="fsspec options without credentials, shared by the stores"
     )
     storage_secret: str | None = Field(
-        None, description="a Prefect Secret block whose JSON value (credentials) joins storage_options"
+        None,
+        description="a Prefect block whose credentials join storage_options: NAME of a Secret block "
+        "or aws-credentials/NAME (a prefect-aws AwsCredentials block)",
     )
     retention: RetentionConfig = Field(
         default_factory=lambda: RetentionConfig(), description="versions to keep (default: all)"
