@@ -108,6 +108,7 @@ VersionOpt = Annotated[
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Only print what would be removed.")]
+GC_MIN_AGE = 900.0  # seconds: gc spares leftovers younger than this unless told otherwise
 
 
 def _open(url: str, storage_options: dict[str, Any] | None) -> CheckpointStore:
@@ -353,16 +354,42 @@ def prune_command(
 
 
 @app.command("gc")
-def gc_command(url: Url, dry_run: DryRun = False, storage_options: StorageOptions = None) -> None:
-    """Remove the uncommitted leftovers of interrupted saves.
+def gc_command(
+    url: Url,
+    dry_run: DryRun = False,
+    min_age: Annotated[
+        float,
+        typer.Option(
+            "--min-age",
+            metavar="SECONDS",
+            min=0,
+            help="Spare leftovers changed more recently: a save may still be writing them (0: remove all).",
+        ),
+    ] = GC_MIN_AGE,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Remove the uncommitted leftovers of interrupted saves and archive jobs.
 
-    A save in progress looks the same as a crashed one: do not run gc while a job writes to this store.
+    A save in progress looks like a crashed one, so leftovers changed in the last --min-age seconds stay.
     """
+    from ckptflow.storage.commit import version_dir
+    from ckptflow.storage.housekeeping import settled
+
     store = _open(url, storage_options)
-    removed = [v for v, r in _scan(store).items() if r.is_writing()] if dry_run else store.gc()
+    writing = [v for v, r in _scan(store).items() if r.is_writing()]
+    if dry_run:
+        removed = [v for v in writing if settled(store.loc, store.loc.path(version_dir(v)), min_age)]
+    else:
+        removed = store.gc(min_age=min_age)
     for number in removed:
         typer.echo(f"{'would remove' if dry_run else 'removed'} uncommitted {_version_url(store, number)}")
-    if not removed:
+    spared = [v for v in writing if v not in removed]
+    for number in spared:
+        typer.echo(
+            f"left {_version_url(store, number)}: changed in the last {min_age:g}s, a save may be writing "
+            "it (--min-age 0 removes it)"
+        )
+    if not writing:
         typer.echo(f"no uncommitted leftovers in {store.url}")
 
 

@@ -5,14 +5,16 @@ from storage, never remembered:
 
 - ``WRITING``: the directory exists but has no manifest. Either a save is in
   progress or one crashed; such a version is never loaded and ``gc`` removes
-  it (only one writer per store at a time is supported).
+  it (only one writer per store at a time is supported; ``gc(min_age=...)``
+  spares directories that changed recently).
 - ``COMMITTED``: ``manifest.json`` exists and validates. This is the only state
   readers trust.
 - ``UNREADABLE``: a manifest exists but is corrupt, or was written by a newer
   ckptflow. Never loaded, never garbage-collected: a person must look at it.
 
 The protocol: every shard is fully written (fsynced on local disks) before
-the manifest is written; on local disks the manifest goes to a temporary name,
+the manifest is written, and is found with its size by one listing just before
+(a shard removed mid-save fails the commit); on local disks the manifest goes to a temporary name,
 is fsynced and renamed into place, and the directory is fsynced; on object
 stores one PUT is atomic. The ``latest`` pointer is updated after the commit
 and is only a hint for other tools: the truth is "the highest committed
@@ -149,6 +151,7 @@ def read_record(loc: Location, version: int) -> VersionRecord | None:
 def commit(loc: Location, manifest: Manifest) -> None:
     """Write the manifest of a version whose shards are all durable: the version now exists."""
     vdir = version_dir(manifest.version)
+    check_shards_present(loc, manifest)
     data = manifest.to_json()
     if loc.is_local:
         _atomic_local_write(loc.path(vdir), MANIFEST_FILE, data)
@@ -156,6 +159,31 @@ def commit(loc: Location, manifest: Manifest) -> None:
         loc.fs.pipe_file(loc.path(vdir, MANIFEST_FILE), data)
     if _is_newest(loc, manifest.version):  # a save with an explicit, lower version leaves latest alone
         _write_latest(loc, vdir)
+
+
+def check_shards_present(loc: Location, manifest: Manifest) -> None:
+    """Refuse to commit a version whose shard files are not all there with their sizes.
+
+    One listing of the version directory. It catches a shard removed while the
+    save ran (``gc`` from another process, a lifecycle rule), which would
+    otherwise become a committed version that cannot be loaded.
+    """
+    vdir = version_dir(manifest.version)
+    loc.fs.invalidate_cache(loc.path(vdir))
+    try:
+        found = {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
+            for e in loc.fs.ls(loc.path(vdir), detail=True)
+        }
+    except FileNotFoundError:
+        found = {}
+    wrong = [s.file for s in manifest.shards if found.get(s.file) != s.size]
+    if wrong:
+        raise CheckpointError(
+            f"not committing {loc.display(vdir)}: shard files {', '.join(wrong)} are missing or changed "
+            "since they were written (was `ckptflow gc` run on a store being saved to?). The previous "
+            "version stays the latest; save again"
+        )
 
 
 def _is_newest(loc: Location, version: int) -> bool:

@@ -11,8 +11,10 @@ directories without a manifest, tarballs without an index, temp files.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import time
 
 from . import catalog
 from . import commit as protocol
@@ -94,15 +96,61 @@ def drop_loose(loc: Location, versions: list[int]) -> list[int]:
     return removed
 
 
-def collect_garbage(loc: Location) -> list[int]:
-    """Remove version directories without a manifest, tarballs without an index and temp files."""
-    garbage = [v for v, has_manifest in protocol.list_dirs(loc).items() if not has_manifest]
+def collect_garbage(loc: Location, *, min_age: float = 0.0) -> list[int]:
+    """Remove version directories without a manifest, tarballs without an index and temp files.
+
+    ``min_age`` (seconds): leave alone what changed more recently, since a save or
+    an archive job in another process may still be writing it.
+    """
+    garbage = [
+        v
+        for v, has_manifest in protocol.list_dirs(loc).items()
+        if not has_manifest and settled(loc, loc.path(version_dir(v)), min_age)
+    ]
     for v in garbage:
         loc.fs.rm(loc.path(version_dir(v)), recursive=True)
     _, partial = list_tarballs(loc)
+    aloc = archive_location(loc)
     for tar in partial:
-        log.info("removing %s: a tarball without an index (archiving was interrupted)", tar)
-        remove_tarball(loc, tar)
+        if settled(loc, aloc.path(tar), min_age):
+            log.info("removing %s: a tarball without an index (archiving was interrupted)", tar)
+            remove_tarball(loc, tar)
     for path in protocol.stale_temp_files(loc):
-        os.remove(path)
+        if settled(loc, path, min_age):
+            os.remove(path)
     return garbage
+
+
+def settled(loc: Location, path: str, min_age: float) -> bool:
+    """Whether nothing at ``path`` changed in the last ``min_age`` seconds (unknown times are recent)."""
+    if min_age <= 0:
+        return True
+    now = time.time()
+    changed = last_change(loc, path)
+    if changed is not None and now - changed >= min_age:
+        return True
+    ago = "at an unknown time" if changed is None else f"{now - changed:.0f}s ago"
+    log.info("leaving %s: changed %s, less than %gs ago", loc.display(path), ago, min_age)
+    return False
+
+
+def last_change(loc: Location, path: str) -> float | None:
+    """Newest modification time (epoch seconds) of a file or of anything under a directory."""
+    try:
+        entries = [loc.fs.info(path)]
+        if entries[0].get("type") == "directory":
+            entries += list(loc.fs.find(path, detail=True, withdirs=True).values())
+    except FileNotFoundError:
+        return None
+    times = [t for e in entries if (t := _mtime(e)) is not None]
+    return max(times) if times else None
+
+
+def _mtime(entry: dict) -> float | None:
+    for key in ("mtime", "LastModified", "last_modified", "created"):
+        value = entry.get(key)
+        if isinstance(value, datetime.datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)):
+            return float(value)
+    return None

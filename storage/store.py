@@ -392,11 +392,15 @@ class CheckpointStore:
         with translate_errors(self.loc, "removing loose files from"):
             return housekeeping.drop_loose(self.loc, list(versions))
 
-    def gc(self) -> list[int]:
-        """Remove what interrupted saves and archiving left: versions without manifest, tars without index."""
+    def gc(self, *, min_age: float = 0.0) -> list[int]:
+        """Remove what interrupted saves and archiving left: versions without manifest, tars without index.
+
+        Return the versions removed. ``min_age`` seconds: spare what changed more
+        recently (another process may be saving to this store).
+        """
         self._saver.wait_previous()
         with translate_errors(self.loc, "collecting garbage in"):
-            return housekeeping.collect_garbage(self.loc)
+            return housekeeping.collect_garbage(self.loc, min_age=min_age)
 
     def close(self) -> None:
         """Wait for the async save in flight and release the staging buffer."""

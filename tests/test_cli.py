@@ -15,6 +15,7 @@ import resource
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -465,6 +466,9 @@ class TestGc:
         leftover = Path(url) / "v000003"
         leftover.mkdir()
         (leftover / "shard-r0-00.h5").write_bytes(b"partial")
+        hour_ago = time.time() - 3600
+        for path in (leftover / "shard-r0-00.h5", leftover):
+            os.utime(path, (hour_ago, hour_ago))
         dry = invoke("gc", url, "--dry-run")
         assert dry.exit_code == 0
         assert dry.stdout.strip() == f"would remove uncommitted {url}/v000003"
@@ -476,6 +480,28 @@ class TestGc:
         assert invoke("verify", url, "--all").exit_code == 0
         again = invoke("gc", url)
         assert again.stdout.strip() == f"no uncommitted leftovers in {url}"
+
+    def test_spares_leftovers_a_save_may_still_be_writing(self, store):
+        url, _ = store
+        leftover = Path(url) / "v000003"
+        leftover.mkdir()
+        (leftover / "shard-r0-00.h5").write_bytes(b"being written")
+        spared = (
+            f"left {url}/v000003: changed in the last 900s, a save may be writing it (--min-age 0 removes it)"
+        )
+        for args in ((), ("--dry-run",)):
+            result = invoke("gc", url, *args)
+            assert result.exit_code == 0
+            assert result.stdout.strip() == spared
+            assert (leftover / "shard-r0-00.h5").read_bytes() == b"being written"
+        assert invoke("gc", url, "--min-age", "3600", "--dry-run").stdout.strip() == spared.replace(
+            "900s", "3600s"
+        )
+        real = invoke("gc", url, "--min-age", "0")
+        assert real.stdout.strip() == f"removed uncommitted {url}/v000003"
+        assert not leftover.exists()
+        assert committed(url) == [0, 1, 2]
+        assert invoke("gc", url, "--min-age", "-1").exit_code == 2
 
 
 @pytest.mark.s3

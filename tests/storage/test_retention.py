@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
-from ckptflow.storage import CheckpointStore, RetentionPolicy, VersionNotFoundError
+from ckptflow.storage import CheckpointError, CheckpointStore, RetentionPolicy, VersionNotFoundError
 
 
 def _fill(store, count: int, *, epochs=None, metrics=None) -> None:
@@ -171,6 +174,64 @@ class TestGarbageCollection:
         (tmp_path / "store" / "v000004").mkdir()
         assert store.gc() == [4]
         assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["latest", "v000000"]
+
+
+class TestGarbageBeingWritten:
+    """``gc(min_age=...)`` spares leftovers that changed recently: another process may be saving them."""
+
+    def test_fresh_leftovers_are_spared_and_old_ones_removed(self, store_url):
+        store = store_url.open()
+        _fill(store, 1)
+        store_url.raw_write("v000005/shard-r0-00.h5", b"being written")
+        store_url.raw_write("archive/epochs-000007-000008.tar", b"a tarball being written")
+        assert store.gc(min_age=3600) == []
+        assert store_url.raw_read("v000005/shard-r0-00.h5") == b"being written"
+        assert store_url.raw_listdir("archive") == ["epochs-000007-000008.tar"]
+        assert store.gc(min_age=0) == [5]
+        assert store_url.raw_version_dirs() == ["v000000"]
+        assert store_url.raw_listdir("archive") == []
+
+    def test_age_is_that_of_the_newest_file_in_the_version(self, store, tmp_path):
+        _fill(store, 1)
+        leftover = tmp_path / "store" / "v000003"
+        leftover.mkdir()
+        for name, age in (("shard-r0-00.h5", 7200), ("shard-r0-01.h5", 30)):
+            (leftover / name).write_bytes(b"x")
+            then = time.time() - age
+            os.utime(leftover / name, (then, then))
+        os.utime(leftover, (time.time() - 7200,) * 2)
+        assert store.gc(min_age=600) == []  # one shard is still being written
+        os.utime(leftover / "shard-r0-01.h5", (time.time() - 900,) * 2)
+        assert store.gc(min_age=600) == [3]
+        assert not leftover.exists()
+
+
+class TestCommitChecksShards:
+    def test_a_shard_removed_before_the_commit_is_not_committed(self, store_url, monkeypatch):
+        """A shard deleted mid-save (``gc`` from another process) must not give a committed version.
+
+        Before, the manifest was written anyway: on S3 a listed version whose shard was gone.
+        """
+        from ckptflow.storage import commit as protocol
+
+        store = store_url.open(shards=2)
+        store.save({"a": torch.ones(1000), "b": torch.zeros(1000)}, epoch=0)
+        original = protocol.check_shards_present
+
+        def removed_first(loc, manifest):
+            store_url.raw_remove(f"v{manifest.version:06d}/{manifest.shards[0].file}")
+            return original(loc, manifest)
+
+        monkeypatch.setattr(protocol, "check_shards_present", removed_first)
+        with pytest.raises(
+            CheckpointError, match=r"not committing .*v000001: shard files shard-.* are missing"
+        ):
+            store.save({"a": torch.ones(1000) * 2, "b": torch.zeros(1000)}, epoch=1)
+        monkeypatch.undo()
+        assert _listed(store) == [0]
+        assert not store_url.raw_exists("v000001/manifest.json")
+        assert torch.equal(store.load()["a"], torch.ones(1000))
+        assert store.gc() == [1]
 
 
 class TestDelete:
