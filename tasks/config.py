@@ -16,11 +16,14 @@ epochs, a different save cadence or shard count) may change freely.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .credentials import check_block_ref, credential_keys, with_secret
+
+if TYPE_CHECKING:  # the storage library imports torch: this module stays light for the CLI's start-up
+    from ckptflow.storage import RetentionPolicy
 
 DEMO_SPEC = "ckptflow.flows.demo:DigitsSpec"
 IDENTITY_FIELDS = ("spec", "spec_config", "seed")
@@ -40,6 +43,17 @@ class RetentionConfig(_Strict):
 
     def enabled(self) -> bool:
         return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best))
+
+    def policy(self) -> RetentionPolicy:
+        """The storage library's policy for these settings."""
+        from ckptflow.storage import RetentionPolicy
+
+        return RetentionPolicy(
+            keep_last=self.keep_last,
+            keep_every=self.keep_every,
+            keep_best=self.keep_best,
+            best_mode=self.best_mode,
+        )
 
 
 class StopConfig(_Strict):

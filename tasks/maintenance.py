@@ -33,7 +33,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ckptflow.storage import CheckpointStore, RetentionPolicy
+from ckptflow.storage import CheckpointStore
 
 from .config import ArchiveConfig, PipelineConfig, RetentionConfig
 from .monitoring import publish_store
@@ -135,14 +135,7 @@ def _store_url_of(parameters: dict[str, Any]) -> str | None:
 @task(name="apply_retention", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))
 def apply_retention(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
     """Delete the committed versions the policy does not keep (the newest is always kept)."""
-    removed = store.prune(
-        RetentionPolicy(
-            keep_last=policy.keep_last,
-            keep_every=policy.keep_every,
-            keep_best=policy.keep_best,
-            best_mode=policy.best_mode,
-        )
-    )
+    removed = store.prune(policy.policy())
     if removed:
         get_run_logger().info("%s: retention removed versions %s", store.url, removed)
     return removed

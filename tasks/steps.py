@@ -41,7 +41,6 @@ from prefect.tasks import exponential_backoff
 from ckptflow.storage import (
     CheckpointStore,
     RankStateWarning,
-    RetentionPolicy,
     SaveHandle,
     StoreOptions,
     VersionInfo,
@@ -250,14 +249,7 @@ def finalize(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
     store.wait()
     if not policy.enabled():
         return []
-    removed = store.prune(
-        RetentionPolicy(
-            keep_last=policy.keep_last,
-            keep_every=policy.keep_every,
-            keep_best=policy.keep_best,
-            best_mode=policy.best_mode,
-        )
-    )
+    removed = store.prune(policy.policy())
     if removed:
         get_run_logger().info("retention removed versions %s", removed)
     return removed
