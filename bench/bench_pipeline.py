@@ -1,7 +1,7 @@
 """Orchestration overhead of the Prefect pipeline against a plain training loop.
 
 Runs the demo (digits MLP) for N epochs, saving every epoch, four ways, each in
-a fresh process:
+a fresh process, R times each (interleaved; medians shown):
 
 - plain:      the same spec and CheckpointStore calls in a Python loop, no Prefect
 - floor:      Prefect's own floor: a trivial flow with one task (time to the task body)
@@ -11,13 +11,14 @@ a fresh process:
 and prints one table: time from process start to the first epoch starting,
 the time the epochs took, and the overhead per epoch against the plain loop.
 
-    .venv/bin/python bench/bench_pipeline.py [--epochs 20]
+    .venv/bin/python bench/bench_pipeline.py [--epochs 20] [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each kind; medians are shown")
     args = parser.parse_args()
     py = sys.executable
     ckptflow = str(Path(py).parent / "ckptflow")
@@ -99,28 +101,46 @@ def main() -> None:
         times = tmp / "times.txt"
         home = tmp / "prefect-home"
         base = prefect_env(home)
-        results: dict[str, dict[str, float]] = {}
-        results["plain loop"] = run_child(
-            [py, "-c", PLAIN, str(tmp / "plain"), str(args.epochs)], base, times
-        )
+        runs: dict[str, list[dict[str, float]]] = {name: [] for name in KINDS}
+        run_cmd = [ckptflow, "run", "--spec", spec, "--epochs", str(args.epochs)]
         # warm the ephemeral database once (first start creates and migrates it), as a user's second run would
         run_child([py, "-c", FLOOR], base, times)
-        results["prefect floor, ephemeral"] = run_child([py, "-c", FLOOR], base, times)
-        run_cmd = [ckptflow, "run", "--spec", spec, "--epochs", str(args.epochs)]
-        results["ckptflow run, ephemeral"] = run_child([*run_cmd, "--storage", str(tmp / "eph")], base, times)
         server = start_prefect_server(tmp / "server-home")
         try:
             env = server.env()
-            results["prefect floor, server"] = run_child([py, "-c", FLOOR], env, times)
-            results["ckptflow run, server"] = run_child([*run_cmd, "--storage", str(tmp / "srv")], env, times)
+            for i in range(args.repeats):  # interleaved, so a slow spell of the machine hits every kind
+                store = tmp / f"run{i}"
+                runs["plain loop"].append(
+                    run_child([py, "-c", PLAIN, str(store / "plain"), str(args.epochs)], base, times)
+                )
+                runs["prefect floor, ephemeral"].append(run_child([py, "-c", FLOOR], base, times))
+                runs["ckptflow run, ephemeral"].append(
+                    run_child([*run_cmd, "--storage", str(store / "eph")], base, times)
+                )
+                runs["prefect floor, server"].append(run_child([py, "-c", FLOOR], env, times))
+                runs["ckptflow run, server"].append(
+                    run_child([*run_cmd, "--storage", str(store / "srv")], env, times)
+                )
         finally:
             server.stop()
-    print_table(results, args.epochs)
+    results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    print_table(results, args.epochs, args.repeats)
 
 
-def print_table(results: dict[str, dict[str, float]], epochs: int) -> None:
+KINDS = (
+    "plain loop",
+    "prefect floor, ephemeral",
+    "ckptflow run, ephemeral",
+    "prefect floor, server",
+    "ckptflow run, server",
+)
+
+
+def print_table(results: dict[str, dict[str, float]], epochs: int, repeats: int) -> None:
     plain = results["plain loop"]["epochs"]
-    print(f"\n{epochs} epochs of the digits demo, a save every epoch; one run, {machine()}\n")
+    print(
+        f"\n{epochs} epochs of the digits demo, a save every epoch; median of {repeats} runs, {machine()}\n"
+    )
     rows = []
     for name, r in results.items():
         per_epoch = "" if "floor" in name else f"{1000 * (r['epochs'] - plain) / epochs:.1f}"
