@@ -78,6 +78,10 @@ def run_command(
         int, Opt("--nproc", min=1, help="Training processes (torch.distributed ranks) on this machine.")
     ] = 1,
     dist_backend: Annotated[str, Opt("--dist-backend", help="auto, gloo or nccl (with --nproc).")] = "auto",
+    torch_threads: Annotated[
+        int | None,
+        Opt("--torch-threads", min=1, help="torch intra-op threads (default: all cores but one)."),
+    ] = None,
     storage_options: Annotated[
         str,
         Opt("--storage-options", metavar="JSON", envvar="CKPTFLOW_STORAGE_OPTIONS", help="fsspec options."),
@@ -110,6 +114,7 @@ def run_command(
         "epoch_retries": epoch_retries,
         "nproc": nproc,
         "dist_backend": dist_backend,
+        "torch_threads": torch_threads,
         "allow_config_change": allow_config_change,
         "archive": {
             "every": archive_every,

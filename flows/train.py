@@ -27,6 +27,7 @@ Deployment entrypoint: ``flows/train.py:train_pipeline``.
 from __future__ import annotations
 
 import contextvars
+import os
 import threading
 from typing import Any
 from uuid import UUID
@@ -54,6 +55,7 @@ from ckptflow.tasks.steps import (
     train_epoch,
 )
 from ckptflow.tasks.stopping import StopTracker
+from ckptflow.tasks.threads import torch_threads
 
 
 @flow(name="ckptflow-train", validate_parameters=True)
@@ -61,6 +63,13 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
     if config.nproc > 1:
         return _train_on_ranks(config)
+    with torch_threads(config.torch_threads) as threads:
+        get_run_logger().info("torch intra-op threads: %d of %d cores", threads, os.cpu_count() or 1)
+        return _train_in_process(config)
+
+
+def _train_in_process(config: PipelineConfig) -> dict[str, Any] | State:
+    """The run in this process: init, then epochs, saves and commits until a stop condition."""
     logger = get_run_logger()
     run = init_model(config)
     monitor = RunMonitor(

@@ -135,6 +135,12 @@ class PipelineConfig(_Strict):
         gt=0,
         description="fail a save or commit task that waits longer (retried; the write goes on)",
     )
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads of the training process (default: all cores but one, "
+        "leaving one to Prefect and the background saves; OMP_NUM_THREADS is respected)",
+    )
     retention: RetentionConfig = Field(default_factory=lambda: RetentionConfig())
     stop: StopConfig = Field(default_factory=lambda: StopConfig())
     archive: ArchiveConfig = Field(default_factory=lambda: ArchiveConfig())
