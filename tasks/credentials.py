@@ -11,7 +11,8 @@ named by ``storage_secret`` / ``archive.upload_secret``:
 - ``aws-credentials/NAME``: a prefect-aws ``AwsCredentials`` block (install
   ``prefect-aws``). Its boto3 session resolves the keys (static keys, a
   profile, or an assumed role) and they become s3fs options, with the block's
-  region and endpoint.
+  region and endpoint. Temporary keys are frozen when the options are built
+  (when a run opens its store, when an archive job starts) and not refreshed.
 
 The block is loaded inside the run, on the machine that runs it; what it holds
 is never logged, put in an artifact or written to a manifest.
