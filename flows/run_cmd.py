@@ -1,8 +1,8 @@
 """`ckptflow run`: the training pipeline, run locally with a progress display.
 
-The flow runs in this process. Without PREFECT_API_URL, Prefect starts its
-temporary local API server; it is started in a background thread right away,
-so its start-up overlaps the import of torch and the building of the model.
+The flow runs in this process. Without a configured API, a temporary local
+API server is started in a subprocess right away (:mod:`.api_server`), so its
+start-up overlaps the import of torch and the building of the model.
 Prefect's own console log lines are shown from WARNING up unless --verbose
 (they all still reach the Prefect API and its UI).
 """
@@ -199,26 +199,45 @@ def _validation_message(exc: Any) -> str:
     return "; ".join(parts)
 
 
-def _warm_up_api() -> threading.Thread | None:
-    """Start Prefect's temporary API server in the background when no API is configured."""
+class _ApiWarmup:
+    """The temporary API server (:mod:`.api_server`), started in a thread while torch imports.
+
+    The thread outlives the start: on Linux the server is bound to the life of the thread that
+    started it (PR_SET_PDEATHSIG), so it waits, a daemon, until the process exits.
+    """
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._start, name="ckptflow-api-server", daemon=True)
+        self.thread.start()
+
+    def _start(self) -> None:
+        from .api_server import start_for_cli
+
+        try:
+            server = start_for_cli()
+        except BaseException as exc:
+            self.error = exc
+            return
+        finally:
+            self.ready.set()
+        if server is not None:
+            threading.Event().wait()
+
+    def join(self) -> None:
+        """Wait for the server; exit 1 with its reason if it did not start."""
+        self.ready.wait()
+        if self.error is not None:
+            typer.echo(f"error: {self.error}", err=True)
+            raise typer.Exit(1)
+
+
+def _warm_up_api() -> _ApiWarmup | None:
+    """Start a temporary local API server in the background when no API is configured."""
     if os.environ.get("PREFECT_API_URL"):
         return None
-
-    def start() -> None:
-        try:
-            from prefect.settings import get_current_settings
-
-            if get_current_settings().api.url:
-                return
-            from prefect.server.api.server import SubprocessASGIServer
-
-            SubprocessASGIServer().start()
-        except Exception:
-            pass
-
-    thread = threading.Thread(target=start, name="ckptflow-api-warmup", daemon=True)
-    thread.start()
-    return thread
+    return _ApiWarmup()
 
 
 def _warm_up_torch() -> None:
@@ -227,7 +246,7 @@ def _warm_up_torch() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def _run_with_progress(config: Any, warmup: threading.Thread | None) -> dict[str, Any]:
+def _run_with_progress(config: Any, warmup: _ApiWarmup | None) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -1,0 +1,178 @@
+"""A temporary Prefect API server for `ckptflow run` when no API is configured.
+
+Prefect starts one itself on the first API call (its ``SubprocessASGIServer``),
+but first imports the whole server application into the calling process:
+2.4-2.6 s here, holding the GIL while this process imports torch and builds
+the model. This module runs the same uvicorn command (the same app factory
+and environment, so the same database under PREFECT_HOME) without importing
+it, and points PREFECT_API_URL at it before this process imports Prefect.
+
+What must hold:
+
+- A configured API is never overridden: whether one is set (environment,
+  profile, ``prefect.toml``, ``.env``) is asked of Prefect's own settings, in
+  a child process, so this process has not loaded them yet. If that check
+  fails, nothing is started and Prefect's own mechanism takes over.
+- The server does not outlive this process: it is stopped at exit, and on
+  Linux the kernel stops it if this process dies (SIGKILL included). That
+  signal comes when the *thread* that started the server ends, so start it
+  from a thread that lives as long as the process.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import IO, Any
+
+log = logging.getLogger(__name__)
+
+_CHECK = "from prefect.settings import get_current_settings as s; print(s().api.url or '')"
+# What Prefect's SubprocessASGIServer sets for its server process.
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+PORT_IN_USE = 3  # uvicorn's exit code when it cannot bind
+
+
+class ApiServerError(RuntimeError):
+    """The temporary API server did not come up."""
+
+
+def configured_api_url() -> str | None:
+    """The API URL Prefect's settings give (None: none configured), asked of a child process.
+
+    Raises ``OSError``/``subprocess.SubprocessError`` when it cannot tell.
+    """
+    proc = subprocess.run([sys.executable, "-c", _CHECK], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        raise subprocess.SubprocessError(proc.stderr.strip()[-500:])
+    return proc.stdout.strip() or None
+
+
+class TemporaryApiServer:
+    """``uvicorn --factory prefect.server.api.server:create_app`` on a free port of 127.0.0.1."""
+
+    def __init__(self) -> None:
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+        self._output: IO[bytes] = tempfile.TemporaryFile()  # noqa: SIM115 (the server's output, kept for errors)
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def start(self, timeout: float) -> None:
+        """Start it and wait until ``/api/health`` answers; stop it and raise ApiServerError if not."""
+        atexit.register(self.stop)
+        deadline = time.monotonic() + timeout
+        for _ in range(3):
+            self._spawn()
+            if self._wait_healthy(deadline):
+                return
+            assert self.process is not None
+            if self.process.poll() != PORT_IN_USE:
+                break
+        self.stop()
+        raise ApiServerError(
+            f"the temporary Prefect API server did not answer within {timeout:g}s "
+            f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); its output:\n{self._tail()}"
+        )
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+
+    def _spawn(self) -> None:
+        self.port = _free_port()
+        self.process = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "uvicorn", "--app-dir", _prefect_parent()),
+                *("--factory", "prefect.server.api.server:create_app"),
+                *(
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                    "--log-level",
+                    "error",
+                    "--lifespan",
+                    "on",
+                ),
+            ],
+            env={k: v for k, v in {**os.environ, **SERVER_ENV}.items() if k != "PREFECT_API_URL"},
+            stdin=subprocess.DEVNULL,
+            stdout=self._output,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+
+    def _wait_healthy(self, deadline: float) -> bool:
+        assert self.process is not None
+        while time.monotonic() < deadline and self.process.poll() is None:
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response,
+            ):
+                if response.status == 200:
+                    return True
+            time.sleep(0.1)
+        return False
+
+    def _tail(self) -> str:
+        self._output.seek(0)
+        return self._output.read().decode(errors="replace")[-2000:]
+
+
+def _prefect_parent() -> str:
+    """The directory holding the prefect package (uvicorn's --app-dir), found without importing it."""
+    spec = importlib.util.find_spec("prefect")
+    if spec is None or not spec.submodule_search_locations:
+        raise ApiServerError("prefect is not installed")
+    return str(Path(next(iter(spec.submodule_search_locations))).parent)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: the kernel sends SIGTERM when the parent dies (PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    libc: Any = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+
+
+def start_for_cli() -> TemporaryApiServer | None:
+    """Start a temporary server and set PREFECT_API_URL, unless an API is configured (call before
+    importing prefect). None: an API is configured, or the check failed and Prefect decides."""
+    if os.environ.get("PREFECT_API_URL"):
+        return None
+    try:
+        if configured_api_url():
+            return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.debug("could not read Prefect's settings in a child process: %s", exc)
+        return None
+    server = TemporaryApiServer()
+    timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 60)
+    server.start(max(timeout, 20.0))
+    os.environ["PREFECT_API_URL"] = server.api_url
+    return server

@@ -1,0 +1,130 @@
+"""`ckptflow run` without a configured API starts its own temporary server, and never outlives it.
+
+The server (flows/api_server.py) is found by what it carries: its command line
+runs uvicorn and its environment holds the test's own PREFECT_HOME.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptflow.flows.api_server import configured_api_url
+from tests.pipeline.helpers import REPO
+from tests.pipeline.specs import MARKED_SPEC, MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV, SPEC_CONFIG
+from tests.prefect_server import prefect_env
+
+pytestmark = pytest.mark.prefect
+CKPTFLOW = str(Path(sys.executable).parent / "ckptflow")
+
+
+def servers_of(home: Path) -> list[int]:
+    """Pids of uvicorn processes whose environment has PREFECT_HOME=home."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"uvicorn" in cmdline and f"PREFECT_HOME={home}".encode() in environ:
+            found.append(int(entry.name))
+    return found
+
+
+def wait_until(predicate, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def run_args(storage: Path, epochs: int) -> list[str]:
+    spec = ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--shards", "2"]
+    return [CKPTFLOW, "run", "--storage", str(storage), "--epochs", str(epochs), *spec]
+
+
+def spec_env(home: Path) -> dict[str, str]:
+    """The environment of a run with no API configured, where the test specs import."""
+    return {**prefect_env(home), "PYTHONPATH": str(REPO)}
+
+
+def run(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def test_a_run_starts_a_temporary_server_and_stops_it(tmp_path):
+    home = tmp_path / "prefect-home"
+    proc = run(run_args(tmp_path / "store", 2), spec_env(home))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "store").glob("v*")) == ["v000001", "v000002"]
+    assert (home / "prefect.db").exists()  # the server's database is Prefect's own, under PREFECT_HOME
+    assert servers_of(home) == []
+
+
+def test_the_server_dies_with_a_killed_run(tmp_path):
+    """SIGKILL runs no exit handler: the kernel stops the server (PR_SET_PDEATHSIG)."""
+    home = tmp_path / "prefect-home"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {**spec_env(home), MARKERS_ENV: str(markers), SLOW_FROM_ENV: "1", SLOW_SECONDS_ENV: "0.5"}
+    with open(tmp_path / "run.log", "wb") as log:
+        proc = subprocess.Popen(
+            run_args(tmp_path / "store", 50), env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        started = wait_until(lambda: any(markers.iterdir()), 240)
+        assert started, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
+        assert len(servers_of(home)) == 1
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+    assert wait_until(lambda: servers_of(home) == [], 15), servers_of(home)
+
+
+def test_an_api_set_in_a_profile_is_used_not_replaced(prefect_server, tmp_path):
+    """Prefect's settings come from more than the environment: a profile names the server here."""
+    home = tmp_path / "prefect-home"
+    home.mkdir()
+    (home / "profiles.toml").write_text(
+        f'active = "team"\n\n[profiles.team]\nPREFECT_API_URL = "{prefect_server.api_url}"\n'
+    )
+    env = spec_env(home)
+    assert configured_api_url_in(env) == prefect_server.api_url
+    storage = tmp_path / "store"
+    proc = run(run_args(storage, 1), env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not (home / "prefect.db").exists()  # no temporary server ran
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs()
+    assert [r for r in runs if r.parameters.get("config", {}).get("storage") == str(storage)]
+
+
+def test_no_api_configured_reads_as_none(tmp_path):
+    assert configured_api_url_in(prefect_env(tmp_path / "empty-home")) is None
+
+
+def configured_api_url_in(env: dict[str, str]) -> str | None:
+    """configured_api_url() as a process with ``env`` sees it."""
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(env)
+    try:
+        return configured_api_url()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
