@@ -12,7 +12,9 @@ What must hold:
 - A configured API is never overridden: whether one is set (environment,
   profile, ``prefect.toml``, ``.env``) is asked of Prefect's own settings, in
   a child process, so this process has not loaded them yet. If that check
-  fails, nothing is started and Prefect's own mechanism takes over.
+  fails, nothing is started and Prefect's own mechanism takes over; if
+  temporary servers are turned off (PREFECT_SERVER_ALLOW_EPHEMERAL_MODE) and
+  no API is set, the run stops with a message saying so.
 - The server does not outlive this process: it is stopped at exit, and on
   Linux the kernel stops it if this process dies (SIGKILL included). That
   signal comes when the *thread* that started the server ends, so start it
@@ -38,7 +40,11 @@ from typing import IO, Any
 
 log = logging.getLogger(__name__)
 
-_CHECK = "from prefect.settings import get_current_settings as s; print(s().api.url or '')"
+_CHECK = (
+    "from prefect.settings import get_current_settings as g; s = g(); "
+    "print(s.api.url or ('' if s.server.ephemeral.enabled else 'no-ephemeral'))"
+)
+NO_EPHEMERAL = "no-ephemeral"  # no API configured, and the user turned temporary servers off
 # What Prefect's SubprocessASGIServer sets for its server process.
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 PORT_IN_USE = 3  # uvicorn's exit code when it cannot bind
@@ -50,6 +56,8 @@ class ApiServerError(RuntimeError):
 
 def configured_api_url() -> str | None:
     """The API URL Prefect's settings give (None: none configured), asked of a child process.
+
+    ``NO_EPHEMERAL``: none, and PREFECT_SERVER_ALLOW_EPHEMERAL_MODE is off (Prefect then says so).
 
     Raises ``OSError``/``subprocess.SubprocessError`` when it cannot tell.
     """
@@ -166,10 +174,17 @@ def start_for_cli() -> TemporaryApiServer | None:
     if os.environ.get("PREFECT_API_URL"):
         return None
     try:
-        if configured_api_url():
-            return None
+        configured = configured_api_url()
     except (OSError, subprocess.SubprocessError) as exc:
         log.debug("could not read Prefect's settings in a child process: %s", exc)
+        return None
+    if configured == NO_EPHEMERAL:
+        raise ApiServerError(
+            "no Prefect API is configured and temporary servers are turned off "
+            "(PREFECT_SERVER_ALLOW_EPHEMERAL_MODE): set PREFECT_API_URL to a running server "
+            "(prefect server start)"
+        )
+    if configured:
         return None
     server = TemporaryApiServer()
     timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 60)

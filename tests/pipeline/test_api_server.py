@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow.flows.api_server import configured_api_url
+from ckptflow.flows.api_server import NO_EPHEMERAL, configured_api_url
 from tests.pipeline.helpers import REPO
 from tests.pipeline.specs import MARKED_SPEC, MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV, SPEC_CONFIG
 from tests.prefect_server import prefect_env
@@ -116,6 +116,23 @@ def test_an_api_set_in_a_profile_is_used_not_replaced(prefect_server, tmp_path):
 
 def test_no_api_configured_reads_as_none(tmp_path):
     assert configured_api_url_in(prefect_env(tmp_path / "empty-home")) is None
+
+
+def test_temporary_servers_turned_off_start_none(tmp_path):
+    """PREFECT_SERVER_ALLOW_EPHEMERAL_MODE=false: no server is started; one line says what to do."""
+    home = tmp_path / "prefect-home"
+    env = {**spec_env(home), "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false"}
+    assert configured_api_url_in(env) == NO_EPHEMERAL
+    proc = run(run_args(tmp_path / "store", 1), env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: no Prefect API is configured and temporary servers are turned off "
+        "(PREFECT_SERVER_ALLOW_EPHEMERAL_MODE): set PREFECT_API_URL to a running server "
+        "(prefect server start)"
+    ), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "store").exists() or not list((tmp_path / "store").glob("v*"))
+    assert not (home / "prefect.db").exists()
 
 
 def configured_api_url_in(env: dict[str, str]) -> str | None:
