@@ -372,15 +372,14 @@ def gc_command(
 
     A save in progress looks like a crashed one, so leftovers changed in the last --min-age seconds stay.
     """
-    from ckptflow.storage.commit import version_dir
-    from ckptflow.storage.housekeeping import settled
+    from ckptflow.storage.commit import list_dirs
+    from ckptflow.storage.housekeeping import garbage_versions
+    from ckptflow.storage.location import translate_errors
 
     store = _open(url, storage_options)
-    writing = [v for v, r in _scan(store).items() if r.is_writing()]
-    if dry_run:
-        removed = [v for v in writing if settled(store.loc, store.loc.path(version_dir(v)), min_age)]
-    else:
-        removed = store.gc(min_age=min_age)
+    with translate_errors(store.loc, "listing"):
+        writing = [v for v, has_manifest in list_dirs(store.loc).items() if not has_manifest]
+        removed = garbage_versions(store.loc, min_age) if dry_run else store.gc(min_age=min_age)
     for number in removed:
         typer.echo(f"{'would remove' if dry_run else 'removed'} uncommitted {_version_url(store, number)}")
     spared = [v for v in writing if v not in removed]

@@ -102,11 +102,7 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> list[int]:
     ``min_age`` (seconds): leave alone what changed more recently, since a save or
     an archive job in another process may still be writing it.
     """
-    garbage = [
-        v
-        for v, has_manifest in protocol.list_dirs(loc).items()
-        if not has_manifest and settled(loc, loc.path(version_dir(v)), min_age)
-    ]
+    garbage = garbage_versions(loc, min_age)
     for v in garbage:
         loc.fs.rm(loc.path(version_dir(v)), recursive=True)
     _, partial = list_tarballs(loc)
@@ -119,6 +115,15 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> list[int]:
         if settled(loc, path, min_age):
             os.remove(path)
     return garbage
+
+
+def garbage_versions(loc: Location, min_age: float = 0.0) -> list[int]:
+    """Version directories without a manifest that ``gc(min_age=...)`` removes (one listing)."""
+    return [
+        v
+        for v, has_manifest in protocol.list_dirs(loc).items()
+        if not has_manifest and settled(loc, loc.path(version_dir(v)), min_age)
+    ]
 
 
 def settled(loc: Location, path: str, min_age: float) -> bool:
