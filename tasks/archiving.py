@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
 
@@ -30,11 +30,13 @@ from ckptflow.storage.commit import MANIFEST_FILE, list_dirs, version_dir
 from ckptflow.storage.errors import CheckpointError
 from ckptflow.storage.location import open_location, redact
 from ckptflow.storage.tarindex import TarIndex, index_name, read_index
-from ckptflow.storage.transfer import TransferOptions, s3_storage_options, upload_file
 
 from .config import ArchiveConfig
 from .credentials import with_secret
 from .retrying import io_task
+
+if TYPE_CHECKING:
+    from ckptflow.storage.transfer import TransferResult
 
 
 def next_groups(loose: list[VersionInfo], config: ArchiveConfig, busy: set[int]) -> list[list[int]]:
@@ -61,11 +63,21 @@ class ArchiveResult:
     dropped: list[int]  # versions whose loose files were removed
 
 
+def upload_file(local_path: str, url: str, *, storage_options: dict[str, Any]) -> TransferResult:
+    """:func:`ckptflow.storage.transfer.upload_file`, imported at the first upload: its S3 client
+    (aiohttp, aiobotocore) takes 0.2 s to import, which every run would otherwise wait for."""
+    from ckptflow.storage.transfer import upload_file as upload
+
+    return upload(local_path, url, storage_options=storage_options)
+
+
 def upload_target(config: ArchiveConfig) -> tuple[str, dict[str, Any]] | None:
     if not config.upload_to:
         return None
     options = with_secret(config.upload_options, config.upload_secret)
     if config.upload_to.startswith(("s3://", "s3a://")):
+        from ckptflow.storage.transfer import TransferOptions, s3_storage_options
+
         options = s3_storage_options(options, TransferOptions())
     return config.upload_to.rstrip("/"), options
 
