@@ -789,7 +789,12 @@ class TestS3Download:
             )
             assert (tmp_path / key).read_bytes() == want and result.size == len(want)
 
-    def test_corrupt_bytes_are_refused_and_nothing_is_written(self, s3, tmp_path, raw):
+    @pytest.mark.parametrize("server", ["with CRC32s", "without CRC32s"])
+    def test_corrupt_bytes_are_refused_and_nothing_is_written(self, s3, tmp_path, raw, request, server):
+        """Checked against the object's CRC32 when the HEAD has one, else the MD5s behind its ETag."""
+        if server == "without CRC32s":
+            request.getfixturevalue("no_crc_in_head")
+        what = "CRC32" if server == "with CRC32s" else "ETag"
         bucket, options, proxy, _ = s3
         raw.put_object(Bucket=bucket, Key="c", Body=payload(3 * PART, seed=13))
         upload_file(
@@ -800,18 +805,22 @@ class TestS3Download:
         )
         write(tmp_path / "out" / "old", b"old")
         proxy.force("corrupt", 100, offset=2 * MiB)
-        for key in ("c", "c2"):  # single-PUT ETag (checked after) and multipart ETag (checked per part)
-            with pytest.raises(TransferVerifyError, match=f"s3://{bucket}/{key} failed verification: ETag"):
+        for key in ("c", "c2"):  # single PUT (checked after) and multipart (checked per part)
+            with pytest.raises(TransferVerifyError, match=f"s3://{bucket}/{key} failed verification: {what}"):
                 download_file(
                     f"s3://{bucket}/{key}", tmp_path / "out" / "old", storage_options=options, options=FAST
                 )
         assert os.listdir(tmp_path / "out") == ["old"] and (tmp_path / "out" / "old").read_bytes() == b"old"
+        proxy.clear_forced()
+        for key in ("c", "c2"):  # the same objects, whole on the wire, pass the same checks
+            download_file(f"s3://{bucket}/{key}", tmp_path / key, storage_options=options, options=FAST)
+            assert (tmp_path / key).read_bytes() == payload(3 * PART, seed=13)
 
     def test_size_only_when_asked(self, s3, tmp_path, raw):
         bucket, options, proxy, _ = s3
         raw.put_object(Bucket=bucket, Key="c", Body=payload(2 * PART, seed=21))
         proxy.force("corrupt", 100, offset=2 * MiB)
-        size_only = TransferOptions(part_size=PART, download_md5=False)
+        size_only = TransferOptions(part_size=PART, download_checksums=False)
         result = download_file(f"s3://{bucket}/c", tmp_path / "c", storage_options=options, options=size_only)
         proxy.clear_forced()
         assert result.size == 2 * PART and proxy.counts["corrupt"] >= 1  # not caught: nothing checked it
