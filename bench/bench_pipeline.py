@@ -34,8 +34,7 @@ from tests.prefect_server import prefect_env, start_prefect_server  # noqa: E402
 PLAIN = r"""
 import json, os, sys, time
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.steps import seed_everything
-from ckptflow.tasks.training_state import capture
+from ckptflow.tasks.training_state import capture, seed_everything
 from bench.timing_spec import TimedDigits
 store = CheckpointStore(sys.argv[1])
 spec = TimedDigits({}, seed=0)
@@ -49,6 +48,7 @@ for epoch in range(1, int(sys.argv[2]) + 1):
     handle = store.save_async(capture(t, spec, epoch=epoch, step=0), epoch=epoch, metrics=m, version=epoch)
 handle.wait()
 TimedDigits.mark("end")
+assert "prefect" not in sys.modules, "the plain loop imported Prefect"
 """
 
 FLOOR = r"""

@@ -78,7 +78,9 @@ def merge_storage_options(
     retries.setdefault("mode", "standard")
     s3 = dict(config.get("s3") or {})
     # On https botocore signs no payload anyway (the checksum header protects it); on plain-http
-    # endpoints it would SHA-256 every body on the event loop. The ETag checks cover the bytes.
+    # endpoints it would SHA-256 every body on the event loop. The CRC32 checks (or, without
+    # them, the ETag's MD5s) cover the bytes; to sign them anyway, set config_kwargs
+    # {"s3": {"payload_signing_enabled": True}}.
     s3.setdefault("payload_signing_enabled", False)
     config.update(
         s3=s3,
