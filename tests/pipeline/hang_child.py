@@ -26,6 +26,7 @@ import contextlib
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from tests.pipeline.run_flow import main
@@ -40,9 +41,18 @@ HANG_SECONDS = 600
 
 
 def announce(marker: Path, text: str) -> None:
-    """Write the marker once: it names the first job that got there (later ones hang silently)."""
-    with contextlib.suppress(FileExistsError), open(marker, "x") as f:
-        f.write(text)
+    """Write the marker once: it names the first job that got there (later ones hang silently).
+
+    The marker appears with its text already in it (written aside, then linked): a test that
+    kills this process as soon as the marker exists must not find it empty (it once did).
+    """
+    aside = marker.with_name(f".{marker.name}.{uuid.uuid4().hex}")
+    aside.write_text(text)
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.link(aside, marker)
+    finally:
+        aside.unlink()
 
 
 def hang_in_tar(directory: Path) -> None:
