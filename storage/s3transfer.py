@@ -55,6 +55,7 @@ from .etag import (
     download_ranges,
     etag_of,
     plan_for_etag,
+    plan_parts,
     same_checksum,
 )
 from .s3client import TRANSIENT, error_code
@@ -310,7 +311,7 @@ class S3Transfer:
         check = _checker(head) if verify else None
         remote = plan_for_etag(head.size, head.etag, range_size) if check is not None else None
         if check is _CRC32 and (head.full_object or (remote is not None and not remote.multipart)):
-            remote = PartPlan(head.size, head.size, False, (Part(1, 0, head.size),))  # one CRC32 of it all
+            remote = plan_parts(head.size, head.size)  # one part: one CRC32 of it all
         # Parts are hashed as the bytes stream in, unless one part spans several ranges: then afterwards.
         hashed = remote is not None and (len(remote.parts) > 1 or head.size <= range_size)
         ranges = download_ranges(head.size, range_size, remote if hashed else None)
@@ -345,8 +346,7 @@ class S3Transfer:
     async def _stream(self, fd: int, cur: _Cursor, etag: str) -> None:
         resp = await self.call("get_object", Range=f"bytes={cur.pos}-{cur.end - 1}", IfMatch=f'"{etag}"')
         body = resp["Body"]
-        # MD5 work goes to the capped hash threads; writes with CRC32s (or nothing) to the I/O ones.
-        run = self.hash if cur.check is _MD5 else self.run
+        run = cur.check.runner(self) if cur.check is not None else self.run
         try:
             while cur.pos < cur.end:
                 chunk = await body.read(min(READ_CHUNK, cur.end - cur.pos))
@@ -381,10 +381,13 @@ class _Check:
     expected: Callable[[Head], str]
     combine: Callable[[PartPlan, list[bytes]], str]
     same: Callable[[str, str], bool]
+    heavy: bool  # True: hashing runs on the capped hash threads (MD5), else on the I/O threads
+
+    def runner(self, xfer: S3Transfer) -> Callable[..., Awaitable[Any]]:
+        return xfer.hash if self.heavy else xfer.run
 
     async def whole(self, xfer: S3Transfer, fd: int, size: int) -> bytes:
-        run = xfer.hash if self is _MD5 else xfer.run
-        return await run(self.whole_file, fd, 0, size)
+        return await self.runner(xfer)(self.whole_file, fd, 0, size)
 
 
 class _Cursor:
@@ -507,8 +510,11 @@ _CRC32 = _Check(
     lambda head: head.crc or "",
     lambda plan, digests: crc32_of(plan, [base64.b64encode(d).decode() for d in digests]),
     same_checksum,
+    heavy=False,
 )
-_MD5 = _Check("ETag", hashlib.md5, md5_range, lambda head: head.etag, etag_of, lambda a, b: a == b)
+_MD5 = _Check(
+    "ETag", hashlib.md5, md5_range, lambda head: head.etag, etag_of, lambda a, b: a == b, heavy=True
+)
 
 
 def _checker(head: Head) -> _Check | None:
