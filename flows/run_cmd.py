@@ -1,8 +1,11 @@
 """`ckptflow run`: the training pipeline, run locally with a progress display.
 
-The flow runs in this process. Without a configured API, a temporary local
-API server is started in a subprocess right away (:mod:`.api_server`), so its
-start-up overlaps the import of torch and the building of the model.
+The flow runs in this process; the model trains in a child process started
+first (``train_process``, :mod:`ckptflow.tasks.trainer`), so that importing
+torch and building the model overlap importing Prefect and creating the flow
+run (``--in-process`` keeps the model here, for a debugger). Without a
+configured API, a temporary local API server is started in a subprocess right
+away (:mod:`.api_server`), so its start-up overlaps all of that too.
 Prefect's own console log lines are shown from WARNING up unless --verbose
 (they all still reach the Prefect API and its UI).
 """
@@ -97,6 +100,10 @@ def run_command(
     allow_config_change: Annotated[
         bool, Opt("--allow-config-change", help="Resume even if spec, spec config or seed changed.")
     ] = False,
+    in_process: Annotated[
+        bool,
+        Opt("--in-process", help="Train in this process, not a child (for a debugger; starts slower)."),
+    ] = False,
     verbose: Annotated[bool, Opt("--verbose", "-v", help="Show Prefect's log lines.")] = False,
 ) -> None:
     """Train with checkpoints (resuming from the newest committed one in --storage)."""
@@ -115,6 +122,7 @@ def run_command(
         "nproc": nproc,
         "dist_backend": dist_backend,
         "torch_threads": torch_threads,
+        "train_process": not in_process,
         "allow_config_change": allow_config_change,
         "archive": {
             "every": archive_every,
@@ -150,6 +158,10 @@ def run_command(
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
         raise typer.BadParameter(_validation_message(exc)) from None
+    if config.train_process:
+        from ckptflow.tasks.trainer import prestart
+
+        prestart(config)  # torch, the spec and the model, while this process imports Prefect
     result = _run_with_progress(config, warmup)
     _print_next_steps(config, result)
 
@@ -284,7 +296,8 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None) -> dict[str, Any]
     remove = add_listener(on_event)
     started = time.perf_counter()
     try:
-        _warm_up_torch()  # while a temporary API server starts in its own process
+        if not config.train_process:
+            _warm_up_torch()  # while a temporary API server starts in its own process
         if warmup is not None:
             warmup.join()
         from ckptflow.flows.train import train_pipeline

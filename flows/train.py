@@ -44,8 +44,8 @@ from ckptflow.tasks.formatting import human_size, metrics_text
 from ckptflow.tasks.gang import Message, train_ranks
 from ckptflow.tasks.monitoring import RunMonitor
 from ckptflow.tasks.rank_worker import CANCELLED, SIGTERM_STOP
+from ckptflow.tasks.run_state import EpochAttempts
 from ckptflow.tasks.steps import (
-    EpochAttempts,
     check_run_identity,
     commit_checkpoint,
     finalize,
@@ -106,20 +106,22 @@ def _train_in_process(config: PipelineConfig) -> dict[str, Any] | State:
                 pending = None
                 if result.previous is not None:
                     _committed(result.previous, monitor, archiver)
-                if isinstance(result.saved, SaveHandle):
-                    pending = result.saved
-                else:
+                if isinstance(result.saved, VersionInfo):
                     _committed(result.saved, monitor, archiver)
+                else:  # an async save in flight
+                    pending = result.saved
+        _commit(pending, monitor, config, archiver)
+        run.close()
     except BaseException:
         archiver.abandon()
         if pending is not None:
             pending.join()  # an interrupted run still commits the save in flight...
+        run.close(interrupted=True)
         monitor.catch_up(run.store.versions)  # ...and reports what committed (a worker's SIGTERM)
         monitor.flush()
         raise
     finally:
         watch.close()
-    _commit(pending, monitor, config, archiver)
     archiver.drain()
     removed = finalize(run.store, config.retention)
     resumed_from = run.resumed_from.version if run.resumed_from else None

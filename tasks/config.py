@@ -135,6 +135,11 @@ class PipelineConfig(_Strict):
         gt=0,
         description="fail a save or commit task that waits longer (retried; the write goes on)",
     )
+    train_process: bool = Field(
+        False,
+        description="train in a child process of the flow's (ckptflow run's default): it starts beside "
+        "Prefect instead of after it; off, the model lives in the flow's process (for a debugger)",
+    )
     torch_threads: int | None = Field(
         None,
         ge=1,

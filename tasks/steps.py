@@ -28,50 +28,23 @@ save in progress finishes and commits, and nothing half-written is exposed.
 from __future__ import annotations
 
 import threading
-import warnings
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from ckptflow.storage import (
-    CheckpointStore,
-    RankStateWarning,
-    SaveHandle,
-    StoreOptions,
-    VersionInfo,
-)
+from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
 
-from .config import PipelineConfig, RetentionConfig, identity_differences
+from . import run_state
+from .config import PipelineConfig, RetentionConfig
 from .retrying import io_task
-from .spec import SpecError, Trainable, TrainingSpec, load_spec_class
-from .training_state import Snapshot, capture, restore, rng_state, run_epoch, seed_everything
-
-RUN_FILE = "run.json"
-
-
-class ConfigMismatchError(ValueError):
-    """A resumed run's spec, spec config or seed differs from the stored run's."""
-
-
-@dataclass
-class RunState:
-    """The live objects of one run, shared by the tasks of one flow run (in memory)."""
-
-    config: PipelineConfig
-    store: CheckpointStore
-    spec: TrainingSpec
-    trainable: Trainable
-    epoch: int = 0  # last completed epoch
-    step: int = 0
-    resumed_from: VersionInfo | None = None
-    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
-    rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
-    writing: tuple[int, Future[Any]] | None = None  # (version, sync save) that outlived its task's timeout
+from .run_state import RUN_FILE, ConfigMismatchError, EpochAttempts, RunState
+from .spec import SpecError
 
 
 class SaveTimeoutError(TimeoutError):
@@ -79,31 +52,12 @@ class SaveTimeoutError(TimeoutError):
 
 
 def open_store(config: PipelineConfig) -> CheckpointStore:
-    return CheckpointStore(
-        config.storage,
-        storage_options=config.resolved_storage_options(),
-        options=StoreOptions(shards=config.shards),
-    )
+    return run_state.open_store(config)
 
 
 def check_run_identity(store: CheckpointStore, config: PipelineConfig) -> None:
     """Compare the config with ``run.json`` beside the checkpoints; create it on a first run."""
-    stored = store.read_json(RUN_FILE)
-    current = config.identity()
-    if stored is None:
-        store.write_json(RUN_FILE, current)
-        return
-    diffs = identity_differences(stored, current)
-    if not diffs:
-        return
-    if not config.allow_config_change:
-        raise ConfigMismatchError(
-            f"{store.url} holds a run with a different configuration: {'; '.join(diffs)}. "
-            "Resuming would make a different run: use a new storage URL, or set "
-            "allow_config_change=true (--allow-config-change) to resume anyway"
-        )
-    get_run_logger().warning("resuming with a changed configuration: %s", "; ".join(diffs))
-    store.write_json(RUN_FILE, current)
+    run_state.check_run_identity(store, config, get_run_logger().warning)
 
 
 def _may_pass(task: Any, task_run: Any, state: Any) -> bool:
@@ -113,58 +67,63 @@ def _may_pass(task: Any, task_run: Any, state: Any) -> bool:
 
 @io_task("init_model", retries=2, retry_condition_fn=_may_pass)
 def init_model(config: PipelineConfig) -> RunState:
-    """Build the spec's objects; restore the newest committed checkpoint if there is one."""
+    """Build the spec's objects; restore the newest committed checkpoint if there is one.
+
+    With ``train_process``, the training process builds them (see :mod:`.trainer`).
+    """
     logger = get_run_logger()
-    store = open_store(config)
-    check_run_identity(store, config)
-    spec = load_spec_class(config.spec)(config.spec_config, seed=config.seed)
-    seed_everything(config.seed)
-    run = RunState(config, store, spec, spec.build())
-    latest = store.latest()
-    if latest is not None:
-        into = capture(run.trainable, spec, epoch=0, step=0)  # read the model straight into its tensors
-        state = store.load(latest.version, into=into)
-        if "rng" not in state:  # saved by several ranks: their own states are apart
-            ranks = len(store.manifest(latest.version).ranks)
-            logger.warning(
-                "version %d was saved by %d ranks: resuming with rank 0's RNG state", latest.version, ranks
-            )
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", RankStateWarning)
-                state.update(store.load_rank_state(latest.version, rank=0, world_size=1) or {})
-        run.epoch, run.step = restore(run.trainable, spec, state)
-        run.resumed_from = latest
-        run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
-        logger.info("resuming from %s (epoch %d)", latest.url, run.epoch)
-    else:
-        logger.info("starting a new run in %s", store.url)
-    run.rng = rng_state()
-    return run
+    if config.train_process:
+        return _init_remote(config, logger)
+    return run_state.build_run(config, open_store(config), info=logger.info, warn=logger.warning)
 
 
-class EpochAttempts:
-    """Tracks attempts of one epoch; from the second on, the start state is restored first."""
+def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
+    from ckptflow.storage import VersionInfo
 
-    def __init__(self, run: RunState, *, keep_snapshot: bool) -> None:
-        self.snapshot = (
-            Snapshot(run.trainable, run.spec, epoch=run.epoch, step=run.step) if keep_snapshot else None
-        )
-        self.count = 0
+    from .trainer import take
+
+    process = take(config)
+    process.on_log = lambda level, message: getattr(logger, level)(message)
+    try:
+        built = process.built().result()
+    except BaseException:
+        process.close(interrupted=True)
+        raise
+    run_id = flow_run.get_id()
+    if run_id is not None:
+        process.call("flow_run", id=str(run_id)).result()
+    logger.info("training in process %d", process.pid)
+    resumed = built["resumed_from"]
+    return RunState(
+        config,
+        open_store(config),
+        None,
+        None,
+        epoch=built["epoch"],
+        step=built["step"],
+        resumed_from=VersionInfo(**resumed) if resumed is not None else None,
+        metrics={int(k): v for k, v in built["metrics"].items()},
+        remote=process,
+    )
 
 
 @task(name="train_epoch", cache_policy=NO_CACHE)
 def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str, float]:
     """Run the spec's epoch (and evaluation); return finite float metrics."""
     attempts.count += 1
-    if attempts.count > 1:
-        if attempts.snapshot is None:
-            raise RuntimeError(f"epoch {epoch} cannot be retried: no start state was kept")
-        run.epoch, run.step = attempts.snapshot.restore(run.trainable, run.spec)
-        get_run_logger().warning("retrying epoch %d from its start state (attempt %d)", epoch, attempts.count)
-    clean, steps, run.rng = run_epoch(run.spec, run.trainable, epoch, run.rng)
-    run.epoch, run.step = epoch, run.step + steps
-    run.metrics[epoch] = clean
-    return clean
+    warn = get_run_logger().warning
+    if run.remote is None:
+        return run_state.train_attempt(run, epoch, attempts, warn)
+    answer = _remote_result(run.remote.call("train", epoch=epoch, attempt=attempts.count))
+    run.epoch, run.step = epoch, answer["step"]
+    run.metrics[epoch] = answer["metrics"]
+    return cast(dict[str, float], answer["metrics"])
+
+
+def _remote_result(future: Future[Any]) -> Any:
+    """The training process's answer; if this thread is interrupted (a worker's SIGTERM) meanwhile,
+    the interruption goes on and the flow stops the process (it commits what is in flight)."""
+    return future.result()
 
 
 @dataclass(frozen=True)
@@ -211,7 +170,9 @@ def save_checkpoint(
     if existing is not None:
         get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
         return SaveResult(existing, committed)
-    state = capture(run.trainable, run.spec, epoch=run.epoch, step=run.step, rng=run.rng)
+    if run.remote is not None:
+        return _save_remote(run, epoch, async_save, timeout, committed)
+    state = run_state.capture_run(run)
     kwargs: dict[str, Any] = {
         "epoch": epoch,
         "step": run.step,
@@ -225,6 +186,33 @@ def save_checkpoint(
     info = _wait_for(future, timeout, epoch)
     run.writing = None
     return SaveResult(info, committed)
+
+
+def _save_remote(
+    run: RunState, epoch: int, async_save: bool, timeout: float | None, committed: VersionInfo | None
+) -> SaveResult:
+    """``save_checkpoint`` with a training process: it captures and writes the state itself."""
+    from .trainer import RemoteSave
+
+    if async_save:
+        version = run.remote.call("save", epoch=epoch, **{"async": True}).result()
+        return SaveResult(cast(SaveHandle, RemoteSave(run.remote, version)), committed)
+    answer = run.remote.call("save", epoch=epoch, **{"async": False})
+    future: Future[Any] = Future()
+    answer.add_done_callback(lambda f: _chain(f, future))
+    run.writing = (epoch, future)
+    info = _wait_for(future, timeout, epoch)
+    run.writing = None
+    return SaveResult(info, committed)
+
+
+def _chain(answer: Future[Any], future: Future[Any]) -> None:
+    """``future`` gets ``answer``'s result as a VersionInfo, or its error."""
+    error = answer.exception()
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(VersionInfo(**answer.result()))
 
 
 @io_task("commit_checkpoint")
@@ -289,6 +277,7 @@ def _wait_for(future: Future[Any], timeout: float | None, version: int) -> Any:
 
 
 __all__ = [
+    "RUN_FILE",
     "ConfigMismatchError",
     "EpochAttempts",
     "RunState",

@@ -17,6 +17,7 @@ identity, so a slowed-down or failing run and a clean reference run must share i
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ SLOW_SECONDS_ENV = "CKPTFLOW_TEST_SLOW_SECONDS"
 
 MARKED_SPEC = "tests.pipeline.specs:MarkedDigitsSpec"
 FLAKY_SPEC = "tests.pipeline.specs:FlakyDigitsSpec"
+FAULTY_SPEC = "tests.pipeline.specs:FaultyDigitsSpec"
+FAULTS_ENV = "CKPTFLOW_TEST_FAULTS"
 
 # Small and fast: an epoch of the digits MLP takes a few tens of milliseconds.
 SPEC_CONFIG = {"hidden": 32, "batch_size": 128}
@@ -83,3 +86,31 @@ class FlakyDigitsSpec(DigitsSpec):
             type(self).failures[epoch] = left - 1
             raise EpochFailure(f"planned failure of epoch {epoch} ({left - 1} more to come)")
         return metrics
+
+
+class FaultyDigitsSpec(FlakyDigitsSpec):
+    """FlakyDigitsSpec for a run whose model lives in a training process, out of the test's reach.
+
+    ``CKPTFLOW_TEST_FAULTS`` plans the faults: ``"2:2"`` fails epoch 2 twice (after training
+    it); ``"3:kill"`` SIGKILLs the process that trains, at the start of epoch 3. Attempts are
+    appended to ``<markers>/attempts`` as ``<epoch> <pid>`` lines.
+    """
+
+    failures: ClassVar[dict[int, int]] = {}
+    attempts: ClassVar[dict[int, int]] = {}
+    _planned: ClassVar[bool] = False
+
+    def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
+        cls = type(self)
+        if not cls._planned:
+            cls._planned = True
+            for item in filter(None, os.environ.get(FAULTS_ENV, "").split(",")):
+                at, what = item.split(":")
+                cls.failures[int(at)] = -1 if what == "kill" else int(what)
+        directory = os.environ.get(MARKERS_ENV)
+        if directory:
+            with open(Path(directory) / "attempts", "a") as log:
+                log.write(f"{epoch} {os.getpid()}\n")
+        if cls.failures.get(epoch) == -1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().train_epoch(trainable, epoch)

@@ -1,0 +1,155 @@
+"""The live objects of one run and the steps that act on them, without Prefect.
+
+The pipeline's tasks (:mod:`.steps`) call these in the flow's process; the
+training process (:mod:`.trainer`) calls the same functions in a child
+process, which does not import Prefect. Either way, the run's behaviour is the
+same: these functions are the one place where a run is built, restored and
+trained.
+
+- :func:`build_run` checks the config against ``run.json`` beside the
+  checkpoints, builds the spec's objects and restores the newest committed
+  checkpoint.
+- :func:`train_attempt` trains one epoch; from the second attempt of an epoch
+  on, it first puts back the state captured at the start of that epoch.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptflow.storage import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
+
+from .config import PipelineConfig, identity_differences
+from .spec import Trainable, TrainingSpec, load_spec_class
+from .training_state import Snapshot, capture, restore, rng_state, run_epoch, seed_everything
+
+RUN_FILE = "run.json"
+
+Log = Callable[[str], None]  # where notes for the run's log go (the Prefect run logger, or the parent)
+
+
+class ConfigMismatchError(ValueError):
+    """A resumed run's spec, spec config or seed differs from the stored run's."""
+
+
+@dataclass
+class RunState:
+    """The live objects of one run, shared by the tasks of one flow run (in memory).
+
+    With a training process (``train_process``), ``spec`` and ``trainable`` live there and are
+    None here; ``remote`` is the process, and the rest mirrors what it reported.
+    """
+
+    config: PipelineConfig
+    store: CheckpointStore
+    spec: TrainingSpec | None
+    trainable: Trainable | None
+    epoch: int = 0  # last completed epoch
+    step: int = 0
+    resumed_from: VersionInfo | None = None
+    metrics: dict[int, dict[str, float]] = field(default_factory=dict)
+    rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
+    writing: tuple[int, Future[Any]] | None = None  # (version, sync save) that outlived its task's timeout
+    remote: Any = None  # a ckptflow.tasks.trainer.TrainerProcess
+
+    def local(self) -> tuple[TrainingSpec, Trainable]:
+        """The spec and its objects, in the process that trains."""
+        if self.spec is None or self.trainable is None:
+            raise RuntimeError("this run trains in another process")
+        return self.spec, self.trainable
+
+    def close(self, *, interrupted: bool = False) -> None:
+        """End the training process, if any (``interrupted``: it stops its epoch, commits, exits)."""
+        if self.remote is not None:
+            self.remote.close(interrupted=interrupted)
+
+
+def open_store(config: PipelineConfig, storage_options: dict[str, Any] | None = None) -> CheckpointStore:
+    """The run's store; ``storage_options`` default to the config's, credentials resolved."""
+    options = config.resolved_storage_options() if storage_options is None else storage_options
+    shards = StoreOptions(shards=config.shards)
+    return CheckpointStore(config.storage, storage_options=options, options=shards)
+
+
+def check_run_identity(store: CheckpointStore, config: PipelineConfig, warn: Log) -> None:
+    """Compare the config with ``run.json`` beside the checkpoints; create it on a first run."""
+    stored = store.read_json(RUN_FILE)
+    current = config.identity()
+    if stored is None:
+        store.write_json(RUN_FILE, current)
+        return
+    diffs = identity_differences(stored, current)
+    if not diffs:
+        return
+    if not config.allow_config_change:
+        raise ConfigMismatchError(
+            f"{store.url} holds a run with a different configuration: {'; '.join(diffs)}. "
+            "Resuming would make a different run: use a new storage URL, or set "
+            "allow_config_change=true (--allow-config-change) to resume anyway"
+        )
+    warn(f"resuming with a changed configuration: {'; '.join(diffs)}")
+    store.write_json(RUN_FILE, current)
+
+
+def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn: Log) -> RunState:
+    """Build the spec's objects; restore the newest committed checkpoint if there is one."""
+    check_run_identity(store, config, warn)
+    spec = load_spec_class(config.spec)(config.spec_config, seed=config.seed)
+    seed_everything(config.seed)
+    run = RunState(config, store, spec, spec.build())
+    latest = store.latest()
+    if latest is not None:
+        spec, trainable = run.local()
+        into = capture(trainable, spec, epoch=0, step=0)  # read the model straight into its tensors
+        state = store.load(latest.version, into=into)
+        if "rng" not in state:  # saved by several ranks: their own states are apart
+            ranks = len(store.manifest(latest.version).ranks)
+            warn(f"version {latest.version} was saved by {ranks} ranks: resuming with rank 0's RNG state")
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RankStateWarning)
+                state.update(store.load_rank_state(latest.version, rank=0, world_size=1) or {})
+        run.epoch, run.step = restore(trainable, spec, state)
+        run.resumed_from = latest
+        run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
+        info(f"resuming from {latest.url} (epoch {run.epoch})")
+    else:
+        info(f"starting a new run in {store.url}")
+    run.rng = rng_state()
+    return run
+
+
+class EpochAttempts:
+    """Tracks attempts of one epoch; from the second on, the start state is restored first."""
+
+    def __init__(self, run: RunState, *, keep_snapshot: bool) -> None:
+        self.snapshot: Snapshot | None = None
+        if run.remote is not None:  # the training process keeps its own
+            run.remote.call("begin_epoch", keep_snapshot=keep_snapshot).result()
+        elif keep_snapshot:
+            spec, trainable = run.local()
+            self.snapshot = Snapshot(trainable, spec, epoch=run.epoch, step=run.step)
+        self.count = 0
+
+
+def train_attempt(run: RunState, epoch: int, attempts: EpochAttempts, warn: Log) -> dict[str, float]:
+    """Attempt ``attempts.count`` of ``epoch``: finite float metrics; the run moves to ``epoch``."""
+    spec, trainable = run.local()
+    if attempts.count > 1:
+        if attempts.snapshot is None:
+            raise RuntimeError(f"epoch {epoch} cannot be retried: no start state was kept")
+        run.epoch, run.step = attempts.snapshot.restore(trainable, spec)
+        warn(f"retrying epoch {epoch} from its start state (attempt {attempts.count})")
+    clean, steps, run.rng = run_epoch(spec, trainable, epoch, run.rng)
+    run.epoch, run.step = epoch, run.step + steps
+    run.metrics[epoch] = clean
+    return clean
+
+
+def capture_run(run: RunState) -> dict[str, Any]:
+    """The state to checkpoint now (references to live tensors), with the RNGs of the last epoch."""
+    spec, trainable = run.local()
+    return capture(trainable, spec, epoch=run.epoch, step=run.step, rng=run.rng)

@@ -1,0 +1,382 @@
+"""The training process: a run's model, optimizer and data in a child process.
+
+With ``train_process`` on (``ckptflow run``'s default), the flow's tasks stay
+in the flow's process and ask a child, ``python -m ckptflow.tasks.trainer``,
+to build the run, train each epoch and save, through the same functions an
+in-process run calls (:mod:`.run_state`). The child imports torch but not
+Prefect; the flow's process imports Prefect and does not build anything. So
+the two start side by side: ``ckptflow run`` starts the child before it
+imports Prefect (:func:`prestart`), and the first epoch starts when both are
+ready instead of after one and then the other.
+
+Protocol: JSON messages on a socket pair (nothing is unpickled), each request
+``{"id", "op", "args"}`` answered by ``{"id", "ok"}`` or ``{"id", "error"}``;
+notes for the run's log come as ``{"log", "message"}``. The job (config and
+resolved storage options, credentials included) goes on the child's stdin, so
+it shows in no process listing or environment. Request 0 is the build.
+
+Ending: ``close`` lets the child finish its saves and exit. An interrupted
+flow (a worker's SIGTERM) sends the child SIGTERM: it stops the epoch in
+progress, commits the save in flight and exits, and the flow waits for that.
+If the flow's process dies, the kernel kills the child (PR_SET_PDEATHSIG), as
+it would an in-process run: nothing half-written is ever committed. If the
+child dies, every waiting call fails with :class:`TrainerDiedError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from concurrent.futures import Future
+from multiprocessing.connection import Connection
+from typing import Any
+
+FD_ENV = "CKPTFLOW_TRAINER_FD"
+FLOW_RUN_ENV = "CKPTFLOW_FLOW_RUN_ID"  # the same name the ranks get (ckptflow.tasks.gang)
+GRACE_SECONDS = 120.0  # how long an interrupted child gets to commit the save in flight
+
+
+class TrainerDiedError(RuntimeError):
+    """The training process exited before answering; what it committed before is intact."""
+
+
+class TrainerError(RuntimeError):
+    """An error raised in the training process (its type and message; its traceback as a note)."""
+
+
+# -- the flow's side -----------------------------------------------------------------------------
+
+
+class TrainerProcess:
+    """A started training process and the calls in flight to it."""
+
+    def __init__(self, config: Any, storage_options: dict[str, Any]) -> None:
+        self.config = config
+        parent, child = socket.socketpair()
+        env = {**os.environ, FD_ENV: str(child.fileno())}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "ckptflow.tasks.trainer"],
+            stdin=subprocess.PIPE,
+            env=env,
+            pass_fds=(child.fileno(),),
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
+        child.close()
+        assert self.process.stdin is not None
+        job = {"config": config.model_dump(mode="json"), "storage_options": storage_options}
+        self.process.stdin.write(json.dumps(job).encode())
+        self.process.stdin.close()
+        self._conn = Connection(parent.detach())
+        self._send_lock = threading.Lock()
+        self._lock = threading.Lock()
+        self._built: Future[Any] = Future()
+        self._calls: dict[int, Future[Any]] = {0: self._built}
+        self._next = 1
+        self._closed = False
+        self.on_log: Callable[[str, str], None] = lambda level, message: None
+        self._reader = threading.Thread(target=self._read, name="ckptflow-trainer-reader", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def built(self) -> Future[Any]:
+        """The build's answer: epoch, step, resumed_from, metrics."""
+        return self._built
+
+    def call(self, op: str, **args: Any) -> Future[Any]:
+        """Send ``op`` with ``args``; the future holds the answer or the child's error."""
+        future: Future[Any] = Future()
+        with self._lock:
+            if self.process.poll() is not None or self._closed:
+                future.set_exception(self._died())
+                return future
+            call_id, self._next = self._next, self._next + 1
+            self._calls[call_id] = future
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(json.dumps({"id": call_id, "op": op, "args": args}).encode())
+        except OSError:
+            self._fail_all()
+        return future
+
+    def close(self, *, interrupted: bool = False) -> None:
+        """End the process: with ``interrupted``, SIGTERM (it commits, then exits); wait for it."""
+        if self.process.poll() is None:
+            if interrupted:
+                self.process.send_signal(signal.SIGTERM)
+            else:
+                self.call("close")
+            try:
+                self.process.wait(GRACE_SECONDS)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._closed = True
+        self._conn.close()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                message = json.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                break
+            if "log" in message:
+                self.on_log(message["log"], message["message"])
+                continue
+            with self._lock:
+                future = self._calls.pop(message["id"], None)
+            if future is None:
+                continue
+            if "error" in message:
+                future.set_exception(_remote_error(message["error"]))
+            else:
+                future.set_result(message.get("ok"))
+        self.process.wait()
+        self._fail_all()
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, {}
+        for future in calls.values():
+            if not future.done():
+                future.set_exception(self._died())
+
+    def _died(self) -> TrainerDiedError:
+        code = self.process.poll()
+        how = (
+            "is closed"
+            if code is None
+            else f"was killed by signal {-code}"
+            if code < 0
+            else f"exited with code {code}"
+        )
+        return TrainerDiedError(
+            f"the training process (pid {self.process.pid}) {how}; the checkpoints it committed are "
+            "intact: run again to resume from the newest"
+        )
+
+
+class RemoteSave:
+    """An async save in flight in the training process (what a SaveHandle is in-process)."""
+
+    def __init__(self, trainer: TrainerProcess, version: int) -> None:
+        self.trainer = trainer
+        self.version = version
+
+    def wait(self, timeout: float | None = None) -> Any:
+        from ckptflow.storage import VersionInfo
+
+        return VersionInfo(**self.trainer.call("wait", version=self.version).result(timeout))
+
+    def resubmit(self) -> None:
+        self.trainer.call("resubmit", version=self.version).result()
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the save has ended; the process stops its epoch and exits to get there."""
+        self.trainer.close(interrupted=True)
+        return True
+
+
+_prestarted: TrainerProcess | None = None
+
+
+def prestart(config: Any) -> None:
+    """Start the training process of ``config`` now (before Prefect is imported); :func:`take` adopts it.
+
+    Not with a credentials block: resolving it needs Prefect's API, so the flow starts it.
+    """
+    global _prestarted
+    if config.storage_secret is None and config.train_process and config.nproc == 1:
+        _prestarted = TrainerProcess(config, dict(config.storage_options))
+
+
+def take(config: Any) -> TrainerProcess:
+    """The prestarted process if it was started for ``config``, else a new one."""
+    global _prestarted
+    found, _prestarted = _prestarted, None
+    if found is not None and found.config == config and found.process.poll() is None:
+        return found
+    if found is not None:
+        found.close()
+    return TrainerProcess(config, config.resolved_storage_options())
+
+
+def _remote_error(error: dict[str, Any]) -> BaseException:
+    from .run_state import ConfigMismatchError
+    from .spec import SpecError
+
+    known: dict[str, type[Exception]] = {"SpecError": SpecError, "ConfigMismatchError": ConfigMismatchError}
+    kind = known.get(error["type"])
+    exc = kind(error["message"]) if kind else TrainerError(f"{error['type']}: {error['message']}")
+    exc.add_note(f"in the training process:\n{error['traceback']}")
+    return exc
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: killed when the flow's process dies, as an in-process run would be."""
+    import ctypes
+
+    libc: Any = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+# -- the child's side ----------------------------------------------------------------------------
+
+
+class _Interrupted(BaseException):
+    """SIGTERM: stop the epoch in progress."""
+
+
+class _Child:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.run: Any = None
+        self.attempts: Any = None
+        self.handles: dict[int, Any] = {}
+
+    def send(self, message: dict[str, Any]) -> None:
+        with self.send_lock:
+            self.conn.send_bytes(json.dumps(message).encode())
+
+    def log(self, level: str) -> Callable[[str], None]:
+        return lambda message: self.send({"log": level, "message": message})
+
+    def answer(self, call_id: int, work: Callable[[], Any]) -> None:
+        try:
+            result = work()
+        except Exception as exc:
+            error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+            self.send({"id": call_id, "error": error})
+        else:
+            self.send({"id": call_id, "ok": result})
+
+    def in_thread(self, call_id: int, work: Callable[[], Any]) -> None:
+        threading.Thread(target=self.answer, args=(call_id, work), name="ckptflow-trainer-call").start()
+
+    def build(self, job: dict[str, Any]) -> dict[str, Any]:
+        from .config import PipelineConfig
+        from .run_state import build_run, open_store
+        from .threads import intra_op_threads
+
+        config = PipelineConfig.model_validate(job["config"])
+        threads = intra_op_threads(config.torch_threads)
+        if threads is not None:
+            import torch
+
+            torch.set_num_threads(threads)
+        store = open_store(config, job["storage_options"])
+        self.run = build_run(config, store, info=self.log("info"), warn=self.log("warning"))
+        resumed = self.run.resumed_from
+        return {
+            "epoch": self.run.epoch,
+            "step": self.run.step,
+            "resumed_from": dataclasses.asdict(resumed) if resumed is not None else None,
+            "metrics": {str(k): v for k, v in self.run.metrics.items()},
+            "pid": os.getpid(),
+        }
+
+    def serve(self) -> None:
+        """Answer requests until ``close`` or until the flow's end of the socket closes."""
+        while True:
+            try:
+                request = json.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            if request["op"] == "close":
+                self.finish()
+                self.send({"id": request["id"], "ok": None})
+                return
+            self.handle(request["id"], request["op"], request["args"])
+
+    def handle(self, call_id: int, op: str, args: dict[str, Any]) -> None:
+        """Epochs and the staging of saves run here, in turn; writes and waits in threads of their own."""
+        if op == "begin_epoch":
+            self.answer(call_id, lambda: self.begin_epoch(bool(args["keep_snapshot"])))
+        elif op == "train":
+            self.answer(call_id, lambda: self.train(args["epoch"], args["attempt"]))
+        elif op == "save" and args["async"]:
+            self.answer(call_id, lambda: self.save_async(args["epoch"]))
+        elif op == "save":
+            state, kwargs = self.capture(args["epoch"])
+            self.in_thread(call_id, lambda: dataclasses.asdict(self.run.store.save(state, **kwargs)))
+        elif op == "wait":
+            handle = self.handles[args["version"]]
+            self.in_thread(call_id, lambda: dataclasses.asdict(handle.wait()))
+        elif op == "flow_run":  # for the spec's own logging, as the ranks have it
+            os.environ[FLOW_RUN_ENV] = args["id"]
+            self.answer(call_id, lambda: None)
+        elif op == "resubmit":
+            self.answer(call_id, self.handles[args["version"]].resubmit)
+        else:
+            self.answer(call_id, lambda: _unknown(op))
+
+    def capture(self, epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
+        from .run_state import capture_run
+
+        run = self.run
+        kwargs = {"epoch": epoch, "step": run.step, "version": epoch, "metrics": run.metrics.get(epoch)}
+        return capture_run(run), kwargs
+
+    def save_async(self, epoch: int) -> int:
+        state, kwargs = self.capture(epoch)
+        self.handles[epoch] = self.run.store.save_async(state, **kwargs)
+        return epoch
+
+    def begin_epoch(self, keep_snapshot: bool) -> None:
+        from .run_state import EpochAttempts
+
+        self.attempts = EpochAttempts(self.run, keep_snapshot=keep_snapshot)
+
+    def train(self, epoch: int, attempt: int) -> dict[str, Any]:
+        from .run_state import train_attempt
+
+        if self.attempts is None:
+            raise RuntimeError(f"epoch {epoch} was not begun")
+        self.attempts.count = attempt
+        metrics = train_attempt(self.run, epoch, self.attempts, self.log("warning"))
+        return {"metrics": metrics, "step": self.run.step}
+
+    def finish(self) -> None:
+        """Let every save end (committed or failed) before the process exits."""
+        for handle in self.handles.values():
+            handle.join()
+
+
+def _unknown(op: str) -> None:
+    raise ValueError(f"unknown training process request {op!r}")
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise _Interrupted()
+
+
+def main() -> int:
+    job = json.loads(sys.stdin.read())
+    conn = Connection(int(os.environ[FD_ENV]))
+    child = _Child(conn)
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        child.answer(0, lambda: child.build(job))
+        if child.run is not None:
+            child.serve()
+    except _Interrupted:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the saves in flight commit now
+        child.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

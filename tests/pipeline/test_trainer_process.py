@@ -1,0 +1,173 @@
+"""Training in a child process (``train_process``, the CLI's default) behaves as training in the flow's.
+
+- The same run ends bitwise where an in-process run ends; SIGKILLing the flow's
+  process while epoch 4 trains takes the training process with it (nothing of
+  the dead run keeps writing), and the resumed run ends where a straight one does.
+- A failed epoch is retried in the training process from its start state.
+- Errors of the training process reach the flow: a bad spec as SpecError (not
+  retried), a training process that dies as a failed run naming the signal,
+  with what it committed before intact.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptflow.storage import CheckpointStore
+from ckptflow.tasks.spec import SpecError
+from tests.pipeline.helpers import (
+    Child,
+    assert_only_committed,
+    assert_same_checkpoint,
+    assert_same_metrics,
+    make_config,
+    run_counts,
+    run_flow,
+    run_summary,
+)
+from tests.pipeline.specs import (
+    FAULTS_ENV,
+    FAULTY_SPEC,
+    MARKERS_ENV,
+    SLOW_FROM_ENV,
+    SLOW_SECONDS_ENV,
+    EpochFailure,
+    marker,
+)
+
+pytestmark = pytest.mark.prefect
+
+EPOCHS = 6
+KILLED_IN = 4
+
+
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (from /proc)."""
+    found: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(p) for p in (task / "children").read_text().split()]
+    return found
+
+
+def gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie counts: it runs no more)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.05)
+
+
+def assert_same_run(got: CheckpointStore, want: CheckpointStore, epochs: int) -> None:
+    assert [v.version for v in got.versions()] == list(range(1, epochs + 1))
+    for version in range(1, epochs + 1):
+        assert_same_checkpoint(got, want, version)
+    assert_same_metrics(got, want)
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("async_save", [True, False], ids=["async-save", "sync-save"])
+def test_killed_flow_takes_its_training_process_along_and_the_resume_is_exact(
+    prefect_server, tmp_path, async_save
+):
+    straight = make_config(tmp_path / "A", epochs=EPOCHS, async_save=async_save)
+    b = make_config(tmp_path / "B", epochs=EPOCHS, async_save=async_save, train_process=True)
+    assert straight.identity() == b.identity()
+    run_summary(straight)  # in the flow's process: the reference
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "120"}
+    child = Child(prefect_server, b, tmp_path / "child.log", **env)
+    try:
+        child.wait_for(lambda: marker(markers, KILLED_IN).exists(), 120, f"the start of epoch {KILLED_IN}")
+        trainers = children(child.proc.pid)
+        assert len(trainers) == 1, f"the flow's process has children {trainers}"
+        os.kill(child.proc.pid, signal.SIGKILL)  # the flow's process only, not its session
+        child.proc.wait(30)
+        wait_until(lambda: gone(trainers[0]), 10, "end of the training process")
+    finally:
+        child.kill()
+    assert not marker(markers, KILLED_IN + 1).exists()
+
+    committed = assert_only_committed(b.storage, garbage_allowed=async_save)
+    expected = list(range(1, KILLED_IN))
+    assert committed in ([expected, expected[:-1]] if async_save else [expected]), committed
+
+    resumed, _ = run_summary(b)
+    assert resumed["resumed_from"] == committed[-1] and resumed["last_epoch"] == EPOCHS
+    assert assert_only_committed(b.storage) == list(range(1, EPOCHS + 1))
+    assert_same_run(CheckpointStore(b.storage), CheckpointStore(straight.storage), EPOCHS)
+
+
+def test_failed_epoch_is_retried_in_the_training_process_from_its_start_state(
+    prefect_server, tmp_path, monkeypatch
+):
+    clean = make_config(tmp_path / "clean", epochs=3)
+    run_summary(clean)
+
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    monkeypatch.setenv(MARKERS_ENV, str(markers))
+    monkeypatch.setenv(FAULTS_ENV, "2:2")
+    config = make_config(tmp_path / "s", spec=FAULTY_SPEC, epochs=3, epoch_retries=2, train_process=True)
+    summary, run_id = run_summary(config)
+
+    attempts = [line.split() for line in (markers / "attempts").read_text().splitlines()]
+    assert [int(epoch) for epoch, _ in attempts] == [1, 2, 2, 2, 3]
+    pids = {int(pid) for _, pid in attempts}
+    assert len(pids) == 1 and os.getpid() not in pids, "every attempt in one training process"
+    assert summary["last_epoch"] == 3
+    assert sorted(run_counts(run_id, "train_epoch", 3)) == [1, 1, 3]
+    assert_same_run(CheckpointStore(config.storage), CheckpointStore(clean.storage), 3)
+
+
+def test_epoch_failing_more_often_than_its_retries_fails_the_run(prefect_server, tmp_path, monkeypatch):
+    monkeypatch.setenv(FAULTS_ENV, "2:2")
+    config = make_config(tmp_path / "s", spec=FAULTY_SPEC, epochs=3, epoch_retries=1, train_process=True)
+    state, _ = run_flow(config)
+
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match=f"{EpochFailure.__name__}: planned failure of epoch 2") as err:
+        state.result()
+    assert "in the training process" in "".join(getattr(err.value, "__notes__", []))
+    assert assert_only_committed(config.storage) == [1]
+
+
+def test_a_bad_spec_fails_init_once_with_its_name(prefect_server, tmp_path):
+    config = make_config(tmp_path / "s", spec="tests.pipeline.specs:NoSuchSpec", train_process=True)
+    state, run_id = run_flow(config)
+
+    assert state.is_failed()
+    with pytest.raises(SpecError, match="NoSuchSpec"):
+        state.result()
+    assert run_counts(run_id, "init_model", 1) == [1]  # a user's mistake is not retried
+
+
+def test_a_dead_training_process_fails_the_run_and_keeps_what_it_committed(
+    prefect_server, tmp_path, monkeypatch
+):
+    monkeypatch.setenv(FAULTS_ENV, "3:kill")
+    config = make_config(tmp_path / "s", spec=FAULTY_SPEC, epochs=4, async_save=False, train_process=True)
+    state, _ = run_flow(config)
+
+    assert state.is_failed()
+    with pytest.raises(RuntimeError, match="training process .* was killed by signal 9"):
+        state.result()
+    assert assert_only_committed(config.storage) == [1, 2]
+
+    monkeypatch.delenv(FAULTS_ENV)
+    summary, _ = run_summary(config)
+    assert summary["resumed_from"] == 2 and summary["last_epoch"] == 4
