@@ -164,7 +164,7 @@ def test_a_dead_training_process_fails_the_run_and_keeps_what_it_committed(
     state, _ = run_flow(config)
 
     assert state.is_failed()
-    with pytest.raises(RuntimeError, match="training process .* was killed by signal 9"):
+    with pytest.raises(RuntimeError, match=r"training process .* was killed by signal 9"):
         state.result()
     assert assert_only_committed(config.storage) == [1, 2]
 
