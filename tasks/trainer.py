@@ -16,8 +16,10 @@ resolved storage options, credentials included) goes on the child's stdin, so
 it shows in no process listing or environment. Request 0 is the build.
 
 Ending: ``close`` lets the child finish its saves and exit. An interrupted
-flow (a worker's SIGTERM) sends the child SIGTERM: it stops the epoch in
-progress, commits the save in flight and exits, and the flow waits for that.
+flow (a worker's SIGTERM, Ctrl-C) sends the child SIGTERM: it stops the epoch
+in progress, commits the save in flight and exits, and the flow waits for
+that. The child ignores SIGINT: a Ctrl-C in the terminal reaches both, and
+the flow decides.
 If the flow's process dies, the kernel kills the child (PR_SET_PDEATHSIG), as
 it would an in-process run: nothing half-written is ever committed. If the
 child dies, every waiting call fails with :class:`TrainerDiedError`.
@@ -366,6 +368,7 @@ def main() -> int:
     conn = Connection(int(os.environ[FD_ENV]))
     child = _Child(conn)
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the flow too: it stops this process
     try:
         child.answer(0, lambda: child.build(job))
         if child.run is not None:

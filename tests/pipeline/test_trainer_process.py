@@ -4,6 +4,8 @@
   process while epoch 4 trains takes the training process with it (nothing of
   the dead run keeps writing), and the resumed run ends where a straight one does.
 - A failed epoch is retried in the training process from its start state.
+- Ctrl-C of ``ckptflow run`` stops the training process after the save in
+  flight commits; nothing outlives the CLI.
 - Errors of the training process reach the flow: a bad spec as SpecError (not
   retried), a training process that dies as a failed run naming the signal,
   with what it committed before intact.
@@ -11,8 +13,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +26,7 @@ import pytest
 from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.spec import SpecError
 from tests.pipeline.helpers import (
+    REPO,
     Child,
     assert_only_committed,
     assert_same_checkpoint,
@@ -33,14 +39,17 @@ from tests.pipeline.helpers import (
 from tests.pipeline.specs import (
     FAULTS_ENV,
     FAULTY_SPEC,
+    MARKED_SPEC,
     MARKERS_ENV,
     SLOW_FROM_ENV,
     SLOW_SECONDS_ENV,
+    SPEC_CONFIG,
     EpochFailure,
     marker,
 )
 
 pytestmark = pytest.mark.prefect
+CKPTFLOW = str(Path(sys.executable).parent / "ckptflow")
 
 EPOCHS = 6
 KILLED_IN = 4
@@ -171,3 +180,45 @@ def test_a_dead_training_process_fails_the_run_and_keeps_what_it_committed(
     monkeypatch.delenv(FAULTS_ENV)
     summary, _ = run_summary(config)
     assert summary["resumed_from"] == 2 and summary["last_epoch"] == 4
+
+
+def test_ctrl_c_of_the_cli_commits_the_save_in_flight_and_ends_the_training_process(prefect_server, tmp_path):
+    """A terminal's Ctrl-C goes to the whole process group: the training process ignores it, and
+    the CLI's flow stops it (SIGTERM) after which the async save of epoch 2 is committed, not cut off."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    store = tmp_path / "store"
+    env = {
+        **prefect_server.env(),
+        "PYTHONPATH": str(REPO),
+        MARKERS_ENV: str(markers),
+        SLOW_FROM_ENV: "3",
+        SLOW_SECONDS_ENV: "120",
+    }
+    spec = ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--shards", "2"]
+    args = [CKPTFLOW, "run", "--storage", str(store), "--epochs", "4", *spec]
+    with open(tmp_path / "run.log", "wb") as log:
+        proc = subprocess.Popen(
+            args, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        wait_until(lambda: marker(markers, 3).exists() or proc.poll() is not None, 120, "epoch 3")
+        assert proc.poll() is None, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
+        trainers = children(proc.pid)
+        assert len(trainers) == 1, trainers
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    output = (tmp_path / "run.log").read_text(errors="replace")
+    assert code != 0, output[-3000:]
+    assert gone(trainers[0]), "the training process outlived the CLI"
+    assert assert_only_committed(store) == [1, 2], output[-3000:]
+
+    env[SLOW_FROM_ENV] = "99"
+    resumed = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming in {store} at epoch 3" in " ".join(resumed.stderr.split())
+    assert assert_only_committed(store) == [1, 2, 3, 4]
