@@ -1,12 +1,13 @@
 """Orchestration overhead of the Prefect pipeline against a plain training loop.
 
-Runs the demo (digits MLP) for N epochs, saving every epoch, four ways, each in
+Runs the demo (digits MLP) for N epochs, saving every epoch, five ways, each in
 a fresh process, R times each (interleaved; medians shown):
 
 - plain:      the same spec and CheckpointStore calls in a Python loop, no Prefect
 - floor:      Prefect's own floor: a trivial flow with one task (time to the task body)
 - ephemeral:  `ckptflow run` with Prefect's temporary local API server
 - server:     `ckptflow run` against a running `prefect server start` (PREFECT_API_URL set)
+- in-process: the same with `--in-process` (the model in the CLI's process, not a child)
 
 and prints one table: time from process start to the first epoch starting,
 the time the epochs took, and the overhead per epoch against the plain loop.
@@ -121,6 +122,9 @@ def main() -> None:
                 runs["ckptflow run, server"].append(
                     run_child([*run_cmd, "--storage", str(store / "srv")], env, times)
                 )
+                runs["ckptflow run --in-process, server"].append(
+                    run_child([*run_cmd, "--in-process", "--storage", str(store / "inp")], env, times)
+                )
         finally:
             server.stop()
     results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
@@ -133,6 +137,7 @@ KINDS = (
     "ckptflow run, ephemeral",
     "prefect floor, server",
     "ckptflow run, server",
+    "ckptflow run --in-process, server",
 )
 
 
@@ -154,7 +159,9 @@ def print_table(results: dict[str, dict[str, float]], epochs: int, repeats: int)
     )
     srv = results["ckptflow run, server"]["to_first_epoch"]
     print(f"\nstart-up above Prefect's floor (ephemeral): {eph:.2f} s (target <= 2 s)")
-    print(f"start-up against a running server: {srv:.2f} s (target <= 4 s)")
+    inp = results["ckptflow run --in-process, server"]["to_first_epoch"]
+    print(f"start-up against a running server: {srv:.2f} s (target <= 4 s); in-process {inp:.2f} s")
+    print(f"the training process's start-up against in-process: {srv / inp:.2f}x the time")
     print(json.dumps(results, indent=1))
 
 

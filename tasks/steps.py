@@ -82,7 +82,7 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
 
     from .trainer import take
 
-    process = take(config)
+    process, prestarted = take(config)
     process.on_log = lambda level, message: getattr(logger, level)(message)
     try:
         built = process.built().result()
@@ -92,7 +92,7 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
     run_id = flow_run.get_id()
     if run_id is not None:
         process.call("flow_run", id=str(run_id)).result()
-    logger.info("training in process %d", process.pid)
+    logger.info("training in process %d%s", process.pid, " (started before Prefect)" if prestarted else "")
     resumed = built["resumed_from"]
     return RunState(
         config,

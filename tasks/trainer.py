@@ -202,15 +202,15 @@ def prestart(config: Any) -> None:
         _prestarted = TrainerProcess(config, dict(config.storage_options))
 
 
-def take(config: Any) -> TrainerProcess:
-    """The prestarted process if it was started for ``config``, else a new one."""
+def take(config: Any) -> tuple[TrainerProcess, bool]:
+    """The prestarted process if it was started for ``config`` (True), else a new one (False)."""
     global _prestarted
     found, _prestarted = _prestarted, None
     if found is not None and found.config == config and found.process.poll() is None:
-        return found
+        return found, True
     if found is not None:
-        found.close()
-    return TrainerProcess(config, config.resolved_storage_options())
+        found.close(interrupted=True)
+    return TrainerProcess(config, config.resolved_storage_options()), False
 
 
 def _remote_error(error: dict[str, Any]) -> BaseException:

@@ -218,7 +218,31 @@ def test_ctrl_c_of_the_cli_commits_the_save_in_flight_and_ends_the_training_proc
     assert assert_only_committed(store) == [1, 2], output[-3000:]
 
     env[SLOW_FROM_ENV] = "99"
-    resumed = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run([*args, "-v"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "(started before Prefect)" in resumed.stderr, "the CLI's training process was not adopted"
     assert f"resuming in {store} at epoch 3" in " ".join(resumed.stderr.split())
     assert assert_only_committed(store) == [1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("in_process", [False, True], ids=["child", "in-process"])
+def test_the_cli_trains_in_a_child_unless_told_in_process(prefect_server, tmp_path, in_process):
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {**prefect_server.env(), "PYTHONPATH": str(REPO), MARKERS_ENV: str(markers)}
+    spec = ["--spec", FAULTY_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--shards", "2"]
+    args = [CKPTFLOW, "run", "--storage", str(tmp_path / "s"), "--epochs", "2", *spec]
+    proc = subprocess.Popen(
+        [*args, "--in-process"] if in_process else args,
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    pids = {int(line.split()[1]) for line in (markers / "attempts").read_text().splitlines()}
+    assert len(pids) == 1
+    assert (pids == {proc.pid}) is in_process, f"epochs ran in {pids}, the CLI is {proc.pid}"
+    assert assert_only_committed(tmp_path / "s") == [1, 2]
