@@ -28,6 +28,7 @@ save in progress finishes and commits, and nothing half-written is exposed.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -83,7 +84,7 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
     from .trainer import take
 
     process, prestarted = take(config)
-    process.on_log = lambda level, message: getattr(logger, level)(message)
+    process.set_log(_log_to(logger))  # what the build noted (resuming from, config changes)
     try:
         built = process.built().result()
     except BaseException:
@@ -114,10 +115,16 @@ def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str,
     warn = get_run_logger().warning
     if run.remote is None:
         return run_state.train_attempt(run, epoch, attempts, warn)
-    answer = _remote_result(run.remote.call("train", epoch=epoch, attempt=attempts.count))
+    log = _log_to(get_run_logger())
+    answer = _remote_result(run.remote.call("train", log, epoch=epoch, attempt=attempts.count))
     run.epoch, run.step = epoch, answer["step"]
     run.metrics[epoch] = answer["metrics"]
     return cast(dict[str, float], answer["metrics"])
+
+
+def _log_to(logger: Any) -> Callable[[str, str], None]:
+    """Notes of the training process, to ``logger`` (a task's run logger: they show on that task)."""
+    return lambda level, message: getattr(logger, level)(message)
 
 
 def _remote_result(future: Future[Any]) -> Any:

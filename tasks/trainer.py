@@ -44,6 +44,7 @@ from typing import Any
 FD_ENV = "CKPTFLOW_TRAINER_FD"
 FLOW_RUN_ENV = "CKPTFLOW_FLOW_RUN_ID"  # the same name the ranks get (ckptflow.tasks.gang)
 GRACE_SECONDS = 120.0  # how long an interrupted child gets to commit the save in flight
+Log = Callable[[str, str], None]  # (level name, message)
 
 
 class TrainerDiedError(RuntimeError):
@@ -83,9 +84,19 @@ class TrainerProcess:
         self._calls: dict[int, Future[Any]] = {0: self._built}
         self._next = 1
         self._closed = False
-        self.on_log: Callable[[str, str], None] = lambda level, message: None
+        self._logs: dict[int, Log] = {}
+        self._early: list[tuple[str, str]] = []  # notes made before anyone listened (the build)
+        self._on_log: Log = lambda level, message: self._early.append((level, message))
         self._reader = threading.Thread(target=self._read, name="ckptflow-trainer-reader", daemon=True)
         self._reader.start()
+
+    def set_log(self, log: Log) -> None:
+        """Where notes of no particular call go (the build's); the ones made so far go there now."""
+        with self._lock:
+            early, self._early = self._early, []
+            self._on_log = log
+        for level, message in early:
+            log(level, message)
 
     @property
     def pid(self) -> int:
@@ -95,8 +106,11 @@ class TrainerProcess:
         """The build's answer: epoch, step, resumed_from, metrics."""
         return self._built
 
-    def call(self, op: str, **args: Any) -> Future[Any]:
-        """Send ``op`` with ``args``; the future holds the answer or the child's error."""
+    def call(self, op: str, log: Log | None = None, **args: Any) -> Future[Any]:
+        """Send ``op`` with ``args``; the future holds the answer or the child's error.
+
+        ``log(level, message)`` gets the notes the child makes while it answers (default: :meth:`set_log`'s).
+        """
         future: Future[Any] = Future()
         with self._lock:
             if self.process.poll() is not None or self._closed:
@@ -104,6 +118,8 @@ class TrainerProcess:
                 return future
             call_id, self._next = self._next, self._next + 1
             self._calls[call_id] = future
+            if log is not None:
+                self._logs[call_id] = log
         try:
             with self._send_lock:
                 self._conn.send_bytes(json.dumps({"id": call_id, "op": op, "args": args}).encode())
@@ -133,10 +149,13 @@ class TrainerProcess:
             except (EOFError, OSError):
                 break
             if "log" in message:
-                self.on_log(message["log"], message["message"])
+                with self._lock:
+                    log = self._logs.get(message["id"], self._on_log)
+                log(message["log"], message["message"])
                 continue
             with self._lock:
                 future = self._calls.pop(message["id"], None)
+                self._logs.pop(message["id"], None)
             if future is None:
                 continue
             if "error" in message:
@@ -246,13 +265,14 @@ class _Child:
         self.run: Any = None
         self.attempts: Any = None
         self.handles: dict[int, Any] = {}
+        self.current = 0  # the request being answered in the main thread: its notes go with it
 
     def send(self, message: dict[str, Any]) -> None:
         with self.send_lock:
             self.conn.send_bytes(json.dumps(message).encode())
 
     def log(self, level: str) -> Callable[[str], None]:
-        return lambda message: self.send({"log": level, "message": message})
+        return lambda message: self.send({"log": level, "message": message, "id": self.current})
 
     def answer(self, call_id: int, work: Callable[[], Any]) -> None:
         try:
@@ -299,6 +319,7 @@ class _Child:
                 self.finish()
                 self.send({"id": request["id"], "ok": None})
                 return
+            self.current = request["id"]
             self.handle(request["id"], request["op"], request["args"])
 
     def handle(self, call_id: int, op: str, args: dict[str, Any]) -> None:

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from ckptflow.storage import CheckpointStore
+from ckptflow.tasks.run_state import ConfigMismatchError
 from ckptflow.tasks.spec import SpecError
 from tests.pipeline.helpers import (
     REPO,
@@ -221,6 +222,7 @@ def test_ctrl_c_of_the_cli_commits_the_save_in_flight_and_ends_the_training_proc
     resumed = subprocess.run([*args, "-v"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "(started before Prefect)" in resumed.stderr, "the CLI's training process was not adopted"
+    assert "resuming from" in resumed.stderr, "the training process's notes did not reach the run's log"
     assert f"resuming in {store} at epoch 3" in " ".join(resumed.stderr.split())
     assert assert_only_committed(store) == [1, 2, 3, 4]
 
@@ -246,3 +248,14 @@ def test_the_cli_trains_in_a_child_unless_told_in_process(prefect_server, tmp_pa
     assert len(pids) == 1
     assert (pids == {proc.pid}) is in_process, f"epochs ran in {pids}, the CLI is {proc.pid}"
     assert assert_only_committed(tmp_path / "s") == [1, 2]
+
+
+def test_a_changed_seed_is_refused_by_the_training_process_as_in_process(prefect_server, tmp_path):
+    run_summary(make_config(tmp_path / "s", epochs=1, train_process=True))
+    state, run_id = run_flow(make_config(tmp_path / "s", epochs=2, seed=1, train_process=True))
+
+    assert state.is_failed()
+    with pytest.raises(ConfigMismatchError, match=r"seed \(0 -> 1\)"):
+        state.result()
+    assert run_counts(run_id, "init_model", 1) == [1]
+    assert assert_only_committed(tmp_path / "s") == [1]
