@@ -14,6 +14,10 @@ cancellation from Prefect. A cancellation seen between epochs (the UI's
 Cancelled; a cancellation delivered as SIGTERM by a worker interrupts the
 epoch, and the save in flight still commits before the process exits.
 
+With ``train_process`` the model lives in a child process
+(``ckptflow.tasks.trainer``) and the same tasks drive it there; an
+interrupted flow stops it after the save in flight commits.
+
 With ``nproc`` > 1 the epochs run in ``nproc`` torch.distributed processes
 launched by one task, ``train_ranks`` (see ``ckptflow.tasks.gang``): every
 rank writes its share of each checkpoint and rank 0 commits; this process

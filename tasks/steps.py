@@ -20,6 +20,11 @@ each is safe to retry:
 - ``commit_checkpoint`` waits for an async save and, if the background write
   failed, writes the same staged state again on the next attempt.
 
+With ``train_process`` the spec's objects live in a training process
+(:mod:`.trainer`): these tasks send it their work and wait for its answers,
+with the same retry and timeout rules; the work itself is the same code
+(:mod:`.run_state`).
+
 A save runs in a helper thread and the task waits for it even when the run is
 being cancelled (Prefect raises ``TerminationSignal`` in the main thread): the
 save in progress finishes and commits, and nothing half-written is exposed.
