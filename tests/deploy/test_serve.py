@@ -36,12 +36,25 @@ def read_deployment(name: str):
             return None
 
 
+def default_sigint() -> None:
+    """Bug fix (of the test): started by a background shell without job control, pytest and so the
+    served process inherited SIGINT ignored, and the Ctrl-C below did nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_serve_runs_the_served_deployment(stack, tmp_path):
     storage = tmp_path / "served"
     args = [sys.executable, str(SERVE), "--storage", str(storage), "--epochs", "2"]
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(args, cwd=tmp_path, env=stack.env(), stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            args,
+            cwd=tmp_path,
+            env=stack.env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=default_sigint,  # as a terminal's foreground job: the test's Ctrl-C must reach it
+        )
     try:
         train = poll_until(lambda: read_deployment("ckptflow-train/train-served"), bool, timeout=90)
         maintenance = poll_until(lambda: read_deployment("ckptflow-maintenance/maintenance-served"), bool)

@@ -80,6 +80,15 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def default_sigint() -> None:
+    """In a child before exec: SIGINT as a terminal's foreground job has it.
+
+    Bug fix (of the test): a test run started in the background by a shell without job control
+    inherits SIGINT ignored, and so did the CLI, which then never saw the test's Ctrl-C.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def assert_same_run(got: CheckpointStore, want: CheckpointStore, epochs: int) -> None:
     assert [v.version for v in got.versions()] == list(range(1, epochs + 1))
     for version in range(1, epochs + 1):
@@ -200,7 +209,13 @@ def test_ctrl_c_of_the_cli_commits_the_save_in_flight_and_ends_the_training_proc
     args = [CKPTFLOW, "run", "--storage", str(store), "--epochs", "4", *spec]
     with open(tmp_path / "run.log", "wb") as log:
         proc = subprocess.Popen(
-            args, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            args,
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=default_sigint,
         )
     try:
         wait_until(lambda: marker(markers, 3).exists() or proc.poll() is not None, 120, "epoch 3")
