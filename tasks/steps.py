@@ -121,7 +121,7 @@ def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str,
     if run.remote is None:
         return run_state.train_attempt(run, epoch, attempts, warn)
     log = _log_to(get_run_logger())
-    answer = _remote_result(run.remote.call("train", log, epoch=epoch, attempt=attempts.count))
+    answer = run.remote.call("train", log, epoch=epoch, attempt=attempts.count).result()
     run.epoch, run.step = epoch, answer["step"]
     run.metrics[epoch] = answer["metrics"]
     return cast(dict[str, float], answer["metrics"])
@@ -130,12 +130,6 @@ def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str,
 def _log_to(logger: Any) -> Callable[[str, str], None]:
     """Notes of the training process, to ``logger`` (a task's run logger: they show on that task)."""
     return lambda level, message: getattr(logger, level)(message)
-
-
-def _remote_result(future: Future[Any]) -> Any:
-    """The training process's answer; if this thread is interrupted (a worker's SIGTERM) meanwhile,
-    the interruption goes on and the flow stops the process (it commits what is in flight)."""
-    return future.result()
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import subprocess
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
@@ -143,11 +143,7 @@ class TrainerProcess:
         self._conn.close()
 
     def _read(self) -> None:
-        while True:
-            try:
-                message = json.loads(self._conn.recv_bytes())
-            except (EOFError, OSError):
-                break
+        for message in _received(self._conn):
             if "log" in message:
                 with self._lock:
                     log = self._logs.get(message["id"], self._on_log)
@@ -232,6 +228,15 @@ def take(config: Any) -> tuple[TrainerProcess, bool]:
     return TrainerProcess(config, config.resolved_storage_options()), False
 
 
+def _received(conn: Connection) -> Iterator[dict[str, Any]]:
+    """The messages from the other side, until it closes its end."""
+    while True:
+        try:
+            yield json.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            return
+
+
 def _remote_error(error: dict[str, Any]) -> BaseException:
     from .run_state import ConfigMismatchError
     from .spec import SpecError
@@ -305,16 +310,11 @@ class _Child:
             "step": self.run.step,
             "resumed_from": dataclasses.asdict(resumed) if resumed is not None else None,
             "metrics": {str(k): v for k, v in self.run.metrics.items()},
-            "pid": os.getpid(),
         }
 
     def serve(self) -> None:
         """Answer requests until ``close`` or until the flow's end of the socket closes."""
-        while True:
-            try:
-                request = json.loads(self.conn.recv_bytes())
-            except (EOFError, OSError):
-                return
+        for request in _received(self.conn):
             if request["op"] == "close":
                 self.finish()
                 self.send({"id": request["id"], "ok": None})
