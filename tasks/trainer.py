@@ -5,9 +5,11 @@ in the flow's process and ask a child, ``python -m ckptflow.tasks.trainer``,
 to build the run, train each epoch and save, through the same functions an
 in-process run calls (:mod:`.run_state`). The child imports torch but not
 Prefect; the flow's process imports Prefect and does not build anything. So
-the two start side by side: ``ckptflow run`` starts the child before it
-imports Prefect (:func:`prestart`), and the first epoch starts when both are
-ready instead of after one and then the other.
+the two start side by side: the ``ckptflow`` script starts the child first
+thing (:func:`spawn_early`); the child imports torch while the CLI parses its
+options and imports Prefect, and gets its job when the options are valid
+(:func:`prestart`). The first epoch starts when both sides are ready instead
+of after one and then the other.
 
 Protocol: JSON messages on a socket pair (nothing is unpickled), each request
 ``{"id", "op", "args"}`` answered by ``{"id", "ok"}`` or ``{"id", "error"}``;
@@ -61,8 +63,9 @@ class TrainerError(RuntimeError):
 class TrainerProcess:
     """A started training process and the calls in flight to it."""
 
-    def __init__(self, config: Any, storage_options: dict[str, Any]) -> None:
-        self.config = config
+    def __init__(self) -> None:
+        """Start the process; it imports torch and the storage code while it waits for :meth:`start`."""
+        self.config: Any = None
         parent, child = socket.socketpair()
         env = {**os.environ, FD_ENV: str(child.fileno())}
         self.process = subprocess.Popen(
@@ -70,13 +73,9 @@ class TrainerProcess:
             stdin=subprocess.PIPE,
             env=env,
             pass_fds=(child.fileno(),),
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            preexec_fn=_before_exec if sys.platform == "linux" else None,
         )
         child.close()
-        assert self.process.stdin is not None
-        job = {"config": config.model_dump(mode="json"), "storage_options": storage_options}
-        self.process.stdin.write(json.dumps(job).encode())
-        self.process.stdin.close()
         self._conn = Connection(parent.detach())
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
@@ -89,6 +88,24 @@ class TrainerProcess:
         self._on_log: Log = lambda level, message: self._early.append((level, message))
         self._reader = threading.Thread(target=self._read, name="ckptflow-trainer-reader", daemon=True)
         self._reader.start()
+
+    def start(self, config: Any, storage_options: dict[str, Any]) -> TrainerProcess:
+        """Send the job: the process builds the run of ``config`` (request 0, :meth:`built`)."""
+        assert self.process.stdin is not None and self.config is None
+        self.config = config
+        job = {"config": config.model_dump(mode="json"), "storage_options": storage_options}
+        try:
+            self.process.stdin.write(json.dumps(job).encode())
+            self.process.stdin.close()
+        except BrokenPipeError:
+            pass  # it died: the build fails with TrainerDiedError
+        return self
+
+    def discard(self) -> None:
+        """End a process that got no job (it exits when its stdin closes)."""
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.close(interrupted=True)
 
     def set_log(self, log: Log) -> None:
         """Where notes of no particular call go (the build's); the ones made so far go there now."""
@@ -204,17 +221,40 @@ class RemoteSave:
         return True
 
 
-_prestarted: TrainerProcess | None = None
+_spare: TrainerProcess | None = None  # started, no job yet
+_prestarted: TrainerProcess | None = None  # started with a job
+
+
+def spawn_early() -> None:
+    """Start a training process now, to be given its job by :func:`prestart` or :func:`take`.
+
+    ``ckptflow run`` calls this first thing: the process imports torch while the CLI parses and
+    validates its options.
+    """
+    global _spare
+    if _spare is None:
+        _spare = TrainerProcess()
+
+
+def _started(config: Any, storage_options: dict[str, Any]) -> TrainerProcess:
+    global _spare
+    process, _spare = _spare, None
+    return (process or TrainerProcess()).start(config, storage_options)
 
 
 def prestart(config: Any) -> None:
     """Start the training process of ``config`` now (before Prefect is imported); :func:`take` adopts it.
 
-    Not with a credentials block: resolving it needs Prefect's API, so the flow starts it.
+    Not with a credentials block: resolving it needs Prefect's API, so the flow sends the job
+    (to the process :func:`spawn_early` started, if any).
     """
-    global _prestarted
-    if config.storage_secret is None and config.train_process and config.nproc == 1:
-        _prestarted = TrainerProcess(config, dict(config.storage_options))
+    global _prestarted, _spare
+    if not (config.train_process and config.nproc == 1):
+        if _spare is not None:
+            _spare.discard()
+            _spare = None
+    elif config.storage_secret is None:
+        _prestarted = _started(config, dict(config.storage_options))
 
 
 def take(config: Any) -> tuple[TrainerProcess, bool]:
@@ -225,7 +265,7 @@ def take(config: Any) -> tuple[TrainerProcess, bool]:
         return found, True
     if found is not None:
         found.close(interrupted=True)
-    return TrainerProcess(config, config.resolved_storage_options()), False
+    return _started(config, config.resolved_storage_options()), False
 
 
 def _received(conn: Connection) -> Iterator[dict[str, Any]]:
@@ -248,12 +288,14 @@ def _remote_error(error: dict[str, Any]) -> BaseException:
     return exc
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: killed when the flow's process dies, as an in-process run would be."""
+def _before_exec() -> None:
+    """In the child, before exec: killed when the flow's process dies, as an in-process run would be;
+    deaf to Ctrl-C from the start (the flow decides, see :func:`main`)."""
     import ctypes
 
     libc: Any = ctypes.CDLL(None, use_errno=True)
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 # -- the child's side ----------------------------------------------------------------------------
@@ -384,14 +426,28 @@ def _interrupt(signum: int, frame: Any) -> None:
     raise _Interrupted()
 
 
+def _warm_up() -> None:
+    """What every build needs, imported while the job is on its way: torch, the storage code, and
+    ``torch._dynamo``, which constructing any torch optimizer imports (about a third of the wait)."""
+    import torch._dynamo  # noqa: F401
+
+    from . import run_state  # noqa: F401
+
+
 def main() -> int:
-    job = json.loads(sys.stdin.read())
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the flow too: it stops this process
+    job: list[bytes] = []
+    reading = threading.Thread(target=lambda: job.append(sys.stdin.buffer.read()), daemon=True)
+    reading.start()  # so that a large job never blocks the flow's write
+    _warm_up()
+    reading.join()
+    if not job[0]:
+        return 0  # discarded before it got a job
     conn = Connection(int(os.environ[FD_ENV]))
     child = _Child(conn)
     signal.signal(signal.SIGTERM, _interrupt)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the flow too: it stops this process
     try:
-        child.answer(0, lambda: child.build(job))
+        child.answer(0, lambda: child.build(json.loads(job[0])))
         if child.run is not None:
             child.serve()
     except _Interrupted:

@@ -28,6 +28,7 @@ from torch import nn
 from typer.testing import CliRunner
 
 from ckptflow.flows.cli import app
+from ckptflow.flows.launch import trains_in_a_child
 from ckptflow.storage import CheckpointStore, StoreOptions
 from tests.conftest import S3_SECRET, assert_same_state, tensor_bits
 
@@ -530,3 +531,21 @@ class TestS3:
         outputs = [ls, verify, restore, missing, invoke("show", url, "--storage-options", text, env=WIDE)]
         for result in outputs:
             assert S3_SECRET not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "early"),
+    [
+        (["run"], True),
+        (["run", "--epochs", "3", "--nproc", "1"], True),
+        (["run", "--nproc=1"], True),
+        (["run", "--nproc", "2"], False),
+        (["run", "--nproc=4"], False),
+        (["run", "--in-process"], False),
+        (["run", "--help"], False),
+        (["ls", "run"], False),
+        ([], False),
+    ],
+)
+def test_the_training_process_starts_first_only_for_runs_that_use_one(args, early):
+    assert trains_in_a_child(args) is early

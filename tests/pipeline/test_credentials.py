@@ -25,6 +25,7 @@ from ckptflow.tasks.config import ArchiveConfig, PipelineConfig
 from ckptflow.tasks.credentials import aws_credentials_options, with_secret
 from tests.conftest import AWS_ENV, S3_KEY, S3_SECRET
 from tests.pipeline.helpers import make_config, poll, run_summary
+from tests.pipeline.specs import FAULTY_SPEC, MARKERS_ENV
 
 BLOCK = "ckptflow-test-aws"
 AWS_VARIABLES = (*AWS_ENV, "AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_REGION")
@@ -117,6 +118,35 @@ class TestPipelineWithAwsCredentialsBlock:
         assert [v.version for v in store.versions()] == [1, 2]
         store.verify(2)
         assert store.load(2)["progress"]["epoch"] == 2
+        assert_secret_absent(run_id)
+
+    def test_a_training_process_started_early_gets_the_blocks_keys_from_the_flow(
+        self, block, s3_bucket, tmp_path, monkeypatch, no_aws_environment
+    ):
+        """``ckptflow run`` starts its training process before anything can resolve a block; the
+        flow's init gives it its job, with the block's keys, on its stdin (never its environment)."""
+        from ckptflow.tasks import trainer
+
+        markers = tmp_path / "markers"
+        markers.mkdir()
+        monkeypatch.setenv(MARKERS_ENV, str(markers))
+        trainer.spawn_early()
+        assert trainer._spare is not None
+        early = trainer._spare.pid
+        bucket, options = s3_bucket
+        config = make_config(
+            f"s3://{bucket}/early", spec=FAULTY_SPEC, epochs=2, storage_secret=block, train_process=True
+        )
+        trainer.prestart(config)  # as the CLI does: a block waits for the flow
+        assert trainer._spare is not None and trainer._prestarted is None
+        summary, run_id = run_summary(config)
+
+        assert summary["last_epoch"] == 2
+        pids = {int(line.split()[1]) for line in (markers / "attempts").read_text().splitlines()}
+        assert pids == {early}, f"epochs ran in {pids}, not in the process started early ({early})"
+        assert trainer._spare is None
+        store = CheckpointStore(f"s3://{bucket}/early", storage_options=options)
+        assert [v.version for v in store.versions()] == [1, 2]
         assert_secret_absent(run_id)
 
     def test_archives_are_uploaded_with_the_blocks_keys(self, block, s3_bucket, tmp_path, no_aws_environment):

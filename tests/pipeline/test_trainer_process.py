@@ -274,3 +274,57 @@ def test_a_changed_seed_is_refused_by_the_training_process_as_in_process(prefect
         state.result()
     assert run_counts(run_id, "init_model", 1) == [1]
     assert assert_only_committed(tmp_path / "s") == [1]
+
+
+def processes_with(token: str) -> list[int]:
+    """The live processes whose environment holds ``token`` (children inherit it)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if token.encode() in (entry / "environ").read_bytes() and not gone(int(entry.name)):
+                    found.append(int(entry.name))
+            except OSError:
+                pass  # exited, or not ours
+    return found
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--epochs", "0"], ["--spec-config", "[1]"], ["--no-such-option"]],
+    ids=["bad-value", "bad-json", "usage"],
+)
+def test_a_refused_command_line_leaves_no_training_process(tmp_path, args):
+    """``ckptflow run`` starts its training process before it parses its options; when they are
+    refused, the process goes with the CLI, and all the user sees is the one-line error."""
+    token = f"CKPTFLOW_TEST_TOKEN={os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "CKPTFLOW_TEST_TOKEN": token.split("=", 1)[1]}
+    with open(tmp_path / "err", "wb") as err:  # a file, not a pipe: waiting for EOF would wait for the child
+        code = subprocess.call(
+            [CKPTFLOW, "run", "--storage", str(tmp_path / "s"), *args], env=env, stderr=err, timeout=120
+        )
+    stderr = (tmp_path / "err").read_text()
+    assert code == 2, stderr
+    assert "Traceback" not in stderr, stderr
+    # within a second: the process still imports torch then; it does not get to finish
+    wait_until(lambda: not processes_with(token), 1, "end of the training process started early")
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_process_started_early_that_gets_no_job_ends_without_a_word(tmp_path):
+    """``--nproc N`` runs ranks instead: the process started on the guess is discarded."""
+    code = (
+        "import sys\n"
+        "from ckptflow.tasks import trainer\n"
+        "from ckptflow.tasks.config import PipelineConfig\n"
+        "trainer.spawn_early()\n"
+        "spare = trainer._spare\n"
+        f"trainer.prestart(PipelineConfig(storage={str(tmp_path / 's')!r}, nproc=2, train_process=True))\n"
+        "assert trainer._spare is None and trainer._prestarted is None\n"
+        "print('EXIT', spare.process.poll())\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == "", proc.stderr
+    code_of_spare = int(proc.stdout.split("EXIT")[1])
+    assert code_of_spare in (0, -signal.SIGTERM), code_of_spare

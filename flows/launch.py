@@ -1,0 +1,38 @@
+"""The ``ckptflow`` console script.
+
+For ``ckptflow run`` it starts the training process (:mod:`ckptflow.tasks.trainer`) before
+anything else is imported, so that torch loads there while this process loads the CLI and
+Prefect; every other command goes straight to :mod:`.cli`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def trains_in_a_child(args: list[str]) -> bool:
+    """Whether these arguments start a run that trains in one child process (the default).
+
+    A guess from the words alone; a wrong one only costs the child (``prestart`` ends it).
+    """
+    if args[:1] != ["run"] or any(a in ("--in-process", "--help", "-h") for a in args):
+        return False
+    for i, arg in enumerate(args):
+        value = args[i + 1 : i + 2] if arg == "--nproc" else [arg[8:]] if arg.startswith("--nproc=") else None
+        if value is not None and value != ["1"]:
+            return False
+    return True
+
+
+def main() -> None:
+    if trains_in_a_child(sys.argv[1:]):
+        from ckptflow.tasks.trainer import spawn_early
+
+        spawn_early()
+    from .cli import main as cli_main
+
+    cli_main()
+
+
+if __name__ == "__main__":
+    main()
