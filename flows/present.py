@@ -137,10 +137,7 @@ def tensors_table(manifest: Manifest) -> Table:
 
 def tensor_nbytes(dtype: str, shape: list[int]) -> int | None:
     """Bytes of a tensor's own elements (None for a dtype this ckptflow does not know)."""
-    from ckptflow.storage.dtypes import dtype_from_name
+    from ckptflow.storage.dtypenames import itemsize
 
-    try:
-        itemsize = dtype_from_name(dtype).itemsize
-    except ValueError:
-        return None
-    return math.prod(shape) * itemsize
+    size = itemsize(dtype)
+    return None if size is None else math.prod(shape) * size

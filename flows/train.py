@@ -47,7 +47,6 @@ from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.formatting import human_size, metrics_text
 from ckptflow.tasks.gang import Message, train_ranks
 from ckptflow.tasks.monitoring import RunMonitor
-from ckptflow.tasks.rank_worker import CANCELLED, SIGTERM_STOP
 from ckptflow.tasks.run_state import EpochAttempts
 from ckptflow.tasks.steps import (
     check_run_identity,
@@ -58,7 +57,7 @@ from ckptflow.tasks.steps import (
     save_checkpoint,
     train_epoch,
 )
-from ckptflow.tasks.stopping import StopTracker
+from ckptflow.tasks.stopping import CANCELLED, SIGTERM_STOP, StopTracker
 from ckptflow.tasks.threads import torch_threads
 
 
@@ -67,6 +66,8 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
     if config.nproc > 1:
         return _train_on_ranks(config)
+    if config.train_process:  # it sets its own threads (init logs how many)
+        return _train_in_process(config)
     with torch_threads(config.torch_threads) as threads:
         get_run_logger().info("torch intra-op threads: %d of %d cores", threads, os.cpu_count() or 1)
         return _train_in_process(config)

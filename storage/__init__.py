@@ -6,16 +6,22 @@ Pure mechanism, no Prefect: usable from any training script.
     store = CheckpointStore("s3://bucket/run1")
     store.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, epoch=3)
     state = store.load()                 # newest committed version
+
+Importing it, opening a store, listing, pruning, archiving and collecting garbage
+do not import torch; saving and loading tensors do (and ``RankGroup``,
+torch.distributed, loads when first asked for).
 """
+
+from typing import TYPE_CHECKING, Any
 
 from .async_save import SaveHandle
 from .commit import VersionState
-from .distributed import RankFailedError, RankGroup
 from .errors import (
     CheckpointError,
     CorruptShardError,
     FormatVersionError,
     ManifestError,
+    RankFailedError,
     SaveFailedError,
     StorageUnavailableError,
     UnsupportedValueError,
@@ -25,6 +31,18 @@ from .errors import (
 from .manifest import FORMAT_VERSION, Manifest
 from .retention import RetentionPolicy
 from .store import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
+
+if TYPE_CHECKING:
+    from .distributed import RankGroup
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RankGroup":
+        from .distributed import RankGroup
+
+        return RankGroup
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "FORMAT_VERSION",

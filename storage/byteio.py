@@ -13,13 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import fsspec
-import torch
 from fsspec.spec import AbstractBufferedFile
 
 from .checksum import new_hasher
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK = 8 << 20  # bytes per write/hash step: small enough to pipeline, big enough for syscalls
 COALESCE_GAP = 1 << 20  # remote reads merge ranges separated by less than this
@@ -38,11 +40,15 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
+    import torch
+
     return t.reshape(-1).view(torch.uint8).numpy().data.toreadonly()
 
 
 def empty_bytes(nbytes: int) -> torch.Tensor:
     """A fresh uint8 tensor to read ``nbytes`` into."""
+    import torch
+
     return torch.empty(nbytes, dtype=torch.uint8)
 
 

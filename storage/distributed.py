@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from .dtypes import dtype_name
-from .errors import CheckpointError, SaveFailedError
+from .errors import CheckpointError, RankFailedError
 from .manifest import BlobEntry, RankPart, ShardEntry, TensorEntry
 from .planner import Blob, SavePlan, ShardPlan, TensorRef, assign_shards, balance, plan_blobs
 from .structure import Leaf, encode
@@ -38,10 +38,6 @@ from .structure import Leaf, encode
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
-
-
-class RankFailedError(SaveFailedError):
-    """Another rank of a multi-process save failed; nothing was committed."""
 
 
 @dataclass(frozen=True)

@@ -12,44 +12,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-# torch dtypes numpy represents natively: stored as themselves.
+from .dtypenames import BIT_CAST_WIDTHS, NATIVE, UINT_OF_WIDTH
+
+# The tables of .dtypenames, for the dtypes this torch has.
 _NATIVE: dict[torch.dtype, np.dtype] = {
-    torch.bool: np.dtype("|b1"),
-    torch.uint8: np.dtype("|u1"),
-    torch.int8: np.dtype("|i1"),
-    torch.int16: np.dtype("<i2"),
-    torch.int32: np.dtype("<i4"),
-    torch.int64: np.dtype("<i8"),
-    torch.float16: np.dtype("<f2"),
-    torch.float32: np.dtype("<f4"),
-    torch.float64: np.dtype("<f8"),
-    torch.complex64: np.dtype("<c8"),
-    torch.complex128: np.dtype("<c16"),
-}
-for _name, _np in (("uint16", "<u2"), ("uint32", "<u4"), ("uint64", "<u8")):
-    if hasattr(torch, _name):
-        _NATIVE[getattr(torch, _name)] = np.dtype(_np)
-
-_UINT_OF_WIDTH: dict[int, np.dtype] = {
-    1: np.dtype("|u1"),
-    2: np.dtype("<u2"),
-    4: np.dtype("<u4"),
-    8: np.dtype("<u8"),
-}
-
-# Dtypes without a numpy twin, stored as same-width unsigned bits: name -> width in bytes.
-_BIT_CAST_WIDTHS = {
-    "bfloat16": 2,
-    "complex32": 4,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
+    getattr(torch, name): np.dtype(code) for name, code in NATIVE.items() if hasattr(torch, name)
 }
 _BIT_CAST: dict[torch.dtype, np.dtype] = {
-    getattr(torch, name): _UINT_OF_WIDTH[width]
-    for name, width in _BIT_CAST_WIDTHS.items()
+    getattr(torch, name): np.dtype(UINT_OF_WIDTH[width])
+    for name, width in BIT_CAST_WIDTHS.items()
     if hasattr(torch, name)
 }
 

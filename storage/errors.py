@@ -71,6 +71,10 @@ class SaveFailedError(CheckpointError):
     """A background (async) save failed; the previous committed version is intact."""
 
 
+class RankFailedError(SaveFailedError):
+    """Another rank of a multi-process save failed; nothing was committed."""
+
+
 class UnsafeArchiveError(CheckpointError):
     """A tarball member that extraction refuses: absolute path, ``..``, link, device, escape."""
 

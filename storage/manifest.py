@@ -19,8 +19,6 @@ import platform
 from datetime import datetime, timezone
 from typing import Any
 
-import h5py
-import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import FormatVersionError, ManifestError
@@ -113,6 +111,9 @@ class Manifest(_Model):
 
 def writer_versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
+
+    import h5py
+    import torch
 
     try:
         ours = version("ckptflow")

@@ -15,14 +15,16 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-
-import torch
+from typing import TYPE_CHECKING
 
 from .byteio import MAX_REQUEST, ReadRange, coalesce, empty_bytes, read_hashed_local, read_ranges
 from .checksum import digest
 from .errors import CorruptShardError
 from .location import Location
 from .manifest import Manifest
+
+if TYPE_CHECKING:
+    import torch
 
 SPLIT = 64 << 20  # large blobs are read as several ranges, in parallel
 FUSED_MAX = 256 << 20  # verified local blobs up to this size are read and hashed in one pass

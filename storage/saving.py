@@ -27,8 +27,8 @@ from . import commit as protocol
 from .archiving import list_archived
 from .checksum import ALGORITHM
 from .commit import version_dir
-from .distributed import RankFailedError, RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
-from .errors import CheckpointError, VersionExistsError
+from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
+from .errors import CheckpointError, RankFailedError, VersionExistsError
 from .info import StoreOptions, VersionInfo
 from .location import Location, translate_errors
 from .manifest import RANKS_FORMAT_VERSION, Manifest, TensorEntry, clean_metrics, utc_now, writer_versions

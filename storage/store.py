@@ -18,28 +18,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import warnings
 from collections.abc import Sequence
-from typing import Any, Literal
-
-import torch
+from typing import TYPE_CHECKING, Any, Literal
 
 from . import catalog, housekeeping
 from . import commit as protocol
 from .async_save import AsyncSaver, SaveHandle
 from .byteio import hash_range, tensor_bytes
-from .distributed import RankGroup, staged_blobs
 from .errors import CheckpointError, CorruptShardError, ManifestError, VersionNotFoundError
 from .info import StoreOptions, VersionInfo
-from .loader import as_bytes, build_tensors, target_buffers
 from .location import open_location, translate_errors
 from .manifest import Manifest
 from .reader import check_size, read_blobs
 from .retention import RetentionPolicy
-from .saving import SaveJob, VersionWriter
-from .staging import StagingBuffer
-from .structure import decode, leaf_refs, select
 from .tarindex import TarIndex
+
+if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
+    import torch
+
+    from .distributed import RankGroup
+    from .saving import SaveJob, VersionWriter
+    from .staging import StagingBuffer
 
 log = logging.getLogger(__name__)
 
@@ -68,22 +69,42 @@ class CheckpointStore:
     ) -> None:
         self.loc = open_location(url, storage_options)
         self.options = options or StoreOptions()
-        self._staging = StagingBuffer()
         self._saver = AsyncSaver()
+        self._lock = threading.Lock()
+        self._made_writer: VersionWriter | None = None
+        self._made_staging: StagingBuffer | None = None
         self.group: RankGroup | None = None
-        if isinstance(distributed, RankGroup):
-            self.group = distributed
-        elif distributed:
-            self.group = RankGroup.create()
-        self._writer = VersionWriter(self.loc, self.options, self.group)
+        if distributed:
+            from .distributed import RankGroup
+
+            self.group = distributed if isinstance(distributed, RankGroup) else RankGroup.create()
+
+    @property
+    def _writer(self) -> VersionWriter:
+        """The save path (made on the first save, with torch)."""
+        with self._lock:
+            if self._made_writer is None:
+                from .saving import VersionWriter
+
+                self._made_writer = VersionWriter(self.loc, self.options, self.group)
+            return self._made_writer
+
+    @property
+    def _staging(self) -> StagingBuffer:
+        with self._lock:
+            if self._made_staging is None:
+                from .staging import StagingBuffer
+
+                self._made_staging = StagingBuffer()
+            return self._made_staging
 
     @property
     def rank(self) -> int:
-        return self._writer.rank
+        return self.group.rank if self.group else 0
 
     @property
     def world_size(self) -> int:
-        return self._writer.world_size
+        return self.group.world_size if self.group else 1
 
     @property
     def url(self) -> str:
@@ -157,6 +178,8 @@ class CheckpointStore:
         return self._saver.submit(write, job.version)
 
     def _submit_ranked(self, job: SaveJob) -> SaveHandle:
+        from .distributed import staged_blobs
+
         assert job.ranked is not None
         blobs, offset = staged_blobs(job.ranked)
         staged = self._staging.stage(blobs)
@@ -275,6 +298,11 @@ class CheckpointStore:
         verify: bool | None,
         into: Any,
     ) -> Any:
+        import torch
+
+        from .loader import as_bytes, build_tensors, target_buffers
+        from .structure import decode, leaf_refs, select
+
         structure = select(manifest.structure, list(keys)) if keys else manifest.structure
         leaf_ids = sorted(set(leaf_refs(structure)))
         wanted = sorted({manifest.tensors[i].blob for i in leaf_ids})
@@ -408,7 +436,8 @@ class CheckpointStore:
             self._saver.wait_previous()
         finally:
             self._saver.shutdown()
-            self._staging.release()
+            if self._made_staging is not None:
+                self._made_staging.release()
 
     def __enter__(self) -> CheckpointStore:
         return self

@@ -36,11 +36,10 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from .childenv import FLOW_RUN_ENV, REPORT_ADDRESS_ENV, REPORT_KEY_ENV
 from .config import PipelineConfig
-from .rank_worker import REPORT_ADDRESS_ENV, REPORT_KEY_ENV
 
 Message = dict[str, Any]
-FLOW_RUN_ENV = "CKPTFLOW_FLOW_RUN_ID"  # the ranks' flow run, for the spec's own logging
 GRACE_SECONDS = 120.0  # how long interrupted ranks get to commit the save in flight
 
 

@@ -41,17 +41,13 @@ import torch.distributed as dist
 
 from ckptflow.storage import CheckpointStore, RankGroup, SaveHandle, StoreOptions, VersionInfo
 
+from .childenv import REPORT_ADDRESS_ENV, REPORT_KEY_ENV
 from .config import PipelineConfig
 from .spec import Trainable, TrainingSpec, load_spec_class
-from .stopping import StopTracker
+from .stopping import CANCELLED, SIGTERM_STOP, StopTracker
 from .training_state import capture, restore, rng_state, run_epoch, seed_everything, split_ranked
 
 log = logging.getLogger("ckptflow.rank")
-
-REPORT_ADDRESS_ENV = "CKPTFLOW_REPORT_ADDRESS"  # host:port of the parent's listener (rank 0 only)
-REPORT_KEY_ENV = "CKPTFLOW_REPORT_KEY"  # its authentication key, hex
-SIGTERM_STOP = "stopped by SIGTERM"
-CANCELLED = "cancelled from Prefect"
 
 
 def rank_seed(seed: int, epoch: int, rank: int) -> int:

@@ -19,13 +19,15 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptflow.storage import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
 
 from .config import PipelineConfig, identity_differences
-from .spec import Trainable, TrainingSpec, load_spec_class
-from .training_state import Snapshot, capture, restore, rng_state, run_epoch, seed_everything
+
+if TYPE_CHECKING:  # what trains imports torch; the flow's side of a training process does not
+    from .spec import Trainable, TrainingSpec
+    from .training_state import Snapshot
 
 RUN_FILE = "run.json"
 
@@ -97,6 +99,9 @@ def check_run_identity(store: CheckpointStore, config: PipelineConfig, warn: Log
 
 def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn: Log) -> RunState:
     """Build the spec's objects; restore the newest committed checkpoint if there is one."""
+    from .spec import load_spec_class
+    from .training_state import capture, restore, rng_state, seed_everything
+
     check_run_identity(store, config, warn)
     spec = load_spec_class(config.spec)(config.spec_config, seed=config.seed)
     seed_everything(config.seed)
@@ -130,6 +135,8 @@ class EpochAttempts:
         if run.remote is not None:  # the training process keeps its own
             run.remote.call("begin_epoch", keep_snapshot=keep_snapshot).result()
         elif keep_snapshot:
+            from .training_state import Snapshot
+
             spec, trainable = run.local()
             self.snapshot = Snapshot(trainable, spec, epoch=run.epoch, step=run.step)
         self.count = 0
@@ -137,6 +144,8 @@ class EpochAttempts:
 
 def train_attempt(run: RunState, epoch: int, attempts: EpochAttempts, warn: Log) -> dict[str, float]:
     """Attempt ``attempts.count`` of ``epoch``: finite float metrics; the run moves to ``epoch``."""
+    from .training_state import run_epoch
+
     spec, trainable = run.local()
     if attempts.count > 1:
         if attempts.snapshot is None:
@@ -151,5 +160,7 @@ def train_attempt(run: RunState, epoch: int, attempts: EpochAttempts, warn: Log)
 
 def capture_run(run: RunState) -> dict[str, Any]:
     """The state to checkpoint now (references to live tensors), with the RNGs of the last epoch."""
+    from .training_state import capture
+
     spec, trainable = run.local()
     return capture(trainable, spec, epoch=run.epoch, step=run.step, rng=run.rng)

@@ -20,9 +20,10 @@ import importlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -89,4 +90,6 @@ def load_spec_class(path: str) -> type[TrainingSpec]:
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:
     """A torch generator that depends only on the run's seed and the epoch."""
+    import torch
+
     return torch.Generator().manual_seed(seed * 1_000_003 + epoch)

@@ -32,6 +32,7 @@ save in progress finishes and commits, and nothing half-written is exposed.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -98,7 +99,13 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
     run_id = flow_run.get_id()
     if run_id is not None:
         process.call("flow_run", id=str(run_id)).result()
-    logger.info("training in process %d%s", process.pid, " (started before Prefect)" if prestarted else "")
+    logger.info(
+        "training in process %d%s, torch intra-op threads: %d of %d cores",
+        process.pid,
+        " (started before Prefect)" if prestarted else "",
+        built["threads"],
+        os.cpu_count() or 1,
+    )
     resumed = built["resumed_from"]
     return RunState(
         config,

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 from .config import StopConfig
 
+SIGTERM_STOP = "stopped by SIGTERM"  # why a run ended early: its process was told to stop
+CANCELLED = "cancelled from Prefect"
+
 
 @dataclass
 class StopTracker:

@@ -18,8 +18,6 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 
-import torch
-
 
 def intra_op_threads(
     requested: int | None, *, cores: int | None = None, environ: Mapping[str, str] = os.environ
@@ -36,6 +34,8 @@ def intra_op_threads(
 @contextlib.contextmanager
 def torch_threads(requested: int | None) -> Iterator[int]:
     """Run the block with torch's intra-op threads set by :func:`intra_op_threads`; yield the count."""
+    import torch
+
     before = torch.get_num_threads()
     wanted = intra_op_threads(requested)
     if wanted is None or wanted == before:

@@ -43,8 +43,9 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .childenv import FLOW_RUN_ENV
+
 FD_ENV = "CKPTFLOW_TRAINER_FD"
-FLOW_RUN_ENV = "CKPTFLOW_FLOW_RUN_ID"  # the same name the ranks get (ckptflow.tasks.gang)
 GRACE_SECONDS = 120.0  # how long an interrupted child gets to commit the save in flight
 Log = Callable[[str, str], None]  # (level name, message)
 
@@ -334,6 +335,8 @@ class _Child:
         threading.Thread(target=self.answer, args=(call_id, work), name="ckptflow-trainer-call").start()
 
     def build(self, job: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
         from .config import PipelineConfig
         from .run_state import build_run, open_store
         from .threads import intra_op_threads
@@ -341,8 +344,6 @@ class _Child:
         config = PipelineConfig.model_validate(job["config"])
         threads = intra_op_threads(config.torch_threads)
         if threads is not None:
-            import torch
-
             torch.set_num_threads(threads)
         store = open_store(config, job["storage_options"])
         self.run = build_run(config, store, info=self.log("info"), warn=self.log("warning"))
@@ -352,6 +353,7 @@ class _Child:
             "step": self.run.step,
             "resumed_from": dataclasses.asdict(resumed) if resumed is not None else None,
             "metrics": {str(k): v for k, v in self.run.metrics.items()},
+            "threads": torch.get_num_threads(),
         }
 
     def serve(self) -> None:

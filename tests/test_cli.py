@@ -176,6 +176,32 @@ class TestProcess:
         assert "HEAVY []" in proc.stderr
         assert "ckptflow ls" in proc.stdout and "--json" in proc.stdout
 
+    @pytest.mark.parametrize(
+        "args",
+        [
+            ["ls", "{url}"],
+            ["show", "{url}"],
+            ["verify", "{url}", "--all"],
+            ["gc", "{url}"],
+            ["prune", "{url}", "--keep-last", "5"],
+        ],
+        ids=["ls", "show", "verify", "gc", "prune"],
+    )
+    def test_commands_on_manifests_and_files_do_not_import_torch(self, store, args):
+        """Importing torch takes seconds; these commands only read manifests and hash files."""
+        url, _ = store
+        code = (
+            "import sys\n"
+            f"sys.argv = ['ckptflow', *{[a.replace('{url}', url) for a in args]!r}]\n"
+            "from ckptflow.flows.cli import main\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+            "print('TORCH', 'torch' in sys.modules, file=sys.stderr)\n"
+        )
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "TORCH False" in proc.stderr, proc.stderr[-2000:]
+        assert committed(url) == [0, 1, 2]
+
 
 class TestLs:
     def test_json_lists_exactly_the_committed_versions(self, store):

@@ -328,3 +328,43 @@ def test_a_process_started_early_that_gets_no_job_ends_without_a_word(tmp_path):
     assert proc.stderr == "", proc.stderr
     code_of_spare = int(proc.stdout.split("EXIT")[1])
     assert code_of_spare in (0, -signal.SIGTERM), code_of_spare
+
+
+FLOW_SIDE = r"""
+import json, sys
+from ckptflow.flows.train import train_pipeline
+from ckptflow.tasks.config import PipelineConfig
+state = train_pipeline(PipelineConfig.model_validate_json(sys.argv[1]), return_state=True)
+assert state.is_completed(), state
+print("SUMMARY", json.dumps(state.result()))
+print("TORCH", "torch" in sys.modules)
+"""
+
+
+def test_the_flows_process_never_imports_torch_when_a_training_process_trains(prefect_server, tmp_path):
+    """Its start is the Prefect side of the run's start-up, and its memory stays Prefect's own:
+    train, save (sync and async), archive, retention and the summary all go without torch."""
+    config = make_config(
+        tmp_path / "s",
+        epochs=4,
+        train_process=True,
+        async_save=False,
+        archive={"every": 2},
+        retention={"keep_last": 2},
+    )
+    env = {**prefect_server.env(), "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(
+        [sys.executable, "-c", FLOW_SIDE, config.model_dump_json()],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.split("SUMMARY", 1)[1].splitlines()[0])
+    assert summary["last_epoch"] == 4
+    assert "TORCH False" in proc.stdout
+    store = CheckpointStore(config.storage)
+    assert [(v.version, v.archived) for v in store.versions()] == [(3, True), (4, True)]
+    store.verify(4)
