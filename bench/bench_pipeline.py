@@ -11,6 +11,9 @@ a fresh process, R times each (interleaved; medians shown):
 
 and prints one table: time from process start to the first epoch starting,
 the time the epochs took, and the overhead per epoch against the plain loop.
+A second table times the inspection commands (``ckptflow ls``, ``show``,
+``verify``) on the run's store against ``python -c "import torch"``, the
+floor of any tool that imports torch.
 
     .venv/bin/python bench/bench_pipeline.py [--epochs 20] [--repeats 3]
 """
@@ -125,10 +128,36 @@ def main() -> None:
                 runs["ckptflow run --in-process, server"].append(
                     run_child([*run_cmd, "--in-process", "--storage", str(store / "inp")], env, times)
                 )
+            commands = time_commands(py, ckptflow, tmp / "run0" / "srv", args.repeats)
         finally:
             server.stop()
     results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
     print_table(results, args.epochs, args.repeats)
+    print_commands(commands, args.repeats)
+
+
+def time_commands(py: str, ckptflow: str, store: Path, repeats: int) -> dict[str, float]:
+    """Median seconds of each inspection command, and of importing torch, each in a fresh process."""
+    cmds = {
+        "python -c 'import torch'": [py, "-c", "import torch"],
+        "ckptflow ls": [ckptflow, "ls", str(store)],
+        "ckptflow show": [ckptflow, "show", str(store)],
+        "ckptflow verify": [ckptflow, "verify", str(store)],
+    }
+    times: dict[str, list[float]] = {name: [] for name in cmds}
+    for _ in range(repeats):
+        for name, cmd in cmds.items():
+            start = time.perf_counter()
+            subprocess.run(cmd, check=True, capture_output=True)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def print_commands(commands: dict[str, float], repeats: int) -> None:
+    floor = commands["python -c 'import torch'"]
+    rows = [[name, f"{s:.2f}", f"{s / floor:.2f}x"] for name, s in commands.items()]
+    print(f"\ninspection commands on the run's store, median of {repeats}\n")
+    print(markdown_table(["command", "seconds", "vs importing torch"], "lrr", rows))
 
 
 KINDS = (
