@@ -85,8 +85,6 @@ def init_model(config: PipelineConfig) -> RunState:
 
 
 def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
-    from ckptflow.storage import VersionInfo
-
     from .trainer import take
 
     process, prestarted = take(config)

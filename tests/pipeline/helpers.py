@@ -19,7 +19,14 @@ from ckptflow.storage import CheckpointStore, VersionNotFoundError
 from ckptflow.tasks.config import PipelineConfig
 from tests.conftest import assert_same_state
 from tests.pipeline.run_flow import RESULT_PREFIX
-from tests.pipeline.specs import MARKED_SPEC, SPEC_CONFIG
+from tests.pipeline.specs import (
+    MARKED_SPEC,
+    MARKERS_ENV,
+    SLOW_FROM_ENV,
+    SLOW_SECONDS_ENV,
+    SPEC_CONFIG,
+    marker,
+)
 from tests.prefect_server import PrefectServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -157,6 +164,33 @@ def assert_same_metrics(got: CheckpointStore, want: CheckpointStore) -> None:
     for g, w in zip(got_v, want_v, strict=True):
         assert (g.epoch, g.step) == (w.epoch, w.step), f"version {w.version}"
         assert_same_state(g.metrics, w.metrics, f"v{w.version}/metrics")
+
+
+def start_slowed(
+    server: PrefectServer, config: PipelineConfig, tmp_path: Path, epoch: int, timeout: float
+) -> tuple[Child, Path]:
+    """A :class:`Child` of the marked spec, returned once ``epoch`` has begun (it sleeps in it).
+
+    The spec marks the start of each epoch in ``tmp_path / "markers"``, the directory returned.
+    """
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(epoch), SLOW_SECONDS_ENV: "120"}
+    child = Child(server, config, tmp_path / "child.log", **env)
+    try:
+        child.wait_for(lambda: marker(markers, epoch).exists(), timeout, f"the start of epoch {epoch}")
+    except BaseException:
+        child.kill()
+        raise
+    return child, markers
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
+        time.sleep(0.05)
 
 
 def poll(

@@ -22,12 +22,13 @@ import pytest
 from ckptflow.storage import CheckpointStore
 from tests.conftest import assert_same_state
 from tests.pipeline.helpers import (
-    Child,
     assert_only_committed,
     make_config,
     run_counts,
     run_flow,
     run_summary,
+    start_slowed,
+    wait_until,
 )
 from tests.pipeline.specs import MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV, marker
 
@@ -56,13 +57,6 @@ def rank_processes(parent: int) -> dict[int, int]:
         if ppid == parent and rank is not None:
             found[rank] = int(entry.name)
     return found
-
-
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
-        time.sleep(0.05)
 
 
 def assert_same_ranked_checkpoint(got: CheckpointStore, want: CheckpointStore, version: int) -> None:
@@ -99,12 +93,8 @@ def straight(prefect_server, tmp_path_factory) -> CheckpointStore:
 @pytest.mark.crash
 def test_flow_killed_mid_epoch_and_resumed_equals_straight_run(prefect_server, straight, tmp_path):
     config = make_config(tmp_path / "B", epochs=EPOCHS, nproc=WORLD)
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    env = {MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "120"}
-    child = Child(prefect_server, config, tmp_path / "child.log", **env)
+    child, _ = start_slowed(prefect_server, config, tmp_path, KILLED_IN, 180)
     try:
-        child.wait_for(lambda: marker(markers, KILLED_IN).exists(), 180, f"the start of epoch {KILLED_IN}")
         ranks = rank_processes(child.proc.pid)
         assert sorted(ranks) == [0, 1], f"rank processes of the flow: {ranks}"
         os.kill(child.proc.pid, signal.SIGKILL)  # the flow process only: its ranks must not live on

@@ -17,14 +17,14 @@ import pytest
 
 from ckptflow.storage import CheckpointStore
 from tests.pipeline.helpers import (
-    Child,
     assert_only_committed,
     assert_same_checkpoint,
     assert_same_metrics,
     make_config,
     run_summary,
+    start_slowed,
 )
-from tests.pipeline.specs import MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV, marker
+from tests.pipeline.specs import marker
 
 pytestmark = pytest.mark.prefect
 
@@ -42,18 +42,8 @@ def test_killed_and_resumed_run_equals_straight_run(prefect_server, tmp_path, as
     straight, _ = run_summary(a)
     assert straight["last_epoch"] == EPOCHS and straight["resumed_from"] is None
 
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    child = Child(
-        prefect_server,
-        b,
-        tmp_path / "child.log",
-        **{MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "120"},
-    )
-    try:
-        child.wait_for(lambda: marker(markers, KILLED_IN).exists(), 120, f"the start of epoch {KILLED_IN}")
-    finally:
-        child.kill()
+    child, markers = start_slowed(prefect_server, b, tmp_path, KILLED_IN, 120)
+    child.kill()
     assert child.proc.returncode == -9
     assert not marker(markers, KILLED_IN + 1).exists()
 

@@ -28,7 +28,6 @@ from ckptflow.tasks.run_state import ConfigMismatchError
 from ckptflow.tasks.spec import SpecError
 from tests.pipeline.helpers import (
     REPO,
-    Child,
     assert_only_committed,
     assert_same_checkpoint,
     assert_same_metrics,
@@ -36,6 +35,8 @@ from tests.pipeline.helpers import (
     run_counts,
     run_flow,
     run_summary,
+    start_slowed,
+    wait_until,
 )
 from tests.pipeline.specs import (
     FAULTS_ENV,
@@ -73,13 +74,6 @@ def gone(pid: int) -> bool:
     return "\nState:\tZ" in status
 
 
-def wait_until(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"no {what} within {timeout:.0f}s"
-        time.sleep(0.05)
-
-
 def default_sigint() -> None:
     """In a child before exec: SIGINT as a terminal's foreground job has it.
 
@@ -106,12 +100,8 @@ def test_killed_flow_takes_its_training_process_along_and_the_resume_is_exact(
     assert straight.identity() == b.identity()
     run_summary(straight)  # in the flow's process: the reference
 
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    env = {MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "120"}
-    child = Child(prefect_server, b, tmp_path / "child.log", **env)
+    child, markers = start_slowed(prefect_server, b, tmp_path, KILLED_IN, 120)
     try:
-        child.wait_for(lambda: marker(markers, KILLED_IN).exists(), 120, f"the start of epoch {KILLED_IN}")
         trainers = children(child.proc.pid)
         assert len(trainers) == 1, f"the flow's process has children {trainers}"
         os.kill(child.proc.pid, signal.SIGKILL)  # the flow's process only, not its session
