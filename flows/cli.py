@@ -35,8 +35,8 @@ from .run_cmd import run_command
 from .server_cmd import publish_command, setup_server_command
 
 if TYPE_CHECKING:
-    from ckptflow.storage import CheckpointStore, VersionInfo
-    from ckptflow.storage.commit import VersionRecord
+    from ckptflow.storage import CheckpointStore
+    from ckptflow.storage.catalog import Survey
 
 
 class _Group(TyperGroup):
@@ -117,18 +117,9 @@ def _open(url: str, storage_options: dict[str, Any] | None) -> CheckpointStore:
     return CheckpointStore(url, storage_options=storage_options)
 
 
-def _scan(store: CheckpointStore) -> dict[int, VersionRecord]:
-    """Every version directory of the store and its state (committed, writing, unreadable)."""
-    from ckptflow.storage.commit import scan
-    from ckptflow.storage.location import translate_errors
-
-    with translate_errors(store.loc, "listing"):
-        return scan(store.loc)
-
-
-def _committed(store: CheckpointStore, records: dict[int, VersionRecord]) -> list[VersionInfo]:
-    """Committed versions, loose (those of ``records``) and archived."""
-    return [v for v in store.versions() if v.archived or v.version in records]
+def _survey(store: CheckpointStore) -> Survey:
+    """Every version of the store by state: committed (loose or archived), unreadable, writing, set aside."""
+    return store.survey()
 
 
 def _console() -> Console:
@@ -148,16 +139,16 @@ def _version_url(store: CheckpointStore, version: int) -> str:
 def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOptions = None) -> None:
     """List the committed versions of a store, oldest first."""
     store = _open(url, storage_options)
-    records = _scan(store)
-    infos = _committed(store, records)
-    leftovers = [v for v, r in records.items() if r.is_writing()]
-    unreadable = {v: _one_line(r.error) for v, r in records.items() if r.is_unreadable() and r.error}
+    survey = _survey(store)
+    infos = [store.info_of(located) for located in survey.committed.values()]
+    unreadable = {v: _one_line(e) for v, e in survey.unreadable.items()}
     if as_json:
         document = {
             "url": store.url,
             "versions": [present.version_json(i) for i in infos],
-            "uncommitted": leftovers,
+            "uncommitted": survey.writing,
             "unreadable": [{"version": v, "error": e} for v, e in unreadable.items()],
+            "set_aside": [store.loc.display(name) for name in survey.set_aside],
         }
         typer.echo(json.dumps(document, indent=2))
         return
@@ -166,8 +157,8 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
         console.print(present.versions_table(infos, title=store.url), markup=False)
     else:
         console.print(f"no committed versions in {store.url}", markup=False, soft_wrap=True)
-    if leftovers:
-        listing = ", ".join(str(v) for v in leftovers)
+    if survey.writing:
+        listing = ", ".join(str(v) for v in survey.writing)
         console.print(
             f"note: uncommitted leftovers of interrupted (or running) saves: version {listing}; "
             f"`ckptflow gc` removes them",
@@ -176,6 +167,13 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
         )
     for version, error in unreadable.items():
         console.print(f"note: version {version} is unreadable: {error}", markup=False, soft_wrap=True)
+    for name in survey.set_aside:
+        console.print(
+            f"note: {store.loc.display(name)} was set aside as unreadable by a run that resumed past it; "
+            "nothing reads or removes it: inspect it, then delete it by hand",
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 # -- show -----------------------------------------------------------------------
@@ -210,6 +208,7 @@ def verify_command(
     """Check every shard of a version against the sizes and checksums in its manifest.
 
     Exit 0 when all match (one line per verified version); exit 1 naming the bad file otherwise.
+    With --all, every committed version, loose or archived, and every unreadable one (a failure).
     """
     if all_versions and version is not None:
         raise typer.BadParameter("give either --version or --all, not both", param_hint="'--all'")
@@ -217,22 +216,27 @@ def verify_command(
     if not all_versions:
         typer.echo(f"ok {present.describe(store.verify(version))}")
         return
-    from ckptflow.storage import CorruptShardError, VersionNotFoundError
+    from ckptflow.storage import CheckpointError, StorageUnavailableError, VersionNotFoundError
 
-    records = {v: r for v, r in _scan(store).items() if not r.is_writing()}
-    if not records:
+    survey = _survey(store)
+    numbers = sorted({*survey.committed, *survey.unreadable})
+    if not numbers:
         raise VersionNotFoundError(None, store.url, [])
     failed = 0
-    for number, record in records.items():
-        if record.error is not None:
+    for number in numbers:
+        if number in survey.unreadable:
             failed += 1
-            typer.echo(f"error: version {number} is unreadable: {_one_line(record.error)}", err=True)
+            typer.echo(
+                f"error: version {number} is unreadable: {_one_line(survey.unreadable[number])}", err=True
+            )
             continue
         try:
-            info = store.verify(number)
-        except CorruptShardError as exc:
+            info = store.verify_located(survey.committed[number])
+        except StorageUnavailableError:
+            raise
+        except CheckpointError as exc:
             failed += 1
-            typer.echo(f"error: {_one_line(exc)}", err=True)
+            typer.echo(f"error: version {number}: {_one_line(exc)}", err=True)
             continue
         typer.echo(f"ok {present.describe(info)}")
     if failed:
@@ -322,7 +326,6 @@ def prune_command(
     if mode is not None and keep_best is None:
         raise typer.BadParameter("--mode needs --keep-best", param_hint="'--mode'")
     from ckptflow.storage import RetentionPolicy
-    from ckptflow.storage.retention import versions_to_keep
 
     policy = RetentionPolicy(
         keep_last=keep_last,
@@ -331,26 +334,19 @@ def prune_command(
         best_mode="max" if mode is Mode.max else "min",
     )
     store = _open(url, storage_options)
-    records = _scan(store)
-    manifests = [r.manifest for r in records.values() if r.manifest is not None]
-    if keep_best is not None and manifests and not any(keep_best in m.metrics for m in manifests):
+    survey = _survey(store)
+    if not survey.committed:
+        from ckptflow.storage import VersionNotFoundError
+
+        raise VersionNotFoundError(None, store.url, [])
+    manifests = [x.manifest for x in survey.committed.values()]
+    if keep_best is not None and not any(keep_best in m.metrics for m in manifests):
         found = sorted({name for m in manifests for name in m.metrics})
         _fail(f"no committed version has the metric {keep_best!r} (metrics: {', '.join(found) or 'none'})")
-    infos = {i.version: i for i in _committed(store, records)}
-    if dry_run:
-        keep = versions_to_keep(manifests, policy)
-        removed = [v for v in infos if v not in keep]
-    else:
-        removed = store.prune(policy)
-    verb = "would remove" if dry_run else "removed"
-    for number in removed:
-        typer.echo(f"{verb} {present.describe(infos[number]) if number in infos else number}")
-    kept = ", ".join(str(v) for v in infos if v not in removed) or "none"
-    freed = present.human_size(sum(infos[v].size for v in removed if v in infos))
-    if dry_run:
-        typer.echo(f"would keep versions: {kept}; would free {freed}")
-    else:
-        typer.echo(f"kept versions: {kept}; freed {freed}")
+    infos = {v: store.info_of(x) for v, x in survey.committed.items()}
+    plan = store.plan_retention(policy) if dry_run else store.apply_retention(policy)
+    for line in present.prune_lines(plan, infos, dry_run=dry_run):
+        typer.echo(line)
 
 
 @app.command("gc")

@@ -18,6 +18,7 @@ from ckptflow.tasks.formatting import human_size, metric_value, metrics_text  # 
 
 if TYPE_CHECKING:
     from ckptflow.storage import Manifest, VersionInfo
+    from ckptflow.storage.retention import PrunePlan
 
 
 def created_text(iso: str, *, zone: bool = True) -> str:
@@ -38,6 +39,23 @@ def optional(value: object) -> str:
 def describe(info: VersionInfo) -> str:
     """One line about a version, for the commands that print a line per version."""
     return f"version {info.version} (epoch {optional(info.epoch)}, {human_size(info.size)}) {info.url}"
+
+
+def prune_lines(plan: PrunePlan, infos: dict[int, VersionInfo], *, dry_run: bool) -> list[str]:
+    """What a prune removed (or would remove), kept and held back: the same lines for both modes."""
+    from ckptflow.storage.retention import describe_held
+
+    verb, keep_verb, free_verb = (
+        ("would remove", "would keep", "would free") if dry_run else ("removed", "kept", "freed")
+    )
+    lines = [f"{verb} {describe(infos[v]) if v in infos else f'version {v}'}" for v in plan.remove]
+    held = describe_held(plan)
+    if held:
+        lines.append(f"{'would also keep' if dry_run else 'also kept'} {held}")
+    kept = ", ".join(str(v) for v in plan.remaining) or "none"
+    freed = human_size(sum(infos[v].size for v in plan.remove if v in infos))
+    lines.append(f"{keep_verb} versions: {kept}; {free_verb} {freed}")
+    return lines
 
 
 def version_json(info: VersionInfo) -> dict[str, Any]:

@@ -287,6 +287,8 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None) -> dict[str, Any]
         elif kind == "epoch":
             progress.update(task_id, completed=data["epoch"], description=metrics_text(data["metrics"]))
             console.print(f"epoch {data['epoch']:>4}  {metrics_text(data['metrics'])}")
+        elif kind == "retention":
+            console.print(data["text"], markup=False, soft_wrap=True)
         elif kind == "committed":
             info = data["info"]
             console.print(

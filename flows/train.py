@@ -47,7 +47,7 @@ from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.formatting import human_size, metrics_text
 from ckptflow.tasks.gang import Message, train_ranks
 from ckptflow.tasks.monitoring import RunMonitor
-from ckptflow.tasks.run_state import EpochAttempts
+from ckptflow.tasks.run_state import EpochAttempts, set_aside_unreadable
 from ckptflow.tasks.steps import (
     check_run_identity,
     commit_checkpoint,
@@ -137,6 +137,7 @@ def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
     """The same run on ``config.nproc`` torch.distributed ranks, launched by one task."""
     logger = get_run_logger()
     store = open_store(config)
+    set_aside_unreadable(store, logger.warning)
     check_run_identity(store, config)
     existing = store.versions()
     latest = store.latest()

@@ -10,12 +10,12 @@ the newest or the next free number reads as little as it can.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from . import commit as protocol
 from .archiving import ArchivedVersion, archive_location, archived_sources, list_archived
 from .commit import version_dir
-from .errors import VersionNotFoundError
+from .errors import CheckpointError, VersionNotFoundError
 from .location import Location
 from .manifest import Manifest
 from .reader import ShardSource, loose_sources
@@ -47,6 +47,36 @@ class Located:
         return loc.display(version_dir(self.version))
 
 
+@dataclass(frozen=True)
+class Survey:
+    """Every version of a store by state: what ``ls`` and ``verify --all`` report."""
+
+    committed: dict[int, Located] = field(default_factory=dict)  # loose or archived
+    unreadable: dict[int, CheckpointError] = field(default_factory=dict)  # loose, no readable copy
+    writing: list[int] = field(default_factory=list)  # directories without a manifest
+    set_aside: list[str] = field(default_factory=list)  # directories moved aside as unreadable
+
+    def newest(self) -> int | None:
+        """The highest version number that is committed or unreadable."""
+        return max([*self.committed, *self.unreadable], default=None)
+
+
+def survey(loc: Location) -> Survey:
+    """The state of every version, loose and archived (reads every manifest and index)."""
+    records = protocol.scan(loc)
+    found = {v: Located(a.manifest, a) for v, a in list_archived(loc).items()}
+    found.update({v: Located(r.manifest) for v, r in records.items() if r.manifest is not None})
+    unreadable = {
+        v: r.error for v, r in records.items() if r.error is not None and r.is_unreadable() and v not in found
+    }
+    return Survey(
+        committed=dict(sorted(found.items())),
+        unreadable=unreadable,
+        writing=[v for v, r in records.items() if r.is_writing() and v not in found],
+        set_aside=protocol.list_set_aside(loc),
+    )
+
+
 def committed(loc: Location) -> list[Located]:
     """Every committed version, oldest first."""
     loose = {v: r.manifest for v, r in protocol.scan(loc).items() if r.manifest is not None}
@@ -57,12 +87,22 @@ def committed(loc: Location) -> list[Located]:
 
 def newest(loc: Location) -> Located | None:
     """The highest committed version (reads the top manifests and the tarball indexes)."""
+    return newest_and_above(loc)[0]
+
+
+def newest_and_above(loc: Location) -> tuple[Located | None, dict[int, protocol.VersionRecord]]:
+    """The highest committed version, and the unreadable versions above it (loose, with no archived copy)."""
     archived = list_archived(loc)
-    record = protocol.newest_committed(loc)
+    skipped: dict[int, protocol.VersionRecord] = {}
+    record = protocol.newest_committed(loc, skipped=skipped)
     top_archived = max(archived, default=-1)
+    found: Located | None = None
     if record is not None and record.manifest is not None and record.version >= top_archived:
-        return Located(record.manifest)
-    return Located(archived[top_archived].manifest, archived[top_archived]) if archived else None
+        found = Located(record.manifest)
+    elif archived:
+        found = Located(archived[top_archived].manifest, archived[top_archived])
+    top = found.version if found is not None else -1
+    return found, {v: r for v, r in skipped.items() if v > top and v not in archived}
 
 
 def find(loc: Location, version: int) -> Located:
@@ -85,6 +125,6 @@ def lookup(loc: Location, version: int) -> Located | None:
     return Located(archived.manifest, archived) if archived is not None else None
 
 
-def next_version(loc: Location) -> int:
-    """Above every version directory (committed or not) and every archived version."""
-    return max([*protocol.list_dirs(loc), *list_archived(loc)], default=-1) + 1
+def next_version(loc: Location, *, at_least: int = 0) -> int:
+    """Above every version directory (committed or not) and every archived version, and >= ``at_least``."""
+    return max(max([*protocol.list_dirs(loc), *list_archived(loc)], default=-1) + 1, at_least)

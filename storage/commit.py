@@ -11,6 +11,9 @@ from storage, never remembered:
   readers trust.
 - ``UNREADABLE``: a manifest exists but is corrupt, or was written by a newer
   ckptflow. Never loaded, never garbage-collected: a person must look at it.
+  A writer that resumes past a corrupt one *sets it aside*: the directory is
+  renamed ``v000008.unreadable-20261124T154000Z``, a name that is no version
+  (so the number is free again), that ``ls`` shows and ``gc`` never touches.
 
 The protocol: every shard is fully written (fsynced on local disks) before
 the manifest is written, and is found with its size by one listing just before
@@ -27,6 +30,7 @@ import enum
 import logging
 import os
 import re
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_SET_ASIDE_DIR = re.compile(r"^v(\d{6,})\.unreadable-\d{8}T\d{6}Z$")
 _TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # what _atomic_local_write leaves when killed
 
 
@@ -95,13 +100,20 @@ def list_dirs(loc: Location) -> dict[int, bool]:
     return dict(sorted(dirs.items()))
 
 
-def newest_committed(loc: Location) -> VersionRecord | None:
-    """The highest committed version, reading manifests from the top down until one validates."""
+def newest_committed(
+    loc: Location, *, skipped: dict[int, VersionRecord] | None = None
+) -> VersionRecord | None:
+    """The highest committed version, reading manifests from the top down until one validates.
+
+    ``skipped`` collects the unreadable versions passed on the way down.
+    """
     for version, has_manifest in sorted(list_dirs(loc).items(), reverse=True):
         if has_manifest:
             record = read_record(loc, version)
             if record is not None and record.is_committed():
                 return record
+            if record is not None and record.is_unreadable() and skipped is not None:
+                skipped[version] = record
     return None
 
 
@@ -253,6 +265,27 @@ def remove_version(loc: Location, version: int) -> None:
             fsync_dir(vdir)
     if loc.fs.exists(vdir):
         loc.fs.rm(vdir, recursive=True)
+
+
+def set_aside(loc: Location, version: int) -> str:
+    """Rename an unreadable version's directory to a name that is no version; return that name."""
+    name = f"{version_dir(version)}.unreadable-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    source, target = loc.path(version_dir(version)), loc.path(name)
+    if loc.is_local:
+        os.rename(source, target)  # atomic: the version is there under one name or the other
+        fsync_dir(loc.root)
+    else:
+        loc.fs.mv(source, target, recursive=True)
+    return name
+
+
+def list_set_aside(loc: Location) -> list[str]:
+    """Names of the directories that writers set aside as unreadable (see :func:`set_aside`)."""
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in loc.fs.ls(loc.root, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if _SET_ASIDE_DIR.match(n))
 
 
 def clear_leftovers(loc: Location, version: int) -> None:

@@ -50,6 +50,22 @@ class ManifestError(CheckpointError):
     """A manifest exists but cannot be parsed or fails validation."""
 
 
+class UnreadableVersionError(ManifestError):
+    """The newest version of a store has a manifest that cannot be read: verifying stops there."""
+
+    def __init__(self, version: int, url: str, reason: CheckpointError, readable: int | None) -> None:
+        self.version = version
+        self.reason = reason
+        after = (
+            f"version {readable} is the newest readable one (verify it with --version {readable}); "
+            f"a training run on this store resumes from it and sets version {version} aside"
+            if readable is not None
+            else "no older version is readable"
+        )
+        text = " ".join(str(reason).split())
+        super().__init__(f"version {version}, the newest in {url}, is unreadable: {text}. {after}")
+
+
 class CorruptShardError(CheckpointError):
     """A shard's bytes do not match the checksum or size in its manifest."""
 

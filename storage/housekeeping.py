@@ -22,7 +22,7 @@ from .archiving import archive_location, archive_versions, list_archived, list_t
 from .commit import version_dir
 from .errors import CheckpointError, VersionNotFoundError
 from .location import Location
-from .retention import RetentionPolicy, versions_to_keep
+from .retention import PrunePlan, RetentionPolicy, plan_prune
 from .tarindex import TarIndex
 
 log = logging.getLogger(__name__)
@@ -48,25 +48,28 @@ def delete_version(loc: Location, version: int) -> None:
     protocol.refresh_latest(loc, [v for v in numbers if v != version])
 
 
-def prune(loc: Location, policy: RetentionPolicy) -> list[int]:
-    """Delete the committed versions ``policy`` does not keep; return their numbers.
-
-    An archived version the policy drops stays while another version of its
-    tarball is kept; it is not reported as removed.
-    """
+def plan(loc: Location, policy: RetentionPolicy) -> PrunePlan:
+    """What pruning by ``policy`` would do now (reads only)."""
     found = catalog.committed(loc)
-    keep = versions_to_keep([x.manifest for x in found], policy)
-    archived = list_archived(loc)
-    for tar in sorted({a.tar for a in archived.values()}):
-        if not any(v in keep for v, a in archived.items() if a.tar == tar):
-            remove_tarball(loc, tar)
-    loose = protocol.list_dirs(loc)
-    for x in found:
-        if x.version not in keep and x.version in loose:
-            protocol.remove_version(loc, x.version)
-    still = [x.version for x in catalog.committed(loc)]
-    protocol.refresh_latest(loc, still)
-    return sorted({x.version for x in found} - set(still))
+    tarball_of = {v: a.tar for v, a in list_archived(loc).items()}
+    return plan_prune(
+        [x.manifest for x in found], policy, tarball_of=tarball_of, loose=protocol.list_dirs(loc)
+    )
+
+
+def prune(loc: Location, policy: RetentionPolicy) -> PrunePlan:
+    """Delete what :func:`plan` says; return the plan carried out.
+
+    A version the policy drops stays (held) while its tarball holds a version
+    the policy keeps; its loose copy, if any, goes.
+    """
+    carried = plan(loc, policy)
+    for tar in carried.tarballs:
+        remove_tarball(loc, tar)
+    for version in carried.loose:
+        protocol.remove_version(loc, version)
+    protocol.refresh_latest(loc, list(carried.remaining))
+    return carried
 
 
 def archive(loc: Location, versions: list[int], *, name: str | None = None) -> TarIndex:

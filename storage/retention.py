@@ -1,13 +1,19 @@
-"""Retention policy: which committed versions to keep.
+"""Retention policy: which committed versions to keep, and what a prune removes.
 
 Pure functions over the list of committed versions; the store deletes what
 they do not keep. The newest committed version is always kept, whatever the
 policy says: pruning never takes away the checkpoint a run would resume from.
+
+A tarball is removed whole (members cannot be cut out of a tar), so a version
+the policy drops stays while its tarball holds a version the policy keeps: it
+is *held*, not removed. :func:`plan_prune` is the one place that decides; the
+dry run prints its plan, and the real prune carries out that plan.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from .manifest import Manifest
@@ -57,3 +63,64 @@ def versions_to_keep(manifests: list[Manifest], policy: RetentionPolicy) -> set[
 
 def _epoch(m: Manifest) -> int:
     return m.epoch if m.epoch is not None else m.version
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """What pruning a store does: versions kept, removed and held by a shared tarball."""
+
+    keep: tuple[int, ...]  # versions the policy keeps
+    remove: tuple[int, ...]  # versions that are gone afterwards
+    held: Mapping[int, str]  # version the policy drops -> the tarball that keeps it (with a kept version)
+    tarballs: tuple[str, ...]  # tarballs removed whole
+    loose: tuple[int, ...]  # version directories removed (loose copies of held versions included)
+    kept_in: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # tarball -> kept versions in it
+
+    @property
+    def remaining(self) -> tuple[int, ...]:
+        """Every version still committed after the prune."""
+        return tuple(sorted({*self.keep, *self.held}))
+
+
+def plan_prune(
+    manifests: list[Manifest],
+    policy: RetentionPolicy,
+    *,
+    tarball_of: Mapping[int, str],
+    loose: Collection[int],
+) -> PrunePlan:
+    """The prune of committed ``manifests``; ``tarball_of``: archived version -> its tarball,
+    ``loose``: versions with a directory of their own."""
+    keep = versions_to_keep(manifests, policy)
+    numbers = sorted(m.version for m in manifests)
+    members: dict[str, list[int]] = {}
+    for version in numbers:
+        if version in tarball_of:
+            members.setdefault(tarball_of[version], []).append(version)
+    doomed = sorted(tar for tar, versions in members.items() if not keep.intersection(versions))
+    held = {
+        v: tarball_of[v] for v in numbers if v not in keep and v in tarball_of and tarball_of[v] not in doomed
+    }
+    return PrunePlan(
+        keep=tuple(v for v in numbers if v in keep),
+        remove=tuple(v for v in numbers if v not in keep and v not in held),
+        held=held,
+        tarballs=tuple(doomed),
+        loose=tuple(v for v in numbers if v not in keep and v in loose),
+        kept_in={tar: tuple(v for v in versions if v in keep) for tar, versions in members.items()},
+    )
+
+
+def describe_held(plan: PrunePlan) -> str | None:
+    """Which versions a shared tarball holds back, and why; None when there are none."""
+    if not plan.held:
+        return None
+    parts = []
+    for tar in sorted(set(plan.held.values())):
+        dropped = [v for v, t in sorted(plan.held.items()) if t == tar]
+        parts.append(f"{_versions(dropped)} ({tar} holds kept {_versions(plan.kept_in.get(tar, ()))})")
+    return "; ".join(parts) + ": a tarball is removed only whole"
+
+
+def _versions(numbers: Collection[int]) -> str:
+    return f"version{'s' if len(numbers) != 1 else ''} {', '.join(map(str, sorted(numbers)))}"

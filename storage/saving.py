@@ -117,17 +117,22 @@ class VersionWriter:
         except Exception as exc:
             if self.group is not None:  # the other ranks wait for this one in the claim: tell them
                 with contextlib.suppress(CheckpointError):
-                    self._claim_together(version, None, failure=exc)
+                    self._claim_together(version, epoch, None, failure=exc)
             raise
         if self.group is None:
             with translate_errors(self.loc, "saving to"):
-                number = self._claim_version(version)
+                number = self._claim_version(version, epoch)
         else:
-            number = self._claim_together(version, plan.blobs)
+            number = self._claim_together(version, epoch, plan.blobs)
         return SaveJob(number, epoch, step, clean, structure, refs, plan, dict(user or {}), ranked)
 
     def _claim_together(
-        self, version: int | None, blobs: list[Blob] | None, *, failure: Exception | None = None
+        self,
+        version: int | None,
+        epoch: int | None,
+        blobs: list[Blob] | None,
+        *,
+        failure: Exception | None = None,
     ) -> int:
         """Rank 0 checks that every rank has the same replicated state and claims the version.
 
@@ -155,13 +160,15 @@ class VersionWriter:
                     "dtypes or shapes): every rank must pass the same state; put what differs in rank_state"
                 )
             with translate_errors(self.loc, "saving to"):
-                return self._claim_version(version)
+                return self._claim_version(version, epoch)
 
         return int(group.agree(claim, "claiming a version"))
 
-    def _claim_version(self, version: int | None) -> int:
-        if version is None:  # above every directory, committed or not: never reuse a crashed one's name
-            return catalog.next_version(self.loc)
+    def _claim_version(self, version: int | None, epoch: int | None = None) -> int:
+        """``version``, or by default the epoch's number when it is above every version directory
+        (committed or not: a crashed save's name is never reused), else the next number above them."""
+        if version is None:
+            return catalog.next_version(self.loc, at_least=epoch if epoch is not None and epoch >= 0 else 0)
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         record = protocol.read_record(self.loc, version)

@@ -27,12 +27,19 @@ from . import catalog, housekeeping
 from . import commit as protocol
 from .async_save import AsyncSaver, SaveHandle
 from .byteio import hash_range, tensor_bytes
-from .errors import CheckpointError, CorruptShardError, ManifestError, VersionNotFoundError
+from .errors import (
+    CheckpointError,
+    CorruptShardError,
+    FormatVersionError,
+    ManifestError,
+    UnreadableVersionError,
+    VersionNotFoundError,
+)
 from .info import StoreOptions, VersionInfo
 from .location import open_location, translate_errors
 from .manifest import Manifest
 from .reader import check_size, read_blobs
-from .retention import RetentionPolicy
+from .retention import PrunePlan, RetentionPolicy
 from .tarindex import TarIndex
 
 if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
@@ -325,8 +332,25 @@ class CheckpointStore:
         return decode(structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i])
 
     def verify(self, version: int | None = None) -> VersionInfo:
-        """Check every shard of a version (loose or archived) against its size and checksum."""
-        located = self._locate(version)
+        """Check every shard of a version (loose or archived) against its size and checksum.
+
+        With no ``version``, the newest: when the newest version's manifest is unreadable,
+        that is the finding (:class:`UnreadableVersionError`), not a reason to check an older one.
+        """
+        if version is None:
+            with translate_errors(self.loc, "reading"):
+                found, above = catalog.newest_and_above(self.loc)
+            if above:
+                top = max(above)
+                error = above[top].error or ManifestError(f"manifest of version {top} cannot be read")
+                raise UnreadableVersionError(top, self.url, error, found.version if found else None)
+            if found is None:
+                raise VersionNotFoundError(None, self.url, [])
+            return self.verify_located(found)
+        return self.verify_located(self._locate(version))
+
+    def verify_located(self, located: catalog.Located) -> VersionInfo:
+        """Check the shards of a version found by :meth:`survey` (no second look-up)."""
         with translate_errors(self.loc, "verifying"):
             for shard, source in zip(located.manifest.shards, located.sources(self.loc), strict=True):
                 check_size(self.loc, source)
@@ -335,6 +359,35 @@ class CheckpointStore:
                 )
                 if checksum != shard.checksum:
                     raise CorruptShardError(source.name, expected=shard.checksum, actual=checksum)
+        return self._info(located)
+
+    def survey(self) -> catalog.Survey:
+        """Every version by state: committed (loose or archived), unreadable, being written, set aside."""
+        with translate_errors(self.loc, "listing"):
+            return catalog.survey(self.loc)
+
+    def set_aside_unreadable(self) -> list[tuple[int, str, CheckpointError]]:
+        """Move aside the unreadable versions above the newest committed one, so a writer can go on.
+
+        Returns (version, new directory URL, why) for each. Their directories are renamed, never
+        deleted (see :func:`.commit.set_aside`). A version written by a newer ckptflow is not moved:
+        that raises its FormatVersionError (upgrade instead).
+        """
+        self._saver.wait_previous()
+        with translate_errors(self.loc, "setting aside unreadable versions in"):
+            _, above = catalog.newest_and_above(self.loc)
+            moved = []
+            for version, record in sorted(above.items(), reverse=True):
+                error = record.error or ManifestError(f"manifest of version {version} cannot be read")
+                if isinstance(error, FormatVersionError):
+                    raise error
+                name = protocol.set_aside(self.loc, version)
+                log.warning("version %d is unreadable (%s): set aside as %s", version, error, name)
+                moved.append((version, self.loc.display(name), error))
+        return moved
+
+    def info_of(self, located: catalog.Located) -> VersionInfo:
+        """The listing entry of a version found by :meth:`survey`."""
         return self._info(located)
 
     def _info(self, located: catalog.Located) -> VersionInfo:
@@ -394,7 +447,11 @@ class CheckpointStore:
         keep_every: int | None = None,
         keep_best: tuple[str, Literal["min", "max"]] | None = None,
     ) -> list[int]:
-        """Delete committed versions the policy does not keep; return their numbers."""
+        """Delete committed versions the policy does not keep; return the numbers of those gone.
+
+        A tarball is removed whole: a version it shares with a kept version stays
+        (see :meth:`apply_retention`, which says which).
+        """
         if policy is None:
             policy = RetentionPolicy(
                 keep_last=keep_last,
@@ -402,6 +459,15 @@ class CheckpointStore:
                 keep_best=keep_best[0] if keep_best else None,
                 best_mode=keep_best[1] if keep_best else "min",
             )
+        return list(self.apply_retention(policy).remove)
+
+    def plan_retention(self, policy: RetentionPolicy) -> PrunePlan:
+        """What :meth:`apply_retention` would do now; changes nothing (a dry run)."""
+        with translate_errors(self.loc, "listing"):
+            return housekeeping.plan(self.loc, policy)
+
+    def apply_retention(self, policy: RetentionPolicy) -> PrunePlan:
+        """Delete what the policy does not keep; return the plan carried out (kept, removed, held)."""
         self._saver.wait_previous()
         with translate_errors(self.loc, "pruning"):
             return housekeeping.prune(self.loc, policy)

@@ -53,6 +53,11 @@ def add_listener(listener: Listener) -> Callable[[], None]:
     return lambda: _listeners.remove(listener)
 
 
+def notify(kind: str, data: dict[str, Any]) -> None:
+    """Tell the listeners (the CLI's progress display) about ``kind``; never raises."""
+    _notify(kind, data)
+
+
 def _notify(kind: str, data: dict[str, Any]) -> None:
     for listener in list(_listeners):
         try:

@@ -106,6 +106,7 @@ def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn
     spec = load_spec_class(config.spec)(config.spec_config, seed=config.seed)
     seed_everything(config.seed)
     run = RunState(config, store, spec, spec.build())
+    set_aside_unreadable(store, warn)
     latest = store.latest()
     if latest is not None:
         spec, trainable = run.local()
@@ -125,6 +126,13 @@ def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn
         info(f"starting a new run in {store.url}")
     run.rng = rng_state()
     return run
+
+
+def set_aside_unreadable(store: CheckpointStore, warn: Log) -> None:
+    """Move aside the unreadable versions above the newest readable one (a run resumes from that)."""
+    for version, where, error in store.set_aside_unreadable():
+        reason = " ".join(str(error).split())
+        warn(f"version {version} is unreadable ({reason}): moved aside to {where}; resuming before it")
 
 
 class EpochAttempts:

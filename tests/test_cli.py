@@ -309,7 +309,7 @@ class TestVerify:
         errors = result.stderr.splitlines()
         assert len(errors) == 2
         assert (
-            errors[0].startswith("error: corrupt checkpoint file ") and f"v000000/{shard.name}" in errors[0]
+            errors[0].startswith("error: version 0: corrupt checkpoint file ") and f"v000000/{shard.name}" in errors[0]
         )
         assert errors[1].startswith("error: version 1 is unreadable")
         assert invoke("verify", url).exit_code == 0  # the newest is intact
@@ -543,7 +543,7 @@ class TestS3:
         text = json.dumps(options)
         ls = invoke("ls", url, "--json", "--storage-options", text)
         assert ls.exit_code == 0, ls.output
-        assert [v["url"] for v in json.loads(ls.stdout)["versions"]] == [f"{url}/v000000"]
+        assert [v["url"] for v in json.loads(ls.stdout)["versions"]] == [f"{url}/v000004"]
         verify = invoke("verify", url, env={"CKPTFLOW_STORAGE_OPTIONS": text})
         assert verify.exit_code == 0, verify.output
         options_file = tmp_path / "s3.json"

@@ -145,9 +145,9 @@ class TestSaveAsyncReturnsAfterCopy:
         gate.release()
         info = handle.wait(timeout=60)
 
-        assert (info.version, info.epoch) == (0, 1)
+        assert (info.version, info.epoch) == (1, 1)  # the version follows the epoch
         assert any(n.startswith("ckptflow-async-save") for n in gate.threads)
-        assert_bitwise_equal(store.load(0), before)
+        assert_bitwise_equal(store.load(1), before)
         assert not torch.equal(state["model"]["w1"], before["model"]["w1"])  # the change did happen
 
 
@@ -167,10 +167,10 @@ class TestOneSaveInFlight:
         h2 = out["result"]
         info1, info2 = h1.wait(timeout=60), h2.wait(timeout=60)
 
-        assert (info1.version, info2.version) == (0, 1)
-        assert [(v.version, v.epoch) for v in store.versions()] == [(0, 1), (1, 2)]
-        assert_bitwise_equal(store.load(0), make_state(1))
-        assert_bitwise_equal(store.load(1), make_state(2))
+        assert (info1.version, info2.version) == (1, 2)
+        assert [(v.version, v.epoch) for v in store.versions()] == [(1, 1), (2, 2)]
+        assert_bitwise_equal(store.load(1), make_state(1))
+        assert_bitwise_equal(store.load(2), make_state(2))
 
     def test_sync_save_waits_for_the_async_save_in_flight(self, store: CheckpointStore, gate: Gate) -> None:
         handle = store.save_async(make_state(1), epoch=1)
@@ -184,10 +184,10 @@ class TestOneSaveInFlight:
         assert not thread.is_alive() and "error" not in out, out
         assert handle.done()
 
-        assert (handle.wait().version, out["result"].version) == (0, 1)
-        assert [(v.version, v.epoch) for v in store.versions()] == [(0, 1), (1, 2)]
-        assert_bitwise_equal(store.load(0), make_state(1))
-        assert_bitwise_equal(store.load(1), make_state(2))
+        assert (handle.wait().version, out["result"].version) == (1, 2)
+        assert [(v.version, v.epoch) for v in store.versions()] == [(1, 1), (2, 2)]
+        assert_bitwise_equal(store.load(1), make_state(1))
+        assert_bitwise_equal(store.load(2), make_state(2))
 
 
 class TestStagingBufferReused:
@@ -204,8 +204,8 @@ class TestStagingBufferReused:
         store.save_async(state, epoch=2).wait(timeout=60)
         assert store._staging.capacity == capacity
         assert store._staging._buffer is buffer and buffer.data_ptr() == pointer
-        assert_bitwise_equal(store.load(1), expected)
-        assert_bitwise_equal(store.load(0), make_state(1))
+        assert_bitwise_equal(store.load(2), expected)
+        assert_bitwise_equal(store.load(1), make_state(1))
 
 
 # -- failures in the background ---------------------------------------------------

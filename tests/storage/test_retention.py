@@ -45,7 +45,7 @@ class TestPrune:
 
     def test_keep_every_counts_epochs_not_versions(self, store):
         _fill(store, 6, epochs=[10, 11, 12, 13, 14, 15])
-        assert store.prune(keep_every=5) == [1, 2, 3, 4]
+        assert store.prune(keep_every=5) == [11, 12, 13, 14]  # versions follow epochs
         assert [v.epoch for v in store.versions()] == [10, 15]
 
     def test_keep_best_min(self, store):
@@ -76,12 +76,12 @@ class TestPrune:
     def test_the_newest_is_always_kept(self, store):
         _fill(store, 5, epochs=[0, 1, 2, 3, 5], metrics=[{"loss": x} for x in (1, 2, 3, 4, 99)])
         assert store.prune(keep_best=("loss", "min")) == [1, 2, 3]
-        assert _listed(store) == [0, 4]
+        assert _listed(store) == [0, 5]
         store.prune(keep_every=2)
-        assert _listed(store) == [0, 4]  # epoch 5 is not a multiple of 2, but it is the newest
+        assert _listed(store) == [0, 5]  # epoch 5 is not a multiple of 2, but it is the newest
         store.prune(keep_last=1)
-        assert _listed(store) == [4]
-        assert store.latest().version == 4
+        assert _listed(store) == [5]
+        assert store.latest().version == 5
 
     def test_a_second_prune_with_the_same_policy_removes_nothing(self, store):
         _fill(store, 5)
