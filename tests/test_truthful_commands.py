@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptflow.storage import CheckpointStore, StoreOptions, UnreadableVersionError
+from ckptflow.storage import CheckpointStore, StoreOptions
 from tests.test_cli import WIDE, flip_byte, invoke
 
 
@@ -93,6 +93,8 @@ class TestVerifyNewestUnreadable:
         [line] = _lines(result.stderr)
         assert line.startswith("error: version 3, the newest in ")
         assert "unreadable" in line and "version 2 is the newest readable one" in line
+        from ckptflow.storage import UnreadableVersionError
+
         with pytest.raises(UnreadableVersionError):
             store.verify()
         assert store.verify(2).version == 2  # an explicit version is still checked
