@@ -308,9 +308,8 @@ class TestVerify:
         assert [line.split()[2] for line in result.stdout.splitlines()] == ["2"]
         errors = result.stderr.splitlines()
         assert len(errors) == 2
-        assert (
-            errors[0].startswith("error: version 0: corrupt checkpoint file ") and f"v000000/{shard.name}" in errors[0]
-        )
+        assert errors[0].startswith("error: version 0: corrupt checkpoint file ")
+        assert f"v000000/{shard.name}" in errors[0]
         assert errors[1].startswith("error: version 1 is unreadable")
         assert invoke("verify", url).exit_code == 0  # the newest is intact
 

@@ -65,7 +65,9 @@ def test_retention_with_archives_says_what_it_kept_and_why(prefect_server, tmp_p
     assert any(m.startswith("retention (keep_last=3)") for m in _logs(run_id, "retention ("))
 
 
-def test_an_unreadable_newest_version_is_set_aside_and_the_run_resumes(prefect_server, tmp_path: Path) -> None:
+def test_an_unreadable_newest_version_is_set_aside_and_the_run_resumes(
+    prefect_server, tmp_path: Path
+) -> None:
     storage = tmp_path / "store"
     run_summary(make_config(storage, epochs=3))
     manifest = storage / "v000003" / "manifest.json"
