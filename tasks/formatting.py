@@ -1,8 +1,15 @@
-"""Human-readable sizes and metrics, shared by the CLI and the Prefect artifacts (no Prefect import)."""
+"""Human-readable sizes, metrics and retention reports, shared by the CLI and the Prefect artifacts
+(no Prefect import)."""
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ckptflow.storage.retention import PrunePlan
+
+    from .config import RetentionConfig
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
@@ -25,3 +32,22 @@ def metric_value(value: float) -> str:
 def metrics_text(metrics: dict[str, float]) -> str:
     """``{"loss": 0.123, "acc": 0.98}`` -> ``"loss=0.123 acc=0.98"`` (in the order given)."""
     return " ".join(f"{name}={metric_value(value)}" for name, value in metrics.items())
+
+
+def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:
+    """``retention (keep_last=3): removed versions 1, 2; kept 3, 4, 5`` plus what a tarball held back."""
+    from ckptflow.storage.retention import describe_held
+
+    rules = ", ".join(
+        f"{name}={value}"
+        for name, value in (
+            ("keep_last", policy.keep_last),
+            ("keep_every", policy.keep_every),
+            ("keep_best", policy.keep_best and f"{policy.keep_best} ({policy.best_mode})"),
+        )
+        if value is not None
+    )
+    removed = ", ".join(map(str, plan.remove)) or "none"
+    line = f"retention ({rules}): removed versions {removed}; kept {', '.join(map(str, plan.remaining))}"
+    held = describe_held(plan)
+    return f"{line}; kept beyond the policy: {held}" if held else line

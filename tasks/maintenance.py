@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ckptflow.storage import CheckpointStore
 
 from .config import ArchiveConfig, PipelineConfig, RetentionConfig
+from .formatting import retention_line
 from .monitoring import publish_store
 
 TRAIN_FLOW = "ckptflow-train"
@@ -135,10 +136,9 @@ def _store_url_of(parameters: dict[str, Any]) -> str | None:
 @task(name="apply_retention", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))
 def apply_retention(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
     """Delete the committed versions the policy does not keep (the newest is always kept)."""
-    removed = store.prune(policy.policy())
-    if removed:
-        get_run_logger().info("%s: retention removed versions %s", store.url, removed)
-    return removed
+    plan = store.apply_retention(policy.policy())
+    get_run_logger().info("%s: %s", store.url, retention_line(policy, plan))
+    return list(plan.remove)
 
 
 @task(name="collect_garbage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))

@@ -46,10 +46,10 @@ from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
 from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
-from ckptflow.storage.retention import PrunePlan
 
 from . import run_state
 from .config import PipelineConfig, RetentionConfig
+from .formatting import retention_line
 from .monitoring import notify
 from .retrying import io_task
 from .run_state import RUN_FILE, ConfigMismatchError, EpochAttempts, RunState
@@ -255,25 +255,6 @@ def finalize(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
     get_run_logger().info(line)
     notify("retention", {"text": line, "removed": list(plan.remove), "kept": list(plan.remaining)})
     return list(plan.remove)
-
-
-def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:
-    """``retention (keep_last=3): removed versions 1, 2; kept 3, 4, 5`` plus what a tarball held back."""
-    from ckptflow.storage.retention import describe_held
-
-    rules = ", ".join(
-        f"{name}={value}"
-        for name, value in (
-            ("keep_last", policy.keep_last),
-            ("keep_every", policy.keep_every),
-            ("keep_best", policy.keep_best and f"{policy.keep_best} ({policy.best_mode})"),
-        )
-        if value is not None
-    )
-    removed = ", ".join(map(str, plan.remove)) or "none"
-    line = f"retention ({rules}): removed versions {removed}; kept {', '.join(map(str, plan.remaining))}"
-    held = describe_held(plan)
-    return f"{line}; kept beyond the policy: {held}" if held else line
 
 
 def _in_thread(call: Any) -> Future[Any]:
