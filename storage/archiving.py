@@ -25,7 +25,7 @@ from .checksum import digest
 from .commit import version_dir
 from .errors import CheckpointError, FormatVersionError, ManifestError, UnsafeArchiveError
 from .location import Location
-from .manifest import MANIFEST_FILE, Manifest
+from .manifest import MANIFEST_FILE, Manifest, validate_manifest
 from .reader import ShardSource
 from .tarindex import INDEX_SUFFIX, TarIndex, index_name, parse_index, write_index
 
@@ -78,7 +78,10 @@ def list_archived(loc: Location) -> dict[int, ArchivedVersion]:
             continue
         try:
             index = parse_index(data, aloc.display(index_name(tar)))
-            manifests = [Manifest.model_validate(m) for m in index.extra.get("manifests", {}).values()]
+            manifests = [
+                validate_manifest(m, f"{aloc.display(index_name(tar))}[{v}]")
+                for v, m in index.extra.get("manifests", {}).items()
+            ]
         except (ManifestError, FormatVersionError, UnsafeArchiveError, ValueError) as exc:
             log.warning("ignoring tarball %s: %s", aloc.display(tar), exc)
             continue

@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import FormatVersionError, ManifestError
+from .manifest_checks import MAX_BYTES, check_manifest
 
 FORMAT_NAME = "ckptflow-checkpoint"
 FORMAT_VERSION = 2  # the newest this code reads; a single-process save is still written as 1
@@ -151,10 +152,17 @@ def load_versioned_json(data: bytes, where: str, *, kind: str, name: str, versio
 
     A document written by a newer format version is refused with FormatVersionError.
     """
+
+    if len(data) > MAX_BYTES:
+        raise ManifestError(
+            f"{kind} {where} is {len(data)} bytes, more than the {MAX_BYTES} a {kind} may have"
+        )
     try:
         raw = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{kind} {where} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ManifestError(f"{kind} {where} is nested too deeply to be a ckptflow {kind}") from None
     if not isinstance(raw, dict) or raw.get("format") != name:
         raise ManifestError(f"{where} is not a ckptflow {kind}")
     found = raw.get("format_version")
@@ -174,27 +182,25 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(part) for part in e['loc']) or '<root>'}: {e['msg']}"
-            for e in exc.errors(include_url=False)[:5]
-        )
-        more = f" (and {exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
-        raise ManifestError(f"manifest {where} is invalid: {problems}{more}") from None
-    _check_references(manifest, where)
+        raise ManifestError(f"manifest {where} is invalid: {_problems(exc)}") from None
+    check_manifest(manifest, where)
     return manifest
 
 
-def _check_references(m: Manifest, where: str) -> None:
-    if m.ranks and len(m.ranks) != m.world_size:
-        raise ManifestError(f"manifest {where}: {len(m.ranks)} rank parts for a world size of {m.world_size}")
-    parts = [("", m.blobs, m.tensors)]
-    parts += [(f"rank {r}: ", p.blobs, p.tensors) for r, p in enumerate(m.ranks)]
-    for prefix, blobs, tensors in parts:
-        for i, blob in enumerate(blobs):
-            if blob.shard >= len(m.shards):
-                raise ManifestError(
-                    f"manifest {where}: {prefix}blob {i} names shard {blob.shard}, which is not listed"
-                )
-        for tensor in tensors:
-            if tensor.blob >= len(blobs):
-                raise ManifestError(f"manifest {where}: {prefix}tensor {tensor.path!r} names a missing blob")
+def validate_manifest(raw: object, where: str) -> Manifest:
+    """A manifest from an already parsed JSON value (an archive index's copy), fully checked."""
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as exc:
+        raise ManifestError(f"manifest {where} is invalid: {_problems(exc)}") from None
+    check_manifest(manifest, where)
+    return manifest
+
+
+def _problems(exc: ValidationError) -> str:
+    problems = "; ".join(
+        f"{'.'.join(str(part) for part in e['loc']) or '<root>'}: {e['msg']}"
+        for e in exc.errors(include_url=False)[:5]
+    )
+    more = f" (and {exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+    return problems + more
