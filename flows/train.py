@@ -38,7 +38,7 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled, Failed, State
 from prefect.utilities.annotations import quote
 
 from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
@@ -127,10 +127,10 @@ def _train_in_process(config: PipelineConfig) -> dict[str, Any] | State:
         raise
     finally:
         watch.close()
-    archiver.drain()
+    archiver.drain(strict=False)  # a failed job is reported by _finish
     removed = finalize(run.store, config.retention)
     resumed_from = run.resumed_from.version if run.resumed_from else None
-    return _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed)
+    return _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed, archiver)
 
 
 def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
@@ -172,7 +172,7 @@ def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
         raise
     finally:
         watch.close()
-    archiver.drain()
+    archiver.drain(strict=False)
     removed = finalize(store, config.retention)
     if result.last_epoch is not None:
         last_epoch = result.last_epoch
@@ -180,7 +180,14 @@ def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
         newest = store.latest()
         last_epoch = newest.epoch if newest is not None and newest.epoch is not None else last
     return _finish(
-        store, monitor, last + 1, last_epoch, latest.version if latest else None, result.reason, removed
+        store,
+        monitor,
+        last + 1,
+        last_epoch,
+        latest.version if latest else None,
+        result.reason,
+        removed,
+        archiver,
     )
 
 
@@ -192,12 +199,20 @@ def _finish(
     resumed_from: int | None,
     reason: str | None,
     removed: list[int],
+    archiver: ArchiveQueue,
 ) -> dict[str, Any] | State:
     summary = _summary(store, first_epoch, last_epoch, resumed_from, reason, removed)
+    mirror = archiver.mirror_status()
+    if mirror is not None:  # every run with an upload target says what the mirror lacks
+        summary.update(mirror.as_dict())
+        get_run_logger().info(mirror.line())
+        monitor.note(mirror.line())
     monitor.summary(_summary_markdown(summary), removed=removed)
     get_run_logger().info("stopped: %s; latest checkpoint: %s", reason, summary["latest_url"])
     if reason in (CANCELLED, SIGTERM_STOP):
         return Cancelled(message=f"cancelled after committing epoch {last_epoch}")
+    if archiver.failures:
+        return Failed(message=f"training ended at epoch {last_epoch}, but {archiver.failures[0]}")
     return summary
 
 
