@@ -25,6 +25,10 @@ reports what rank 0 tells it, archives, uploads and applies retention as in a
 single-process run. A rank that dies fails the task; its retry resumes every
 rank from the last commit.
 
+Every run labels its flow run with the process that runs it and marks
+Crashed the training runs of this host whose process is gone (a SIGKILL
+leaves them Running; see ``ckptflow.tasks.crashed``).
+
 Deployment entrypoint: ``flows/train.py:train_pipeline``.
 """
 
@@ -44,6 +48,7 @@ from prefect.utilities.annotations import quote
 from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
 from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
+from ckptflow.tasks.crashed import record_this_run
 from ckptflow.tasks.formatting import human_size, metrics_text
 from ckptflow.tasks.gang import Message, train_ranks
 from ckptflow.tasks.monitoring import RunMonitor
@@ -64,6 +69,7 @@ from ckptflow.tasks.threads import torch_threads
 @flow(name="ckptflow-train", validate_parameters=True)
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
+    record_this_run()  # and mark Crashed the runs on this host whose process is gone
     if config.nproc > 1:
         return _train_on_ranks(config)
     if config.train_process:  # it sets its own threads (init logs how many)
