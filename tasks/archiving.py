@@ -40,7 +40,7 @@ from ckptflow.storage.tarindex import TarIndex, index_name, read_index
 
 from .config import ArchiveConfig
 from .credentials import with_secret
-from .mirroring import MirrorStatus, check_mirror, version_ranges
+from .mirroring import MirrorStatus, check_mirror, mirrored_versions, version_ranges
 from .retrying import io_task
 
 if TYPE_CHECKING:
@@ -282,11 +282,16 @@ class ArchiveQueue:
 
     def mirror_status(self) -> MirrorStatus | None:
         """What ``upload_to`` lacks of the store's committed versions (None without a target)."""
-        target = upload_target(self.config)
-        if target is None:
+        if self.config.upload_to is None:
             return None
+        url = self.config.upload_to.rstrip("/")
+
+        def held() -> set[int]:  # its credential block, its endpoint: any of it may fail
+            _, options = upload_target(self.config) or (url, {})
+            return mirrored_versions(url, options)
+
         return check_mirror(
-            self.store, *target, confirmed=self.mirrored, failures=self.failures, config=self.config
+            self.store, url, held, config=self.config, confirmed=self.mirrored, failures=self.failures
         )
 
     def abandon(self) -> None:

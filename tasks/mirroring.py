@@ -11,7 +11,7 @@ verified count, and the line says why. No Prefect import: the flow logs it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,23 +48,23 @@ class MirrorStatus:
 def check_mirror(
     store: CheckpointStore,
     url: str,
-    options: dict[str, Any],
+    held: Callable[[], set[int]],
     *,
     config: ArchiveConfig,
     confirmed: set[int],
     failures: list[str],
 ) -> MirrorStatus:
-    """Compare the store's committed versions with what ``url`` holds (see the module docstring)."""
+    """The committed versions of ``store`` that ``held()`` (what ``url`` holds) lacks, and why."""
     versions = store.versions()
     committed = [v.version for v in versions]
     archived_here = {v.version for v in versions if v.archived}
     listing_error = None
     try:
-        held = mirrored_versions(url, options)
+        mirrored = held()
     except Exception as exc:
-        held = set(confirmed)
+        mirrored = set(confirmed)
         listing_error = f"could not list the mirror: {' '.join(str(exc).split()) or type(exc).__name__}"
-    missing = [v for v in committed if v not in held]
+    missing = [v for v in committed if v not in mirrored]
     reason = _reason(missing, config, failures, listing_error)
     if reason and config.mirrors_versions() and not archived_here.intersection(missing):
         # a run uploads the loose versions the mirror lacks when it starts

@@ -14,6 +14,7 @@ Against a real Prefect server and the moto S3 server; the CLI runs in this proce
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from typing import Any
 
@@ -23,7 +24,7 @@ from typer.testing import CliRunner
 from ckptflow.storage import CheckpointStore
 from ckptflow.storage.archiving import list_archived
 from ckptflow.tasks.config import ArchiveConfig
-from ckptflow.tasks.mirroring import version_ranges
+from ckptflow.tasks.mirroring import check_mirror, mirrored_versions, version_ranges
 from tests.conftest import assert_same_state
 from tests.pipeline.helpers import make_config, poll, run_summary, version_dirs
 from tests.pipeline.specs import MARKED_SPEC, SPEC_CONFIG
@@ -87,6 +88,56 @@ class TestConfig:
     def test_version_ranges(self):
         assert version_ranges([5, 1, 2, 3, 8, 7]) == "1-3, 5, 7-8"
         assert version_ranges([4]) == "4" and version_ranges([]) == "none"
+
+
+class TestMirrorLine:
+    """The mirror's own listing decides; when it cannot be listed, only this run's verified uploads count."""
+
+    def make_store(self, tmp_path) -> CheckpointStore:
+        import torch
+
+        store = CheckpointStore(str(tmp_path / "store"))
+        for epoch in (1, 2, 3):
+            store.save({"w": torch.full((4,), float(epoch))}, epoch=epoch, version=epoch)
+        return store
+
+    def test_a_version_counts_once_its_manifest_is_on_the_mirror(self, tmp_path):
+        store = self.make_store(tmp_path)
+        mirror = tmp_path / "mirror"
+        shutil.copytree(tmp_path / "store" / "v000001", mirror / "v000001")
+        shutil.copytree(tmp_path / "store" / "v000002", mirror / "v000002")
+        (mirror / "v000002" / "manifest.json").unlink()  # an upload cut off before its commit
+        config = ArchiveConfig(upload_to=str(mirror))
+        status = check_mirror(
+            store,
+            str(mirror),
+            lambda: mirrored_versions(str(mirror), {}),
+            config=config,
+            confirmed=set(),
+            failures=[],
+        )
+        assert (status.committed, status.missing) == ([1, 2, 3], [2, 3])
+        assert status.line() == (
+            f"mirror {mirror}: versions 2-3 not mirrored yet (their uploads have not run yet; "
+            "the next run with this upload target uploads them)"
+        )
+
+    def test_an_unlistable_mirror_counts_only_the_uploads_verified_in_this_run(self, tmp_path):
+        store = self.make_store(tmp_path)
+
+        def unreachable() -> set[int]:
+            raise OSError("connection refused")
+
+        config = ArchiveConfig(upload_to="s3://b/run")
+        status = check_mirror(store, "s3://b/run", unreachable, config=config, confirmed={2}, failures=[])
+        assert status.missing == [1, 3]
+        assert status.line().startswith(
+            "mirror s3://b/run: versions 1, 3 not mirrored yet (could not list the mirror: connection refused"
+        )
+        everything = check_mirror(
+            store, "s3://b/run", lambda: {1, 2, 3}, config=config, confirmed=set(), failures=[]
+        )
+        assert everything.line() == "mirror s3://b/run: all 3 committed versions mirrored"
 
 
 @pytest.mark.prefect
