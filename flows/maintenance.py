@@ -68,7 +68,7 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
 
 def _archive(store: Any, config: MaintenanceConfig) -> list[Any]:
     """The archive (and upload) jobs the policy says are due, run to the end."""
-    if not (config.archive.enabled() or config.archive.upload_versions):
+    if not (config.archive.enabled() or config.archive.mirrors_versions()):
         return []
     queue = ArchiveQueue(store, config.archive, store.versions())
     queue.catch_up()

@@ -49,7 +49,7 @@ def run_command(
     ] = None,
     keep_loose: Annotated[bool, Opt("--keep-loose", help="Keep loose files of archived versions.")] = False,
     upload_to: Annotated[
-        str | None, Opt("--upload-to", metavar="URL", help="Mirror archives to this URL (s3://...).")
+        str | None, Opt("--upload-to", metavar="URL", help="Mirror versions and archives to URL (s3://...).")
     ] = None,
     upload_options: Annotated[
         str, Opt("--upload-options", metavar="JSON", help="fsspec options for --upload-to (no credentials).")
@@ -59,8 +59,12 @@ def run_command(
         Opt("--upload-secret", metavar="BLOCK", help="Credentials for --upload-to, as --storage-secret."),
     ] = None,
     upload_versions: Annotated[
-        bool, Opt("--upload-versions", help="Also upload each committed version as it commits.")
-    ] = False,
+        bool | None,
+        Opt(
+            "--upload-versions/--no-upload-versions",
+            help="With --upload-to: each version as it commits (default), or archives only.",
+        ),
+    ] = None,
     keep_last: Annotated[int | None, Opt("--keep-last", min=1, help="Retention: keep the newest N.")] = None,
     keep_every: Annotated[
         int | None, Opt("--keep-every", min=1, help="Retention: keep every K-th epoch.")
@@ -294,6 +298,8 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None) -> dict[str, Any]
             console.print(
                 f"  committed {info.url} ({human_size(info.size)} in {info.save_seconds or 0:.2f}s)"
             )
+        elif kind == "note":
+            console.print(data["line"], markup=False, highlight=False)
 
     remove = add_listener(on_event)
     started = time.perf_counter()

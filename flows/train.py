@@ -25,6 +25,10 @@ reports what rank 0 tells it, archives, uploads and applies retention as in a
 single-process run. A rank that dies fails the task; its retry resumes every
 rank from the last commit.
 
+Every run labels its flow run with the process that runs it and marks
+Crashed the training runs of this host whose process is gone (a SIGKILL
+leaves them Running; see ``ckptflow.tasks.crashed``).
+
 Deployment entrypoint: ``flows/train.py:train_pipeline``.
 """
 
@@ -38,12 +42,13 @@ from uuid import UUID
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.states import Cancelled, State
+from prefect.states import Cancelled, Failed, State
 from prefect.utilities.annotations import quote
 
 from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
 from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
+from ckptflow.tasks.crashed import record_this_run
 from ckptflow.tasks.formatting import human_size, metrics_text
 from ckptflow.tasks.gang import Message, train_ranks
 from ckptflow.tasks.monitoring import RunMonitor
@@ -64,6 +69,7 @@ from ckptflow.tasks.threads import torch_threads
 @flow(name="ckptflow-train", validate_parameters=True)
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
+    record_this_run()  # and mark Crashed the runs on this host whose process is gone
     if config.nproc > 1:
         return _train_on_ranks(config)
     if config.train_process:  # it sets its own threads (init logs how many)
@@ -127,10 +133,10 @@ def _train_in_process(config: PipelineConfig) -> dict[str, Any] | State:
         raise
     finally:
         watch.close()
-    archiver.drain()
+    archiver.drain(strict=False)  # a failed job is reported by _finish
     removed = finalize(run.store, config.retention)
     resumed_from = run.resumed_from.version if run.resumed_from else None
-    return _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed)
+    return _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed, archiver)
 
 
 def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
@@ -173,7 +179,7 @@ def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
         raise
     finally:
         watch.close()
-    archiver.drain()
+    archiver.drain(strict=False)
     removed = finalize(store, config.retention)
     if result.last_epoch is not None:
         last_epoch = result.last_epoch
@@ -181,7 +187,14 @@ def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
         newest = store.latest()
         last_epoch = newest.epoch if newest is not None and newest.epoch is not None else last
     return _finish(
-        store, monitor, last + 1, last_epoch, latest.version if latest else None, result.reason, removed
+        store,
+        monitor,
+        last + 1,
+        last_epoch,
+        latest.version if latest else None,
+        result.reason,
+        removed,
+        archiver,
     )
 
 
@@ -193,12 +206,20 @@ def _finish(
     resumed_from: int | None,
     reason: str | None,
     removed: list[int],
+    archiver: ArchiveQueue,
 ) -> dict[str, Any] | State:
     summary = _summary(store, first_epoch, last_epoch, resumed_from, reason, removed)
+    mirror = archiver.mirror_status()
+    if mirror is not None:  # every run with an upload target says what the mirror lacks
+        summary.update(mirror.as_dict())
+        get_run_logger().info(mirror.line())
+        monitor.note(mirror.line())
     monitor.summary(_summary_markdown(summary), removed=removed)
     get_run_logger().info("stopped: %s; latest checkpoint: %s", reason, summary["latest_url"])
     if reason in (CANCELLED, SIGTERM_STOP):
         return Cancelled(message=f"cancelled after committing epoch {last_epoch}")
+    if archiver.failures:
+        return Failed(message=f"training ended at epoch {last_epoch}, but {archiver.failures[0]}")
     return summary
 
 

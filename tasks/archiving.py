@@ -12,6 +12,13 @@ committed version loadable at every instant: tarball and index, then the
 upload verified (when configured), then the loose files removed. Re-running
 it after a crash picks up where it stopped: a committed tarball is reused,
 a verified remote copy is skipped.
+
+With ``upload_to``, every committed version also goes up as it commits
+(``upload_versions``, on unless set false), so the mirror holds the newest
+versions and not only the archived ones. A job that fails after its retries
+does not stop training: the queue records it, queues no further job in this
+run (the next run picks the work up) and the flow reports it at the end, with
+the versions the mirror lacks (:mod:`.mirroring`).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from ckptflow.storage.tarindex import TarIndex, index_name, read_index
 
 from .config import ArchiveConfig
 from .credentials import with_secret
+from .mirroring import MirrorStatus, check_mirror, mirrored_versions, version_ranges
 from .retrying import io_task
 
 if TYPE_CHECKING:
@@ -52,6 +60,13 @@ def next_groups(loose: list[VersionInfo], config: ArchiveConfig, busy: set[int])
             groups.append([v.version for v in group])
             group = []
     return groups
+
+
+@dataclass(frozen=True)
+class _Job:
+    future: Any  # a PrefectFuture
+    versions: list[int]
+    archives: bool  # an archive job (else the upload of one loose version)
 
 
 @dataclass(frozen=True)
@@ -169,16 +184,18 @@ class ArchiveQueue:
             else set()
         )
         self.loose = [v for v in existing if not v.archived and v.version not in done]
-        self.pending: list[tuple[Any, list[int]]] = []  # (PrefectFuture, versions it archives)
+        self.pending: list[_Job] = []
         self.busy: set[int] = set()
         self.results: list[ArchiveResult] = []
         self.uploads: dict[int, Any] = {}  # version -> its upload job, until an archive job waits for it
+        self.mirrored: set[int] = set()  # versions whose upload this run verified
+        self.failures: list[str] = []  # "what failed: why", one per failed job
         self.started = False
 
     def committed(self, info: VersionInfo) -> None:
         """Note a new commit; queue whatever the policy says is due."""
         self.loose.append(info)
-        if self.config.upload_versions:
+        if self.config.mirrors_versions() and not self.failures:
             self._upload(info.version)
         self.catch_up()
 
@@ -186,7 +203,10 @@ class ArchiveQueue:
         """Queue the groups the policy says are due; at start also what an interrupted run left.
 
         That is: groups it did not archive, and loose versions the mirror lacks (``upload_versions``).
+        After a failed job nothing more is queued: the next run starts over from what is committed.
         """
+        if self.failures:
+            return
         if not self.started:
             self.started = True
             for version in self._not_mirrored():
@@ -200,13 +220,14 @@ class ArchiveQueue:
             self._submit(start, group)
 
     def _upload(self, version: int) -> None:
-        future = self._submit(lambda: upload_version.submit(self.store, version, self.config), [])
+        start = partial(upload_version.submit, self.store, version, self.config)
+        future = self._submit(start, [version], archives=False)
         if self.config.enabled():
             self.uploads[version] = future
 
     def _not_mirrored(self) -> list[int]:
         """Loose versions without a manifest on the remote (their upload was cut off, or never ran)."""
-        target = upload_target(self.config) if self.config.upload_versions else None
+        target = upload_target(self.config) if self.config.mirrors_versions() else None
         if target is None or not self.loose:
             return []
         try:
@@ -217,33 +238,64 @@ class ArchiveQueue:
             mirrored = set()
         return [v.version for v in self.loose if v.version not in mirrored]
 
-    def _submit(self, start: Callable[[], Any], versions: list[int]) -> Any:
+    def _submit(self, start: Callable[[], Any], versions: list[int], *, archives: bool = True) -> Any:
         """Start a job once fewer than ``max_pending`` are queued (waiting for the oldest if need be)."""
         while len(self.pending) >= self.config.max_pending:
             self._finish(self.pending.pop(0))
-        self.busy.update(versions)
+        if archives:
+            self.busy.update(versions)
         future = start()
-        self.pending.append((future, versions))
+        self.pending.append(_Job(future, versions, archives))
         return future
 
-    def _finish(self, item: tuple[Any, list[int]]) -> None:
-        future, versions = item
-        result = future.result()  # raises if the job failed after its retries
-        self.busy.difference_update(versions)
+    def _finish(self, job: _Job) -> None:
+        """Collect a job's outcome; a failure (after its retries) is recorded, not raised."""
+        try:
+            result = job.future.result()
+        except Exception as exc:
+            what = "archive of versions" if job.archives else "upload of version"
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            self.failures.append(f"{what} {version_ranges(job.versions)} failed: {why}")
+            return  # an archive job's versions stay busy: no other job takes them in this run
+        if not job.archives:
+            self.mirrored.update(job.versions)
+            return
+        self.busy.difference_update(job.versions)
         if isinstance(result, ArchiveResult):
             self.loose = [v for v in self.loose if v.version not in result.versions]
             self.results.append(result)
+            if result.uploaded:
+                self.mirrored.update(result.versions)
             if self.on_result is not None:
                 self.on_result(result)
 
-    def drain(self) -> list[ArchiveResult]:
-        """Wait for every queued job (the flow's clean shutdown); return the archive results."""
+    def drain(self, *, strict: bool = True) -> list[ArchiveResult]:
+        """Wait for every queued job (the flow's clean shutdown); return the archive results.
+
+        ``strict``: raise if a job failed; else the caller reports :attr:`failures`.
+        """
         while self.pending:
             self._finish(self.pending.pop(0))
+        if strict and self.failures:
+            raise CheckpointError("; ".join(self.failures))
         return self.results
+
+    def mirror_status(self) -> MirrorStatus | None:
+        """What ``upload_to`` lacks of the store's committed versions (None without a target)."""
+        if self.config.upload_to is None:
+            return None
+        url = self.config.upload_to.rstrip("/")
+
+        def held() -> set[int]:  # its credential block, its endpoint: any of it may fail
+            _, options = upload_target(self.config) or (url, {})
+            return mirrored_versions(url, options)
+
+        return check_mirror(
+            self.store, url, held, config=self.config, confirmed=self.mirrored, failures=self.failures
+        )
 
     def abandon(self) -> None:
         """On an interrupted run: wait for queued jobs to end, without raising their errors."""
-        for future, _ in self.pending:
-            future.wait()  # a PrefectFuture's wait() does not raise the task's error
+        for job in self.pending:
+            job.future.wait()  # a PrefectFuture's wait() does not raise the task's error
         self.pending.clear()

@@ -80,16 +80,26 @@ class ArchiveConfig(_Strict):
         None, ge=1, description="or: archive once loose checkpoints reach this size"
     )
     keep_loose: bool = Field(False, description="keep the loose files of archived versions")
-    upload_to: str | None = Field(None, description="a URL (e.g. s3://bucket/run1) to mirror archives to")
+    upload_to: str | None = Field(
+        None, description="a URL (e.g. s3://bucket/run1) to mirror committed versions and archives to"
+    )
     upload_options: dict[str, Any] = Field(default_factory=dict, description="fsspec options, no credentials")
     upload_secret: str | None = Field(
         None, description="a Prefect block with upload credentials: NAME of a Secret, or aws-credentials/NAME"
     )
-    upload_versions: bool = Field(False, description="also upload every committed version as it commits")
+    upload_versions: bool | None = Field(
+        None,
+        description="upload every committed version as it commits (default: on with upload_to; "
+        "false mirrors archives only)",
+    )
     max_pending: int = Field(2, ge=1, le=16, description="archive jobs queued in the background at most")
 
     def enabled(self) -> bool:
         return self.every is not None or self.target_bytes is not None
+
+    def mirrors_versions(self) -> bool:
+        """Whether each committed version goes to ``upload_to`` as it commits (unset: yes, with a target)."""
+        return self.upload_to is not None and self.upload_versions is not False
 
     @field_validator("upload_secret")
     @classmethod
@@ -104,7 +114,7 @@ class ArchiveConfig(_Strict):
                 f"archive.upload_options must not hold credentials ({', '.join(found)}): use the "
                 "environment, an AWS profile or archive.upload_secret"
             )
-        if self.upload_versions and not self.upload_to:
+        if self.upload_versions is True and not self.upload_to:
             raise ValueError("archive.upload_versions needs archive.upload_to")
         return self
 

@@ -10,8 +10,9 @@ What must hold:
   crashed one, and retention during a run is that run's own ``finalize``
   step. "Writing right now" means a ``ckptflow-train`` flow run in Pending,
   Running or Cancelling whose ``config.storage`` names the same store. A run
-  whose process died stays Running until the heartbeat automation marks it
-  Crashed (``ckptflow setup-server``), and holds its store until then.
+  whose process died stays Running until the heartbeat automation (``ckptflow
+  setup-server``) or the next training run on its host marks it Crashed
+  (:mod:`.crashed`), and holds its store until then.
 - Credentials are never parameters, as for the training pipeline:
   ``storage_options`` refuse them; they come from the environment, an AWS
   profile, a credential block (``storage_secret``: a Secret block or

@@ -144,6 +144,7 @@ class RunMonitor:
     _last_publish: float = -1e9
     _unpublished: VersionInfo | None = None  # newest commit whose tables are not published yet
     _unpublished_epoch: int | None = None  # newest epoch whose progress is not published yet
+    notes: list[str] = field(default_factory=list)  # end-of-run lines, e.g. what the mirror lacks
 
     @property
     def key_prefix(self) -> str:
@@ -228,13 +229,19 @@ class RunMonitor:
         _notify("uploaded", {"url": shown, "size": size})
         return link
 
+    def note(self, line: str) -> None:
+        """An end-of-run line: listeners get it now, the run summary ends with it."""
+        self.notes.append(line)
+        _notify("note", {"line": line})
+
     def summary(self, markdown: str, *, removed: list[int] | tuple[int, ...] = ()) -> None:
-        """Publish the run summary; drop the versions retention ``removed`` from the tables."""
+        """Publish the run summary and notes; drop the versions retention ``removed`` from the tables."""
         self.flush()
         if removed:
             self.rows = [r for r in self.rows if r["version"] not in removed]
             self._publish_tables()
-        self.artifacts.markdown(f"{self.key_prefix}-summary", markdown, "ckptflow run summary")
+        text = "\n\n".join([markdown, *(f"**{n}**" for n in self.notes)])
+        self.artifacts.markdown(f"{self.key_prefix}-summary", text, "ckptflow run summary")
 
     def _publish_tables(self) -> None:
         rows = sorted(self.rows, key=lambda r: r["version"])

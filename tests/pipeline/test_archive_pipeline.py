@@ -4,7 +4,7 @@
 - Consolidation: a run with ``archive.every=2`` leaves tarballs that GNU tar lists, with
   their indexes; the archived versions load bit for bit as the same run without archiving
   saved them; the jobs are Prefect task runs.
-- Upload: the remote copy of a run (tarballs, and loose versions with ``upload_versions``)
+- Upload: the remote copy of a run (tarballs, and loose versions unless ``upload_versions`` is off)
   is a store of its own that lists and loads the versions; reading one epoch out of a
   tarball on S3 reads only that epoch's byte ranges.
 - Crashes: a run SIGKILLed while it writes a tarball, uploads one, or uploads a loose
@@ -308,13 +308,11 @@ class TestUpload:
     ):
         bucket, _ = s3_bucket
         upload_to = f"s3://{bucket}/run"
-        config = make_config(
-            tmp_path / "store",
-            epochs=EPOCHS,
-            archive={"every": 2, "upload_to": upload_to, "upload_options": remote_options(s3_server)},
-        )
-        _, run_id = run_summary(config)
+        archive = {"every": 2, "upload_to": upload_to, "upload_options": remote_options(s3_server)}
+        config = make_config(tmp_path / "store", epochs=EPOCHS, archive={**archive, "upload_versions": False})
+        summary, run_id = run_summary(config)
         assert version_dirs(config.storage) == ["v000005"]  # 1-4 dropped, once their upload was verified
+        assert summary["not_mirrored"] == [5]  # archives only: the loose version stays here
 
         remote = remote_store(upload_to, s3_server)
         listed = remote.versions()
@@ -545,7 +543,12 @@ class TestCrashes:
             tmp_path / "store",
             epochs=4,
             spec_config={**SPEC_CONFIG, "hidden": 4096},
-            archive={"every": 2, "upload_to": upload_to, "upload_options": remote_options(s3_server)},
+            archive={
+                "every": 2,
+                "upload_to": upload_to,
+                "upload_options": remote_options(s3_server),
+                "upload_versions": False,  # the tarballs only: their upload is what is cut off
+            },
         )
         markers = tmp_path / "markers"
         markers.mkdir()
@@ -661,11 +664,11 @@ def test_maintenance_archives_and_uploads_a_store_trained_without_archiving(
         (4, True),
         (5, False),
     ]
-    remote = remote_store(upload_to, s3_server)
-    assert [v.version for v in remote.versions()] == [1, 2, 3, 4]
+    remote = remote_store(upload_to, s3_server)  # every version: loose ones go up by default
+    assert [v.version for v in remote.versions()] == [1, 2, 3, 4, 5]
+    assert sorted(list_archived(remote.loc)) == [1, 2, 3, 4]
     for v in range(1, EPOCHS + 1):
         assert_same_checkpoint(store, reference, v)
-    for v in range(1, 5):
         remote.verify(v)
 
     again = maintain_stores({"storages": [config.storage], "archive": archive, "publish": False})

@@ -1,0 +1,167 @@
+"""Training flow runs whose process died: each run records its process, the next run marks them Crashed.
+
+A flow run killed with SIGKILL (or by the OOM killer) never reports a final
+state: Prefect shows it Running for good, and maintenance takes its store for
+busy. Deployments have the heartbeat automation (``ckptflow setup-server``);
+a local ``ckptflow run`` emits no heartbeats. So every training flow run, as
+it starts:
+
+1. records the process that runs it, as labels of the flow run:
+   ``ckptflow.host`` (host name), ``ckptflow.pid``, ``ckptflow.pid_start``
+   (the process's start time, field 22 of ``/proc/PID/stat``, so that a
+   reused pid is told apart) and ``ckptflow.pid_space`` (the boot id and the
+   pid namespace: another container or another boot has other pids);
+2. looks for ``ckptflow-train`` flow runs in Pending, Running or Cancelling
+   whose record names this host and pid space and whose process is gone (no
+   such pid, or one started at another time), and sets them Crashed with a
+   message saying so.
+
+What must hold: a run is marked only on proof that its process is gone. Runs
+of other hosts or pid spaces (another machine, container or boot), runs
+without the record, and this run are never touched. Linux only (``/proc``):
+elsewhere nothing is recorded and nothing is marked. Neither step may break
+a run: an API error is logged and skipped.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import os
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+from uuid import UUID
+
+TRAIN_FLOW = "ckptflow-train"
+LABELS = ("ckptflow.host", "ckptflow.pid", "ckptflow.pid_start", "ckptflow.pid_space")
+
+
+@dataclass(frozen=True)
+class ProcessRecord:
+    """Which process runs a flow run, precisely enough to tell when it is gone."""
+
+    host: str
+    pid: int
+    start: str  # clock ticks after boot at which the process started
+    space: str  # boot id and pid namespace: the scope in which ``pid`` means this process
+
+    def labels(self) -> dict[str, bool | int | float | str]:  # Prefect's type of flow run labels
+        return dict(zip(LABELS, (self.host, str(self.pid), self.start, self.space), strict=True))
+
+    @classmethod
+    def from_labels(cls, labels: dict[str, Any]) -> ProcessRecord | None:
+        values = [labels.get(key) for key in LABELS]
+        if not all(isinstance(v, str) and v for v in values) or not str(values[1]).isdigit():
+            return None
+        host, pid, start, space = (str(v) for v in values)
+        return cls(host, int(pid), start, space)
+
+
+def this_process() -> ProcessRecord | None:
+    """The record of this process; None where ``/proc`` cannot tell (not Linux)."""
+    pid = os.getpid()
+    start, space = _start_ticks(pid), _pid_space()
+    if start is None or space is None:
+        return None
+    return ProcessRecord(socket.gethostname(), pid, start, space)
+
+
+def is_gone(record: ProcessRecord, here: ProcessRecord) -> bool:
+    """Whether ``record``'s process has certainly ended (False when this host cannot tell)."""
+    if record.host != here.host or record.space != here.space:
+        return False
+    if record.pid == here.pid:
+        return record.start != here.start
+    return _start_ticks(record.pid) != record.start  # no such pid (None), or a later process
+
+
+def record_and_sweep(flow_run_id: UUID, log: Any) -> list[str]:
+    """Label this flow run with its process; mark the gone ones Crashed. Returns their names."""
+    here = this_process()
+    if here is None:
+        return []
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.update_flow_run_labels(flow_run_id, here.labels())
+            crashed = _mark_gone(client, flow_run_id, here)
+    except Exception as exc:
+        log.warning("could not check for training runs whose process died: %s", exc)
+        return []
+    if crashed:
+        names = ", ".join(crashed)
+        log.warning("marked Crashed: flow runs whose process on %s is gone (%s)", here.host, names)
+    return crashed
+
+
+def record_this_run() -> threading.Thread | None:
+    """:func:`record_and_sweep` for the flow run this is called in, in a thread (off the path to
+    the first epoch; not a daemon, so a short run still finishes it before its process exits)."""
+    from prefect import get_run_logger
+    from prefect.runtime import flow_run
+
+    run_id = flow_run.get_id()
+    if not run_id:
+        return None
+    context = contextvars.copy_context()  # the run's Prefect settings (API URL) and logger
+    thread = threading.Thread(
+        target=context.run,
+        args=(record_and_sweep, UUID(run_id), get_run_logger()),
+        name="ckptflow-crashed-runs",
+    )
+    thread.start()
+    return thread
+
+
+def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[str]:
+    from prefect.client.schemas.filters import (
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    active = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
+    runs = client.read_flow_runs(
+        flow_filter=FlowFilter(name=FlowFilterName(any_=[TRAIN_FLOW])),
+        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=active))),
+    )
+    crashed = []
+    for run in runs:
+        record = ProcessRecord.from_labels(run.labels or {})
+        if run.id == flow_run_id or record is None or not is_gone(record, here):
+            continue
+        message = (
+            f"its process (pid {record.pid} on {record.host}) is gone, killed without a final state; "
+            f"marked Crashed by flow run {flow_run_id} on the same host"
+        )
+        client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+        crashed.append(run.name)
+    return crashed
+
+
+def _start_ticks(pid: int) -> str | None:
+    """Field 22 of ``/proc/PID/stat`` (the process's start time); None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # the command name in parentheses may hold spaces
+    if len(fields) <= 19 or fields[0] in ("Z", "X"):  # a zombie has ended: only its exit status is left
+        return None
+    return fields[19]
+
+
+def _pid_space() -> str | None:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return None

@@ -1,0 +1,105 @@
+"""What the upload target lacks, said at the end of every run that has one.
+
+A run with ``archive.upload_to`` ends with one line (in its log, the CLI's
+output and the run summary) naming the committed versions of the store that
+the mirror does not hold yet, or saying that it holds them all. The mirror's
+own listing is the truth: a version is mirrored when the target holds its
+manifest (a loose copy) or a committed tarball index that lists it. When the
+target cannot be listed (unreachable, refused), only the uploads this run
+verified count, and the line says why. No Prefect import: the flow logs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ckptflow.storage.archiving import list_archived
+from ckptflow.storage.commit import list_dirs
+from ckptflow.storage.location import open_location, redact
+
+if TYPE_CHECKING:
+    from ckptflow.storage import CheckpointStore
+
+    from .config import ArchiveConfig
+
+
+@dataclass(frozen=True)
+class MirrorStatus:
+    """The committed versions of a store and those its mirror lacks."""
+
+    url: str  # the target, redacted
+    committed: list[int]
+    missing: list[int]
+    reason: str | None = None  # why they are missing, when known
+
+    def line(self) -> str:
+        if not self.missing:
+            held = f"all {len(self.committed)} committed versions" if self.committed else "nothing to hold"
+            return f"mirror {self.url}: {held} mirrored"
+        why = f" ({self.reason})" if self.reason else ""
+        return f"mirror {self.url}: versions {version_ranges(self.missing)} not mirrored yet{why}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mirror": self.url, "not_mirrored": list(self.missing), "mirror_line": self.line()}
+
+
+def check_mirror(
+    store: CheckpointStore,
+    url: str,
+    held: Callable[[], set[int]],
+    *,
+    config: ArchiveConfig,
+    confirmed: set[int],
+    failures: list[str],
+) -> MirrorStatus:
+    """The committed versions of ``store`` that ``held()`` (what ``url`` holds) lacks, and why."""
+    versions = store.versions()
+    committed = [v.version for v in versions]
+    archived_here = {v.version for v in versions if v.archived}
+    listing_error = None
+    try:
+        mirrored = held()
+    except Exception as exc:
+        mirrored = set(confirmed)
+        listing_error = f"could not list the mirror: {' '.join(str(exc).split()) or type(exc).__name__}"
+    missing = [v for v in committed if v not in mirrored]
+    reason = _reason(missing, config, failures, listing_error)
+    if reason and config.mirrors_versions() and not archived_here.intersection(missing):
+        # a run uploads the loose versions the mirror lacks when it starts
+        reason += "; the next run with this upload target uploads them"
+    return MirrorStatus(redact(url), committed, missing, reason)
+
+
+def mirrored_versions(url: str, options: dict[str, Any]) -> set[int]:
+    """Versions ``url`` holds: loose with a manifest, or in a committed tarball."""
+    loc = open_location(url, options)
+    loose = {v for v, has_manifest in list_dirs(loc).items() if has_manifest}
+    return loose | set(list_archived(loc))
+
+
+def _reason(
+    missing: list[int], config: ArchiveConfig, failures: list[str], listing_error: str | None
+) -> str | None:
+    if not missing:
+        return None
+    if failures:
+        more = f" (and {len(failures) - 1} more failed jobs)" if len(failures) > 1 else ""
+        return f"{failures[0]}{more}"
+    if listing_error:
+        return listing_error
+    if not config.mirrors_versions():
+        return "upload_versions is off: loose versions go up only in tarballs"
+    return "their uploads have not run yet"
+
+
+def version_ranges(versions: Iterable[int]) -> str:
+    """``[1, 2, 3, 5, 7, 8]`` -> ``"1-3, 5, 7-8"``."""
+    spans: list[list[int]] = []
+    for v in sorted(set(versions)):
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"
