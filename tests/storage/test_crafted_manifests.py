@@ -1,0 +1,148 @@
+"""A crafted or damaged manifest is refused, named, and takes no other version down.
+
+Before the full check (storage/manifest_checks.py), a shard name such as
+``../../../../etc/passwd`` made ``load`` return that file's bytes and ``verify`` say ok;
+huge or negative shapes, unknown dtypes, dangling references and a negative offset
+raised raw RuntimeError/ValueError/IndexError/OSError (or were accepted silently); and a
+100,000-deep structure crashed ``ls``, ``show`` and ``verify`` with RecursionError.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptflow.storage import CheckpointStore, ManifestError, StoreOptions
+from tests.test_cli import invoke
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+def _set(path: str, value: Any) -> Edit:
+    """An edit that sets ``a.b.0.c`` in the manifest to ``value``."""
+
+    def edit(m: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = m
+        for part in parents:
+            node = node[int(part)] if isinstance(node, list) else node[part]
+        if isinstance(node, list):
+            node[int(last)] = value
+        else:
+            node[last] = value
+
+    return edit
+
+
+def _deep(levels: int) -> Edit:
+    def edit(m: dict[str, Any]) -> None:
+        text = "[" * levels + "]" * levels
+        m["structure"] = {"w": {"$tensor": 0}, "deep": json.loads(text) if levels < 500 else None}
+        if levels >= 500:
+            m["structure"]["deep"] = "@DEEP@"
+
+    return edit
+
+
+CRAFTED: dict[str, tuple[Edit, str]] = {
+    "shard outside the store": (_set("shards.0.file", "../../../../../etc/passwd"), "shards[0].file"),
+    "absolute shard path": (_set("shards.0.file", "/etc/passwd"), "shards[0].file"),
+    "shard with a scheme": (_set("shards.0.file", "s3://bucket/x.h5"), "shards[0].file"),
+    "backslash shard path": (_set("shards.0.file", "..\\..\\x.h5"), "shards[0].file"),
+    "hidden shard name": (_set("shards.0.file", ".manifest.json"), "shards[0].file"),
+    "shard checksum not hex": (_set("shards.0.checksum", "zz"), "shards[0].checksum"),
+    "huge shape": (_set("blobs.0.shape", [1 << 40]), "blobs[0].nbytes"),
+    "negative shape": (_set("blobs.0.shape", [-4]), "blobs[0].shape"),
+    "negative offset": (_set("blobs.0.offset", -8), "blobs[0].offset"),
+    "offset past the shard": (_set("blobs.0.offset", 1 << 30), "blobs[0].offset"),
+    "unknown blob dtype": (_set("blobs.0.dtype", "float128"), "blobs[0].dtype"),
+    "blob in no shard": (_set("blobs.0.shard", 7), "blobs[0].shard"),
+    "tensor of no blob": (_set("tensors.0.blob", 99), "tensors[0].blob"),
+    "stride past the blob": (_set("tensors.0.stride", [1000]), "tensors[0]"),
+    "tensor offset past the blob": (_set("tensors.0.offset", 100), "tensors[0]"),
+    "negative tensor offset": (_set("tensors.0.offset", -1), "tensors[0].offset"),
+    "tensor dtype of another width": (_set("tensors.0.dtype", "float64"), "tensors[0].dtype"),
+    "reference to no tensor": (_set("structure.w", {"$tensor": 99}), "structure"),
+    "bytes not base64": (_set("structure.b", {"$bytes": "@@not base64@@"}), "structure"),
+    "unknown tag": (_set("structure.x", {"$evil": 1}), "structure"),
+    "float tag not a float": (_set("structure.x", {"$float": "1e999"}), "structure"),
+    "unknown dtype value": (_set("structure.x", {"$dtype": "float128"}), "structure"),
+    "structure deeper than allowed": (_deep(400), "structure"),
+}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    """Versions 1 (intact) and 2 (the one the tests craft); a 4-element float32 tensor each."""
+    s = CheckpointStore(tmp_path / "store", options=StoreOptions(shards=1))
+    s.save({"w": torch.arange(4, dtype=torch.float32), "b": b"xy"}, epoch=1)
+    s.save({"w": torch.arange(4, dtype=torch.float32) + 1, "b": b"xy"}, epoch=2)
+    return s
+
+
+def _craft(store: CheckpointStore, edit: Edit) -> Path:
+    path = Path(store.loc.root) / "v000002" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    text = json.dumps(manifest)
+    if "@DEEP@" in text:  # deeper than Python's JSON decoder recurses
+        text = text.replace('"@DEEP@"', "[" * 100_000 + "]" * 100_000)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_manifest_is_refused_and_named(store: CheckpointStore, case: str) -> None:
+    edit, field = CRAFTED[case]
+    _craft(store, edit)
+    with pytest.raises(ManifestError) as caught:
+        store.load(2)
+    message = str(caught.value)
+    assert "v000002/manifest.json" in message and field in message, message
+    assert [v.version for v in store.versions()] == [1]  # listed as unreadable, the other stays
+    assert torch.equal(store.load(1)["w"], torch.arange(4, dtype=torch.float32))
+    assert store.latest().version == 1
+
+
+@pytest.mark.parametrize("case", ["shard outside the store", "huge shape", "unknown tag"])
+def test_commands_report_it_in_one_line(store: CheckpointStore, case: str) -> None:
+    _craft(store, CRAFTED[case][0])
+    url = store.loc.root
+    listing = invoke("ls", url, "--json")
+    assert listing.exit_code == 0
+    document = json.loads(listing.stdout)
+    assert [v["version"] for v in document["versions"]] == [1]
+    assert [u["version"] for u in document["unreadable"]] == [2]
+    for args in (["verify", url], ["verify", url, "--all"], ["show", url, "--version", "2"]):
+        result = invoke(*args)
+        assert result.exit_code == 1, args
+        assert "Traceback" not in result.output
+        assert any("v000002/manifest.json" in line for line in result.stderr.splitlines()), result.stderr
+
+
+def test_a_100000_deep_structure_does_not_crash_listing(store: CheckpointStore) -> None:
+    _craft(store, _deep(100_000))
+    result = invoke("ls", store.loc.root, "--json")
+    assert result.exit_code == 0, result.output
+    [bad] = json.loads(result.stdout)["unreadable"]
+    assert bad["version"] == 2 and "nested too deeply" in bad["error"]
+
+
+def test_a_shard_name_outside_the_store_never_reads_the_file(store: CheckpointStore, tmp_path: Path) -> None:
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"s" * 16)
+    path = _craft(store, lambda m: None)
+    manifest = json.loads(path.read_text())
+    from ckptflow.storage.checksum import digest
+
+    manifest["shards"][0].update(file="../../secret.bin", size=16, checksum=digest(b"s" * 16))
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(ManifestError, match=r"shards\[0\]\.file"):
+        store.verify(2)
+    with pytest.raises(ManifestError):
+        store.load(2)
