@@ -26,10 +26,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from . import catalog, housekeeping
 from . import commit as protocol
 from .async_save import AsyncSaver, SaveHandle
-from .byteio import hash_range, tensor_bytes
+from .byteio import tensor_bytes
 from .errors import (
     CheckpointError,
-    CorruptShardError,
     FormatVersionError,
     ManifestError,
     UnreadableVersionError,
@@ -38,9 +37,10 @@ from .errors import (
 from .info import StoreOptions, VersionInfo
 from .location import open_location, translate_errors
 from .manifest import Manifest
-from .reader import check_size, read_blobs
+from .reader import read_blobs
 from .retention import PrunePlan, RetentionPolicy
 from .tarindex import TarIndex
+from .verifying import verify_version
 
 if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
     import torch
@@ -332,7 +332,7 @@ class CheckpointStore:
         return decode(structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i])
 
     def verify(self, version: int | None = None) -> VersionInfo:
-        """Check every shard of a version (loose or archived) against its size and checksum.
+        """Check every byte of a version (loose or archived) against its shards' and blobs' checksums.
 
         With no ``version``, the newest: when the newest version's manifest is unreadable,
         that is the finding (:class:`UnreadableVersionError`), not a reason to check an older one.
@@ -352,13 +352,7 @@ class CheckpointStore:
     def verify_located(self, located: catalog.Located) -> VersionInfo:
         """Check the shards of a version found by :meth:`survey` (no second look-up)."""
         with translate_errors(self.loc, "verifying"):
-            for shard, source in zip(located.manifest.shards, located.sources(self.loc), strict=True):
-                check_size(self.loc, source)
-                checksum = hash_range(
-                    self.loc.fs, source.path, source.offset, shard.size, local=self.loc.is_local
-                )
-                if checksum != shard.checksum:
-                    raise CorruptShardError(source.name, expected=shard.checksum, actual=checksum)
+            verify_version(self.loc, located.manifest, located.sources(self.loc))
         return self._info(located)
 
     def survey(self) -> catalog.Survey:

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptflow.storage import CheckpointStore, ManifestError, StoreOptions
+from ckptflow.storage import CheckpointStore, CorruptShardError, ManifestError, StoreOptions
 from tests.test_cli import invoke
 
 Edit = Callable[[dict[str, Any]], None]
@@ -146,3 +146,31 @@ def test_a_shard_name_outside_the_store_never_reads_the_file(store: CheckpointSt
         store.verify(2)
     with pytest.raises(ManifestError):
         store.load(2)
+
+
+class TestVerifyChecksWhatLoadChecks:
+    """verify used to check only the shard-level checksum: a wrong blob checksum passed verify and
+    failed load."""
+
+    def test_a_wrong_blob_checksum_fails_verify(self, store: CheckpointStore) -> None:
+        _craft(store, _set("blobs.0.checksum", "0123456789abcdef"))
+        with pytest.raises(CorruptShardError, match="dataset") as caught:
+            store.verify(2)
+        assert "v000002/shard-" in str(caught.value)
+        with pytest.raises(CorruptShardError):
+            store.load(2)
+        assert store.verify(1).version == 1
+
+    def test_blobs_across_chunks_verify_and_a_flipped_byte_fails(self, tmp_path: Path) -> None:
+        s = CheckpointStore(tmp_path / "big", options=StoreOptions(shards=1))
+        state = {"a": torch.zeros(3), "big": torch.arange(3 << 20, dtype=torch.float32), "z": torch.ones(5)}
+        info = s.save(state, epoch=1)
+        assert s.verify(1) == info  # 12 MiB: more than one read chunk
+        manifest = s.manifest(1)
+        [big] = [b for b in manifest.blobs if b.nbytes == 12 << 20]
+        shard = Path(s.loc.root) / "v000001" / manifest.shards[big.shard].file
+        data = bytearray(shard.read_bytes())
+        data[big.offset + (9 << 20)] ^= 0xFF  # in the second chunk of the big blob
+        shard.write_bytes(bytes(data))
+        with pytest.raises(CorruptShardError, match=f"v000001/{shard.name}"):
+            s.verify(1)
