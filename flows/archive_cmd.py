@@ -23,15 +23,32 @@ StorageOptionsOpt = Annotated[Any, storage_options_option(help="fsspec options."
 
 def archive_command(
     url: Annotated[str, typer.Argument(metavar="URL", help="The store.")],
-    versions: Annotated[str, typer.Option("--versions", help="Versions to archive: '3-7' or '1,2,5'.")],
+    versions: Annotated[
+        str | None, typer.Option("--versions", help="Versions to archive: '3-7' or '1,2,5'.")
+    ] = None,
     drop_loose: Annotated[bool, typer.Option("--drop-loose", help="Then remove their loose copies.")] = False,
+    reindex: Annotated[
+        bool,
+        typer.Option("--reindex", help="Rebuild unreadable tarball indexes from the tarballs instead."),
+    ] = False,
     storage_options: StorageOptionsOpt = None,
 ) -> None:
     """Consolidate committed versions into archive/epochs-A-B.tar (plus its index)."""
     from ckptflow.storage import CheckpointStore
 
-    numbers = _parse_versions(versions)
+    if reindex == (versions is not None):
+        raise typer.BadParameter("give either --versions or --reindex", param_hint="'--versions'")
     store = CheckpointStore(url, storage_options=storage_options)
+    if reindex:
+        rebuilt = store.reindex()
+        for index in rebuilt:
+            listed = ", ".join(sorted(index.extra.get("manifests", {}), key=int))
+            typer.echo(f"rebuilt the index of {store.url}/archive/{index.tar}: versions {listed}")
+        if not rebuilt:
+            typer.echo(f"every tarball index in {store.url} is readable: nothing to rebuild")
+        return
+    assert versions is not None
+    numbers = _parse_versions(versions)
     index = store.archive(numbers)
     typer.echo(
         f"archived versions {_span(numbers)} into {store.url}/archive/{index.tar} ({index.size} bytes)"

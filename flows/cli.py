@@ -149,6 +149,9 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
             "uncommitted": survey.writing,
             "unreadable": [{"version": v, "error": e} for v, e in unreadable.items()],
             "set_aside": [store.loc.display(name) for name in survey.set_aside],
+            "unreadable_archives": [
+                {"tar": t, "error": _one_line(e)} for t, e in survey.bad_archives.items()
+            ],
         }
         typer.echo(json.dumps(document, indent=2))
         return
@@ -167,6 +170,13 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
         )
     for version, error in unreadable.items():
         console.print(f"note: version {version} is unreadable: {error}", markup=False, soft_wrap=True)
+    for tar, problem in survey.bad_archives.items():
+        console.print(
+            f"note: the index of archive/{tar} is unreadable ({_one_line(problem)}): its versions are not "
+            "listed; `ckptflow archive URL --reindex` rebuilds it from the tarball",
+            markup=False,
+            soft_wrap=True,
+        )
     for name in survey.set_aside:
         console.print(
             f"note: {store.loc.display(name)} was set aside as unreadable by a run that resumed past it; "
@@ -220,9 +230,16 @@ def verify_command(
 
     survey = _survey(store)
     numbers = sorted({*survey.committed, *survey.unreadable})
-    if not numbers:
+    if not numbers and not survey.bad_archives:
         raise VersionNotFoundError(None, store.url, [])
     failed = 0
+    for tar, error in survey.bad_archives.items():
+        failed += 1
+        typer.echo(
+            f"error: the index of archive/{tar} is unreadable, its versions are unchecked: "
+            f"{_one_line(error)} (`ckptflow archive URL --reindex` rebuilds it)",
+            err=True,
+        )
     for number in numbers:
         if number in survey.unreadable:
             failed += 1

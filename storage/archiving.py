@@ -65,8 +65,14 @@ def list_tarballs(loc: Location) -> tuple[list[str], list[str]]:
     return sorted(indexed), sorted(tars - indexed)
 
 
-def list_archived(loc: Location) -> dict[int, ArchivedVersion]:
-    """Every version found in a committed tarball, by version number (newest tarball wins)."""
+def list_archived(
+    loc: Location, *, unreadable: dict[str, CheckpointError] | None = None
+) -> dict[int, ArchivedVersion]:
+    """Every version found in a committed tarball, by version number (newest tarball wins).
+
+    ``unreadable`` collects the tarballs whose index cannot be read (by tar name), whose
+    versions are then not listed.
+    """
     aloc = archive_location(loc)
     committed, _ = list_tarballs(loc)
     paths = [aloc.path(index_name(t)) for t in committed]
@@ -84,6 +90,8 @@ def list_archived(loc: Location) -> dict[int, ArchivedVersion]:
             ]
         except (ManifestError, FormatVersionError, UnsafeArchiveError, ValueError) as exc:
             log.warning("ignoring tarball %s: %s", aloc.display(tar), exc)
+            if unreadable is not None:
+                unreadable[tar] = exc if isinstance(exc, CheckpointError) else ManifestError(str(exc))
             continue
         for m in manifests:
             found[m.version] = ArchivedVersion(m, tar, index)

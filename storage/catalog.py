@@ -19,6 +19,7 @@ from .errors import CheckpointError, VersionNotFoundError
 from .location import Location
 from .manifest import Manifest
 from .reader import ShardSource, loose_sources
+from .tarindex import index_name
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class Survey:
     unreadable: dict[int, CheckpointError] = field(default_factory=dict)  # loose, no readable copy
     writing: list[int] = field(default_factory=list)  # directories without a manifest
     set_aside: list[str] = field(default_factory=list)  # directories moved aside as unreadable
+    bad_archives: dict[str, CheckpointError] = field(default_factory=dict)  # tarball -> why its index fails
 
     def newest(self) -> int | None:
         """The highest version number that is committed or unreadable."""
@@ -64,7 +66,8 @@ class Survey:
 def survey(loc: Location) -> Survey:
     """The state of every version, loose and archived (reads every manifest and index)."""
     records = protocol.scan(loc)
-    found = {v: Located(a.manifest, a) for v, a in list_archived(loc).items()}
+    bad: dict[str, CheckpointError] = {}
+    found = {v: Located(a.manifest, a) for v, a in list_archived(loc, unreadable=bad).items()}
     found.update({v: Located(r.manifest) for v, r in records.items() if r.manifest is not None})
     unreadable = {
         v: r.error for v, r in records.items() if r.error is not None and r.is_unreadable() and v not in found
@@ -74,6 +77,7 @@ def survey(loc: Location) -> Survey:
         unreadable=unreadable,
         writing=[v for v, r in records.items() if r.is_writing() and v not in found],
         set_aside=protocol.list_set_aside(loc),
+        bad_archives=bad,
     )
 
 
@@ -113,7 +117,17 @@ def find(loc: Location, version: int) -> Located:
     record = protocol.read_record(loc, version)
     if record is not None and record.error is not None:
         raise record.error
-    raise VersionNotFoundError(version, loc.display(), [x.version for x in committed(loc)])
+    bad: dict[str, CheckpointError] = {}
+    listed = list_archived(loc, unreadable=bad)
+    loose = [v for v, r in protocol.scan(loc).items() if r.manifest is not None]
+    error = VersionNotFoundError(version, loc.display(), sorted({*loose, *listed}))
+    if bad:
+        names = ", ".join(archive_location(loc).display(index_name(t)) for t in sorted(bad))
+        error.args = (
+            f"{error} and the index of {names} cannot be read, so the versions in it are not listed; "
+            "`ckptflow archive URL --reindex` rebuilds an index from its tarball",
+        )
+    raise error
 
 
 def lookup(loc: Location, version: int) -> Located | None:

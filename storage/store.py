@@ -475,6 +475,15 @@ class CheckpointStore:
         with translate_errors(self.loc, "archiving in"):
             return housekeeping.archive(self.loc, list(versions), name=name)
 
+    def reindex(self) -> list[TarIndex]:
+        """Rebuild, from the tarball itself, the index of every tarball whose index cannot be read."""
+        from .archiving import archive_location
+        from .reindex import rebuild_index
+
+        bad = self.survey().bad_archives
+        with translate_errors(self.loc, "rebuilding archive indexes in"):
+            return [rebuild_index(archive_location(self.loc), tar) for tar in sorted(bad)]
+
     def drop_loose(self, versions: Sequence[int]) -> list[int]:
         """Remove the loose copies of archived versions; they load from their tarball after."""
         with translate_errors(self.loc, "removing loose files from"):
