@@ -25,8 +25,10 @@ from .errors import FormatVersionError, ManifestError
 from .manifest_checks import MAX_BYTES, check_manifest
 
 FORMAT_NAME = "ckptflow-checkpoint"
-FORMAT_VERSION = 2  # the newest this code reads; a single-process save is still written as 1
+FORMAT_VERSION = 3  # the newest this code reads, and the one it writes
 RANKS_FORMAT_VERSION = 2  # added ``world_size`` and ``ranks`` (per-rank state of a multi-process save)
+SEALED_FORMAT_VERSION = 3  # added ``manifest_checksum``, the manifest's checksum of itself
+SEAL_KEY = "manifest_checksum"
 MANIFEST_FILE = "manifest.json"
 
 
@@ -96,11 +98,12 @@ class Manifest(_Model):
         return sum(s.size for s in self.shards)
 
     def to_json(self) -> bytes:
-        # A single-process manifest leaves out the multi-process fields, so that a ckptflow that
-        # reads only format 1 still loads it.
+        """The manifest as written: sealed with its own checksum (format 3), multi-process fields
+        only when it has them."""
         exclude = {"world_size", "ranks"} if self.world_size == 1 and not self.ranks else set()
         raw = self.model_dump(mode="json", exclude=exclude)
-        return json.dumps(raw, indent=1, allow_nan=False).encode()
+        raw["format_version"] = max(self.format_version, SEALED_FORMAT_VERSION)
+        return json.dumps(seal(raw, SEAL_KEY), indent=1, allow_nan=False).encode()
 
     def rank_view(self, rank: int) -> Manifest:
         """This manifest with rank ``rank``'s own state in place of the shared state (same shards)."""
@@ -174,11 +177,46 @@ def load_versioned_json(data: bytes, where: str, *, kind: str, name: str, versio
     return raw
 
 
+def seal(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    """``raw`` with ``key`` set to the xxh3 of its canonical JSON (sorted keys, no spaces)."""
+    from .checksum import digest
+
+    body = {k: v for k, v in raw.items() if k != key}
+    return {**body, key: digest(_canonical(body))}
+
+
+def check_seal(raw: dict[str, Any], key: str, where: str, *, kind: str, required: bool) -> dict[str, Any]:
+    """``raw`` without its seal, after checking it; ManifestError if it was changed after writing."""
+    from .checksum import digest
+
+    if key not in raw:
+        if required:
+            raise ManifestError(f"{kind} {where} has no {key}: it was changed after it was written")
+        return raw
+    body = {k: v for k, v in raw.items() if k != key}
+    actual = digest(_canonical(body))
+    if raw[key] != actual:
+        raise ManifestError(
+            f"{kind} {where} was changed after it was written: its {key} is {raw[key]!r}, its content "
+            f"hashes to {actual!r}; do not trust it: load another version, or restore it from a copy"
+        )
+    return body
+
+
+def _canonical(raw: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(raw, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as exc:
+        raise ManifestError(f"not a JSON document ckptflow writes: {exc}") from None
+
+
 def parse_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate a manifest; ``where`` names it in error messages."""
     raw = load_versioned_json(
         data, where, kind="manifest", name=FORMAT_NAME, version=FORMAT_VERSION, verb="load"
     )
+    required = raw["format_version"] >= SEALED_FORMAT_VERSION
+    raw = check_seal(raw, SEAL_KEY, where, kind="manifest", required=required)
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:

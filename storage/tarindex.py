@@ -36,12 +36,14 @@ from .errors import (
     UnsafeArchiveError,
 )
 from .location import Location
-from .manifest import load_versioned_json
+from .manifest import check_seal, load_versioned_json, seal
 
 log = logging.getLogger(__name__)
 
 INDEX_FORMAT = "ckptflow-archive-index"
-INDEX_FORMAT_VERSION = 1
+INDEX_FORMAT_VERSION = 2  # 2 added ``index_checksum``, the index's checksum of itself
+SEALED_INDEX_VERSION = 2
+INDEX_SEAL_KEY = "index_checksum"
 INDEX_SUFFIX = ".index.json"
 BLOCK = tarfile.BLOCKSIZE  # 512: tar headers and data are laid out in blocks
 
@@ -84,7 +86,10 @@ class TarIndex(_Model):
         return sorted(v for v in found if v is not None)
 
     def to_json(self) -> bytes:
-        return json.dumps(self.model_dump(mode="json"), indent=1, allow_nan=False).encode()
+        """The index as written, sealed with its own checksum (the archived manifests included)."""
+        raw = self.model_dump(mode="json")
+        raw["format_version"] = max(self.format_version, SEALED_INDEX_VERSION)
+        return json.dumps(seal(raw, INDEX_SEAL_KEY), indent=1, allow_nan=False).encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> TarIndex:
@@ -118,6 +123,8 @@ def parse_index(data: bytes, where: str) -> TarIndex:
     raw = load_versioned_json(
         data, where, kind="archive index", name=INDEX_FORMAT, version=INDEX_FORMAT_VERSION, verb="read"
     )
+    required = raw["format_version"] >= SEALED_INDEX_VERSION
+    raw = check_seal(raw, INDEX_SEAL_KEY, where, kind="archive index", required=required)
     try:
         index = TarIndex.model_validate(raw)
     except ValidationError as exc:

@@ -47,6 +47,8 @@ from ckptflow.storage.errors import (
 )
 from ckptflow.storage.extract import extract_version, read_member, read_member_range
 from ckptflow.storage.location import Location, open_location
+from ckptflow.storage.manifest import seal
+from ckptflow.storage.tarindex import INDEX_SEAL_KEY
 from tests.conftest import assert_same_state
 
 VERSIONS = 10
@@ -248,10 +250,23 @@ class TestIndexFile:
         copy = copy_archive(archived, tmp_path)
         raw = json.loads((tmp_path / index_name(TAR)).read_bytes())
         changed = change(raw)
-        (tmp_path / index_name(TAR)).write_text(changed if isinstance(changed, str) else json.dumps(changed))
+        if isinstance(
+            changed, dict
+        ):  # sealed again, as a deliberate crafter would: the checks below the seal
+            changed = json.dumps(seal(changed, INDEX_SEAL_KEY))
+        (tmp_path / index_name(TAR)).write_text(changed)
         with pytest.raises(error, match=message):
             read_index(copy, TAR)
         assert archive_state(copy, TAR) is ArchiveState.UNREADABLE
+
+    def test_an_edited_index_fails_its_own_checksum(self, archived, tmp_path):
+        """An index edited after it was written (a member's offset moved) used to be trusted."""
+        copy = copy_archive(archived, tmp_path)
+        raw = json.loads((tmp_path / index_name(TAR)).read_bytes())
+        raw["members"][0]["offset"] += 512
+        (tmp_path / index_name(TAR)).write_text(json.dumps(raw))
+        with pytest.raises(ManifestError, match="was changed after it was written"):
+            read_index(copy, TAR)
 
     def test_index_is_not_written_for_a_truncated_tar(self, archived, tmp_path):
         copy = copy_archive(archived, tmp_path)

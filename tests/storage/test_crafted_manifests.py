@@ -1,5 +1,9 @@
 """A crafted or damaged manifest is refused, named, and takes no other version down.
 
+The crafted manifests are sealed again (their ``manifest_checksum`` recomputed), as a deliberate
+crafter would: what is tested is the full check below the seal. The seal itself is tested in
+:class:`TestEditsAfterWriting`.
+
 Before the full check (storage/manifest_checks.py), a shard name such as
 ``../../../../etc/passwd`` made ``load`` return that file's bytes and ``verify`` say ok;
 huge or negative shapes, unknown dtypes, dangling references and a negative offset
@@ -17,7 +21,14 @@ from typing import Any
 import pytest
 import torch
 
-from ckptflow.storage import CheckpointStore, CorruptShardError, ManifestError, StoreOptions
+from ckptflow.storage import (
+    CheckpointStore,
+    CorruptShardError,
+    ManifestError,
+    StoreOptions,
+    VersionNotFoundError,
+)
+from ckptflow.storage.manifest import SEAL_KEY, seal
 from tests.test_cli import invoke
 
 Edit = Callable[[dict[str, Any]], None]
@@ -89,7 +100,7 @@ def _craft(store: CheckpointStore, edit: Edit) -> Path:
     path = Path(store.loc.root) / "v000002" / "manifest.json"
     manifest = json.loads(path.read_text())
     edit(manifest)
-    text = json.dumps(manifest)
+    text = json.dumps(seal(manifest, SEAL_KEY))  # sealed again, as a deliberate crafter would
     if "@DEEP@" in text:  # deeper than Python's JSON decoder recurses
         text = text.replace('"@DEEP@"', "[" * 100_000 + "]" * 100_000)
     path.write_text(text)
@@ -141,7 +152,7 @@ def test_a_shard_name_outside_the_store_never_reads_the_file(store: CheckpointSt
     from ckptflow.storage.checksum import digest
 
     manifest["shards"][0].update(file="../../secret.bin", size=16, checksum=digest(b"s" * 16))
-    path.write_text(json.dumps(manifest))
+    path.write_text(json.dumps(seal(manifest, SEAL_KEY)))
     with pytest.raises(ManifestError, match=r"shards\[0\]\.file"):
         store.verify(2)
     with pytest.raises(ManifestError):
@@ -174,3 +185,58 @@ class TestVerifyChecksWhatLoadChecks:
         shard.write_bytes(bytes(data))
         with pytest.raises(CorruptShardError, match=f"v000001/{shard.name}"):
             s.verify(1)
+
+
+class TestEditsAfterWriting:
+    """Edits that keep valid JSON (a hyperparameter, a shape, two tensor paths swapped) used to load
+    wrong data silently and pass verify: the manifest's own checksum now catches them."""
+
+    @pytest.mark.parametrize(
+        "edit",
+        [
+            _set("structure.b", {"$bytes": "eHo="}),  # b"xz" for b"xy": a value kept in the structure
+            _set("tensors.0.shape", [2, 2]),
+            _set("metrics", {"val_loss": 0.1}),
+        ],
+        ids=["value", "shape", "metric"],
+    )
+    def test_an_unsealed_edit_is_refused(self, store: CheckpointStore, edit: Edit) -> None:
+        path = Path(store.loc.root) / "v000002" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        edit(manifest)
+        path.write_text(json.dumps(manifest, indent=1))
+        with pytest.raises(ManifestError, match="was changed after it was written"):
+            store.load(2)
+        with pytest.raises(ManifestError, match="was changed after it was written"):
+            store.verify(2)
+        assert [v.version for v in store.versions()] == [1]
+
+    def test_swapped_tensor_paths_are_refused(self, tmp_path: Path) -> None:
+        s = CheckpointStore(tmp_path / "s", options=StoreOptions(shards=1))
+        s.save({"a": torch.zeros(4), "b": torch.ones(4)}, epoch=1)
+        path = tmp_path / "s" / "v000001" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        first, second = manifest["tensors"][0]["path"], manifest["tensors"][1]["path"]
+        manifest["tensors"][0]["path"], manifest["tensors"][1]["path"] = second, first
+        path.write_text(json.dumps(manifest))
+        with pytest.raises(ManifestError, match="was changed after it was written"):
+            s.load(1)
+
+    def test_removing_the_seal_is_refused(self, store: CheckpointStore) -> None:
+        path = Path(store.loc.root) / "v000002" / "manifest.json"
+        manifest = json.loads(path.read_text())
+        del manifest[SEAL_KEY]
+        path.write_text(json.dumps(manifest))
+        with pytest.raises(ManifestError, match=f"has no {SEAL_KEY}"):
+            store.load(2)
+
+    def test_an_edited_manifest_inside_an_index_is_refused(self, store: CheckpointStore) -> None:
+        store.archive([1, 2])
+        store.drop_loose([1, 2])
+        [index] = (Path(store.loc.root) / "archive").glob("*.index.json")
+        raw = json.loads(index.read_text())
+        raw["extra"]["manifests"]["2"]["metrics"] = {"val_loss": 0.0}
+        index.write_text(json.dumps(raw))
+        assert [v.version for v in store.versions()] == []
+        with pytest.raises(VersionNotFoundError, match="cannot be read"):
+            store.load(2)
