@@ -11,7 +11,7 @@ so that many small tensors cost few requests.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -210,28 +210,37 @@ def coalesce(ranges: list[ReadRange]) -> list[list[ReadRange]]:
 def hash_range(fs: fsspec.AbstractFileSystem, path: str, offset: int, size: int, *, local: bool) -> str:
     """xxh3 of ``size`` bytes of a file from ``offset`` (a shard, or a tarball member), streamed."""
     h = new_hasher()
-    buf = bytearray(min(CHUNK, max(size, 1)))
+    for chunk in read_chunks(fs, path, offset, size, local=local):
+        h.update(chunk)
+    return h.hexdigest()
+
+
+def read_chunks(
+    fs: fsspec.AbstractFileSystem, path: str, offset: int, size: int, *, local: bool
+) -> Iterator[memoryview]:
+    """``size`` bytes of a file from ``offset``, in order, in chunks (each valid until the next one
+    is asked for); EOFError if the file is shorter."""
     done = 0
     if local:
+        buf = bytearray(min(CHUNK, max(size, 1)))
         fd = os.open(path, os.O_RDONLY)
         try:
             while done < size:
                 n = os.preadv(fd, [memoryview(buf)[: min(len(buf), size - done)]], offset + done)
                 if n == 0:
                     raise EOFError(f"{path} ends at byte {offset + done}")
-                h.update(memoryview(buf)[:n])
+                yield memoryview(buf)[:n]
                 done += n
         finally:
             os.close(fd)
-    else:
-        while done < size:
-            n = min(MAX_REQUEST, size - done)
-            chunk = fs.cat_file(path, start=offset + done, end=offset + done + n)
-            if not chunk:
-                raise EOFError(f"{path} ends at byte {offset + done}")
-            h.update(chunk)
-            done += len(chunk)
-    return h.hexdigest()
+        return
+    while done < size:
+        n = min(MAX_REQUEST, size - done)
+        chunk = fs.cat_file(path, start=offset + done, end=offset + done + n)
+        if not chunk:
+            raise EOFError(f"{path} ends at byte {offset + done}")
+        yield memoryview(chunk)
+        done += len(chunk)
 
 
 def hash_file(fs: fsspec.AbstractFileSystem, path: str, *, local: bool) -> tuple[int, str]:

@@ -9,10 +9,7 @@ of the blobs it overlaps.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
-from .byteio import CHUNK, MAX_REQUEST
+from .byteio import read_chunks
 from .checksum import new_hasher
 from .errors import CorruptShardError
 from .location import Location
@@ -48,7 +45,7 @@ def _digests(loc: Location, source: ShardSource, size: int, blobs: list[BlobEntr
     hashers = [new_hasher() for _ in blobs]
     first = 0  # the first blob that may still overlap the chunks to come
     position = 0
-    for chunk in _chunks(loc, source.path, source.offset, size):
+    for chunk in read_chunks(loc.fs, source.path, source.offset, size, local=loc.is_local):
         end = position + len(chunk)
         whole.update(chunk)
         while first < len(blobs) and _start(blobs[first]) + blobs[first].nbytes <= position:
@@ -62,28 +59,3 @@ def _digests(loc: Location, source: ShardSource, size: int, blobs: list[BlobEntr
             k += 1
         position = end
     return whole.hexdigest(), [h.hexdigest() for h in hashers]
-
-
-def _chunks(loc: Location, path: str, offset: int, size: int) -> Iterator[memoryview]:
-    """``size`` bytes of a file from ``offset``, in chunks; EOFError if the file is shorter."""
-    done = 0
-    if loc.is_local:
-        buf = bytearray(min(CHUNK, max(size, 1)))
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            while done < size:
-                n = os.preadv(fd, [memoryview(buf)[: min(len(buf), size - done)]], offset + done)
-                if n == 0:
-                    raise EOFError(f"{path} ends at byte {offset + done}")
-                yield memoryview(buf)[:n]
-                done += n
-        finally:
-            os.close(fd)
-        return
-    while done < size:
-        n = min(MAX_REQUEST, size - done)
-        data = loc.fs.cat_file(path, start=offset + done, end=offset + done + n)
-        if not data:
-            raise EOFError(f"{path} ends at byte {offset + done}")
-        yield memoryview(data)
-        done += len(data)
