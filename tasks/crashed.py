@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
-TRAIN_FLOW = "ckptflow-train"
 LABELS = ("ckptflow.host", "ckptflow.pid", "ckptflow.pid_start", "ckptflow.pid_space")
 
 
@@ -116,23 +115,12 @@ def record_this_run() -> threading.Thread | None:
 
 
 def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[str]:
-    from prefect.client.schemas.filters import (
-        FlowFilter,
-        FlowFilterName,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    active = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
-    runs = client.read_flow_runs(
-        flow_filter=FlowFilter(name=FlowFilterName(any_=[TRAIN_FLOW])),
-        flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=active))),
-    )
+    from .maintenance import read_active_train_runs
+
     crashed = []
-    for run in runs:
+    for run in read_active_train_runs(client):
         record = ProcessRecord.from_labels(run.labels or {})
         if run.id == flow_run_id or record is None or not is_gone(record, here):
             continue

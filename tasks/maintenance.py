@@ -103,6 +103,14 @@ def open_maintained_store(config: MaintenanceConfig, url: str) -> CheckpointStor
 def active_training_runs(store_url: str) -> list[str]:
     """Names of the training flow runs in progress on this store (see the module docstring)."""
     from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        runs = read_active_train_runs(client)
+    return [run.name for run in runs if _store_url_of(run.parameters) == store_url]
+
+
+def read_active_train_runs(client: Any) -> list[Any]:
+    """The ``ckptflow-train`` flow runs in Pending, Running or Cancelling (a sync Prefect client)."""
     from prefect.client.schemas.filters import (
         FlowFilter,
         FlowFilterName,
@@ -113,12 +121,12 @@ def active_training_runs(store_url: str) -> list[str]:
     from prefect.client.schemas.objects import StateType
 
     active = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(
+    return list(
+        client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=[TRAIN_FLOW])),
             flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=active))),
         )
-    return [run.name for run in runs if _store_url_of(run.parameters) == store_url]
+    )
 
 
 def _store_url_of(parameters: dict[str, Any]) -> str | None:
