@@ -20,14 +20,18 @@ from .errors import (
     CheckpointError,
     CorruptShardError,
     FormatVersionError,
+    LeaseLostError,
     ManifestError,
     RankFailedError,
     SaveFailedError,
     StorageUnavailableError,
+    StoreLockedError,
     UnsupportedValueError,
     VersionExistsError,
     VersionNotFoundError,
+    VersionTakenError,
 )
+from .lease import LeaseInfo, StoreLease, read_lease
 from .manifest import FORMAT_VERSION, Manifest
 from .retention import RetentionPolicy
 from .store import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
@@ -50,6 +54,8 @@ __all__ = [
     "CheckpointStore",
     "CorruptShardError",
     "FormatVersionError",
+    "LeaseInfo",
+    "LeaseLostError",
     "Manifest",
     "ManifestError",
     "RankFailedError",
@@ -59,10 +65,14 @@ __all__ = [
     "SaveFailedError",
     "SaveHandle",
     "StorageUnavailableError",
+    "StoreLease",
+    "StoreLockedError",
     "StoreOptions",
     "UnsupportedValueError",
     "VersionExistsError",
     "VersionInfo",
     "VersionNotFoundError",
     "VersionState",
+    "VersionTakenError",
+    "read_lease",
 ]
