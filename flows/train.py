@@ -30,9 +30,11 @@ Deployment entrypoint: ``flows/train.py:train_pipeline``.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 from uuid import UUID
 
@@ -41,7 +43,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, State
 from prefect.utilities.annotations import quote
 
-from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
+from ckptflow.storage import CheckpointStore, SaveHandle, StoreLease, VersionInfo
 from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.formatting import human_size, metrics_text
@@ -64,19 +66,37 @@ from ckptflow.tasks.threads import torch_threads
 @flow(name="ckptflow-train", validate_parameters=True)
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
-    if config.nproc > 1:
-        return _train_on_ranks(config)
-    if config.train_process:  # it sets its own threads (init logs how many)
-        return _train_in_process(config)
-    with torch_threads(config.torch_threads) as threads:
-        get_run_logger().info("torch intra-op threads: %d of %d cores", threads, os.cpu_count() or 1)
-        return _train_in_process(config)
+    with _writer_lease(config) as lease:
+        if config.nproc > 1:
+            return _train_on_ranks(config)
+        if config.train_process:  # it sets its own threads (init logs how many)
+            return _train_in_process(config, lease)
+        with torch_threads(config.torch_threads) as threads:
+            get_run_logger().info("torch intra-op threads: %d of %d cores", threads, os.cpu_count() or 1)
+            return _train_in_process(config, lease)
 
 
-def _train_in_process(config: PipelineConfig) -> dict[str, Any] | State:
+@contextlib.contextmanager
+def _writer_lease(config: PipelineConfig) -> Iterator[StoreLease]:
+    """Hold the store's writer lease for the whole run, before anything is built or written.
+
+    A second run on the same store is refused (StoreLockedError names the holder); the lease
+    is released when the flow ends, however it ends. The training process and the ranks write
+    for this process, which holds the lease for them.
+    """
+    name = flow_run.get_name() or "local"
+    owner = f"ckptflow run (flow run {name}, {flow_run.get_id() or 'no id'})"
+    store = open_store(config)
+    with store.lease(owner=owner, timeout=config.lease_timeout_seconds) as lease:
+        get_run_logger().info("holding the writer lease %s (timeout %gs)", lease.url, lease.info.timeout)
+        yield lease
+
+
+def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, Any] | State:
     """The run in this process: init, then epochs, saves and commits until a stop condition."""
     logger = get_run_logger()
     run = init_model(config)
+    run.store.write_under(lease)  # a commit after the lease was lost fails
     monitor = RunMonitor(
         run_name=flow_run.get_name() or "local", store_url=run.store.url, total_epochs=config.epochs
     )

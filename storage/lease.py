@@ -157,6 +157,11 @@ class StoreLease:
         return self.loc.path(LEASE_FILE)
 
     @property
+    def url(self) -> str:
+        """Where the lease lives, for messages."""
+        return self.loc.display(LEASE_FILE)
+
+    @property
     def token(self) -> str:
         return self.info.token
 
