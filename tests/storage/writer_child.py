@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hold", type=float, default=0.0)
     args = parser.parse_args(argv)
 
-    from ckptflow.storage import CheckpointError, CheckpointStore, StoreLockedError, StoreOptions
+    from ckptflow.storage import CheckpointError, CheckpointStore, StoreOptions
 
     options = json.loads(os.environ.get("CKPTFLOW_STORAGE_OPTIONS") or "null")
     store = CheckpointStore(args.url, storage_options=options, options=StoreOptions(shards=4, threads=2))
@@ -53,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.005)
     lease = contextlib.nullcontext()
     if args.lease is not None:
+        from ckptflow.storage import StoreLockedError
+
         try:
             lease = store.lease(owner=f"writer {args.tag}", timeout=args.lease)
             lease.__enter__()
