@@ -109,13 +109,18 @@ def _when(ts: float) -> str:
 
 
 def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this host runs (a zombie, killed but not yet reaped, does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True
 
 
 def default_owner() -> str:

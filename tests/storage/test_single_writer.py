@@ -35,7 +35,6 @@ from ckptflow.storage import (
     LeaseLostError,
     StoreLease,
     StoreLockedError,
-    StoreOptions,
     VersionTakenError,
     read_lease,
 )
@@ -255,7 +254,10 @@ class TestLease:
     def test_a_lease_not_renewed_within_its_timeout_is_taken_over(self, target: StoreTarget, caplog):
         store = CheckpointStore(target.url, storage_options=target.storage_options)
         write_lease(target, foreign_lease(age=1, timeout=60))  # another host, renewed a second ago
-        with pytest.raises(StoreLockedError, match=r"host other-host, pid 4242.*in about 5[6-9]s"), store.lease():
+        with (
+            pytest.raises(StoreLockedError, match=r"host other-host, pid 4242.*in about 5[6-9]s"),
+            store.lease(),
+        ):
             pass
         write_lease(target, foreign_lease(age=10, timeout=5))  # silent for twice its timeout
         with store.lease(owner="taker") as mine:
@@ -308,7 +310,11 @@ class TestLease:
         try:
             assert len(winners) == 1, outcome
             assert read_lease(store.loc).token == takers[winners[0]].token
-            assert all(f"taker {winners[0]}" in str(got) for got in outcome.values() if not isinstance(got, StoreLease))
+            assert all(
+                f"taker {winners[0]}" in str(got)
+                for got in outcome.values()
+                if not isinstance(got, StoreLease)
+            )
         finally:
             for t in takers:
                 t.release()
