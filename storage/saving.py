@@ -7,7 +7,8 @@ each rank writes its share, and rank 0 commits. The store around it decides
 when (now, or in the background from staged bytes) and keeps the state.
 
 What must always hold: nothing is written before the whole state is known to
-be storable and the version number is claimed; the manifest, written last,
+be storable and the version number is claimed (exclusively: two writers never
+write one version's shards; see :mod:`.commit`); the manifest, written last,
 is what makes the version exist; a failed save exposes nothing and leaves
 the previous version the latest.
 """

@@ -141,7 +141,7 @@ def install_kill_point(point: str, state_bytes: int) -> None:
 
         byteio.LocalSink.write = write  # type: ignore[method-assign]
     elif point == "before-manifest":
-        commit.commit = lambda loc, manifest: _die()  # type: ignore[assignment]
+        commit.commit = lambda loc, manifest, **kwargs: _die()  # type: ignore[assignment]
     elif point in ("manifest-rename", "latest-rename"):
         target = "manifest.json" if point == "manifest-rename" else commit.LATEST_FILE
         original_replace = os.replace
