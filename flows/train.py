@@ -25,6 +25,12 @@ reports what rank 0 tells it, archives, uploads and applies retention as in a
 single-process run. A rank that dies fails the task; its retry resumes every
 rank from the last commit.
 
+One run per store: the flow holds the store's writer lease (``lease.json``,
+see ``ckptflow.storage.lease``) from before init builds or writes anything
+until it ends, however it ends; a second run on the store is refused with
+the holder named, and a killed run's lease is taken over after
+``lease_timeout_seconds`` (at once on its own host).
+
 Deployment entrypoint: ``flows/train.py:train_pipeline``.
 """
 

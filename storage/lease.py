@@ -30,7 +30,6 @@ offers it, and a takeover that is not guarded against a second taker.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import logging
 import os
@@ -272,22 +271,33 @@ class StoreLease:
                         self._lose(current)
                         return
                     _write_local(self.loc.root, LEASE_FILE, fresh.to_json())
-            elif _is_s3(self.loc) and self._etag is not None:
-                try:
-                    written = self.loc.fs.pipe_file(self.path, fresh.to_json(), IfMatch=self._etag)
-                    self._etag = _etag_of(written)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL and not isinstance(exc, FileNotFoundError):
-                        raise  # the store is unreachable: try again at the next renewal
-                    self._lose(_read_remote(self.loc)[1])
-                    return
             else:
-                _, current = _read_remote(self.loc)
-                if current is None or current.token != self.token:
-                    self._lose(current)
+                if not self._renew_remote(fresh):
                     return
-                self.loc.fs.pipe_file(self.path, fresh.to_json())
             self.info = fresh
+
+    def _renew_remote(self, fresh: LeaseInfo) -> bool:
+        """Renew on an object store; False if the lease is no longer ours (marked lost).
+
+        On S3 the PUT carries ``If-Match`` of our last write, so a takeover in between is never
+        overwritten. A server that refuses the condition for another reason (or a store without
+        conditions) gets a read of the token, then a plain PUT.
+        """
+        if _is_s3(self.loc) and self._etag is not None:
+            try:
+                self._etag = _etag_of(self.loc.fs.pipe_file(self.path, fresh.to_json(), IfMatch=self._etag))
+                return True
+            except FileNotFoundError:
+                self._lose(None)
+                return False
+            except OSError as exc:
+                log.debug("conditional renewal of %s failed: %s", self.url, exc)
+        etag, current = _read_remote(self.loc)
+        if current is None or current.token != self.token:
+            self._lose(current)
+            return False
+        self._etag = _etag_of(self.loc.fs.pipe_file(self.path, fresh.to_json())) or etag
+        return True
 
     def _lose(self, holder: LeaseInfo | None) -> None:
         who = f"now held by {holder.describe()}" if holder is not None else "it was removed"
