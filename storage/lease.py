@@ -432,12 +432,12 @@ def _etag_of(response: object) -> str | None:
 
 
 def _read_remote(loc: Location) -> tuple[str | None, LeaseInfo | None]:
-    """(ETag, lease) of the remote lease object; the ETag is read first, so a conditional PUT on it
-    fails if the object changed after the bytes were read."""
+    """(ETag, lease) of the remote lease object, (None, None) if there is none; the ETag is read
+    first, so a conditional PUT on it fails if the object changed after the bytes were read."""
     path = loc.path(LEASE_FILE)
     loc.fs.invalidate_cache(path)
     try:
-        etag = loc.fs.info(path).get("ETag")
+        etag = loc.fs.info(path).get("ETag") or ""  # "": a store without ETags
         data = loc.fs.cat_file(path)
     except FileNotFoundError:
         return None, None
