@@ -205,6 +205,15 @@ class TestConcurrentSaves:
         assert store_url.open().save(state, version=4).version == 4
         assert_same_state(store_url.open().load(4), state)
 
+    def test_gc_removes_the_claim_a_writer_killed_after_its_commit_left(self, store_url: StoreTarget):
+        store = store_url.open()
+        store.save({"x": torch.ones(4)}, version=1)
+        claim = protocol.Claim("c" * 32, "other-host", 1, time.time())
+        store_url.raw_write("v000001/.claim.json", json.dumps(claim.__dict__).encode())
+        assert store.gc() == []
+        assert not store_url.raw_exists("v000001/.claim.json")
+        assert_same_state(store_url.open().load(1), {"x": torch.ones(4)})
+
 
 class TestLease:
     """The store's writer lease: exclusive, renewed, refused with its holder named, taken over when stale."""
