@@ -31,7 +31,7 @@ from .errors import (
     VersionNotFoundError,
     VersionTakenError,
 )
-from .lease import LeaseInfo, StoreLease, read_lease
+from .lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
 from .manifest import FORMAT_VERSION, Manifest
 from .retention import RetentionPolicy
 from .store import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
@@ -75,4 +75,5 @@ __all__ = [
     "VersionState",
     "VersionTakenError",
     "read_lease",
+    "refuse_if_held",
 ]

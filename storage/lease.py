@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import asdict, dataclass, replace
 from datetime import datetime, timezone
 
@@ -364,6 +364,21 @@ def read_lease(loc: Location) -> LeaseInfo | None:
     return _read_remote(loc)[1]
 
 
+def refuse_if_held(loc: Location, *, writers: Collection[int] = ()) -> None:
+    """Raise :class:`StoreLockedError` if another writer holds a live lease on the store.
+
+    ``writers``: processes of this host that write on this process's behalf or for which it
+    writes (a parent holding the lease for its training process). Nothing is taken: for a
+    process that must not build or write anything before its run holds the store.
+    """
+    holder = read_lease(loc)
+    if holder is None or holder.is_stale():
+        return
+    if holder.host == socket.gethostname() and holder.pid in writers:
+        return
+    raise _locked(loc, holder)
+
+
 def _locked(loc: Location, holder: LeaseInfo | None) -> StoreLockedError:
     if holder is None:
         return StoreLockedError(
@@ -444,4 +459,4 @@ def _read_remote(loc: Location) -> tuple[str | None, LeaseInfo | None]:
     return etag, LeaseInfo.parse(data)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "LEASE_FILE", "LeaseInfo", "StoreLease", "read_lease"]
+__all__ = ["DEFAULT_TIMEOUT", "LEASE_FILE", "LeaseInfo", "StoreLease", "read_lease", "refuse_if_held"]

@@ -12,13 +12,25 @@ releases it.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from ckptflow.storage import CheckpointStore, LeaseInfo, read_lease
 from ckptflow.storage.lease import LEASE_FILE
-from tests.pipeline.helpers import assert_only_committed, make_config, run_flow, run_summary, start_slowed
+from tests.pipeline.helpers import (
+    REPO,
+    assert_only_committed,
+    make_config,
+    run_flow,
+    run_summary,
+    start_slowed,
+)
+from tests.pipeline.specs import MARKED_SPEC, SPEC_CONFIG
 
 pytestmark = pytest.mark.prefect
 
@@ -75,3 +87,33 @@ def test_a_lease_left_on_another_host_is_taken_over_after_its_timeout(prefect_se
     assert summary["last_epoch"] == 2
     assert not lease.exists()
     assert json.loads((tmp_path / "store" / "run.json").read_text())["seed"] == config.seed
+
+
+def test_the_cli_builds_nothing_on_a_store_another_run_holds(tmp_path):
+    """Bug fixed: ``ckptflow run`` gives its training process the job before Prefect starts, and that
+    process built the run and wrote ``run.json`` on a store another run was training in."""
+    store = tmp_path / "store"
+    store.mkdir()
+    now = time.time()
+    held = LeaseInfo("ckptflow run (flow run elsewhere)", "other-host", 77, now - 60, now, 120.0, "b" * 32)
+    (store / LEASE_FILE).write_bytes(held.to_json())
+    ckptflow = str(Path(sys.executable).parent / "ckptflow")
+    # the CLI's own temporary API, as a user runs it: its start gives the training process time to build
+    cli_env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    cli_env.update(PYTHONPATH=str(REPO), PREFECT_HOME=str(tmp_path / "prefect"))
+    cli_env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    spec = ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--shards", "2"]
+    done = subprocess.run(
+        [ckptflow, "run", "--storage", str(store), "--epochs", "1", *spec],
+        env=cli_env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "in use by another writer: ckptflow run (flow run elsewhere) (host other-host, pid 77" in (
+        done.stderr
+    )
+    assert sorted(p.name for p in store.iterdir()) == [LEASE_FILE]  # no run.json, no version
+    assert read_lease(CheckpointStore(str(store)).loc) == held
