@@ -217,7 +217,8 @@ class CheckpointStore:
         Raises :class:`StoreLockedError` naming the holder if another live writer has it; a
         lease not renewed for its holder's ``timeout`` seconds (or whose process on this host
         is gone) is taken over. It is renewed in the background and released at the end,
-        after the async save in flight, if any, has ended.
+        after the async save in flight, if any, has ended. One process holds it for a job:
+        in a torch.distributed job, the launcher (the ranks write for it), not every rank.
         """
         held = StoreLease(self.loc, owner=owner, timeout=timeout)
         with translate_errors(self.loc, "taking the writer lease on"):
