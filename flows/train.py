@@ -29,14 +29,22 @@ Every run labels its flow run with the process that runs it and marks
 Crashed the training runs of this host whose process is gone (a SIGKILL
 leaves them Running; see ``ckptflow.tasks.crashed``).
 
+One run per store: the flow holds the store's writer lease (``lease.json``,
+see ``ckptflow.storage.lease``) from before init builds or writes anything
+until it ends, however it ends; a second run on the store is refused with
+the holder named, and a killed run's lease is taken over after
+``lease_timeout_seconds`` (at once on its own host).
+
 Deployment entrypoint: ``flows/train.py:train_pipeline``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 from uuid import UUID
 
@@ -45,7 +53,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Failed, State
 from prefect.utilities.annotations import quote
 
-from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
+from ckptflow.storage import CheckpointStore, SaveHandle, StoreLease, VersionInfo
 from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.crashed import record_this_run
@@ -70,19 +78,37 @@ from ckptflow.tasks.threads import torch_threads
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
     record_this_run()  # and mark Crashed the runs on this host whose process is gone
-    if config.nproc > 1:
-        return _train_on_ranks(config)
-    if config.train_process:  # it sets its own threads (init logs how many)
-        return _train_in_process(config)
-    with torch_threads(config.torch_threads) as threads:
-        get_run_logger().info("torch intra-op threads: %d of %d cores", threads, os.cpu_count() or 1)
-        return _train_in_process(config)
+    with _writer_lease(config) as lease:
+        if config.nproc > 1:
+            return _train_on_ranks(config)
+        if config.train_process:  # it sets its own threads (init logs how many)
+            return _train_in_process(config, lease)
+        with torch_threads(config.torch_threads) as threads:
+            get_run_logger().info("torch intra-op threads: %d of %d cores", threads, os.cpu_count() or 1)
+            return _train_in_process(config, lease)
 
 
-def _train_in_process(config: PipelineConfig) -> dict[str, Any] | State:
+@contextlib.contextmanager
+def _writer_lease(config: PipelineConfig) -> Iterator[StoreLease]:
+    """Hold the store's writer lease for the whole run, before anything is built or written.
+
+    A second run on the same store is refused (StoreLockedError names the holder); the lease
+    is released when the flow ends, however it ends. The training process and the ranks write
+    for this process, which holds the lease for them.
+    """
+    name = flow_run.get_name() or "local"
+    owner = f"ckptflow run (flow run {name}, {flow_run.get_id() or 'no id'})"
+    store = open_store(config)
+    with store.lease(owner=owner, timeout=config.lease_timeout_seconds) as lease:
+        get_run_logger().info("holding the writer lease %s (timeout %gs)", lease.url, lease.info.timeout)
+        yield lease
+
+
+def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, Any] | State:
     """The run in this process: init, then epochs, saves and commits until a stop condition."""
     logger = get_run_logger()
     run = init_model(config)
+    run.store.write_under(lease)  # a commit after the lease was lost fails
     monitor = RunMonitor(
         run_name=flow_run.get_name() or "local", store_url=run.store.url, total_epochs=config.epochs
     )

@@ -20,15 +20,19 @@ from .errors import (
     CheckpointError,
     CorruptShardError,
     FormatVersionError,
+    LeaseLostError,
     ManifestError,
     RankFailedError,
     SaveFailedError,
     StorageUnavailableError,
+    StoreLockedError,
     UnreadableVersionError,
     UnsupportedValueError,
     VersionExistsError,
     VersionNotFoundError,
+    VersionTakenError,
 )
+from .lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
 from .manifest import FORMAT_VERSION, Manifest
 from .retention import RetentionPolicy
 from .store import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
@@ -51,6 +55,8 @@ __all__ = [
     "CheckpointStore",
     "CorruptShardError",
     "FormatVersionError",
+    "LeaseInfo",
+    "LeaseLostError",
     "Manifest",
     "ManifestError",
     "RankFailedError",
@@ -60,6 +66,8 @@ __all__ = [
     "SaveFailedError",
     "SaveHandle",
     "StorageUnavailableError",
+    "StoreLease",
+    "StoreLockedError",
     "StoreOptions",
     "UnreadableVersionError",
     "UnsupportedValueError",
@@ -67,4 +75,7 @@ __all__ = [
     "VersionInfo",
     "VersionNotFoundError",
     "VersionState",
+    "VersionTakenError",
+    "read_lease",
+    "refuse_if_held",
 ]

@@ -18,24 +18,31 @@ from storage, never remembered:
 The protocol: every shard is fully written (fsynced on local disks) before
 the manifest is written, and is found with its size by one listing just before
 (a shard removed mid-save fails the commit); on local disks the manifest goes to a temporary name,
-is fsynced and renamed into place, and the directory is fsynced; on object
-stores one PUT is atomic. The ``latest`` pointer is updated after the commit
+is fsynced and hard-linked into place, and the directory is fsynced; on object
+stores one PUT is atomic. Either way the manifest is created only if absent
+(a link never replaces a name; the PUT carries ``If-None-Match: *``), so no
+commit replaces another writer's. Before its first shard, a writer claims the
+version number with a claim file created the same exclusive way; the commit
+checks the claim is still its own and removes it. The ``latest`` pointer is updated after the commit
 and is only a hint for other tools: the truth is "the highest committed
 version".
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import json
 import logging
 import os
 import re
+import socket
 import time
 import uuid
 from dataclasses import dataclass
 
 from .byteio import fsync_dir
-from .errors import CheckpointError, FormatVersionError, ManifestError
+from .errors import CheckpointError, FormatVersionError, ManifestError, VersionTakenError
 from .location import Location, bucket_missing, missing_bucket_error
 from .manifest import MANIFEST_FILE, Manifest, parse_manifest
 
@@ -160,17 +167,44 @@ def read_record(loc: Location, version: int) -> VersionRecord | None:
     return record
 
 
-def commit(loc: Location, manifest: Manifest) -> None:
-    """Write the manifest of a version whose shards are all durable: the version now exists."""
+def commit(loc: Location, manifest: Manifest, *, claim: str | None = None) -> None:
+    """Write the manifest of a version whose shards are all durable: the version now exists.
+
+    The manifest is created only if absent, so a commit never replaces another writer's.
+    ``claim``: the token this writer claimed the version with; it must still be the claim's.
+    """
     vdir = version_dir(manifest.version)
+    if claim is not None:
+        check_claim(loc, manifest.version, claim)
     check_shards_present(loc, manifest)
-    data = manifest.to_json()
-    if loc.is_local:
-        _atomic_local_write(loc.path(vdir), MANIFEST_FILE, data)
-    else:
-        loc.fs.pipe_file(loc.path(vdir, MANIFEST_FILE), data)
+    create_manifest(loc, manifest)
+    if claim is not None:
+        drop_claim(loc, manifest.version)
     if _is_newest(loc, manifest.version):  # a save with an explicit, lower version leaves latest alone
         _write_latest(loc, vdir)
+
+
+def create_manifest(loc: Location, manifest: Manifest) -> None:
+    """Create ``manifest.json`` of a version if it does not exist yet; raise VersionTakenError if it does."""
+    vdir = version_dir(manifest.version)
+    data = manifest.to_json()
+    try:
+        if loc.is_local:
+            _exclusive_local_write(loc.path(vdir), MANIFEST_FILE, data)
+        else:
+            loc.fs.pipe_file(loc.path(vdir, MANIFEST_FILE), data, mode="create")
+        return
+    except FileExistsError:
+        pass
+    try:
+        if loc.fs.cat_file(loc.path(vdir, MANIFEST_FILE)) == data:
+            return  # our own PUT, retried by the client after a lost answer
+    except FileNotFoundError:
+        pass
+    raise VersionTakenError(
+        f"not committing {loc.display(vdir)}: another writer committed version {manifest.version} while "
+        "this one was writing it; that commit stands. Only one writer may use a store at a time"
+    )
 
 
 def check_shards_present(loc: Location, manifest: Manifest) -> None:
@@ -211,6 +245,22 @@ def _is_newest(loc: Location, version: int) -> bool:
 
 
 def _atomic_local_write(directory: str, name: str, data: bytes) -> None:
+    os.replace(_durable_temp(directory, name, data), os.path.join(directory, name))
+    fsync_dir(directory)
+
+
+def _exclusive_local_write(directory: str, name: str, data: bytes) -> None:
+    """Create ``name`` with ``data``, complete and fsynced, or raise FileExistsError: a hard link
+    of a temporary file never replaces an existing name, where a rename would."""
+    tmp = _durable_temp(directory, name, data)
+    try:
+        os.link(tmp, os.path.join(directory, name))
+    finally:
+        os.unlink(tmp)
+    fsync_dir(directory)
+
+
+def _durable_temp(directory: str, name: str, data: bytes) -> str:
     tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -220,8 +270,7 @@ def _atomic_local_write(directory: str, name: str, data: bytes) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, os.path.join(directory, name))
-    fsync_dir(directory)
+    return tmp
 
 
 def stale_temp_files(loc: Location) -> list[str]:
@@ -296,3 +345,91 @@ def clear_leftovers(loc: Location, version: int) -> None:
     if not record.is_writing():
         raise CheckpointError(f"refusing to clear {version_dir(version)}: it is {record.state.value}")
     loc.fs.rm(loc.path(version_dir(version)), recursive=True)
+
+
+# -- claiming a version number ---------------------------------------------------
+
+CLAIM_FILE = ".claim.json"  # inside a version directory while it is written; removed by the commit
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Who is writing a version: made exclusively before its first shard, removed when it commits."""
+
+    token: str
+    host: str
+    pid: int
+    created: float  # seconds since the epoch, the claimer's clock
+
+    def describe(self) -> str:
+        return f"host {self.host}, pid {self.pid}, {time.time() - self.created:.0f}s ago"
+
+
+def new_claim(token: str) -> Claim:
+    return Claim(token, socket.gethostname(), os.getpid(), time.time())
+
+
+def claim_version(loc: Location, version: int, claim: Claim) -> bool:
+    """Claim ``version`` for a writer: True if it is now this claim's, False if another holds it.
+
+    An exclusive create of the claim file (a hard link locally, ``If-None-Match: *`` on S3): two
+    writers that picked the same number never both write its shards.
+    """
+    vdir = version_dir(version)
+    data = json.dumps(dataclasses.asdict(claim), sort_keys=True).encode()
+    try:
+        if loc.is_local:
+            os.makedirs(loc.path(vdir), exist_ok=True)
+            _exclusive_local_write(loc.path(vdir), CLAIM_FILE, data)
+        else:
+            loc.fs.pipe_file(loc.path(vdir, CLAIM_FILE), data, mode="create")
+        return True
+    except FileExistsError:
+        found = read_claim(loc, version)
+        return found is not None and found.token == claim.token  # our create, retried by the client
+
+
+def read_claim(loc: Location, version: int) -> Claim | None:
+    """The claim of a version being written (None: none, or unreadable)."""
+    path = loc.path(version_dir(version), CLAIM_FILE)
+    try:
+        raw = json.loads(loc.fs.cat_file(path))
+        return Claim(str(raw["token"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]))
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        return None
+
+
+def check_claim(loc: Location, version: int, token: str) -> None:
+    """Raise VersionTakenError unless ``version`` is still claimed with ``token``."""
+    found = read_claim(loc, version)
+    if found is None or found.token != token:
+        who = f"claimed by another writer ({found.describe()})" if found else "its claim was removed"
+        raise VersionTakenError(
+            f"not committing {loc.display(version_dir(version))}: {who} while this writer was saving it, "
+            "so its shard files may not be this writer's. Only one writer may use a store at a time; "
+            "the store's other versions are intact: save again"
+        )
+
+
+def drop_claim(loc: Location, version: int) -> None:
+    """Remove the claim of a committed version (what a kill leaves here, ``gc`` removes)."""
+    try:
+        loc.fs.rm_file(loc.path(version_dir(version), CLAIM_FILE))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the commit stands
+        log.warning("could not remove %s: %s", loc.display(version_dir(version), CLAIM_FILE), exc)
+
+
+def stray_claims(loc: Location) -> list[int]:
+    """Committed versions whose claim file is still there (a writer killed right after its commit)."""
+    loc.fs.invalidate_cache()
+    if not loc.fs.exists(loc.root):
+        return []
+    names: dict[int, set[str]] = {}
+    for path in loc.fs.find(loc.root, maxdepth=2, detail=False):
+        rel = path[len(loc.root) :].strip("/").split("/")
+        version = parse_version_dir(rel[0])
+        if version is not None and len(rel) == 2:
+            names.setdefault(version, set()).add(rel[1])
+    return sorted(v for v, files in names.items() if {CLAIM_FILE, MANIFEST_FILE} <= files)

@@ -101,3 +101,19 @@ class ArchiveNotCommittedError(CheckpointError, FileNotFoundError):
 
 class ArchiveExistsError(CheckpointError, FileExistsError):
     """A committed tarball (one with an index) is immutable; writing over it is refused."""
+
+
+class StoreLockedError(CheckpointError):
+    """Another writer holds the store's lease: only one writer may use a store at a time."""
+
+    def __init__(self, message: str, *, holder: object = None) -> None:
+        self.holder = holder  # a ckptflow.storage.lease.LeaseInfo, when known
+        super().__init__(message)
+
+
+class LeaseLostError(CheckpointError):
+    """This writer's lease on the store was taken over by another writer; it may not commit."""
+
+
+class VersionTakenError(CheckpointError):
+    """Another writer claimed or committed this version number while this one was saving it."""

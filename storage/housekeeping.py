@@ -114,6 +114,8 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> list[int]:
         if settled(loc, aloc.path(tar), min_age):
             log.info("removing %s: a tarball without an index (archiving was interrupted)", tar)
             remove_tarball(loc, tar)
+    for v in protocol.stray_claims(loc):  # a writer killed between its commit and removing its claim
+        protocol.drop_claim(loc, v)
     for path in protocol.stale_temp_files(loc):
         if settled(loc, path, min_age):
             os.remove(path)

@@ -7,7 +7,8 @@ each rank writes its share, and rank 0 commits. The store around it decides
 when (now, or in the background from staged bytes) and keeps the state.
 
 What must always hold: nothing is written before the whole state is known to
-be storable and the version number is claimed; the manifest, written last,
+be storable and the version number is claimed (exclusively: two writers never
+write one version's shards; see :mod:`.commit`); the manifest, written last,
 is what makes the version exist; a failed save exposes nothing and leaves
 the previous version the latest.
 """
@@ -17,7 +18,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -28,14 +31,19 @@ from .archiving import list_archived
 from .checksum import ALGORITHM
 from .commit import version_dir
 from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
-from .errors import CheckpointError, RankFailedError, VersionExistsError
+from .errors import CheckpointError, RankFailedError, VersionExistsError, VersionTakenError
+from .housekeeping import last_change
 from .info import StoreOptions, VersionInfo
+from .lease import DEFAULT_TIMEOUT, StoreLease, pid_alive, read_lease
 from .location import Location, translate_errors
 from .manifest import RANKS_FORMAT_VERSION, Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
 from .planner import Blob, SavePlan, plan_blobs, plan_save
 from .structure import encode
 
 log = logging.getLogger(__name__)
+
+CLAIM_TRIES = 100  # new numbers tried when other writers keep taking the next one
+STALE_CLAIM_SECONDS = DEFAULT_TIMEOUT  # a claim on a version unchanged for this long is garbage
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,8 @@ class VersionWriter:
 
     def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
         self.loc, self.options, self.group = loc, options, group
+        self.claim = protocol.new_claim(uuid.uuid4().hex)  # how this writer claims version numbers
+        self.lease: StoreLease | None = None  # the store's lease, when this writer's store holds it
 
     @property
     def rank(self) -> int:
@@ -166,18 +176,88 @@ class VersionWriter:
 
     def _claim_version(self, version: int | None, epoch: int | None = None) -> int:
         """``version``, or by default the epoch's number when it is above every version directory
-        (committed or not: a crashed save's name is never reused), else the next number above them."""
+        (committed or not: a crashed save's name is never reused), else the next number above them;
+        claimed exclusively before any shard is written."""
+        if self.lease is not None:
+            self.lease.check()
         if version is None:
-            return catalog.next_version(self.loc, at_least=epoch if epoch is not None and epoch >= 0 else 0)
+            floor = epoch if epoch is not None and epoch >= 0 else 0
+            number = catalog.next_version(self.loc, at_least=floor)
+            for _ in range(CLAIM_TRIES):
+                if protocol.claim_version(self.loc, number, self.claim):
+                    return number
+                number = max(number + 1, catalog.next_version(self.loc, at_least=floor))  # taken meanwhile
+            raise VersionTakenError(
+                f"could not claim a new version number in {self.loc.display()}: other writers took "
+                f"{CLAIM_TRIES} numbers in a row. Only one writer may use a store at a time"
+            )
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         record = protocol.read_record(self.loc, version)
         if (record is not None and not record.is_writing()) or version in list_archived(self.loc):
             raise VersionExistsError(version, self.loc.display())
         if record is not None:
-            log.info("removing leftovers of an interrupted save of version %d", version)
-            protocol.clear_leftovers(self.loc, version)
+            self.clear_leftovers(version)
+        if not protocol.claim_version(self.loc, version, self.claim):
+            raise self._taken(version, protocol.read_claim(self.loc, version))
         return version
+
+    def clear_leftovers(self, version: int) -> None:
+        """Remove an uncommitted ``version`` before writing it, unless another live writer is writing it."""
+        found = protocol.read_claim(self.loc, version)
+        if found is not None and found.token != self.claim.token and not self._is_stale(found, version):
+            raise self._taken(version, found)
+        log.info("removing leftovers of an interrupted save of version %d", version)
+        protocol.clear_leftovers(self.loc, version)
+
+    def _is_stale(self, found: protocol.Claim, version: int) -> bool:
+        """Whether another writer's claim is a leftover: its process is gone, or it predates the
+        store's current lease (this writer holds it, or writes for its holder), or nothing changed
+        in the version for a lease timeout."""
+        if found.host == socket.gethostname() and not pid_alive(found.pid):
+            return True
+        if self.lease is not None and self.lease.is_held():
+            return True
+        holder = read_lease(self.loc)
+        if holder is not None and holder.started > found.created:
+            return True
+        changed = last_change(self.loc, self.loc.path(version_dir(version)))
+        return changed is not None and time.time() - changed > STALE_CLAIM_SECONDS
+
+    def _taken(self, version: int, found: protocol.Claim | None) -> VersionTakenError:
+        who = f" ({found.describe()})" if found is not None else ""
+        return VersionTakenError(
+            f"version {version} in {self.loc.display()} is being written by another writer{who}. Only "
+            "one writer may use a store at a time: wait for it, or if it is gone, remove the leftovers "
+            f"with `ckptflow gc` (or store.gc()); they also count as gone {STALE_CLAIM_SECONDS:g}s after "
+            "their last change"
+        )
+
+    def _ensure_claim(self, version: int) -> None:
+        """Before writing: the version is still this writer's claim (claim it again after leftovers
+        of a failed attempt were cleared)."""
+        found = protocol.read_claim(self.loc, version)
+        if found is not None and found.token == self.claim.token:
+            return
+        if found is not None or not protocol.claim_version(self.loc, version, self.claim):
+            raise self._taken(version, protocol.read_claim(self.loc, version))
+
+    def _commit(self, manifest: Manifest) -> None:
+        """Commit under this writer's claim (and lease, if it holds one); a failure drops the claim."""
+        try:
+            if self.lease is not None:
+                self.lease.check()
+            protocol.commit(self.loc, manifest, claim=self.claim.token)
+        except BaseException:
+            self._abandon(manifest.version)
+            raise
+
+    def _abandon(self, version: int) -> None:
+        """After a failed save: drop this writer's claim, so its leftovers count as garbage."""
+        with contextlib.suppress(Exception):
+            found = protocol.read_claim(self.loc, version)
+            if found is not None and found.token == self.claim.token:
+                protocol.drop_claim(self.loc, version)
 
     def write(self, job: SaveJob, blob_bytes: Callable[[Blob], memoryview]) -> VersionInfo:
         from .writer import write_shards
@@ -185,11 +265,18 @@ class VersionWriter:
         start = time.perf_counter()
         vdir = version_dir(job.version)
         with translate_errors(self.loc, "saving to"):
-            shards, written = write_shards(self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads)
+            self._ensure_claim(job.version)
+            try:
+                shards, written = write_shards(
+                    self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads
+                )
+            except BaseException:
+                self._abandon(job.version)
+                raise
             blobs = [written[i] for i in range(len(job.plan.blobs))]
             seconds = time.perf_counter() - start
             manifest = job.manifest(shards, blobs, seconds)
-            protocol.commit(self.loc, manifest)
+            self._commit(manifest)
         log.info("committed %s (%d bytes in %.2fs)", self.loc.display(vdir), manifest.total_size, seconds)
         return VersionInfo.from_manifest(manifest, self.loc.display(vdir))
 
@@ -203,6 +290,8 @@ class VersionWriter:
         failure: Exception | None = None
         try:
             with translate_errors(self.loc, "saving to"):
+                if self.rank == 0:
+                    self._ensure_claim(job.version)
                 threads = self.options.threads
                 shards, written = write_shards(
                     self.loc, vdir, job.ranked.shared, shared_bytes, threads=threads, rank=self.rank
@@ -218,6 +307,7 @@ class VersionWriter:
             assert reports is not None
             errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
             if errors:
+                self._abandon(job.version)
                 raise RankFailedError(f"nothing was committed: {'; '.join(errors)}")
             parts = assemble(reports, len(job.plan.blobs))
             seconds = time.perf_counter() - start
@@ -231,7 +321,7 @@ class VersionWriter:
                 ranks=parts.ranks,
             )
             with translate_errors(self.loc, "saving to"):
-                protocol.commit(self.loc, manifest)
+                self._commit(manifest)
             log.info("committed %s (%d ranks)", self.loc.display(vdir), self.world_size)
             return dataclasses.asdict(VersionInfo.from_manifest(manifest, self.loc.display(vdir)))
 

@@ -15,12 +15,13 @@ one process (or one rank group) may write to a store at a time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from . import catalog, housekeeping
@@ -35,6 +36,8 @@ from .errors import (
     VersionNotFoundError,
 )
 from .info import StoreOptions, VersionInfo
+from .lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
+from .lease import LEASE_FILE, StoreLease
 from .location import open_location, translate_errors
 from .manifest import Manifest
 from .reader import read_blobs
@@ -80,6 +83,7 @@ class CheckpointStore:
         self._lock = threading.Lock()
         self._made_writer: VersionWriter | None = None
         self._made_staging: StagingBuffer | None = None
+        self._lease: StoreLease | None = None
         self.group: RankGroup | None = None
         if distributed:
             from .distributed import RankGroup
@@ -94,6 +98,7 @@ class CheckpointStore:
                 from .saving import VersionWriter
 
                 self._made_writer = VersionWriter(self.loc, self.options, self.group)
+                self._made_writer.lease = self._lease
             return self._made_writer
 
     @property
@@ -179,7 +184,7 @@ class CheckpointStore:
             nonlocal attempts
             attempts += 1
             if attempts > 1:  # a resubmitted save: drop what the failed attempt left
-                protocol.clear_leftovers(self.loc, job.version)
+                self._writer.clear_leftovers(job.version)
             return self._writer.write(job, lambda b: staged[b.index])
 
         return self._saver.submit(write, job.version)
@@ -201,12 +206,49 @@ class CheckpointStore:
                     "written again by one rank: save again from every rank"
                 )
             if attempts > 1:
-                protocol.clear_leftovers(self.loc, job.version)
+                self._writer.clear_leftovers(job.version)
             return self._writer.write_ranked(
                 job, lambda b: staged[b.index], lambda b: staged[b.index + offset]
             )
 
         return self._saver.submit(write, job.version)
+
+    # -- one writer per store ---------------------------------------------------
+
+    @contextlib.contextmanager
+    def lease(
+        self, *, owner: str | None = None, timeout: float = DEFAULT_LEASE_TIMEOUT
+    ) -> Iterator[StoreLease]:
+        """Hold the store's writer lease while the block runs; commits then need it.
+
+        Raises :class:`StoreLockedError` naming the holder if another live writer has it; a
+        lease not renewed for its holder's ``timeout`` seconds (or whose process on this host
+        is gone) is taken over. It is renewed in the background and released at the end,
+        after the async save in flight, if any, has ended. One process holds it for a job:
+        in a torch.distributed job, the launcher (the ranks write for it), not every rank.
+        """
+        held = StoreLease(self.loc, owner=owner, timeout=timeout)
+        with translate_errors(self.loc, "taking the writer lease on"):
+            held.acquire()
+        self.write_under(held)
+        try:
+            yield held
+        finally:
+            try:
+                inflight = self._saver._inflight
+                if inflight is not None:
+                    inflight.join()
+            finally:
+                self.write_under(None)
+                held.release()
+
+    def write_under(self, lease: StoreLease | None) -> None:
+        """Make this store's commits need ``lease`` (held by this process, e.g. through another
+        store object on the same URL); None: commit without one."""
+        with self._lock:
+            self._lease = lease
+            if self._made_writer is not None:
+                self._made_writer.lease = lease
 
     def wait(self) -> VersionInfo | None:
         """Wait for the async save in flight, if any; raise its failure."""
@@ -516,7 +558,8 @@ class CheckpointStore:
 
 
 def _meta_name(name: str) -> str:
-    if not name or "/" in name or name.startswith(".") or protocol.parse_version_dir(name) is not None:
+    reserved = name == LEASE_FILE or protocol.parse_version_dir(name) is not None
+    if not name or "/" in name or name.startswith(".") or reserved:
         raise ValueError(f"{name!r} is not a valid metadata file name (a plain name like 'run.json')")
     return name
 

@@ -169,6 +169,12 @@ class PipelineConfig(_Strict):
     rank_timeout_seconds: float = Field(
         600, gt=0, description="how long a rank waits for the others in a collective before failing"
     )
+    lease_timeout_seconds: float = Field(
+        180,
+        gt=0,
+        description="the run's writer lease on the store is renewed every sixth of this; a lease not "
+        "renewed for this long (its run was killed) may be taken over by another run",
+    )
 
     @field_validator("storage_secret")
     @classmethod

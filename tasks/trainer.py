@@ -337,6 +337,8 @@ class _Child:
     def build(self, job: dict[str, Any]) -> dict[str, Any]:
         import torch
 
+        from ckptflow.storage import refuse_if_held
+
         from .config import PipelineConfig
         from .run_state import build_run, open_store
         from .threads import intra_op_threads
@@ -346,6 +348,8 @@ class _Child:
         if threads is not None:
             torch.set_num_threads(threads)
         store = open_store(config, job["storage_options"])
+        # started before the flow took the store's lease: build nothing on a store another run holds
+        refuse_if_held(store.loc, writers={os.getppid()})
         self.run = build_run(config, store, info=self.log("info"), warn=self.log("warning"))
         resumed = self.run.resumed_from
         return {

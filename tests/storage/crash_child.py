@@ -141,7 +141,7 @@ def install_kill_point(point: str, state_bytes: int) -> None:
 
         byteio.LocalSink.write = write  # type: ignore[method-assign]
     elif point == "before-manifest":
-        commit.commit = lambda loc, manifest: _die()  # type: ignore[assignment]
+        commit.commit = lambda loc, manifest, **kwargs: _die()  # type: ignore[assignment]
     elif point in ("manifest-rename", "latest-rename"):
         target = "manifest.json" if point == "manifest-rename" else commit.LATEST_FILE
         original_replace = os.replace
@@ -152,6 +152,14 @@ def install_kill_point(point: str, state_bytes: int) -> None:
             original_replace(src, dst, **kwargs)
 
         commit.os.replace = replace  # type: ignore[attr-defined]
+        original_link = os.link  # the manifest is hard-linked into place: it never replaces another's
+
+        def link(src: Any, dst: Any, **kwargs: Any) -> None:
+            if os.path.basename(os.fspath(dst)) == target:
+                _die()
+            original_link(src, dst, **kwargs)
+
+        commit.os.link = link  # type: ignore[attr-defined]
     elif point == "before-latest":
         commit._write_latest = lambda loc, vdir: _die()  # type: ignore[assignment]
     else:

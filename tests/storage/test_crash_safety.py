@@ -44,6 +44,7 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore, StoreOptions
+from ckptflow.storage.commit import CLAIM_FILE
 
 from .crash_child import KILL_POINTS, make_state
 
@@ -375,7 +376,9 @@ class TestKillAtEachCommitStep:
         committed, leftovers, marker = EXPECTED_AT_POINT[point]
         dirs = Raw.open(local_url, None).version_dirs()
         if point == "before-manifest":
-            assert len(dirs[1]) == 4 and all(n.endswith(".h5") for n in dirs[1]), dirs[1]
+            shards = dirs[1] - {CLAIM_FILE}  # the claim goes with the commit
+            assert CLAIM_FILE in dirs[1] and len(shards) == 4, dirs[1]
+            assert all(n.endswith(".h5") for n in shards), dirs[1]
         if marker:
             assert any(n.startswith(marker) for n in dirs[1]), dirs[1]
         outcome = check_after_crash(local_url, None, seed=seed, mib=LOCAL_MIB, reported=0, max_ahead=1)

@@ -1,0 +1,346 @@
+"""One writer per store: no commit is ever overwritten, and a lease keeps a second writer out.
+
+Bug fixed: two processes saving to one store at once both picked the same
+next version number, wrote their shards into the same directory and each
+replaced the other's manifest; both were told "committed", and versions
+failed their own checksums or held the other writer's data. Now a version
+number is claimed exclusively before any shard is written (the next free one
+is taken when the automatic number is claimed), a manifest is created only if
+absent, and a writer can hold the store's lease (``CheckpointStore.lease``),
+which a second writer cannot take while the holder lives.
+
+Real processes, real files and a real S3 protocol server (moto).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptflow.storage import (
+    CheckpointStore,
+    LeaseInfo,
+    LeaseLostError,
+    StoreLease,
+    StoreLockedError,
+    VersionTakenError,
+    read_lease,
+)
+from ckptflow.storage import commit as protocol
+from ckptflow.storage import lease as lease_module
+from ckptflow.storage.lease import LEASE_FILE
+from tests.conftest import StoreTarget, assert_same_state
+
+from .writer_child import make_state
+
+CHILD = Path(__file__).with_name("writer_child.py")
+ROOT_DIR = Path(__file__).resolve().parents[2]
+SAVES = 6
+
+
+@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreTarget]:
+    """A store several processes can share: a local directory, or a bucket on the S3 server."""
+    if request.param == "local":
+        yield StoreTarget("local", str(tmp_path / "store"), None)
+    else:
+        bucket, options = request.getfixturevalue("s3_bucket")
+        yield StoreTarget("s3", f"s3://{bucket}/run1", options)
+
+
+@dataclass
+class Writer:
+    proc: subprocess.Popen
+    out: Path
+
+    @classmethod
+    def start(cls, target: StoreTarget, tag: int, count: int, go: Path, *extra: str) -> Writer:
+        out = go.parent / f"writer-{tag}.log"
+        env = {**os.environ, "PYTHONPATH": str(ROOT_DIR)}
+        env["CKPTFLOW_STORAGE_OPTIONS"] = json.dumps(target.storage_options)
+        with open(out, "wb") as sink:
+            cmd = [sys.executable, str(CHILD), target.url, str(tag), str(count), str(go), *extra]
+            proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT_DIR)
+        return cls(proc, out)
+
+    def lines(self) -> list[str]:
+        return self.out.read_text(errors="replace").splitlines()
+
+    def wait_line(self, prefix: str, timeout: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [ln for ln in self.lines() if ln.startswith(prefix)]
+            if found:
+                return found[0]
+            assert self.proc.poll() is None, f"writer exited before {prefix!r}:\n{self.out.read_text()}"
+            assert time.monotonic() < deadline, f"no {prefix!r} within {timeout}s:\n{self.out.read_text()}"
+            time.sleep(0.02)
+
+    def finish(self, timeout: float = 120.0) -> list[str]:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+        return self.lines()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(30)
+
+
+def committed_lines(lines: list[str]) -> dict[int, int]:
+    """version -> save index, from a writer's ``committed V I`` lines."""
+    return {int(v): int(i) for kind, v, i in (ln.split()[:3] for ln in lines if ln.startswith("committed "))}
+
+
+def write_lease(target: StoreTarget, info: LeaseInfo) -> None:
+    target.raw_write(LEASE_FILE, info.to_json())
+
+
+def foreign_lease(*, age: float, timeout: float, host: str = "other-host") -> LeaseInfo:
+    now = time.time()
+    return LeaseInfo("someone else", host, 4242, now - age - 5, now - age, timeout, "f" * 32)
+
+
+class TestConcurrentSaves:
+    """Two processes saving at once: every commit is whole, its writer's own, and never replaced."""
+
+    def test_two_writers_never_share_or_overwrite_a_version(self, target: StoreTarget, tmp_path: Path):
+        """Bug fixed: both writers committed the same version numbers over each other's shards."""
+        go = tmp_path / "go"
+        writers = [Writer.start(target, tag, SAVES, go) for tag in (1, 2)]
+        try:
+            for w in writers:
+                w.wait_line("ready")
+            go.touch()
+            outputs = [w.finish() for w in writers]
+        finally:
+            for w in writers:
+                w.kill()
+        reported = [committed_lines(out) for out in outputs]
+        failures = [ln for out in outputs for ln in out if ln.startswith(("failed", "Traceback"))]
+        assert not failures, outputs
+        assert all(len(r) == SAVES for r in reported), outputs
+        assert not set(reported[0]) & set(reported[1]), f"one version reported by both writers: {outputs}"
+
+        store = CheckpointStore(target.url, storage_options=target.storage_options)
+        listed = [v.version for v in store.versions()]
+        assert sorted(listed) == sorted([*reported[0], *reported[1]])
+        for v in listed:
+            store.verify(v)  # every shard matches its manifest's checksum
+            tag, i = store.manifest(v).user["tag"], store.manifest(v).user["i"]
+            assert reported[tag - 1][v] == i, f"version {v} holds writer {tag}'s save {i}: {outputs}"
+            assert_same_state(store.load(v), make_state(tag, i))
+        assert sorted(protocol.list_dirs(store.loc)) == sorted(listed)  # nothing left half-written
+        assert protocol.stray_claims(store.loc) == []
+
+    def test_a_version_being_written_is_refused_to_a_second_writer(self, store_url: StoreTarget):
+        """Bug fixed: a second writer of the same explicit version removed the first one's shards."""
+        first, second = store_url.open(), store_url.open()
+        state = {"x": torch.arange(1000, dtype=torch.float32)}
+        job = first._writer.prepare(state, 5, None, None, 5, None)  # claimed, nothing written yet
+        with pytest.raises(VersionTakenError) as caught:
+            second.save({"x": torch.zeros(1000)}, version=5)
+        message = str(caught.value)
+        assert "version 5" in message and "being written by another writer" in message
+        assert f"pid {os.getpid()}" in message and "ckptflow gc" in message
+        info = first._writer.write(job, lambda b: memoryview(b.source.numpy()).cast("B"))
+        assert info.version == 5
+        assert_same_state(store_url.open().load(5), state)
+        assert protocol.read_claim(first.loc, 5) is None  # the commit removed the claim
+
+    def test_a_commit_never_replaces_another_writers_manifest(self, store_url: StoreTarget):
+        """Bug fixed: the manifest was renamed (locally) or PUT (S3) over one already committed."""
+        store = store_url.open()
+        mine = store.save({"x": torch.ones(10)}, version=2)
+        before = store_url.raw_read("v000002/manifest.json")
+        other = store.manifest(2).model_copy(update={"metrics": {"loss": 1.0}})
+        with pytest.raises(VersionTakenError, match="another writer committed version 2"):
+            protocol.commit(store.loc, other)
+        assert store_url.raw_read("v000002/manifest.json") == before
+        assert store_url.open().info(2) == mine
+
+    def test_a_writer_whose_claim_was_taken_does_not_commit(self, store_url: StoreTarget):
+        """A writer judged gone whose version was claimed by another fails its commit and exposes nothing."""
+        store = store_url.open()
+        state = {"x": torch.arange(100, dtype=torch.float32)}
+        job = store._writer.prepare(state, 3, None, None, 3, None)
+        claim = protocol.read_claim(store.loc, 3)
+        assert claim is not None
+        taken = replace(claim, token="0" * 32)
+
+        def bytes_while_taken(blob: Any) -> memoryview:  # another writer claims it mid-write
+            store_url.raw_write("v000003/.claim.json", json.dumps(taken.__dict__).encode())
+            return memoryview(blob.source.numpy()).cast("B")
+
+        with pytest.raises(VersionTakenError, match="claimed by another writer"):
+            store._writer.write(job, bytes_while_taken)
+        assert store_url.open().find(3) is None
+        assert not store_url.raw_exists("v000003/manifest.json")
+        assert protocol.read_claim(store.loc, 3) == taken  # the other writer's claim stays
+
+    def test_leftovers_of_a_writer_that_is_gone_are_cleared(self, store_url: StoreTarget):
+        """A retried save of a version whose writer died (same host, process gone) writes it again."""
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        claim = protocol.Claim("d" * 32, socket.gethostname(), dead.pid, time.time())
+        store_url.raw_write("v000004/.claim.json", json.dumps(claim.__dict__).encode())
+        store_url.raw_write("v000004/shard-r0-00.h5", b"half a shard")
+        state = {"x": torch.full((64,), 4.0)}
+        assert store_url.open().save(state, version=4).version == 4
+        assert_same_state(store_url.open().load(4), state)
+
+    def test_gc_removes_the_claim_a_writer_killed_after_its_commit_left(self, store_url: StoreTarget):
+        store = store_url.open()
+        store.save({"x": torch.ones(4)}, version=1)
+        claim = protocol.Claim("c" * 32, "other-host", 1, time.time())
+        store_url.raw_write("v000001/.claim.json", json.dumps(claim.__dict__).encode())
+        assert store.gc() == []
+        assert not store_url.raw_exists("v000001/.claim.json")
+        assert_same_state(store_url.open().load(1), {"x": torch.ones(4)})
+
+
+class TestLease:
+    """The store's writer lease: exclusive, renewed, refused with its holder named, taken over when stale."""
+
+    def test_a_second_writer_is_refused_naming_the_holder(self, target: StoreTarget, tmp_path: Path):
+        go = tmp_path / "go"
+        go.touch()
+        holder = Writer.start(target, 1, 1, go, "--lease", "30", "--hold", "60")
+        try:
+            holder.wait_line("committed")
+            store = CheckpointStore(target.url, storage_options=target.storage_options)
+            with pytest.raises(StoreLockedError) as caught, store.lease(owner="second"):
+                pass
+            message = str(caught.value)
+            assert "in use by another writer: writer 1" in message
+            assert f"host {socket.gethostname()}, pid {holder.proc.pid}" in message
+            assert "wait for it to end" in message and "taken over 30s after its last renewal" in message
+            assert caught.value.holder.pid == holder.proc.pid
+            late = Writer.start(target, 2, 1, go, "--lease", "30")
+            assert late.finish()[-1].startswith("refused ") and late.proc.returncode == 3
+
+            holder.kill()  # SIGKILL: no release; its process is gone, so this host takes it at once
+            with store.lease(owner="after") as mine:
+                assert read_lease(store.loc).token == mine.token
+                assert store.save({"x": torch.ones(3)}).version == 1
+            assert read_lease(store.loc) is None
+        finally:
+            holder.kill()
+
+    def test_the_holder_renews_its_lease(self, target: StoreTarget, tmp_path: Path):
+        go = tmp_path / "go"
+        go.touch()
+        holder = Writer.start(target, 1, 0, go, "--lease", "1.2", "--hold", "60")
+        try:
+            holder.wait_line("leased")
+            store = CheckpointStore(target.url, storage_options=target.storage_options)
+            first = read_lease(store.loc)
+            time.sleep(2.5)  # longer than the timeout: only renewals keep it live
+            later = read_lease(store.loc)
+            assert first is not None and later is not None and later.token == first.token
+            assert later.renewed > first.renewed and later.started == first.started
+            with pytest.raises(StoreLockedError, match="writer 1"), store.lease():
+                pass
+        finally:
+            holder.kill()
+
+    def test_a_lease_not_renewed_within_its_timeout_is_taken_over(self, target: StoreTarget, caplog):
+        store = CheckpointStore(target.url, storage_options=target.storage_options)
+        write_lease(target, foreign_lease(age=1, timeout=60))  # another host, renewed a second ago
+        with (
+            pytest.raises(StoreLockedError, match=r"host other-host, pid 4242.*in about 5[6-9]s"),
+            store.lease(),
+        ):
+            pass
+        write_lease(target, foreign_lease(age=10, timeout=5))  # silent for twice its timeout
+        with store.lease(owner="taker") as mine:
+            assert read_lease(store.loc).token == mine.token
+        assert "stopped renewing it (timeout 5s)" in caplog.text
+        assert read_lease(store.loc) is None
+
+    def test_a_lease_is_released_when_its_holder_ends(self, target: StoreTarget):
+        store = CheckpointStore(target.url, storage_options=target.storage_options)
+        with store.lease(owner="first") as held:
+            assert held.is_held() and target.raw_exists(LEASE_FILE)
+            store.save({"x": torch.ones(2)})
+        assert not target.raw_exists(LEASE_FILE) and not held.is_held()
+        with store.lease(owner="second"):
+            assert store.save({"x": torch.ones(2)}).version == 1
+
+    def test_a_writer_that_lost_its_lease_commits_nothing(self, target: StoreTarget):
+        store = CheckpointStore(target.url, storage_options=target.storage_options)
+        with store.lease(owner="slow", timeout=0.6) as held:
+            write_lease(target, foreign_lease(age=0, timeout=60))  # taken over by another writer
+            deadline = time.monotonic() + 10
+            while held.is_held() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            with pytest.raises(LeaseLostError, match="someone else"):
+                store.save({"x": torch.ones(2)})
+        assert store.versions() == []
+        assert read_lease(store.loc).owner == "someone else"  # the other writer's lease stays
+
+    def test_two_takers_of_a_stale_local_lease_one_wins(self, tmp_path: Path):
+        target = StoreTarget("local", str(tmp_path / "store"), None)
+        write_lease(target, foreign_lease(age=100, timeout=5))
+        store = CheckpointStore(target.url)
+        takers = [StoreLease(store.loc, owner=f"taker {i}", timeout=60) for i in range(8)]
+        barrier = threading.Barrier(len(takers))
+        outcome: dict[int, Any] = {}
+
+        def take(i: int) -> None:
+            barrier.wait()
+            try:
+                outcome[i] = takers[i].acquire()
+            except StoreLockedError as exc:
+                outcome[i] = exc
+
+        threads = [threading.Thread(target=take, args=(i,)) for i in range(len(takers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        winners = [i for i, got in outcome.items() if isinstance(got, StoreLease)]
+        try:
+            assert len(winners) == 1, outcome
+            assert read_lease(store.loc).token == takers[winners[0]].token
+            assert all(
+                f"taker {winners[0]}" in str(got)
+                for got in outcome.values()
+                if not isinstance(got, StoreLease)
+            )
+        finally:
+            for t in takers:
+                t.release()
+
+    @pytest.mark.s3
+    def test_two_takers_of_a_stale_s3_lease_one_wins(self, s3_bucket, monkeypatch):
+        """Both takers read the stale lease; the second's conditional PUT (If-Match) fails."""
+        bucket, options = s3_bucket
+        target = StoreTarget("s3", f"s3://{bucket}/run1", options)
+        write_lease(target, foreign_lease(age=100, timeout=5))
+        store = CheckpointStore(target.url, storage_options=options)
+        stale = lease_module._read_remote(store.loc)
+        with StoreLease(store.loc, owner="first taker") as first:
+            reads = iter([stale])
+            real = lease_module._read_remote
+            monkeypatch.setattr(lease_module, "_read_remote", lambda loc: next(reads, None) or real(loc))
+            second = StoreLease(store.loc, owner="second taker")
+            with pytest.raises(StoreLockedError, match="first taker"):
+                second.acquire()
+            assert read_lease(store.loc).token == first.token
