@@ -43,6 +43,7 @@ from ckptflow.storage import CheckpointStore, RankGroup, SaveHandle, StoreOption
 
 from .childenv import REPORT_ADDRESS_ENV, REPORT_KEY_ENV
 from .config import PipelineConfig
+from .run_state import RUN_FILE
 from .spec import Trainable, TrainingSpec, load_spec_class
 from .stopping import CANCELLED, SIGTERM_STOP, StopTracker
 from .training_state import capture, restore, rng_state, run_epoch, seed_everything, split_ranked
@@ -105,6 +106,8 @@ class RankTrainer:
 
     def run(self) -> None:
         resumed = self._resume()
+        if self.rank == 0:  # built and restored: now the store is this run's (the flow checked it)
+            self.store.write_json(RUN_FILE, self.config.identity())
         self.rng = rng_state()
         stopper = StopTracker(self.config.stop, self.config.epochs)
         stopper.seed(self.history)
