@@ -8,6 +8,13 @@ configured API, a temporary local API server is started in a subprocess right
 away (:mod:`.api_server`), so its start-up overlaps all of that too.
 Prefect's own console log lines are shown from WARNING up unless --verbose
 (they all still reach the Prefect API and its UI).
+
+Before any of that starts, :mod:`.preflight` checks the spec and the store: a
+bad spec or storage URL, a missing bucket, missing credentials or an
+unreachable endpoint end the command within seconds with one ``error:`` line
+and exit 1 (the traceback with --verbose), and no server or flow run is
+started. The training process's verdict on the spec is awaited again just
+before the flow run is created.
 """
 
 from __future__ import annotations
@@ -18,11 +25,13 @@ import re
 import sys
 import threading
 import time
-from typing import Annotated, Any, cast
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar, cast
 
 import typer
 
 Opt = typer.Option
+T = TypeVar("T")
 
 
 def run_command(
@@ -149,20 +158,26 @@ def run_command(
     }
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-    warmup = _warm_up_api()
     from pydantic import ValidationError
 
     from ckptflow.tasks.config import PipelineConfig
+
+    from . import preflight
 
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
         raise typer.BadParameter(_validation_message(exc)) from None
+    spec_defined = _before_prefect(verbose, lambda: preflight.spec_defined(config.spec))
+    _before_prefect(verbose, lambda: preflight.check_store(config))
     if config.train_process:
         from ckptflow.tasks.trainer import prestart
 
         prestart(config)  # torch, the spec and the model, while this process imports Prefect
-    result = _run_with_progress(config, warmup)
+    if not spec_defined:  # only importing it can tell
+        _before_prefect(verbose, lambda: preflight.import_spec(config))
+    warmup = _warm_up_api()
+    result = _run_with_progress(config, warmup, verbose=verbose)
     _print_next_steps(config, result)
 
 
@@ -260,7 +275,25 @@ def _warm_up_torch() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def _run_with_progress(config: Any, warmup: _ApiWarmup | None) -> dict[str, Any]:
+def _before_prefect(verbose: bool, check: Callable[[], T]) -> T:
+    """``check()``; a bad spec or store ends the command: one ``error:`` line, exit 1."""
+    from ckptflow.storage import CheckpointError
+    from ckptflow.tasks.run_state import ConfigMismatchError
+    from ckptflow.tasks.spec import SpecError
+    from ckptflow.tasks.trainer import TrainerDiedError, TrainerError
+
+    try:
+        return check()
+    except (CheckpointError, OSError, SpecError, ConfigMismatchError, TrainerDiedError, TrainerError) as exc:
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        typer.echo(f"error: {' '.join(str(exc).split()) or type(exc).__name__}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool = False) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -298,9 +331,13 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None) -> dict[str, Any]
     try:
         if not config.train_process:
             _warm_up_torch()  # while a temporary API server starts in its own process
+        from ckptflow.flows.train import train_pipeline
+
+        from .preflight import wait_for_spec
+
+        _before_prefect(verbose, wait_for_spec)  # no flow run for a spec that failed to import
         if warmup is not None:
             warmup.join()
-        from ckptflow.flows.train import train_pipeline
 
         with progress:
             state = train_pipeline(config, return_state=True)

@@ -78,6 +78,8 @@ def load_spec_class(path: str) -> type[TrainingSpec]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise SpecError(f"cannot import the module of spec {path!r}: {exc}") from exc
+    except Exception as exc:  # the module itself failed: say so in one line, the traceback is chained
+        raise SpecError(f"importing the module of spec {path!r} failed: {type(exc).__name__}: {exc}") from exc
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
