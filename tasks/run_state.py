@@ -114,12 +114,13 @@ def record_run_identity(store: CheckpointStore, identity: dict[str, Any] | None)
 
 def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn: Log) -> RunState:
     """Build the spec's objects; restore the newest committed checkpoint if there is one."""
-    from .spec import load_spec_class
+    from .spec import RunFacts, load_spec_class, make_spec
     from .training_state import capture, restore, rng_state, seed_everything
 
-    spec_class = load_spec_class(config.spec)
+    load_spec_class(config.spec)
     identity = check_run_identity(store, config, warn)
-    spec = spec_class(config.spec_config, seed=config.seed)
+    facts = RunFacts(epochs=config.epochs, save_every=config.save_every, storage=store.url)
+    spec = make_spec(config.spec, config.spec_config, seed=config.seed, run=facts)
     seed_everything(config.seed)
     run = RunState(config, store, spec, spec.build())
     latest = store.latest()
