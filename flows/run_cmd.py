@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 import threading
 import time
@@ -355,6 +356,25 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
     return result
 
 
+def _resume_command(config: Any, url: str) -> str:
+    """``ckptflow run`` that resumes this run for 5 more epochs: the store, the identity where it is
+    not the default (a resume with another one is refused), the credentials block and ranks; shell-quoted."""
+    from ckptflow.tasks.config import DEMO_SPEC
+
+    args = ["ckptflow", "run", "--storage", url, "--epochs", str(config.epochs + 5)]
+    if config.spec != DEMO_SPEC:
+        args += ["--spec", config.spec]
+    if config.spec_config:
+        args += ["--spec-config", json.dumps(config.spec_config, separators=(",", ":"))]
+    if config.seed != 0:
+        args += ["--seed", str(config.seed)]
+    if config.storage_secret is not None:
+        args += ["--storage-secret", config.storage_secret]
+    if config.nproc > 1:
+        args += ["--nproc", str(config.nproc)]
+    return " ".join(shlex.quote(a) for a in args)
+
+
 def _exception_of(state: Any) -> str:
     try:
         state.result()
@@ -365,12 +385,11 @@ def _exception_of(state: Any) -> str:
 
 def _print_next_steps(config: Any, result: dict[str, Any]) -> None:
     url = result["storage"]
-    quoted = url if " " not in url else f'"{url}"'
-    ranks = f" --nproc {config.nproc}" if config.nproc > 1 else ""
+    quoted = shlex.quote(url)
     lines = [
         "",
         f"checkpoints: {url}  (latest: {result['latest_url']})",
-        f"  resume / train longer:  ckptflow run --storage {quoted} --epochs {config.epochs + 5}{ranks}",
+        f"  resume / train longer:  {_resume_command(config, url)}",
         f"  list checkpoints:       ckptflow ls {quoted}",
         f"  inspect the latest:     ckptflow show {quoted}",
         f"  verify checksums:       ckptflow verify {quoted}",
