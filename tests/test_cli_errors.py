@@ -44,7 +44,7 @@ class Result:
         self.seconds = seconds
         self.modules = modules
 
-    def assert_one_error_line(self, *fragments: str) -> str:
+    def assert_one_error_line(self, *fragments: str, seconds: float = SECONDS) -> str:
         lines = self.stderr.splitlines()
         assert self.returncode == 1, (self.returncode, self.stderr[-3000:])
         assert "Traceback" not in self.stderr, self.stderr[-3000:]
@@ -53,7 +53,7 @@ class Result:
         for fragment in fragments:
             assert fragment in lines[0], lines[0]
         assert S3_SECRET not in self.stdout + self.stderr
-        assert self.seconds < SECONDS, f"took {self.seconds:.1f}s: {lines[0]}"
+        assert self.seconds < seconds, f"took {self.seconds:.1f}s: {lines[0]}"
         return lines[0]
 
 
@@ -190,12 +190,17 @@ class TestRunFailsBeforePrefect:
         )
         storage = ckptflow.work / "checkpoints"
         result = ckptflow("run", "--storage", str(storage), "--spec", "broken:MySpec", "--epochs", "1")
-        result.assert_one_error_line("spec 'broken:MySpec'", "RuntimeError: this module fails at import")
+        # the training process imports torch first: allow it the time, on a loaded machine too
+        result.assert_one_error_line(
+            "spec 'broken:MySpec'", "RuntimeError: this module fails at import", seconds=2 * SECONDS
+        )
         assert not storage.exists()
         database = ckptflow.prefect_home / "prefect.db"
         if database.exists():  # the temporary API server may have started meanwhile: no flow run in it
-            with sqlite3.connect(database) as db:
-                assert db.execute("select count(*) from flow_run").fetchone() == (0,)
+            with sqlite3.connect(database, timeout=30) as db:
+                tables = {row[0] for row in db.execute("select name from sqlite_master where type='table'")}
+                if "flow_run" in tables:  # else it was stopped before it made its tables
+                    assert db.execute("select count(*) from flow_run").fetchone() == (0,)
 
     def test_verbose_shows_the_traceback(self, ckptflow):
         result = ckptflow("run", "--spec", "mymodel:Spec", "--verbose")
