@@ -294,6 +294,23 @@ def _before_prefect(verbose: bool, check: Callable[[], T]) -> T:
         raise typer.Exit(1) from None
 
 
+def _hide_tracebacks() -> None:
+    """Keep tracebacks out of Prefect's console lines: a failed run ends with one ``error:`` line.
+
+    They still reach the API (the run's logs in the UI); --verbose prints them here too.
+    """
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [
+        logging.root,
+        *(x for x in logging.root.manager.loggerDict.values() if isinstance(x, logging.Logger)),
+    ]
+    for handler in {h for logger in loggers for h in logger.handlers if isinstance(h, PrefectConsoleHandler)}:
+        handler.addFilter(lambda record: record.exc_info is None)
+
+
 def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool = False) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -337,6 +354,8 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
         from .preflight import wait_for_spec
 
         _before_prefect(verbose, wait_for_spec)  # no flow run for a spec that failed to import
+        if not verbose:
+            _hide_tracebacks()
         if warmup is not None:
             warmup.join()
 
