@@ -349,15 +349,15 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
     try:
         if not config.train_process:
             _warm_up_torch()  # while a temporary API server starts in its own process
-        from ckptflow.flows.train import train_pipeline
-
         from .preflight import wait_for_spec
 
         _before_prefect(verbose, wait_for_spec)  # no flow run for a spec that failed to import
+        if warmup is not None:
+            warmup.join()  # before Prefect is imported: it reads PREFECT_API_URL then
+        from ckptflow.flows.train import train_pipeline
+
         if not verbose:
             _hide_tracebacks()
-        if warmup is not None:
-            warmup.join()
 
         with progress:
             state = train_pipeline(config, return_state=True)
