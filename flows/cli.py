@@ -40,7 +40,8 @@ if TYPE_CHECKING:
 
 
 class _Group(TyperGroup):
-    """Turns storage failures (CheckpointError, OSError) into ``error: ...`` on stderr and exit 1."""
+    """Turns storage failures (CheckpointError, OSError) into ``error: ...`` on stderr and exit 1
+    (with ``--verbose``, the traceback first)."""
 
     def invoke(self, ctx: Any) -> Any:
         try:
@@ -52,6 +53,10 @@ class _Group(TyperGroup):
 
             if not isinstance(exc, (CheckpointError, OSError)):
                 raise
+            if ctx.params.get("verbose"):
+                import traceback
+
+                traceback.print_exc()
             _fail(_one_line(exc))
 
 
@@ -112,9 +117,13 @@ GC_MIN_AGE = 900.0  # seconds: gc spares leftovers younger than this unless told
 
 
 def _open(url: str, storage_options: dict[str, Any] | None) -> CheckpointStore:
+    """The store at ``url``; fails within seconds when nothing is stored there or it cannot be reached."""
     from ckptflow.storage import CheckpointStore
+    from ckptflow.storage.location import probe, quick_answer_options
 
-    return CheckpointStore(url, storage_options=storage_options)
+    store = CheckpointStore(url, storage_options=quick_answer_options(url, storage_options))
+    probe(store.loc, must_exist=True)
+    return store
 
 
 def _survey(store: CheckpointStore) -> Survey:

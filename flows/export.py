@@ -5,7 +5,9 @@ This is what ``ckptflow restore`` hands to people and tools outside ckptflow.
 What always holds: the target path holds either its previous content or the
 complete new file, never half of one. The file is written under a temporary
 name beside the target, fsynced, renamed into place, and the directory is
-fsynced; a failure removes the temporary file.
+fsynced; a failure removes the temporary file. The file gets the mode a plain
+``open(path, "w")`` would give it (0666 less the umask; an overwritten file
+keeps its own), whichever library wrote it.
 
 - torch: the nested state as saved (dicts, lists, tuples, tensors, numbers,
   strings, bytes, dtypes), numpy arrays turned into tensors, so that
@@ -19,6 +21,7 @@ fsynced; a failure removes the temporary file.
 from __future__ import annotations
 
 import os
+import stat
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -50,6 +53,7 @@ def write_atomic(out: Path, write: Callable[[Path], object]) -> None:
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         write(tmp)
+        os.chmod(tmp, _mode_for(target))
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)
@@ -63,6 +67,19 @@ def write_atomic(out: Path, write: Callable[[Path], object]) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(str(target.parent))
+
+
+def _mode_for(target: Path) -> int:
+    """The mode ``open(target, "w")`` would leave: an existing file's own, else 0666 less the umask.
+
+    The writers differ (safetensors creates its file 0600, torch.save 0666 less the umask).
+    """
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
 
 
 def as_torch(node: Any) -> Any:

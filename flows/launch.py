@@ -3,10 +3,15 @@
 For ``ckptflow run`` it starts the training process (:mod:`ckptflow.tasks.trainer`) before
 anything else is imported, so that torch loads there while this process loads the CLI and
 Prefect; every other command goes straight to :mod:`.cli`.
+
+Help and usage errors are printed the way click prints them, wrapped to the terminal's width:
+typer's rich panels cut long defaults and words off (``ckptflow.flows.…``) on terminals
+narrower than about 120 columns. ``TYPER_USE_RICH=1`` brings the panels back.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 
@@ -25,6 +30,7 @@ def trains_in_a_child(args: list[str]) -> bool:
 
 
 def main() -> None:
+    os.environ.setdefault("TYPER_USE_RICH", "0")  # read when typer is imported, below
     if trains_in_a_child(sys.argv[1:]):
         from ckptflow.tasks.trainer import spawn_early
 

@@ -8,6 +8,13 @@ configured API, a temporary local API server is started in a subprocess right
 away (:mod:`.api_server`), so its start-up overlaps all of that too.
 Prefect's own console log lines are shown from WARNING up unless --verbose
 (they all still reach the Prefect API and its UI).
+
+Before any of that starts, :mod:`.preflight` checks the spec and the store: a
+bad spec or storage URL, a missing bucket, missing credentials or an
+unreachable endpoint end the command within seconds with one ``error:`` line
+and exit 1 (the traceback with --verbose), and no server or flow run is
+started. The training process's verdict on the spec is awaited again just
+before the flow run is created.
 """
 
 from __future__ import annotations
@@ -15,14 +22,17 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import sys
 import threading
 import time
-from typing import Annotated, Any, cast
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar, cast
 
 import typer
 
 Opt = typer.Option
+T = TypeVar("T")
 
 
 def run_command(
@@ -153,20 +163,26 @@ def run_command(
     }
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-    warmup = _warm_up_api()
     from pydantic import ValidationError
 
     from ckptflow.tasks.config import PipelineConfig
+
+    from . import preflight
 
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
         raise typer.BadParameter(_validation_message(exc)) from None
+    spec_defined = _before_prefect(verbose, lambda: preflight.spec_defined(config.spec))
+    _before_prefect(verbose, lambda: preflight.check_store(config))
     if config.train_process:
         from ckptflow.tasks.trainer import prestart
 
         prestart(config)  # torch, the spec and the model, while this process imports Prefect
-    result = _run_with_progress(config, warmup)
+    if not spec_defined:  # only importing it can tell
+        _before_prefect(verbose, lambda: preflight.import_spec(config))
+    warmup = _warm_up_api()
+    result = _run_with_progress(config, warmup, verbose=verbose)
     _print_next_steps(config, result)
 
 
@@ -264,7 +280,42 @@ def _warm_up_torch() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def _run_with_progress(config: Any, warmup: _ApiWarmup | None) -> dict[str, Any]:
+def _before_prefect(verbose: bool, check: Callable[[], T]) -> T:
+    """``check()``; a bad spec or store ends the command: one ``error:`` line, exit 1."""
+    from ckptflow.storage import CheckpointError
+    from ckptflow.tasks.run_state import ConfigMismatchError
+    from ckptflow.tasks.spec import SpecError
+    from ckptflow.tasks.trainer import TrainerDiedError, TrainerError
+
+    try:
+        return check()
+    except (CheckpointError, OSError, SpecError, ConfigMismatchError, TrainerDiedError, TrainerError) as exc:
+        if verbose:
+            import traceback
+
+            traceback.print_exc()
+        typer.echo(f"error: {' '.join(str(exc).split()) or type(exc).__name__}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _hide_tracebacks() -> None:
+    """Keep tracebacks out of Prefect's console lines: a failed run ends with one ``error:`` line.
+
+    They still reach the API (the run's logs in the UI); --verbose prints them here too.
+    """
+    import logging
+
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    loggers = [
+        logging.root,
+        *(x for x in logging.root.manager.loggerDict.values() if isinstance(x, logging.Logger)),
+    ]
+    for handler in {h for logger in loggers for h in logger.handlers if isinstance(h, PrefectConsoleHandler)}:
+        handler.addFilter(lambda record: record.exc_info is None)
+
+
+def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool = False) -> dict[str, Any]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -306,9 +357,15 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None) -> dict[str, Any]
     try:
         if not config.train_process:
             _warm_up_torch()  # while a temporary API server starts in its own process
+        from .preflight import wait_for_spec
+
+        _before_prefect(verbose, wait_for_spec)  # no flow run for a spec that failed to import
         if warmup is not None:
-            warmup.join()
+            warmup.join()  # before Prefect is imported: it reads PREFECT_API_URL then
         from ckptflow.flows.train import train_pipeline
+
+        if not verbose:
+            _hide_tracebacks()
 
         with progress:
             state = train_pipeline(config, return_state=True)
@@ -326,6 +383,25 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None) -> dict[str, Any]
     return result
 
 
+def _resume_command(config: Any, url: str) -> str:
+    """``ckptflow run`` that resumes this run for 5 more epochs: the store, the identity where it is
+    not the default (a resume with another one is refused), the credentials block and ranks; shell-quoted."""
+    from ckptflow.tasks.config import DEMO_SPEC
+
+    args = ["ckptflow", "run", "--storage", url, "--epochs", str(config.epochs + 5)]
+    if config.spec != DEMO_SPEC:
+        args += ["--spec", config.spec]
+    if config.spec_config:
+        args += ["--spec-config", json.dumps(config.spec_config, separators=(",", ":"))]
+    if config.seed != 0:
+        args += ["--seed", str(config.seed)]
+    if config.storage_secret is not None:
+        args += ["--storage-secret", config.storage_secret]
+    if config.nproc > 1:
+        args += ["--nproc", str(config.nproc)]
+    return " ".join(shlex.quote(a) for a in args)
+
+
 def _exception_of(state: Any) -> str:
     try:
         state.result()
@@ -336,12 +412,11 @@ def _exception_of(state: Any) -> str:
 
 def _print_next_steps(config: Any, result: dict[str, Any]) -> None:
     url = result["storage"]
-    quoted = url if " " not in url else f'"{url}"'
-    ranks = f" --nproc {config.nproc}" if config.nproc > 1 else ""
+    quoted = shlex.quote(url)
     lines = [
         "",
         f"checkpoints: {url}  (latest: {result['latest_url']})",
-        f"  resume / train longer:  ckptflow run --storage {quoted} --epochs {config.epochs + 5}{ranks}",
+        f"  resume / train longer:  {_resume_command(config, url)}",
         f"  list checkpoints:       ckptflow ls {quoted}",
         f"  inspect the latest:     ckptflow show {quoted}",
         f"  verify checksums:       ckptflow verify {quoted}",

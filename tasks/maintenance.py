@@ -96,8 +96,13 @@ def private_storage_options(options: dict[str, Any]) -> Iterator[None]:
 
 
 def open_maintained_store(config: MaintenanceConfig, url: str) -> CheckpointStore:
+    """The store at ``url``; StorageUnavailableError when nothing is stored there (a mistyped URL)."""
+    from ckptflow.storage.location import probe
+
     options = {**config.store_config(url).resolved_storage_options(), **(_private_options.get() or {})}
-    return CheckpointStore(url, storage_options=options)
+    store = CheckpointStore(url, storage_options=options)
+    probe(store.loc, must_exist=True)
+    return store
 
 
 def active_training_runs(store_url: str) -> list[str]:

@@ -43,7 +43,8 @@ from ckptflow.storage import CheckpointStore, RankGroup, SaveHandle, StoreOption
 
 from .childenv import REPORT_ADDRESS_ENV, REPORT_KEY_ENV
 from .config import PipelineConfig
-from .spec import Trainable, TrainingSpec, load_spec_class
+from .run_state import RUN_FILE
+from .spec import RunFacts, Trainable, TrainingSpec, make_spec
 from .stopping import CANCELLED, SIGTERM_STOP, StopTracker
 from .training_state import capture, restore, rng_state, run_epoch, seed_everything, split_ranked
 
@@ -96,7 +97,14 @@ class RankTrainer:
         )
         self.control = RankGroup.create(timeout)  # stop decisions; never shared with a save in flight
         self.rank, self.world = self.control.rank, self.control.world_size
-        self.spec: TrainingSpec = load_spec_class(config.spec)(config.spec_config, seed=config.seed)
+        facts = RunFacts(
+            epochs=config.epochs,
+            save_every=config.save_every,
+            world_size=self.world,
+            rank=self.rank,
+            storage=self.store.url,
+        )
+        self.spec: TrainingSpec = make_spec(config.spec, config.spec_config, seed=config.seed, run=facts)
         seed_everything(config.seed)  # every rank builds the same model
         self.trainable: Trainable = self.spec.build()
         self.epoch, self.step = 0, 0
@@ -105,6 +113,8 @@ class RankTrainer:
 
     def run(self) -> None:
         resumed = self._resume()
+        if self.rank == 0:  # built and restored: now the store is this run's (the flow checked it)
+            self.store.write_json(RUN_FILE, self.config.identity())
         self.rng = rng_state()
         stopper = StopTracker(self.config.stop, self.config.epochs)
         stopper.seed(self.history)

@@ -8,7 +8,10 @@ trained.
 
 - :func:`build_run` checks the config against ``run.json`` beside the
   checkpoints, builds the spec's objects and restores the newest committed
-  checkpoint.
+  checkpoint; only then does it write ``run.json`` (:func:`record_run_identity`).
+  So a spec that fails to import, build or restore leaves the store as it was,
+  and a store with no committed version never refuses a run: there is nothing
+  a different configuration could spoil.
 - :func:`train_attempt` trains one epoch; from the second attempt of an epoch
   on, it first puts back the state captured at the start of that epoch.
 """
@@ -77,16 +80,22 @@ def open_store(config: PipelineConfig, storage_options: dict[str, Any] | None = 
     return CheckpointStore(config.storage, storage_options=options, options=shards)
 
 
-def check_run_identity(store: CheckpointStore, config: PipelineConfig, warn: Log) -> None:
-    """Compare the config with ``run.json`` beside the checkpoints; create it on a first run."""
+def check_run_identity(store: CheckpointStore, config: PipelineConfig, warn: Log) -> dict[str, Any] | None:
+    """Compare the config with ``run.json`` beside the checkpoints; writes nothing.
+
+    Returns the identity to record once the run is built (:func:`record_run_identity`), or None
+    when ``run.json`` already holds it. Raises ConfigMismatchError for a changed identity on a
+    store with committed versions, unless ``allow_config_change`` (then it warns).
+    """
     stored = store.read_json(RUN_FILE)
     current = config.identity()
     if stored is None:
-        store.write_json(RUN_FILE, current)
-        return
+        return current
     diffs = identity_differences(stored, current)
     if not diffs:
-        return
+        return None
+    if store.latest() is None:  # nothing committed under the old identity: nothing to protect
+        return current
     if not config.allow_config_change:
         raise ConfigMismatchError(
             f"{store.url} holds a run with a different configuration: {'; '.join(diffs)}. "
@@ -94,16 +103,24 @@ def check_run_identity(store: CheckpointStore, config: PipelineConfig, warn: Log
             "allow_config_change=true (--allow-config-change) to resume anyway"
         )
     warn(f"resuming with a changed configuration: {'; '.join(diffs)}")
-    store.write_json(RUN_FILE, current)
+    return current
+
+
+def record_run_identity(store: CheckpointStore, identity: dict[str, Any] | None) -> None:
+    """Write ``run.json`` (after the run was built and restored); None: it is up to date."""
+    if identity is not None:
+        store.write_json(RUN_FILE, identity)
 
 
 def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn: Log) -> RunState:
     """Build the spec's objects; restore the newest committed checkpoint if there is one."""
-    from .spec import load_spec_class
+    from .spec import RunFacts, load_spec_class, make_spec
     from .training_state import capture, restore, rng_state, seed_everything
 
-    check_run_identity(store, config, warn)
-    spec = load_spec_class(config.spec)(config.spec_config, seed=config.seed)
+    load_spec_class(config.spec)
+    identity = check_run_identity(store, config, warn)
+    facts = RunFacts(epochs=config.epochs, save_every=config.save_every, storage=store.url)
+    spec = make_spec(config.spec, config.spec_config, seed=config.seed, run=facts)
     seed_everything(config.seed)
     run = RunState(config, store, spec, spec.build())
     set_aside_unreadable(store, warn)
@@ -125,6 +142,7 @@ def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn
     else:
         info(f"starting a new run in {store.url}")
     run.rng = rng_state()
+    record_run_identity(store, identity)
     return run
 
 

@@ -7,6 +7,14 @@ and a grad scaler), trains one epoch and returns metrics, and may evaluate.
 Everything the pipeline saves comes from the objects the spec builds, plus the
 spec's own ``state_dict`` for anything else (a data-loader position, say).
 
+The spec also learns facts of the run it trains in (:class:`RunFacts`, as
+``self.run``, set before ``build``): the epoch the run trains until, the save
+cadence, the number of ranks and its own rank, the store's URL. They are not
+part of the run's identity: an LR schedule sized from ``self.run.epochs`` (say,
+OneCycleLR's total steps) follows ``--epochs``, and training longer resumes the
+same run. (A scheduler's saved state is restored over the one ``build`` made,
+so a schedule whose state holds its length keeps it on a resume.)
+
 For a resumed run to be bitwise identical to an uninterrupted one, an epoch
 must depend only on the restored state and the epoch number: shuffle data with
 a generator seeded from ``(seed, epoch)`` (see :func:`epoch_generator`), and
@@ -26,6 +34,17 @@ if TYPE_CHECKING:
     import torch
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What a spec knows of the run it trains in; none of it is part of the run's identity."""
+
+    epochs: int = 1  # the epoch the run trains until (its target, counted from 1, not the epochs left)
+    save_every: int = 1  # a checkpoint every N epochs (and at the end)
+    world_size: int = 1  # training processes (torch.distributed ranks)
+    rank: int = 0  # this process's rank
+    storage: str = ""  # the store's URL, without credentials
+
+
 @dataclass
 class Trainable:
     """What a spec builds: the objects whose state a checkpoint holds."""
@@ -39,6 +58,8 @@ class Trainable:
 
 class TrainingSpec(ABC):
     """Subclass this and pass ``"your.module:YourSpec"`` as the pipeline's ``spec``."""
+
+    run: RunFacts = RunFacts()  # the run's facts: ckptflow sets them before build() (see make_spec)
 
     def __init__(self, config: Mapping[str, Any], *, seed: int) -> None:
         self.config = dict(config)
@@ -78,6 +99,8 @@ def load_spec_class(path: str) -> type[TrainingSpec]:
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise SpecError(f"cannot import the module of spec {path!r}: {exc}") from exc
+    except Exception as exc:  # the module itself failed: say so in one line, the traceback is chained
+        raise SpecError(f"importing the module of spec {path!r} failed: {type(exc).__name__}: {exc}") from exc
     obj: Any = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -86,6 +109,13 @@ def load_spec_class(path: str) -> type[TrainingSpec]:
     if not (isinstance(obj, type) and issubclass(obj, TrainingSpec)):
         raise SpecError(f"spec {path!r} is not a subclass of ckptflow.tasks.TrainingSpec")
     return obj
+
+
+def make_spec(path: str, config: Mapping[str, Any], *, seed: int, run: RunFacts) -> TrainingSpec:
+    """The spec of a run: imported, constructed from its config and seed, told the run's facts."""
+    spec = load_spec_class(path)(config, seed=seed)
+    spec.run = run
+    return spec
 
 
 def epoch_generator(seed: int, epoch: int) -> torch.Generator:

@@ -65,7 +65,8 @@ def open_store(config: PipelineConfig) -> CheckpointStore:
 
 
 def check_run_identity(store: CheckpointStore, config: PipelineConfig) -> None:
-    """Compare the config with ``run.json`` beside the checkpoints; create it on a first run."""
+    """Compare the config with ``run.json`` beside the checkpoints (the ranks' rank 0 writes it
+    once they are built and restored)."""
     run_state.check_run_identity(store, config, get_run_logger().warning)
 
 

@@ -13,7 +13,9 @@ of after one and then the other.
 
 Protocol: JSON messages on a socket pair (nothing is unpickled), each request
 ``{"id", "op", "args"}`` answered by ``{"id", "ok"}`` or ``{"id", "error"}``;
-notes for the run's log come as ``{"log", "message"}``. The job (config and
+notes for the run's log come as ``{"log", "message"}``; ``{"spec": "ok"}`` says
+that the spec imported, the first thing a build does, so ``ckptflow run`` can
+refuse a bad spec before it creates a flow run (:func:`spec_check`). The job (config and
 resolved storage options, credentials included) goes on the child's stdin, so
 it shows in no process listing or environment. Request 0 is the build.
 
@@ -81,6 +83,7 @@ class TrainerProcess:
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._built: Future[Any] = Future()
+        self._spec: Future[Any] = Future()  # the spec imported (its error if not)
         self._calls: dict[int, Future[Any]] = {0: self._built}
         self._next = 1
         self._closed = False
@@ -123,6 +126,10 @@ class TrainerProcess:
     def built(self) -> Future[Any]:
         """The build's answer: epoch, step, resumed_from, metrics."""
         return self._built
+
+    def spec_imported(self) -> Future[Any]:
+        """Done when the build has imported the spec; its error if that (or the build before it) failed."""
+        return self._spec
 
     def call(self, op: str, log: Log | None = None, **args: Any) -> Future[Any]:
         """Send ``op`` with ``args``; the future holds the answer or the child's error.
@@ -167,6 +174,9 @@ class TrainerProcess:
                     log = self._logs.get(message["id"], self._on_log)
                 log(message["log"], message["message"])
                 continue
+            if "spec" in message:
+                _settle(self._spec, None)
+                continue
             with self._lock:
                 future = self._calls.pop(message["id"], None)
                 self._logs.pop(message["id"], None)
@@ -174,6 +184,8 @@ class TrainerProcess:
                 continue
             if "error" in message:
                 future.set_exception(_remote_error(message["error"]))
+                if message["id"] == 0:
+                    _settle(self._spec, None, future.exception())
             else:
                 future.set_result(message.get("ok"))
         self.process.wait()
@@ -182,7 +194,7 @@ class TrainerProcess:
     def _fail_all(self) -> None:
         with self._lock:
             calls, self._calls = self._calls, {}
-        for future in calls.values():
+        for future in [*calls.values(), self._spec]:
             if not future.done():
                 future.set_exception(self._died())
 
@@ -222,6 +234,14 @@ class RemoteSave:
         return True
 
 
+def _settle(future: Future[Any], result: Any, error: BaseException | None = None) -> None:
+    if not future.done():
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+
 _spare: TrainerProcess | None = None  # started, no job yet
 _prestarted: TrainerProcess | None = None  # started with a job
 
@@ -256,6 +276,11 @@ def prestart(config: Any) -> None:
             _spare = None
     elif config.storage_secret is None:
         _prestarted = _started(config, dict(config.storage_options))
+
+
+def spec_check() -> Future[Any] | None:
+    """The prestarted process's verdict on its spec (see :meth:`TrainerProcess.spec_imported`), if any."""
+    return _prestarted.spec_imported() if _prestarted is not None else None
 
 
 def take(config: Any) -> tuple[TrainerProcess, bool]:
@@ -341,9 +366,12 @@ class _Child:
 
         from .config import PipelineConfig
         from .run_state import build_run, open_store
+        from .spec import load_spec_class
         from .threads import intra_op_threads
 
         config = PipelineConfig.model_validate(job["config"])
+        load_spec_class(config.spec)
+        self.send({"spec": "ok"})
         threads = intra_op_threads(config.torch_threads)
         if threads is not None:
             torch.set_num_threads(threads)

@@ -252,6 +252,7 @@ class TestLs:
         assert [u["version"] for u in doc["unreadable"]] == [1]
 
     def test_empty_store(self, tmp_path):
+        (tmp_path / "nothing").mkdir()  # where nothing is at all, ls fails (tests/test_cli_errors.py)
         result = invoke("ls", str(tmp_path / "nothing"))
         assert result.exit_code == 0
         assert "no committed versions" in result.stdout

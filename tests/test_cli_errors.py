@@ -1,0 +1,241 @@
+"""Errors a user sees: a bad spec or store fails in seconds with one line, before Prefect starts.
+
+``ckptflow run`` with a bad ``--spec``, an unknown URL scheme, a missing
+bucket, missing credentials or an unreachable endpoint, and the store commands
+(ls, show, verify, restore, prune, gc) on such URLs or on a path where nothing
+is stored: exit 1, exactly one stderr line ``error: ...`` naming the problem,
+no traceback, within seconds. For ``run`` also: this process never imported
+Prefect and no temporary API server started (it would create PREFECT_HOME),
+so no flow run can exist. The commands run as the console script does: a
+script outside the working directory (so ``sys.path[0]`` is not the cwd),
+started in a directory of the test's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import AWS_ENV, S3_SECRET
+
+SECONDS = 10.0  # "within a few seconds", with room for a loaded machine
+LAUNCHER = """\
+import atexit, os, sys
+atexit.register(lambda: open(os.environ["CKPTFLOW_TEST_MODULES"], "w").write("\\n".join(sys.modules)))
+from ckptflow.flows.launch import main
+sys.argv[0] = "ckptflow"
+main()
+"""
+
+
+class Result:
+    def __init__(self, proc: subprocess.CompletedProcess[str], seconds: float, modules: set[str]) -> None:
+        self.returncode, self.stdout, self.stderr = proc.returncode, proc.stdout, proc.stderr
+        self.seconds = seconds
+        self.modules = modules
+
+    def assert_one_error_line(self, *fragments: str, seconds: float = SECONDS) -> str:
+        lines = self.stderr.splitlines()
+        assert self.returncode == 1, (self.returncode, self.stderr[-3000:])
+        assert "Traceback" not in self.stderr, self.stderr[-3000:]
+        assert len(lines) == 1, self.stderr[-3000:]
+        assert lines[0].startswith("error: "), lines[0]
+        for fragment in fragments:
+            assert fragment in lines[0], lines[0]
+        assert S3_SECRET not in self.stdout + self.stderr
+        assert self.seconds < seconds, f"took {self.seconds:.1f}s: {lines[0]}"
+        return lines[0]
+
+
+@pytest.fixture
+def ckptflow(tmp_path: Path):
+    """Run ``ckptflow ARGS`` in ``tmp_path/work`` with no Prefect API configured; return a Result."""
+    script = tmp_path / "bin" / "ckptflow_launcher.py"
+    script.parent.mkdir()
+    script.write_text(LAUNCHER)
+    work = tmp_path / "work"
+    work.mkdir()
+
+    def run(*args: str, env: dict[str, str] | None = None, drop: tuple[str, ...] = ()) -> Result:
+        modules = tmp_path / f"modules-{uuid.uuid4().hex}"
+        full = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PREFECT_")}
+        full.update(
+            PREFECT_HOME=str(tmp_path / "prefect-home"),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="120",
+            CKPTFLOW_TEST_MODULES=str(modules),
+            COLUMNS="200",
+            **(env or {}),
+        )
+        started = time.monotonic()
+        proc = subprocess.run(
+            [sys.executable, str(script), *args],
+            cwd=work,
+            env=full,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        seconds = time.monotonic() - started
+        names = set(modules.read_text().split()) if modules.exists() else set()
+        return Result(proc, seconds, names)
+
+    run.work = work  # type: ignore[attr-defined]
+    run.prefect_home = tmp_path / "prefect-home"  # type: ignore[attr-defined]
+    return run
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def endpoint_options(endpoint: str) -> str:
+    return json.dumps({"client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}})
+
+
+NO_CREDENTIALS = tuple(AWS_ENV)
+
+
+def bad_store(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, Any]:
+    """A store URL that cannot be used: its args, environment, and what the error must say."""
+    if kind == "unknown-scheme":
+        return {"args": ["gopher://host/run1"], "says": ["no filesystem handles gopher://"]}
+    if kind == "unreachable-endpoint":
+        endpoint = f"http://127.0.0.1:{closed_port()}"
+        return {
+            "args": ["s3://bucket/run1", "--storage-options", endpoint_options(endpoint)],
+            "says": ["cannot reach the object store at " + endpoint, "s3://bucket/run1", "endpoint_url"],
+        }
+    server = request.getfixturevalue("s3_server")
+    if kind == "missing-bucket":
+        bucket = f"missing-{uuid.uuid4().hex[:12]}"
+        return {
+            "args": [f"s3://{bucket}/run1", "--storage-options", endpoint_options(server)],
+            "says": [f"the bucket of s3://{bucket}/run1 does not exist", "create it"],
+        }
+    assert kind == "missing-credentials"
+    bucket, _ = request.getfixturevalue("s3_bucket")
+    nowhere = str(tmp_path / "no-aws-config")
+    return {
+        "args": [f"s3://{bucket}/run1", "--storage-options", endpoint_options(server)],
+        "says": [f"no credentials found for s3://{bucket}/run1", "AWS_ACCESS_KEY_ID"],
+        "env": {"AWS_SHARED_CREDENTIALS_FILE": nowhere, "AWS_CONFIG_FILE": nowhere},
+        "drop": NO_CREDENTIALS,
+    }
+
+
+STORES = [
+    "unknown-scheme",
+    "unreachable-endpoint",
+    pytest.param("missing-bucket", marks=pytest.mark.s3),
+    pytest.param("missing-credentials", marks=pytest.mark.s3),
+]
+
+
+def assert_prefect_never_started(ckptflow: Any, result: Result) -> None:
+    assert result.modules, "the launcher did not record its modules"
+    assert "prefect" not in result.modules  # no Prefect client: no flow run
+    assert not ckptflow.prefect_home.exists()  # no temporary API server (it creates PREFECT_HOME)
+
+
+class TestRunFailsBeforePrefect:
+    @pytest.mark.parametrize("kind", STORES)
+    def test_a_store_that_cannot_be_used(self, ckptflow, request, tmp_path, kind):
+        store = bad_store(kind, request, tmp_path)
+        url, *options = store["args"]
+        args = ["run", "--storage", url, *options, "--epochs", "1"]
+        result = ckptflow(*args, env=store.get("env"), drop=store.get("drop", ()))
+        result.assert_one_error_line(*store["says"])
+        assert_prefect_never_started(ckptflow, result)
+
+    @pytest.mark.parametrize(
+        ("spec", "says"),
+        [
+            ("ckptflow.flows.demo:DigitSpec", ["has no attribute 'DigitSpec'", "its classes: DigitsSpec"]),
+            ("mymodel:Spec", ["no module named 'mymodel'", "check the spelling"]),
+            ("ckptflow.nopackage.model:Spec", ["no module named 'ckptflow.nopackage'"]),
+        ],
+        ids=["class-typo", "module-typo", "package-typo"],
+    )
+    def test_a_bad_spec(self, ckptflow, spec, says):
+        storage = ckptflow.work / "checkpoints"
+        result = ckptflow("run", "--storage", str(storage), "--spec", spec, "--epochs", "1")
+        result.assert_one_error_line(f"spec {spec!r}", *says)
+        assert_prefect_never_started(ckptflow, result)
+        assert not storage.exists()  # nothing written: the corrected command starts afresh
+
+    def test_a_spec_in_the_working_directory_is_found(self, ckptflow):
+        """The training process imports from the working directory; so does the check."""
+        (ckptflow.work / "mymodel.py").write_text("class Other:\n    pass\n")
+        result = ckptflow("run", "--storage", "ckpt", "--spec", "mymodel:MySpec")
+        result.assert_one_error_line("module 'mymodel'", "has no attribute 'MySpec'", "its classes: Other")
+        assert_prefect_never_started(ckptflow, result)
+
+    def test_a_spec_module_that_fails_to_import_creates_no_flow_run(self, ckptflow):
+        """Only importing it can tell: the training process's verdict comes before the flow run."""
+        (ckptflow.work / "broken.py").write_text(
+            "raise RuntimeError('this module fails at import')\n\nclass MySpec:\n    pass\n"
+        )
+        storage = ckptflow.work / "checkpoints"
+        result = ckptflow("run", "--storage", str(storage), "--spec", "broken:MySpec", "--epochs", "1")
+        # the training process imports torch first: allow it the time, on a loaded machine too
+        result.assert_one_error_line(
+            "spec 'broken:MySpec'", "RuntimeError: this module fails at import", seconds=2 * SECONDS
+        )
+        assert not storage.exists()
+        database = ckptflow.prefect_home / "prefect.db"
+        if database.exists():  # the temporary API server may have started meanwhile: no flow run in it
+            with sqlite3.connect(database, timeout=30) as db:
+                tables = {row[0] for row in db.execute("select name from sqlite_master where type='table'")}
+                if "flow_run" in tables:  # else it was stopped before it made its tables
+                    assert db.execute("select count(*) from flow_run").fetchone() == (0,)
+
+    def test_verbose_shows_the_traceback(self, ckptflow):
+        result = ckptflow("run", "--spec", "mymodel:Spec", "--verbose")
+        assert result.returncode == 1
+        assert "Traceback" in result.stderr
+        assert result.stderr.splitlines()[-1].startswith("error: cannot import the module of spec")
+
+
+COMMANDS = {
+    "ls": ["ls", "{url}"],
+    "show": ["show", "{url}"],
+    "verify": ["verify", "{url}", "--all"],
+    "restore": ["restore", "{url}", "--out", "model.pt"],
+    "prune": ["prune", "{url}", "--keep-last", "1"],
+    "gc": ["gc", "{url}"],
+}
+
+
+class TestStoreCommands:
+    @pytest.mark.parametrize("command", list(COMMANDS))
+    @pytest.mark.parametrize("kind", STORES)
+    def test_a_store_that_cannot_be_used(self, ckptflow, request, tmp_path, kind, command):
+        store = bad_store(kind, request, tmp_path)
+        url, *options = store["args"]
+        args = [url if a == "{url}" else a for a in COMMANDS[command]]
+        result = ckptflow(*args, *options, env=store.get("env"), drop=store.get("drop", ()))
+        result.assert_one_error_line(*store["says"])
+        assert "prefect" not in result.modules
+
+    @pytest.mark.parametrize("command", list(COMMANDS))
+    def test_nothing_stored_at_the_url(self, ckptflow, command):
+        """A mistyped path is not an empty store: nothing there is an error, and nothing is created."""
+        missing = ckptflow.work / "no-such-store"
+        args = [str(missing) if a == "{url}" else a for a in COMMANDS[command]]
+        result = ckptflow(*args)
+        result.assert_one_error_line(f"no store at {missing}")
+        assert not missing.exists()
+        assert not (ckptflow.work / "model.pt").exists()
