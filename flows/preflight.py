@@ -110,7 +110,7 @@ def _binds(tree: ast.Module, name: str) -> bool:
 
 def check_store(config: PipelineConfig) -> None:
     """List the run's store (bounded attempts); refuse a resumed run whose identity changed."""
-    from ckptflow.storage import CheckpointStore
+    from ckptflow.storage import CheckpointStore, refuse_if_held
     from ckptflow.storage.location import open_location, probe, quick_answer_options
     from ckptflow.tasks.run_state import check_run_identity
 
@@ -120,6 +120,7 @@ def check_store(config: PipelineConfig) -> None:
     options = quick_answer_options(config.storage, config.storage_options)
     store = CheckpointStore(config.storage, storage_options=options)
     if probe(store.loc, must_exist=False):
+        refuse_if_held(store.loc)  # another live run holds the store: say so before Prefect starts
         check_run_identity(store, config, lambda message: None)  # the build logs the warning
 
 

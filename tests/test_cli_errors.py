@@ -176,6 +176,17 @@ class TestRunFailsBeforePrefect:
         assert_prefect_never_started(ckptflow, result)
         assert not storage.exists()  # nothing written: the corrected command starts afresh
 
+    def test_a_store_another_run_holds(self, ckptflow):
+        """A second run on a store in use used to start Prefect, then fail with a traceback."""
+        from ckptflow.storage import CheckpointStore
+
+        storage = ckptflow.work / "checkpoints"
+        with CheckpointStore(storage).lease(owner="the other run"):
+            result = ckptflow("run", "--storage", str(storage), "--epochs", "1")
+        result.assert_one_error_line("is in use by another writer: the other run", f"pid {os.getpid()}")
+        assert_prefect_never_started(ckptflow, result)
+        assert not (storage / "run.json").exists()
+
     def test_a_spec_in_the_working_directory_is_found(self, ckptflow):
         """The training process imports from the working directory; so does the check."""
         (ckptflow.work / "mymodel.py").write_text("class Other:\n    pass\n")
