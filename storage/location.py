@@ -72,14 +72,17 @@ def open_location(url: str | os.PathLike[str], storage_options: dict[str, Any] |
             f"no filesystem handles {scheme}:// (in {redact(text)}); known schemes: "
             f"{', '.join(sorted(p for p in fsspec.available_protocols() if len(p) > 1)[:20])}, ..."
         )
+    options = bounded_s3_options(text, storage_options)
     try:
-        fs, root = fsspec.core.url_to_fs(text, **(storage_options or {}))
+        fs, root = fsspec.core.url_to_fs(text, **options)
     except ImportError as exc:
         raise StorageUnavailableError(
             f"the filesystem for {redact(text)} needs a package that is not installed: {exc}"
         ) from None
     except (TypeError, ValueError) as exc:
         raise StorageUnavailableError(f"cannot open {redact(text)}: {exc}") from None
+    if scheme in S3_SCHEMES and getattr(fs, "retries", 0) > S3FS_RETRIES:
+        fs.retries = S3FS_RETRIES  # s3fs's own retries on top of botocore's: bound the total
     root = root.rstrip("/") or root
     if isinstance(fs, LocalFileSystem) and not urlsplit(text).scheme:
         text = root  # show plain paths absolute: messages then say where the files really are
@@ -208,6 +211,30 @@ def _endpoint(loc: Location) -> str | None:
 
 
 S3_SCHEMES = ("s3", "s3a")
+
+
+S3_CONNECT_TIMEOUT = 10.0  # seconds to open a connection to an S3 endpoint
+S3_READ_TIMEOUT = 30.0  # seconds a request may wait for bytes before it fails
+S3_ATTEMPTS = 2  # botocore's attempts per request (standard retry mode)
+S3FS_RETRIES = 2  # s3fs retries a timed-out request this many times in all (its default is 5)
+
+
+def bounded_s3_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """``storage_options`` with connect and read timeouts and bounded attempts for an S3 URL.
+
+    A silent endpoint (it accepts connections and never answers) then fails a call within
+    about S3FS_RETRIES x S3_ATTEMPTS x S3_READ_TIMEOUT seconds instead of hanging; botocore's
+    ``config_kwargs`` given in the options win.
+    """
+    options = dict(storage_options or {})
+    if urlsplit(url).scheme not in S3_SCHEMES:
+        return options
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT)
+    config.setdefault("read_timeout", S3_READ_TIMEOUT)
+    config.setdefault("retries", {"total_max_attempts": S3_ATTEMPTS, "mode": "standard"})
+    options["config_kwargs"] = config
+    return options
 
 
 def quick_answer_options(
