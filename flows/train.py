@@ -80,7 +80,7 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     record_this_run()  # and mark Crashed the runs on this host whose process is gone
     with _writer_lease(config) as lease:
         if config.nproc > 1:
-            return _train_on_ranks(config)
+            return _train_on_ranks(config, lease)
         if config.train_process:  # it sets its own threads (init logs how many)
             return _train_in_process(config, lease)
         with torch_threads(config.torch_threads) as threads:
@@ -133,6 +133,7 @@ def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, An
             monitor.epoch_done(epoch, metrics)
             reason = stopper.update(epoch, metrics) or watch.reason()
             if epoch % config.save_every == 0 or reason is not None:
+                lease.check()  # a run that lost the store (its lease taken over) saves nothing more
                 result = save(
                     _opaque(run),
                     epoch,
@@ -147,6 +148,7 @@ def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, An
                     _committed(result.saved, monitor, archiver)
                 else:  # an async save in flight
                     pending = result.saved
+        lease.check()
         _commit(pending, monitor, config, archiver)
         run.close()
     except BaseException:
@@ -165,7 +167,7 @@ def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, An
     return _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed, archiver)
 
 
-def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
+def _train_on_ranks(config: PipelineConfig, lease: StoreLease) -> dict[str, Any] | State:
     """The same run on ``config.nproc`` torch.distributed ranks, launched by one task."""
     logger = get_run_logger()
     store = open_store(config)
@@ -187,6 +189,7 @@ def _train_on_ranks(config: PipelineConfig) -> dict[str, Any] | State:
             where = f"resuming from version {resumed}" if resumed is not None else "starting a new run"
             logger.info("%d ranks %s in %s", message["world_size"], where, store.url)
         elif kind == "epoch":
+            lease.check()  # before rank 0 saves it: a run that lost the store stops here
             epoch, metrics = message["epoch"], message["metrics"]
             logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(metrics))
             monitor.epoch_done(epoch, metrics)

@@ -141,4 +141,22 @@ def lookup(loc: Location, version: int) -> Located | None:
 
 def next_version(loc: Location, *, at_least: int = 0) -> int:
     """Above every version directory (committed or not) and every archived version, and >= ``at_least``."""
-    return max(max([*protocol.list_dirs(loc), *list_archived(loc)], default=-1) + 1, at_least)
+    return max(max([*protocol.list_dirs(loc), *archived_for_writing(loc)], default=-1) + 1, at_least)
+
+
+def archived_for_writing(loc: Location) -> dict[int, ArchivedVersion]:
+    """The archived versions, for a writer choosing a number: refused while an index cannot be read.
+
+    The versions of such a tarball are unknown, so a new version could take one of their numbers
+    (and a later ``--reindex`` would bring two versions of one number back).
+    """
+    bad: dict[str, CheckpointError] = {}
+    found = list_archived(loc, unreadable=bad)
+    if bad:
+        names = ", ".join(archive_location(loc).display(index_name(t)) for t in sorted(bad))
+        raise CheckpointError(
+            f"not writing to {loc.display()}: the index {names} cannot be read, so the versions in its "
+            "tarball are unknown and a new version could reuse one of their numbers. Rebuild it first: "
+            "`ckptflow archive URL --reindex` (or move the tarball out of archive/)"
+        )
+    return found

@@ -12,7 +12,7 @@ from storage, never remembered:
 - ``UNREADABLE``: a manifest exists but is corrupt, or was written by a newer
   ckptflow. Never loaded, never garbage-collected: a person must look at it.
   A writer that resumes past a corrupt one *sets it aside*: the directory is
-  renamed ``v000008.unreadable-20261124T154000Z``, a name that is no version
+  renamed ``v000008.unreadable-20261124T154000Z-3f9a1c``, a name that is no version
   (so the number is free again), that ``ls`` shows and ``gc`` never touches.
 
 The protocol: every shard is fully written (fsynced on local disks) before
@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_SET_ASIDE_DIR = re.compile(r"^v(\d{6,})\.unreadable-\d{8}T\d{6}Z$")
+_SET_ASIDE_DIR = re.compile(r"^v(\d{6,})\.unreadable-\d{8}T\d{6}Z-[0-9a-f]{6}$")
 _TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # what _atomic_local_write leaves when killed
 
 
@@ -318,7 +318,8 @@ def remove_version(loc: Location, version: int) -> None:
 
 def set_aside(loc: Location, version: int) -> str:
     """Rename an unreadable version's directory to a name that is no version; return that name."""
-    name = f"{version_dir(version)}.unreadable-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    name = f"{version_dir(version)}.unreadable-{stamp}-{uuid.uuid4().hex[:6]}"  # unique: never merged
     source, target = loc.path(version_dir(version)), loc.path(name)
     if loc.is_local:
         os.rename(source, target)  # atomic: the version is there under one name or the other

@@ -178,6 +178,13 @@ class StoreLease:
             raise LeaseLostError(self._lost)
         if not self._held:
             raise LeaseLostError(f"the lease on {self.loc.display()} was released; take it again to write")
+        silent = time.time() - self.info.renewed
+        if silent > self.info.timeout:  # another writer may have taken it over by now: fence ourselves
+            raise LeaseLostError(
+                f"the lease on {self.loc.display()} was last renewed {silent:.0f}s ago, more than its "
+                f"{self.info.timeout:g}s timeout: another writer may hold the store now; nothing more is "
+                "committed by this one"
+            )
 
     # -- acquire --------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """Rebuild a tarball's index from the tarball itself.
 
-The index is the tarball's commit; when it is lost or damaged, the versions in
-the tarball are unreadable, although every byte they need is still there: the
+The index is the tarball's commit; when it is damaged (it exists but cannot be
+read), the versions in the tarball are unreadable, although every byte they
+need is still there (a tarball with no index at all is an interrupted archive
+job's leftover, which ``gc`` removes): the
 tar holds each version's shards *and* its ``manifest.json``. This module walks
 the tar's headers (never extracting anything), checks every member as
 extraction would (a plain relative name inside ``v%06d/``, a regular file),

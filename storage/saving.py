@@ -27,7 +27,7 @@ from typing import Any
 
 from . import catalog
 from . import commit as protocol
-from .archiving import list_archived
+from .catalog import archived_for_writing
 from .checksum import ALGORITHM
 from .commit import version_dir
 from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
@@ -194,7 +194,7 @@ class VersionWriter:
         if version < 0:
             raise ValueError(f"version must be >= 0, got {version}")
         record = protocol.read_record(self.loc, version)
-        if (record is not None and not record.is_writing()) or version in list_archived(self.loc):
+        if (record is not None and not record.is_writing()) or version in archived_for_writing(self.loc):
             raise VersionExistsError(version, self.loc.display())
         if record is not None:
             self.clear_leftovers(version)

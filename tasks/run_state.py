@@ -60,6 +60,7 @@ class RunState:
     rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
     writing: tuple[int, Future[Any]] | None = None  # (version, sync save) that outlived its task's timeout
     remote: Any = None  # a ckptflow.tasks.trainer.TrainerProcess
+    identity: dict[str, Any] | None = None  # what run.json must hold (None: it does already)
 
     def local(self) -> tuple[TrainingSpec, Trainable]:
         """The spec and its objects, in the process that trains."""
@@ -112,8 +113,16 @@ def record_run_identity(store: CheckpointStore, identity: dict[str, Any] | None)
         store.write_json(RUN_FILE, identity)
 
 
-def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn: Log) -> RunState:
-    """Build the spec's objects; restore the newest committed checkpoint if there is one."""
+def build_run(
+    config: PipelineConfig, store: CheckpointStore, *, info: Log, warn: Log, writes: bool = True
+) -> RunState:
+    """Build the spec's objects; restore the newest committed checkpoint if there is one.
+
+    ``writes=False`` (a training process started before its flow holds the store's lease):
+    change nothing in the store; the flow calls :func:`claim_store` once it holds the lease.
+    Either way the run resumes from the same version: setting unreadable versions aside
+    only moves versions that resuming skips.
+    """
     from .spec import RunFacts, load_spec_class, make_spec
     from .training_state import capture, restore, rng_state, seed_everything
 
@@ -123,7 +132,8 @@ def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn
     spec = make_spec(config.spec, config.spec_config, seed=config.seed, run=facts)
     seed_everything(config.seed)
     run = RunState(config, store, spec, spec.build())
-    set_aside_unreadable(store, warn)
+    if writes:
+        set_aside_unreadable(store, warn)
     latest = store.latest()
     if latest is not None:
         spec, trainable = run.local()
@@ -142,12 +152,27 @@ def build_run(config: PipelineConfig, store: CheckpointStore, *, info: Log, warn
     else:
         info(f"starting a new run in {store.url}")
     run.rng = rng_state()
-    record_run_identity(store, identity)
+    run.identity = identity
+    if writes:
+        record_run_identity(store, identity)
     return run
 
 
+def claim_store(store: CheckpointStore, identity: dict[str, Any] | None, warn: Log) -> None:
+    """What a run built with ``writes=False`` leaves to its flow, which holds the lease: set the
+    unreadable versions aside and record the run's identity."""
+    set_aside_unreadable(store, warn)
+    record_run_identity(store, identity)
+
+
 def set_aside_unreadable(store: CheckpointStore, warn: Log) -> None:
-    """Move aside the unreadable versions above the newest readable one (a run resumes from that)."""
+    """Move aside the unreadable versions above the newest readable one (a run resumes from that).
+
+    A tarball whose index cannot be read stops the run instead: its versions may be the newest.
+    """
+    from ckptflow.storage.catalog import archived_for_writing
+
+    archived_for_writing(store.loc)
     for version, where, error in store.set_aside_unreadable():
         reason = " ".join(str(error).split())
         warn(f"version {version} is unreadable ({reason}): moved aside to {where}; resuming before it")

@@ -107,10 +107,12 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
         built["threads"],
         os.cpu_count() or 1,
     )
+    store = open_store(config)
+    run_state.claim_store(store, built.get("identity"), logger.warning)  # this flow holds the lease now
     resumed = built["resumed_from"]
     return RunState(
         config,
-        open_store(config),
+        store,
         None,
         None,
         epoch=built["epoch"],

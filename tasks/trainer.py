@@ -378,9 +378,11 @@ class _Child:
         store = open_store(config, job["storage_options"])
         # started before the flow took the store's lease: build nothing on a store another run holds
         refuse_if_held(store.loc, writers={os.getppid()})
-        self.run = build_run(config, store, info=self.log("info"), warn=self.log("warning"))
+        # the flow writes run.json and sets unreadable versions aside once it holds the lease
+        self.run = build_run(config, store, info=self.log("info"), warn=self.log("warning"), writes=False)
         resumed = self.run.resumed_from
         return {
+            "identity": self.run.identity,
             "epoch": self.run.epoch,
             "step": self.run.step,
             "resumed_from": dataclasses.asdict(resumed) if resumed is not None else None,

@@ -78,3 +78,19 @@ def test_reindex_refuses_a_damaged_tarball(archived: tuple[str, Path]) -> None:
     assert result.exit_code == 1
     assert "the tarball is damaged" in result.stderr or "cannot rebuild" in result.stderr, result.stderr
     assert index.read_text() == "{not json"  # nothing written
+
+
+def test_nothing_is_written_while_an_index_cannot_be_read(archived: tuple[str, Path]) -> None:
+    """Its versions' numbers are unknown: a new save could take one, and a reindex would then bring
+    back two versions of one number (the newer one lost to drop_loose)."""
+    from ckptflow.storage import CheckpointError
+
+    url, index = archived
+    index.write_text("{not json")
+    store = CheckpointStore(url)
+    for epoch in (2, 9):
+        with pytest.raises(CheckpointError, match="--reindex"):
+            store.save({"w": torch.ones(2)}, epoch=epoch)
+    assert sorted(p.name for p in Path(url).glob("v0*")) == ["v000004"]
+    assert invoke("archive", url, "--reindex").exit_code == 0
+    assert store.save({"w": torch.ones(2)}, epoch=5).version == 5

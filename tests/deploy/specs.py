@@ -49,13 +49,13 @@ def _slow_commit(directory: Path, version: int, seconds: float) -> None:
 
     original = protocol.commit
 
-    def commit(loc: Any, manifest: Any) -> None:
+    def commit(loc: Any, manifest: Any, **options: Any) -> None:
         if manifest.version != version:
-            original(loc, manifest)
+            original(loc, manifest, **options)
             return
         (directory / f"commit-{version}-started").write_text(repr(time.time()))
         time.sleep(seconds)
-        original(loc, manifest)
+        original(loc, manifest, **options)
         (directory / f"commit-{version}-done").write_text(repr(time.time()))
 
     protocol.commit = commit

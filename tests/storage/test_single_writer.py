@@ -344,3 +344,19 @@ class TestLease:
             with pytest.raises(StoreLockedError, match="first taker"):
                 second.acquire()
             assert read_lease(store.loc).token == first.token
+
+
+def test_a_lease_not_renewed_within_its_timeout_fences_its_own_writer(tmp_path) -> None:
+    """A holder that could not renew for its timeout may have been taken over: it commits nothing."""
+    import dataclasses
+
+    import torch
+
+    from ckptflow.storage import CheckpointStore, LeaseLostError
+
+    store = CheckpointStore(tmp_path / "store")
+    with store.lease(timeout=60) as lease:
+        lease.info = dataclasses.replace(lease.info, renewed=lease.info.renewed - 120)
+        with pytest.raises(LeaseLostError, match="last renewed"):
+            store.save({"w": torch.ones(2)}, epoch=1)
+    assert store.versions() == []
