@@ -113,8 +113,9 @@ def _disk_failure(loc: Location, action: str, exc: Exception) -> StorageUnavaila
         return None
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return StorageUnavailableError(
-            f"no space left on the device while {action} {loc.display()}; the previous "
-            "committed version is intact: free space (ckptflow prune/gc) and save again"
+            f"no space left on the device while {action} {loc.display()}; the committed versions are "
+            "intact and a failed save removes its own partial files: free space (`ckptflow prune`; "
+            "`ckptflow gc --min-age 0` removes older leftovers when nothing is writing) and try again"
         )
     if exc.errno == errno.EROFS:
         return StorageUnavailableError(

@@ -249,8 +249,20 @@ class VersionWriter:
                 self.lease.check()
             protocol.commit(self.loc, manifest, claim=self.claim.token)
         except BaseException:
-            self._abandon(manifest.version)
+            self._discard(manifest.version)
             raise
+
+    def _discard(self, version: int) -> None:
+        """After a failed single-process save: remove its partial files (its claim shows they are
+        this writer's, and no manifest made them a version), so a full disk is freed at once."""
+        with contextlib.suppress(Exception):
+            found = protocol.read_claim(self.loc, version)
+            record = protocol.read_record(self.loc, version)
+            if found is not None and found.token == self.claim.token and record and record.is_writing():
+                self.loc.fs.rm(self.loc.path(version_dir(version)), recursive=True)
+                log.info("removed the partial files of the failed save of version %d", version)
+                return
+        self._abandon(version)
 
     def _abandon(self, version: int) -> None:
         """After a failed save: drop this writer's claim, so its leftovers count as garbage."""
@@ -271,7 +283,7 @@ class VersionWriter:
                     self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads
                 )
             except BaseException:
-                self._abandon(job.version)
+                self._discard(job.version)
                 raise
             blobs = [written[i] for i in range(len(job.plan.blobs))]
             seconds = time.perf_counter() - start
