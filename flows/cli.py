@@ -36,7 +36,6 @@ from .server_cmd import publish_command, setup_server_command
 
 if TYPE_CHECKING:
     from ckptflow.storage import CheckpointStore
-    from ckptflow.storage.catalog import Survey
 
 
 class _Group(TyperGroup):
@@ -126,11 +125,6 @@ def _open(url: str, storage_options: dict[str, Any] | None) -> CheckpointStore:
     return store
 
 
-def _survey(store: CheckpointStore) -> Survey:
-    """Every version of the store by state: committed (loose or archived), unreadable, writing, set aside."""
-    return store.survey()
-
-
 def _console() -> Console:
     return Console(highlight=False)
 
@@ -148,7 +142,7 @@ def _version_url(store: CheckpointStore, version: int) -> str:
 def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOptions = None) -> None:
     """List the committed versions of a store, oldest first."""
     store = _open(url, storage_options)
-    survey = _survey(store)
+    survey = store.survey()
     infos = [store.info_of(located) for located in survey.committed.values()]
     unreadable = {v: _one_line(e) for v, e in survey.unreadable.items()}
     if as_json:
@@ -237,7 +231,7 @@ def verify_command(
         return
     from ckptflow.storage import CheckpointError, StorageUnavailableError, VersionNotFoundError
 
-    survey = _survey(store)
+    survey = store.survey()
     numbers = sorted({*survey.committed, *survey.unreadable})
     if not numbers and not survey.bad_archives:
         raise VersionNotFoundError(None, store.url, [])
@@ -360,7 +354,7 @@ def prune_command(
         best_mode="max" if mode is Mode.max else "min",
     )
     store = _open(url, storage_options)
-    survey = _survey(store)
+    survey = store.survey()
     if not survey.committed:
         from ckptflow.storage import VersionNotFoundError
 

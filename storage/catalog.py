@@ -65,15 +65,13 @@ class Survey:
 
 def survey(loc: Location) -> Survey:
     """The state of every version, loose and archived (reads every manifest and index)."""
-    records = protocol.scan(loc)
     bad: dict[str, CheckpointError] = {}
-    found = {v: Located(a.manifest, a) for v, a in list_archived(loc, unreadable=bad).items()}
-    found.update({v: Located(r.manifest) for v, r in records.items() if r.manifest is not None})
+    records, found = _scan(loc, bad)
     unreadable = {
         v: r.error for v, r in records.items() if r.error is not None and r.is_unreadable() and v not in found
     }
     return Survey(
-        committed=dict(sorted(found.items())),
+        committed=found,
         unreadable=unreadable,
         writing=[v for v, r in records.items() if r.is_writing() and v not in found],
         set_aside=protocol.list_set_aside(loc),
@@ -83,10 +81,18 @@ def survey(loc: Location) -> Survey:
 
 def committed(loc: Location) -> list[Located]:
     """Every committed version, oldest first."""
-    loose = {v: r.manifest for v, r in protocol.scan(loc).items() if r.manifest is not None}
-    found = {v: Located(a.manifest, a) for v, a in list_archived(loc).items()}
-    found.update({v: Located(m) for v, m in loose.items()})
-    return [found[v] for v in sorted(found)]
+    return list(_scan(loc, {})[1].values())
+
+
+def _scan(
+    loc: Location, bad: dict[str, CheckpointError]
+) -> tuple[dict[int, protocol.VersionRecord], dict[int, Located]]:
+    """Every version directory's record, and the committed versions by number (the loose copy
+    wins over an archived one); ``bad`` collects the tarballs whose index cannot be read."""
+    records = protocol.scan(loc)
+    found = {v: Located(a.manifest, a) for v, a in list_archived(loc, unreadable=bad).items()}
+    found.update({v: Located(r.manifest) for v, r in records.items() if r.manifest is not None})
+    return records, dict(sorted(found.items()))
 
 
 def newest(loc: Location) -> Located | None:

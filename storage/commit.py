@@ -318,8 +318,7 @@ def remove_version(loc: Location, version: int) -> None:
 
 def set_aside(loc: Location, version: int) -> str:
     """Rename an unreadable version's directory to a name that is no version; return that name."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    name = f"{version_dir(version)}.unreadable-{stamp}-{uuid.uuid4().hex[:6]}"  # unique: never merged
+    name = aside_name(version_dir(version))
     source, target = loc.path(version_dir(version)), loc.path(name)
     if loc.is_local:
         os.rename(source, target)  # atomic: the version is there under one name or the other
@@ -327,6 +326,13 @@ def set_aside(loc: Location, version: int) -> str:
     else:
         loc.fs.mv(source, target, recursive=True)
     return name
+
+
+def aside_name(name: str) -> str:
+    """``name.unreadable-<UTC time>-<6 hex>``: where an unreadable file or directory is kept, a name
+    nothing lists, reads or removes, unique so that two set-asides never merge."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{name}.unreadable-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
 def list_set_aside(loc: Location) -> list[str]:

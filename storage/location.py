@@ -220,40 +220,36 @@ S3_ATTEMPTS = 2  # botocore's attempts per request (standard retry mode)
 S3FS_RETRIES = 2  # s3fs retries a timed-out request this many times in all (its default is 5)
 
 
-def bounded_s3_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+def bounded_s3_options(
+    url: str,
+    storage_options: dict[str, Any] | None,
+    *,
+    connect_timeout: float = S3_CONNECT_TIMEOUT,
+    read_timeout: float = S3_READ_TIMEOUT,
+    attempts: int = S3_ATTEMPTS,
+) -> dict[str, Any]:
     """``storage_options`` with connect and read timeouts and bounded attempts for an S3 URL.
 
     A silent endpoint (it accepts connections and never answers) then fails a call within
-    about S3FS_RETRIES x S3_ATTEMPTS x S3_READ_TIMEOUT seconds instead of hanging; botocore's
+    about S3FS_RETRIES x attempts x read_timeout seconds instead of hanging; botocore's
     ``config_kwargs`` given in the options win.
     """
     options = dict(storage_options or {})
     if urlsplit(url).scheme not in S3_SCHEMES:
         return options
     config = dict(options.get("config_kwargs") or {})
-    config.setdefault("connect_timeout", S3_CONNECT_TIMEOUT)
-    config.setdefault("read_timeout", S3_READ_TIMEOUT)
-    config.setdefault("retries", {"total_max_attempts": S3_ATTEMPTS, "mode": "standard"})
-    options["config_kwargs"] = config
-    return options
-
-
-def quick_answer_options(
-    url: str, storage_options: dict[str, Any] | None, *, connect_timeout: float = 5.0, attempts: int = 3
-) -> dict[str, Any]:
-    """``storage_options`` with a connect timeout and a number of attempts for an S3 URL, where not set.
-
-    botocore's defaults (60 s to connect, five attempts with backoff) let a command on an
-    unreachable endpoint hang for minutes; what the options set themselves wins.
-    """
-    options = dict(storage_options or {})
-    if urlsplit(url).scheme not in S3_SCHEMES:
-        return options
-    config = dict(options.get("config_kwargs") or {})
     config.setdefault("connect_timeout", connect_timeout)
+    config.setdefault("read_timeout", read_timeout)
     config.setdefault("retries", {"total_max_attempts": attempts, "mode": "standard"})
     options["config_kwargs"] = config
     return options
+
+
+def quick_answer_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """:func:`bounded_s3_options` for a command that must answer within seconds: a 5 s connect
+    timeout and 3 attempts (botocore's defaults, 60 s and five attempts, let a command on an
+    unreachable endpoint hang for minutes); what the options set themselves wins."""
+    return bounded_s3_options(url, storage_options, connect_timeout=5.0, attempts=3)
 
 
 def probe(loc: Location, *, must_exist: bool) -> bool:

@@ -220,7 +220,7 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
-        raise ManifestError(f"manifest {where} is invalid: {_problems(exc)}") from None
+        raise ManifestError(f"manifest {where} is invalid: {validation_problems(exc)}") from None
     check_manifest(manifest, where)
     return manifest
 
@@ -230,12 +230,13 @@ def validate_manifest(raw: object, where: str) -> Manifest:
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
-        raise ManifestError(f"manifest {where} is invalid: {_problems(exc)}") from None
+        raise ManifestError(f"manifest {where} is invalid: {validation_problems(exc)}") from None
     check_manifest(manifest, where)
     return manifest
 
 
-def _problems(exc: ValidationError) -> str:
+def validation_problems(exc: ValidationError) -> str:
+    """The first five problems pydantic found, ``field.path: message``, and how many more."""
     problems = "; ".join(
         f"{'.'.join(str(part) for part in e['loc']) or '<root>'}: {e['msg']}"
         for e in exc.errors(include_url=False)[:5]

@@ -10,7 +10,7 @@ extraction would (a plain relative name inside ``v%06d/``, a regular file),
 hashes each member, parses and checks every archived manifest, and checks each
 shard member against its manifest's size and checksum. Only a tarball whose
 every version passes gets a new index; the damaged index is kept beside it
-under a name nothing reads (``<name>.index.json.unreadable-<time>``), copied
+under a name nothing reads (``<name>.index.json.unreadable-<time>-<hex>``), copied
 there before the new index replaces it in one atomic write.
 """
 
@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import logging
 import tarfile
-import time
 
 from .byteio import hash_range
 from .checksum import digest, new_hasher
-from .commit import parse_version_dir
+from .commit import aside_name, parse_version_dir
 from .errors import CheckpointError, UnsafeArchiveError
 from .location import Location
 from .manifest import MANIFEST_FILE, Manifest, parse_manifest, utc_now
@@ -106,6 +105,6 @@ def _keep_damaged(aloc: Location, tar: str) -> None:
     name = index_name(tar)
     if not aloc.fs.exists(aloc.path(name)):
         return
-    aside = f"{name}.unreadable-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+    aside = aside_name(name)
     aloc.fs.copy(aloc.path(name), aloc.path(aside))
     log.warning("kept the damaged index of %s as %s", aloc.display(tar), aside)

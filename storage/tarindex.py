@@ -36,7 +36,7 @@ from .errors import (
     UnsafeArchiveError,
 )
 from .location import Location
-from .manifest import check_seal, load_versioned_json, seal
+from .manifest import check_seal, load_versioned_json, seal, validation_problems
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +128,7 @@ def parse_index(data: bytes, where: str) -> TarIndex:
     try:
         index = TarIndex.model_validate(raw)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in exc.errors()[:5]
-        )
-        raise ManifestError(f"archive index {where} is invalid: {problems}") from None
+        raise ManifestError(f"archive index {where} is invalid: {validation_problems(exc)}") from None
     _check_layout(index, where)
     return index
 
