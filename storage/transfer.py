@@ -27,6 +27,7 @@ in results, messages or logs: URLs are shown redacted.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import stat
@@ -79,6 +80,24 @@ class TransferOptions:
             raise ValueError("concurrency and max_attempts must be at least 1")
         if self.connect_timeout <= 0 or self.read_timeout <= 0:
             raise ValueError("connect_timeout and read_timeout must be positive (a stall must end)")
+
+    def honouring(self, storage_options: dict[str, Any] | None) -> TransferOptions:
+        """These options with the timeouts and attempts the user set in ``config_kwargs`` (theirs win).
+
+        ``connect_timeout``, ``read_timeout`` and ``retries`` {``total_max_attempts`` or
+        ``max_attempts``, which counts retries} are read as botocore reads them.
+        """
+        config = (storage_options or {}).get("config_kwargs") or {}
+        retries = config.get("retries") or {}
+        attempts = retries.get("total_max_attempts")
+        if attempts is None and retries.get("max_attempts") is not None:
+            attempts = int(retries["max_attempts"]) + 1
+        return dataclasses.replace(
+            self,
+            connect_timeout=float(config.get("connect_timeout", self.connect_timeout)),
+            read_timeout=float(config.get("read_timeout", self.read_timeout)),
+            max_attempts=int(attempts if attempts is not None else self.max_attempts),
+        )
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,10 @@ once the loose checkpoints reach a size. Mechanism lives in ckptflow.storage:
 moves and verifies bytes, ``drop_loose`` removes loose copies.
 
 ``archive_versions`` runs in the background (submitted to the flow's task
-runner while training goes on; the flow keeps at most ``max_pending`` such
-jobs queued and drains them before it exits). Its order keeps every
+runner while training goes on). At most ``max_pending`` jobs run at once; what
+is due beyond that waits its turn in the queue, never in a commit, so a slow
+or silent upload target cannot hold training up. The flow drains the queue
+before it exits. Its order keeps every
 committed version loadable at every instant: tarball and index, then the
 upload verified (when configured), then the loose files removed. Re-running
 it after a crash picks up where it stopped: a committed tarball is reused,
@@ -24,9 +26,9 @@ the versions the mirror lacks (:mod:`.mirroring`).
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from functools import partial
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from prefect import get_run_logger
@@ -67,6 +69,10 @@ class _Job:
     future: Any  # a PrefectFuture
     versions: list[int]
     archives: bool  # an archive job (else the upload of one loose version)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        self.future.add_done_callback(lambda _: self.ended.set())
 
 
 @dataclass(frozen=True)
@@ -79,21 +85,26 @@ class ArchiveResult:
 
 
 def upload_file(local_path: str, url: str, *, storage_options: dict[str, Any]) -> TransferResult:
-    """:func:`ckptflow.storage.transfer.upload_file`, imported at the first upload: its S3 client
-    (aiohttp, aiobotocore) takes 0.2 s to import, which every run would otherwise wait for."""
+    """:func:`ckptflow.storage.transfer.upload_file` with the timeouts and attempts set in
+    ``storage_options``, imported at the first upload: its S3 client (aiohttp, aiobotocore)
+    takes 0.2 s to import, which every run would otherwise wait for."""
+    from ckptflow.storage.transfer import TransferOptions
     from ckptflow.storage.transfer import upload_file as upload
 
-    return upload(local_path, url, storage_options=storage_options)
+    options = TransferOptions().honouring(storage_options)
+    return upload(local_path, url, storage_options=storage_options, options=options)
 
 
 def upload_target(config: ArchiveConfig) -> tuple[str, dict[str, Any]] | None:
+    """``upload_to`` and its fsspec options: on S3 with timeouts and bounded attempts (those set
+    in ``upload_options``' ``config_kwargs`` win), so a silent target fails a job in bounded time."""
     if not config.upload_to:
         return None
     options = with_secret(config.upload_options, config.upload_secret)
     if config.upload_to.startswith(("s3://", "s3a://")):
         from ckptflow.storage.transfer import TransferOptions, s3_storage_options
 
-        options = s3_storage_options(options, TransferOptions())
+        options = s3_storage_options(options, TransferOptions().honouring(options))
     return config.upload_to.rstrip("/"), options
 
 
@@ -157,12 +168,15 @@ def _require_local(store: CheckpointStore) -> None:
 
 
 class ArchiveQueue:
-    """Background archive (and upload) jobs of one flow run: bounded, drained at exit.
+    """Background archive (and upload) jobs of one flow run: bounded, never waited for by a commit.
 
     Jobs go to the flow's task runner (threads) with ``.submit``, so they show in
     the Prefect UI as task runs with retries while training continues. At most
-    ``max_pending`` are queued: a commit that would queue more waits for the
-    oldest first, so archiving cannot fall ever further behind.
+    ``max_pending`` run at once; a commit finding them all busy leaves its work
+    queued (an upload waits in :attr:`waiting`, an archive group is found again by
+    the policy) and returns at once. Each commit and :meth:`drain` start what waits
+    as jobs end. After a failed job nothing more starts in this run: the next run,
+    or ``ckptflow archive``, starts over from what is committed.
     """
 
     def __init__(
@@ -184,7 +198,8 @@ class ArchiveQueue:
             else set()
         )
         self.loose = [v for v in existing if not v.archived and v.version not in done]
-        self.pending: list[_Job] = []
+        self.pending: list[_Job] = []  # started, not yet collected
+        self.waiting: list[int] = []  # versions whose upload waits for a free slot, oldest first
         self.busy: set[int] = set()
         self.results: list[ArchiveResult] = []
         self.uploads: dict[int, Any] = {}  # version -> its upload job, until an archive job waits for it
@@ -193,35 +208,47 @@ class ArchiveQueue:
         self.started = False
 
     def committed(self, info: VersionInfo) -> None:
-        """Note a new commit; queue whatever the policy says is due."""
+        """Note a new commit; start whatever the policy says is due and a slot allows. Never waits."""
         self.loose.append(info)
-        if self.config.mirrors_versions() and not self.failures:
-            self._upload(info.version)
+        if self.config.mirrors_versions():
+            self.waiting.append(info.version)
         self.catch_up()
 
     def catch_up(self) -> None:
-        """Queue the groups the policy says are due; at start also what an interrupted run left.
-
-        That is: groups it did not archive, and loose versions the mirror lacks (``upload_versions``).
-        After a failed job nothing more is queued: the next run starts over from what is committed.
+        """Collect the jobs that ended, then start what is due; at start also what an interrupted
+        run left: groups it did not archive, and loose versions the mirror lacks (``upload_versions``).
         """
+        self._collect_ended()
+        if not self.started and not self.failures:
+            self.started = True
+            self.waiting[:0] = [v for v in self._not_mirrored() if v not in self.waiting]
+        self._start_due()
+
+    def _start_due(self) -> None:
+        """Start waiting uploads (oldest first), then the archive groups due, while slots are free."""
         if self.failures:
             return
-        if not self.started:
-            self.started = True
-            for version in self._not_mirrored():
-                self._upload(version)
+        while self.waiting and self._has_room():
+            self._upload(self.waiting.pop(0))
         if not self.config.enabled():
             return
         for group in next_groups(self.loose, self.config, self.busy):
+            if not self._has_room():
+                return  # the policy finds this group again at the next commit
+            # the tarball's upload mirrors these versions: their own uploads need not run
+            self.waiting = [v for v in self.waiting if v not in group]
             # the upload of a loose version reads its files: they may go only once it is done
             uploads = [self.uploads.pop(v) for v in group if v in self.uploads]
-            start = partial(archive_versions.submit, self.store, group, self.config, wait_for=uploads)
-            self._submit(start, group)
+            self.busy.update(group)
+            future = archive_versions.submit(self.store, group, self.config, wait_for=uploads)
+            self.pending.append(_Job(future, group, archives=True))
+
+    def _has_room(self) -> bool:
+        return len(self.pending) < self.config.max_pending
 
     def _upload(self, version: int) -> None:
-        start = partial(upload_version.submit, self.store, version, self.config)
-        future = self._submit(start, [version], archives=False)
+        future = upload_version.submit(self.store, version, self.config)
+        self.pending.append(_Job(future, [version], archives=False))
         if self.config.enabled():
             self.uploads[version] = future
 
@@ -238,15 +265,10 @@ class ArchiveQueue:
             mirrored = set()
         return [v.version for v in self.loose if v.version not in mirrored]
 
-    def _submit(self, start: Callable[[], Any], versions: list[int], *, archives: bool = True) -> Any:
-        """Start a job once fewer than ``max_pending`` are queued (waiting for the oldest if need be)."""
-        while len(self.pending) >= self.config.max_pending:
-            self._finish(self.pending.pop(0))
-        if archives:
-            self.busy.update(versions)
-        future = start()
-        self.pending.append(_Job(future, versions, archives))
-        return future
+    def _collect_ended(self) -> None:
+        for job in [j for j in self.pending if j.ended.is_set()]:
+            self.pending.remove(job)
+            self._finish(job)
 
     def _finish(self, job: _Job) -> None:
         """Collect a job's outcome; a failure (after its retries) is recorded, not raised."""
@@ -270,12 +292,16 @@ class ArchiveQueue:
                 self.on_result(result)
 
     def drain(self, *, strict: bool = True) -> list[ArchiveResult]:
-        """Wait for every queued job (the flow's clean shutdown); return the archive results.
+        """Run every job due to the end (the flow's clean shutdown); return the archive results.
 
-        ``strict``: raise if a job failed; else the caller reports :attr:`failures`.
+        Jobs waiting for a slot start as others end, unless one failed. ``strict``: raise if a
+        job failed; else the caller reports :attr:`failures`.
         """
+        self._start_due()
         while self.pending:
             self._finish(self.pending.pop(0))
+            self._collect_ended()
+            self._start_due()
         if strict and self.failures:
             raise CheckpointError("; ".join(self.failures))
         return self.results

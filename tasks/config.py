@@ -92,7 +92,9 @@ class ArchiveConfig(_Strict):
         description="upload every committed version as it commits (default: on with upload_to; "
         "false mirrors archives only)",
     )
-    max_pending: int = Field(2, ge=1, le=16, description="archive jobs queued in the background at most")
+    max_pending: int = Field(
+        2, ge=1, le=16, description="archive and upload jobs run at once (more wait; a commit never waits)"
+    )
 
     def enabled(self) -> bool:
         return self.every is not None or self.target_bytes is not None

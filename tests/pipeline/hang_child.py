@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import sys
 import time
@@ -74,7 +75,13 @@ def hang_in_upload(directory: Path) -> None:
     from ckptflow.storage import s3transfer, transfer
     from ckptflow.storage.etag import MiB
 
-    transfer.upload_file.__kwdefaults__["options"] = transfer.TransferOptions(part_size=5 * MiB)
+    whole_file = transfer.upload_file
+
+    def upload_file(*args, options=None, **kwargs):
+        options = dataclasses.replace(options or transfer.TransferOptions(), part_size=5 * MiB)
+        return whole_file(*args, options=options, **kwargs)
+
+    transfer.upload_file = upload_file  # tasks.archiving imports it at each upload
     original = s3transfer.S3Transfer.put_part
 
     async def put_part(self, fd, upload_id, part):

@@ -13,6 +13,7 @@ Against a real Prefect server and the moto S3 server; the CLI runs in this proce
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 import socket
@@ -228,3 +229,42 @@ def summary_line(storage: str, mirror: str) -> str:
     ]
     assert len(found) == 1, found
     return found[0]
+
+
+@pytest.mark.prefect
+def test_a_silent_target_never_holds_training_up(prefect_server, silent_endpoint, tmp_path, monkeypatch):
+    """Bug fix: behind an upload target that accepts connections and never answers, training sat
+    still (a commit waited for the oldest upload job once ``max_pending`` were queued), for as
+    long as that job took to fail. Commits now never wait: what is due beyond ``max_pending``
+    waits in the queue, every epoch commits at training's pace, and the run ends Failed, naming
+    the upload that failed and the versions the mirror lacks.
+    """
+    from datetime import datetime
+
+    from ckptflow.tasks import archiving
+    from tests.pipeline.helpers import run_flow
+
+    monkeypatch.setattr(archiving, "upload_version", archiving.upload_version.with_options(retries=1))
+    mirror = "s3://mirror-bucket/run"
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    silent = {
+        "client_kwargs": {"endpoint_url": silent_endpoint, "region_name": "us-east-1"},
+        "config_kwargs": {"connect_timeout": 2, "read_timeout": 2, "retries": {"total_max_attempts": 1}},
+    }
+    archive = {"upload_to": mirror, "upload_options": silent}
+    config = make_config(tmp_path / "store", epochs=6, archive=archive)
+    state, _ = run_flow(config)
+
+    store = CheckpointStore(config.storage)
+    versions = store.versions()
+    assert [v.version for v in versions] == [1, 2, 3, 4, 5, 6]  # training ran to the end
+    created = [datetime.fromisoformat(v.created).timestamp() for v in versions]
+    gaps = [b - a for a, b in itertools.pairwise(created)]
+    # Each upload attempt needs at least one 2 s read timeout, and a job makes two attempts with a
+    # retry delay between them: a commit that waited for one would leave a gap of over 4 s.
+    assert max(gaps) < 4, gaps
+    assert state.is_failed(), state
+    assert "upload of version 1 failed" in state.message
+    line = summary_line(config.storage, mirror)
+    assert line.startswith(f"mirror {mirror}: versions 1-6 not mirrored yet (upload of version 1 failed")

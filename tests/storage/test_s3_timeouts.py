@@ -6,45 +6,12 @@ after 400 s: botocore's and s3fs's retries multiplied (5 x 5 attempts of a 15 s 
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from ckptflow.storage import CheckpointStore, StorageUnavailableError
 from ckptflow.storage.location import S3_ATTEMPTS, S3FS_RETRIES, open_location
-
-
-@pytest.fixture
-def silent_endpoint() -> Iterator[str]:
-    """A TCP server on 127.0.0.1 that accepts connections and never sends a byte."""
-    server = socket.socket()
-    server.bind(("127.0.0.1", 0))
-    server.listen(64)
-    server.settimeout(0.2)
-    held: list[socket.socket] = []
-    stop = threading.Event()
-
-    def accept() -> None:
-        while not stop.is_set():
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                continue
-            held.append(conn)
-
-    thread = threading.Thread(target=accept, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.getsockname()[1]}"
-    finally:
-        stop.set()
-        thread.join(5)
-        for conn in held:
-            conn.close()
-        server.close()
 
 
 def _options(endpoint: str, **config: object) -> dict[str, object]:

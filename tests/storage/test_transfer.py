@@ -900,3 +900,20 @@ class TestOtherFilesystems:
             upload_file(write(tmp_path / "x", b"abc"), target, options=FAST)
         fs, path = fsspec.core.url_to_fs(target)
         assert not fs.exists(path)
+
+
+def test_transfer_options_honour_the_users_timeouts_and_attempts():
+    """An upload target's ``config_kwargs`` set its timeouts and attempts (they were overridden
+    by the defaults, so a silent target held every upload job for minutes)."""
+    default = TransferOptions()
+    assert default.honouring({}) == default
+    assert default.honouring({"client_kwargs": {"endpoint_url": "http://x"}}) == default
+    mine = default.honouring(
+        {"config_kwargs": {"connect_timeout": 2, "read_timeout": 3, "retries": {"total_max_attempts": 1}}}
+    )
+    assert (mine.connect_timeout, mine.read_timeout, mine.max_attempts) == (2.0, 3.0, 1)
+    assert mine.part_size == default.part_size
+    retries_only = default.honouring({"config_kwargs": {"retries": {"max_attempts": 2}}})
+    assert retries_only.max_attempts == 3  # botocore's max_attempts counts retries
+    with pytest.raises(ValueError, match="must be positive"):
+        default.honouring({"config_kwargs": {"read_timeout": 0}})
