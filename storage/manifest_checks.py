@@ -6,8 +6,8 @@ version, allocate what the shard cannot hold, or crash with a raw exception.
 The schema (types, ranges) is pydantic's job in :mod:`.manifest`; this module
 checks what ties the fields together, without recursion and before any I/O:
 
-- every shard name is one plain path component (no ``..``, no ``/`` or ``\\``,
-  no scheme, no leading dot): a shard is a file *inside* its version;
+- every shard name is one plain path component (:mod:`.names`): a shard is a
+  file *inside* its version;
 - every blob names a listed shard, a known dtype, a shape whose size times the
   dtype's width is its byte count, and a byte range inside its shard;
 - every tensor names a listed blob, a known dtype, and a view (shape, stride,
@@ -30,21 +30,16 @@ from typing import TYPE_CHECKING, Any
 
 from .dtypenames import itemsize
 from .errors import ManifestError
+from .names import is_plain_name
 
 if TYPE_CHECKING:
     from .manifest import BlobEntry, Manifest, ShardEntry, TensorEntry
 
 MAX_DEPTH = 256  # nesting of the structure; real training states are a few levels deep
 MAX_BYTES = 256 << 20  # a manifest (or an index) larger than this is refused before parsing
-_PLAIN_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 _CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
 _TAGS = {"$tensor", "$ndarray", "$tuple", "$float", "$bytes", "$dtype", "$dict"}
 _FLOATS = {"nan", "inf", "-inf"}
-
-
-def is_plain_name(name: str) -> bool:
-    """Whether ``name`` is one safe path component (a file directly inside its directory)."""
-    return bool(_PLAIN_NAME.match(name)) and ".." not in name
 
 
 def check_manifest(m: Manifest, where: str) -> None:

@@ -25,7 +25,7 @@ from .commit import aside_name, parse_version_dir
 from .errors import CheckpointError, UnsafeArchiveError
 from .location import Location
 from .manifest import MANIFEST_FILE, Manifest, parse_manifest, utc_now
-from .manifest_checks import is_plain_name
+from .names import is_plain_name
 from .tarindex import IndexEntry, TarIndex, check_member_name, index_name, write_index
 
 log = logging.getLogger(__name__)

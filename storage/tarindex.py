@@ -37,6 +37,7 @@ from .errors import (
 )
 from .location import Location
 from .manifest import check_seal, load_versioned_json, seal, validation_problems
+from .names import relative_name_problem
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +104,8 @@ def index_name(tar_name: str) -> str:
 
 
 def check_member_name(name: str, where: str = "") -> str:
-    """``name`` if it is a safe relative POSIX path; else raise UnsafeArchiveError saying why."""
-    reason = None
-    if not name:
-        reason = "is empty"
-    elif name.startswith("/"):
-        reason = "is an absolute path"
-    elif "\x00" in name or "\\" in name:
-        reason = "contains a NUL or a backslash"
-    elif any(part in ("", ".", "..") for part in name.split("/")):
-        reason = "has an empty, '.' or '..' component"
+    """``name`` if it is a relative path of plain names (:mod:`.names`); else UnsafeArchiveError."""
+    reason = relative_name_problem(name)
     if reason:
         raise UnsafeArchiveError(f"{where + ': ' if where else ''}member name {name!r} {reason}; refused")
     return name

@@ -66,6 +66,8 @@ CRAFTED: dict[str, tuple[Edit, str]] = {
     "shard with a scheme": (_set("shards.0.file", "s3://bucket/x.h5"), "shards[0].file"),
     "backslash shard path": (_set("shards.0.file", "..\\..\\x.h5"), "shards[0].file"),
     "hidden shard name": (_set("shards.0.file", ".manifest.json"), "shards[0].file"),
+    "shard name ending in a newline": (_set("shards.0.file", "shard-r0-00.h5\n"), "shards[0].file"),
+    "look-alike dots in a shard name": (_set("shards.0.file", "\uff0e\uff0e"), "shards[0].file"),
     "shard checksum not hex": (_set("shards.0.checksum", "zz"), "shards[0].checksum"),
     "huge shape": (_set("blobs.0.shape", [1 << 40]), "blobs[0].nbytes"),
     "negative shape": (_set("blobs.0.shape", [-4]), "blobs[0].shape"),

@@ -1,0 +1,36 @@
+"""The one check of every file name read from storage before any I/O uses it.
+
+Names come from manifests (shard files), tar indexes and tar members, which a
+crafted or damaged store controls. A name is used only if it is a relative path
+of *plain* components: ASCII letters, digits, ``_``, ``-`` and ``.``, not
+starting with a dot, no ``..``, at most 200 characters (a temporary name beside
+it must fit in 255). That one rule excludes absolute paths, ``..``, schemes
+(``s3:``), backslashes, NULs, newlines, Unicode look-alikes and hidden files, on
+every filesystem fsspec reaches.
+"""
+
+from __future__ import annotations
+
+import re
+
+_PLAIN = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+
+
+def is_plain_name(name: str) -> bool:
+    """Whether ``name`` is one safe path component (a file directly inside its directory)."""
+    return isinstance(name, str) and _PLAIN.fullmatch(name) is not None and ".." not in name
+
+
+def relative_name_problem(name: str) -> str | None:
+    """Why ``name`` is not a relative path of plain components (None: it is one)."""
+    if not isinstance(name, str) or not name:
+        return "is empty"
+    if name.startswith("/"):
+        return "is an absolute path"
+    parts = name.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return "has an empty, '.' or '..' component"
+    bad = [part for part in parts if not is_plain_name(part)]
+    if bad:
+        return f"has the component {bad[0]!r}, not a plain name (letters, digits, '_', '-', '.'; no '..')"
+    return None
