@@ -253,8 +253,9 @@ class VersionWriter:
             raise
 
     def _discard(self, version: int) -> None:
-        """After a failed single-process save: remove its partial files (its claim shows they are
-        this writer's, and no manifest made them a version), so a full disk is freed at once."""
+        """After a failed save: remove its partial files (its claim shows they are this writer's,
+        and no manifest made them a version), so a full disk is freed at once. Ranked saves call
+        it on rank 0 once every rank has reported, i.e. stopped writing."""
         with contextlib.suppress(Exception):
             found = protocol.read_claim(self.loc, version)
             record = protocol.read_record(self.loc, version)
@@ -318,8 +319,8 @@ class VersionWriter:
         def commit() -> dict[str, Any]:
             assert reports is not None
             errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
-            if errors:
-                self._abandon(job.version)
+            if errors:  # every rank has stopped writing (it reported): the partial files can go
+                self._discard(job.version)
                 raise RankFailedError(f"nothing was committed: {'; '.join(errors)}")
             parts = assemble(reports, len(job.plan.blobs))
             seconds = time.perf_counter() - start

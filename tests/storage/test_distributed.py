@@ -406,7 +406,9 @@ class TestRankFailures:
         assert "rank 1" in other["message"] and "injected I/O error" in other["message"], other
         seen = ok(results[0], "after_failure")
         assert seen["versions"] == [0]
-        assert 1 in seen["dirs"]  # rank 0 wrote its share; without a manifest it does not exist
+        # Bug fix: every rank's partial files stayed (and kept a full disk full) until gc's grace
+        # period; rank 0 now removes them once every rank has reported.
+        assert 1 not in seen["dirs"]
         for result in results:  # the same job saves the same version again: the leftovers go
             assert ok(result, "retry1")["version"] == 1
         store = CheckpointStore(url)
