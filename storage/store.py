@@ -407,10 +407,12 @@ class CheckpointStore:
 
         Returns (version, new directory URL, why) for each. Their directories are renamed, never
         deleted (see :func:`.commit.set_aside`). A version written by a newer ckptflow is not moved:
-        that raises its FormatVersionError (upgrade instead).
+        that raises its FormatVersionError (upgrade instead). Nothing is moved while a tarball's
+        index cannot be read: its versions, maybe the newest, are unknown (CheckpointError).
         """
         self._saver.wait_previous()
         with translate_errors(self.loc, "setting aside unreadable versions in"):
+            catalog.archived_for_writing(self.loc)
             _, above = catalog.newest_and_above(self.loc)
             moved = []
             for version, record in sorted(above.items(), reverse=True):

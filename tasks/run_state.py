@@ -170,9 +170,6 @@ def set_aside_unreadable(store: CheckpointStore, warn: Log) -> None:
 
     A tarball whose index cannot be read stops the run instead: its versions may be the newest.
     """
-    from ckptflow.storage.catalog import archived_for_writing
-
-    archived_for_writing(store.loc)
     for version, where, error in store.set_aside_unreadable():
         reason = " ".join(str(error).split())
         warn(f"version {version} is unreadable ({reason}): moved aside to {where}; resuming before it")

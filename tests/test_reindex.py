@@ -94,3 +94,22 @@ def test_nothing_is_written_while_an_index_cannot_be_read(archived: tuple[str, P
     assert sorted(p.name for p in Path(url).glob("v0*")) == ["v000004"]
     assert invoke("archive", url, "--reindex").exit_code == 0
     assert store.save({"w": torch.ones(2)}, epoch=5).version == 5
+
+
+def test_nothing_is_set_aside_while_an_index_cannot_be_read(archived: tuple[str, Path]) -> None:
+    """The versions of that tarball are unknown: one of them may be the newest, so an unreadable
+    version above the others is not known to be above it. Before, the store moved it aside anyway;
+    only the pipeline checked the indexes first."""
+    from ckptflow.storage import CheckpointError
+
+    url, index = archived
+    store = CheckpointStore(url)
+    store.save({"w": torch.ones(2)}, epoch=5)
+    manifest = Path(url) / "v000005" / "manifest.json"
+    manifest.write_text('{"format": "ckptflow-checkpoint"')
+    index.write_text("{not json")
+    with pytest.raises(CheckpointError, match="--reindex"):
+        store.set_aside_unreadable()
+    assert sorted(p.name for p in Path(url).glob("v0*")) == ["v000004", "v000005"]  # nothing moved
+    assert invoke("archive", url, "--reindex").exit_code == 0
+    assert [v for v, _, _ in store.set_aside_unreadable()] == [5]
