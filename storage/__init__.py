@@ -33,9 +33,12 @@ from .errors import (
     VersionTakenError,
 )
 from .lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
+from .location import redact
 from .manifest import FORMAT_VERSION, Manifest
+from .mirror import upload_storage_options
 from .retention import RetentionPolicy
 from .store import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
+from .tarindex import TarIndex
 
 if TYPE_CHECKING:
     from .distributed import RankGroup
@@ -69,6 +72,7 @@ __all__ = [
     "StoreLease",
     "StoreLockedError",
     "StoreOptions",
+    "TarIndex",
     "UnreadableVersionError",
     "UnsupportedValueError",
     "VersionExistsError",
@@ -77,5 +81,7 @@ __all__ = [
     "VersionState",
     "VersionTakenError",
     "read_lease",
+    "redact",
     "refuse_if_held",
+    "upload_storage_options",
 ]

@@ -2,7 +2,7 @@
 
 This is the library's front door. It composes the pure parts (structure,
 planner, retention) with the mechanism (:mod:`.saving` plans, numbers, writes
-and commits a version; reader, catalog, housekeeping) and holds the state a
+and commits a version; reader, catalog, housekeeping, mirror) and holds the state a
 store needs in memory: the async save in flight, its staging buffer, and, in
 a torch.distributed job, the checkpoint's process group.
 
@@ -24,8 +24,9 @@ import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import catalog, housekeeping
+from . import catalog, housekeeping, mirror
 from . import commit as protocol
+from .archiving import archive_location, list_archived
 from .async_save import AsyncSaver, SaveHandle
 from .byteio import tensor_bytes
 from .errors import (
@@ -48,6 +49,7 @@ from .verifying import verify_version
 if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
     import torch
 
+    from .archiving import ArchivedVersion
     from .distributed import RankGroup
     from .saving import SaveJob, VersionWriter
     from .staging import StagingBuffer
@@ -125,6 +127,10 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
+
+    def tarball_url(self, tar: str) -> str:
+        """The URL (without credentials) of the tarball named ``tar`` in the store's ``archive/``."""
+        return archive_location(self.loc).display(tar)
 
     # -- saving ---------------------------------------------------------------
 
@@ -402,6 +408,24 @@ class CheckpointStore:
         with translate_errors(self.loc, "listing"):
             return catalog.survey(self.loc)
 
+    def version_dirs(self) -> dict[int, bool]:
+        """Every version directory, by number, and whether it holds a manifest file.
+
+        One listing, no manifest read: one without a manifest is being written or was left by an
+        interrupted save; one with a manifest is committed unless its manifest is unreadable.
+        """
+        with translate_errors(self.loc, "listing"):
+            return protocol.list_dirs(self.loc)
+
+    def archived(self) -> dict[int, ArchivedVersion]:
+        """The versions in committed tarballs, by number, each with its tarball's name and index.
+
+        Reads only the tarball indexes; a tarball whose index cannot be read is left out (with a
+        warning in the log; :meth:`survey` names it).
+        """
+        with translate_errors(self.loc, "listing"):
+            return list_archived(self.loc)
+
     def set_aside_unreadable(self) -> list[tuple[int, str, CheckpointError]]:
         """Move aside the unreadable versions above the newest committed one, so a writer can go on.
 
@@ -542,6 +566,26 @@ class CheckpointStore:
         self._saver.wait_previous()
         with translate_errors(self.loc, "collecting garbage in"):
             return housekeeping.collect_garbage(self.loc, min_age=min_age)
+
+    # -- mirroring --------------------------------------------------------------
+
+    def mirror_version(self, version: int, url: str, *, storage_options: dict[str, Any]) -> str:
+        """Upload a committed loose version to the store at ``url``: each shard uploaded and verified,
+        then its manifest, the version's commit there. Returns the version's URL on the mirror.
+
+        Copies from a local store; a copy already there and verified is skipped. Give
+        ``storage_options`` made by :func:`upload_storage_options`.
+        """
+        mirror.require_local(self.loc)
+        return mirror.mirror_version(self.loc, self.manifest(version), url, storage_options)
+
+    def mirror_archive(self, tar: str, url: str, *, storage_options: dict[str, Any]) -> str:
+        """Upload a committed tarball to ``url``'s ``archive/``, then its index (its commit there).
+
+        Returns the tarball's URL on the mirror. As :meth:`mirror_version`, from a local store.
+        """
+        mirror.require_local(self.loc)
+        return mirror.mirror_archive(self.loc, tar, url, storage_options)
 
     def close(self) -> None:
         """Wait for the async save in flight and release the staging buffer."""

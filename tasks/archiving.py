@@ -2,8 +2,9 @@
 
 Policy (pure): which committed versions to consolidate next, every K epochs or
 once the loose checkpoints reach a size. Mechanism lives in ckptflow.storage:
-``CheckpointStore.archive`` writes a tarball and its index, ``upload_file``
-moves and verifies bytes, ``drop_loose`` removes loose copies.
+``CheckpointStore.archive`` writes a tarball and its index, ``mirror_archive``
+and ``mirror_version`` upload and verify them (committed last on the mirror),
+``drop_loose`` removes loose copies.
 
 ``archive_versions`` runs in the background (submitted to the flow's task
 runner while training goes on). At most ``max_pending`` jobs run at once; what
@@ -25,28 +26,26 @@ the versions the mirror lacks (:mod:`.mirroring`).
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prefect import get_run_logger
 
-from ckptflow.storage import CheckpointStore, VersionInfo
-from ckptflow.storage.archiving import archive_location, list_archived
-from ckptflow.storage.commit import MANIFEST_FILE, list_dirs, version_dir
-from ckptflow.storage.errors import CheckpointError
-from ckptflow.storage.location import open_location, redact
-from ckptflow.storage.tarindex import TarIndex, index_name, read_index
+from ckptflow.storage import (
+    CheckpointError,
+    CheckpointStore,
+    TarIndex,
+    VersionInfo,
+    redact,
+    upload_storage_options,
+)
 
 from .config import ArchiveConfig
 from .credentials import with_secret
 from .mirroring import MirrorStatus, check_mirror, mirrored_versions, version_ranges
 from .retrying import io_task
-
-if TYPE_CHECKING:
-    from ckptflow.storage.transfer import TransferResult
 
 
 def next_groups(loose: list[VersionInfo], config: ArchiveConfig, busy: set[int]) -> list[list[int]]:
@@ -84,28 +83,13 @@ class ArchiveResult:
     dropped: list[int]  # versions whose loose files were removed
 
 
-def upload_file(local_path: str, url: str, *, storage_options: dict[str, Any]) -> TransferResult:
-    """:func:`ckptflow.storage.transfer.upload_file` with the timeouts and attempts set in
-    ``storage_options``, imported at the first upload: its S3 client (aiohttp, aiobotocore)
-    takes 0.2 s to import, which every run would otherwise wait for."""
-    from ckptflow.storage.transfer import TransferOptions
-    from ckptflow.storage.transfer import upload_file as upload
-
-    options = TransferOptions().honouring(storage_options)
-    return upload(local_path, url, storage_options=storage_options, options=options)
-
-
 def upload_target(config: ArchiveConfig) -> tuple[str, dict[str, Any]] | None:
     """``upload_to`` and its fsspec options: on S3 with timeouts and bounded attempts (those set
     in ``upload_options``' ``config_kwargs`` win), so a silent target fails a job in bounded time."""
     if not config.upload_to:
         return None
     options = with_secret(config.upload_options, config.upload_secret)
-    if config.upload_to.startswith(("s3://", "s3a://")):
-        from ckptflow.storage.transfer import TransferOptions, s3_storage_options
-
-        options = s3_storage_options(options, TransferOptions().honouring(options))
-    return config.upload_to.rstrip("/"), options
+    return config.upload_to.rstrip("/"), upload_storage_options(config.upload_to, options)
 
 
 @io_task("archive_versions", backoff=2)
@@ -113,15 +97,15 @@ def archive_versions(store: CheckpointStore, versions: list[int], config: Archiv
     """Consolidate ``versions`` into a tarball, upload it when configured, then drop the loose files."""
     logger = get_run_logger()
     index = _archive_once(store, versions)
-    aloc = archive_location(store.loc)
     uploaded = None
     target = upload_target(config)
     if target is not None:
-        uploaded = _upload_archive(store, index, *target)
+        url, options = target
+        uploaded = store.mirror_archive(index.tar, url, storage_options=options)
         logger.info("uploaded %s (%d bytes) to %s", index.tar, index.size, uploaded)
     dropped = [] if config.keep_loose else store.drop_loose(versions)
-    logger.info("archived versions %s into %s", versions, aloc.display(index.tar))
-    return ArchiveResult(aloc.display(index.tar), versions, index.size, uploaded, dropped)
+    logger.info("archived versions %s into %s", versions, store.tarball_url(index.tar))
+    return ArchiveResult(store.tarball_url(index.tar), versions, index.size, uploaded, dropped)
 
 
 @io_task("upload_version", backoff=2)
@@ -131,40 +115,15 @@ def upload_version(store: CheckpointStore, version: int, config: ArchiveConfig) 
     if target is None:
         raise ValueError("upload_version needs archive.upload_to")
     url, options = target
-    _require_local(store)
-    manifest = store.manifest(version)
-    vdir = version_dir(version)
-    for name in [s.file for s in manifest.shards] + [MANIFEST_FILE]:
-        upload_file(store.loc.path(vdir, name), f"{url}/{vdir}/{name}", storage_options=options)
-    return f"{url}/{vdir}"
+    return store.mirror_version(version, url, storage_options=options)
 
 
 def _archive_once(store: CheckpointStore, versions: list[int]) -> TarIndex:
     """The tarball of ``versions``: found committed by an earlier attempt, or written now."""
-    archived = list_archived(store.loc)
+    archived = store.archived()
     if all(v in archived for v in versions) and len({archived[v].tar for v in versions}) == 1:
         return archived[versions[0]].index
     return store.archive(versions)
-
-
-def _upload_archive(store: CheckpointStore, index: TarIndex, url: str, options: dict[str, Any]) -> str:
-    """Upload the tarball, then its index (the remote commit): the mirror is a store of its own."""
-    _require_local(store)
-    aloc = archive_location(store.loc)
-    remote = f"{url}/archive"
-    upload_file(aloc.path(index.tar), f"{remote}/{index.tar}", storage_options=options)
-    upload_file(
-        aloc.path(index_name(index.tar)), f"{remote}/{index_name(index.tar)}", storage_options=options
-    )
-    read_index(aloc, index.tar)  # still committed here, after the upload
-    return f"{remote}/{index.tar}"
-
-
-def _require_local(store: CheckpointStore) -> None:
-    if not store.loc.is_local or not os.path.isdir(store.loc.root):
-        raise CheckpointError(
-            f"uploads copy from a local store; {store.url} is not one (write archives there directly)"
-        )
 
 
 class ArchiveQueue:
@@ -192,11 +151,7 @@ class ArchiveQueue:
         # A version in a committed tarball whose loose copy is still there is done when the
         # copies are kept on purpose and nothing is uploaded; else its job was cut off: redo it
         # (the tarball is reused, a verified upload skipped).
-        done = (
-            set(list_archived(store.loc))
-            if existing and config.keep_loose and not config.upload_to
-            else set()
-        )
+        done = set(store.archived()) if existing and config.keep_loose and not config.upload_to else set()
         self.loose = [v for v in existing if not v.archived and v.version not in done]
         self.pending: list[_Job] = []  # started, not yet collected
         self.waiting: list[int] = []  # versions whose upload waits for a free slot, oldest first
@@ -258,7 +213,8 @@ class ArchiveQueue:
         if target is None or not self.loose:
             return []
         try:
-            mirrored = {v for v, has_manifest in list_dirs(open_location(*target)).items() if has_manifest}
+            mirror = CheckpointStore(target[0], storage_options=target[1])
+            mirrored = {v for v, has_manifest in mirror.version_dirs().items() if has_manifest}
         except Exception as exc:  # upload them all: a verified copy is skipped
             log = get_run_logger()
             log.warning("could not list %s (%s): checking every loose version", redact(target[0]), exc)

@@ -15,13 +15,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ckptflow.storage.archiving import list_archived
-from ckptflow.storage.commit import list_dirs
-from ckptflow.storage.location import open_location, redact
+from ckptflow.storage import CheckpointStore, redact
 
 if TYPE_CHECKING:
-    from ckptflow.storage import CheckpointStore
-
     from .config import ArchiveConfig
 
 
@@ -74,9 +70,9 @@ def check_mirror(
 
 def mirrored_versions(url: str, options: dict[str, Any]) -> set[int]:
     """Versions ``url`` holds: loose with a manifest, or in a committed tarball."""
-    loc = open_location(url, options)
-    loose = {v for v, has_manifest in list_dirs(loc).items() if has_manifest}
-    return loose | set(list_archived(loc))
+    mirror = CheckpointStore(url, storage_options=options)
+    loose = {v for v, has_manifest in mirror.version_dirs().items() if has_manifest}
+    return loose | set(mirror.archived())
 
 
 def _reason(

@@ -35,8 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from uuid import UUID
 
-from ckptflow.storage import VersionInfo
-from ckptflow.storage.location import redact
+from ckptflow.storage import VersionInfo, redact
 
 from .formatting import human_size, metrics_text
 

@@ -81,7 +81,7 @@ def hang_in_upload(directory: Path) -> None:
         options = dataclasses.replace(options or transfer.TransferOptions(), part_size=5 * MiB)
         return whole_file(*args, options=options, **kwargs)
 
-    transfer.upload_file = upload_file  # tasks.archiving imports it at each upload
+    transfer.upload_file = upload_file  # storage.mirror imports it at each upload
     original = s3transfer.S3Transfer.put_part
 
     async def put_part(self, fd, upload_id, part):
@@ -95,9 +95,9 @@ def hang_in_upload(directory: Path) -> None:
 
 
 def hang_in_version_upload(directory: Path) -> None:
-    from ckptflow.tasks import archiving
+    from ckptflow.storage import transfer
 
-    original = archiving.upload_file
+    original = transfer.upload_file
 
     def upload_file(local_path, url, **kwargs):
         if "/archive/" not in url and url.endswith("/manifest.json"):
@@ -105,7 +105,7 @@ def hang_in_version_upload(directory: Path) -> None:
             time.sleep(HANG_SECONDS)
         return original(local_path, url, **kwargs)
 
-    archiving.upload_file = upload_file
+    transfer.upload_file = upload_file  # storage.mirror imports it at each upload
 
 
 if __name__ == "__main__":

@@ -337,7 +337,7 @@ class TestUpload:
     def test_upload_versions_mirrors_each_loose_version_manifest_last(
         self, prefect_server, reference, s3_server, s3_bucket, tmp_path, monkeypatch
     ):
-        from ckptflow.tasks import archiving
+        from ckptflow.storage import transfer
 
         sent: list[str] = []
         lock = threading.Lock()
@@ -347,7 +347,7 @@ class TestUpload:
                 sent.append(url)
             return upload_file(local_path, url, **kwargs)
 
-        monkeypatch.setattr(archiving, "upload_file", recording_upload)
+        monkeypatch.setattr(transfer, "upload_file", recording_upload)
         bucket, _ = s3_bucket
         upload_to = f"s3://{bucket}/run"
         config = make_config(
@@ -382,14 +382,14 @@ class TestUpload:
         (FileNotFoundError, after its retries) and so did the run. An archive job now waits for the
         upload jobs of its versions. Here version uploads are slow, so the archive job comes first.
         """
-        from ckptflow.tasks import archiving
+        from ckptflow.storage import transfer
 
         def slow_version_upload(local_path, url, **kwargs):
             if "/archive/" not in url:
                 time.sleep(0.5)
             return upload_file(local_path, url, **kwargs)
 
-        monkeypatch.setattr(archiving, "upload_file", slow_version_upload)
+        monkeypatch.setattr(transfer, "upload_file", slow_version_upload)
         bucket, _ = s3_bucket
         upload_to = f"s3://{bucket}/run"
         config = make_config(
