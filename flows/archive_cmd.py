@@ -67,33 +67,10 @@ def extract_command(
     storage_options: StorageOptionsOpt = None,
 ) -> None:
     """Safely extract one epoch of a tarball into DIR (verified; DIR then opens as a store)."""
-    from ckptflow.storage.errors import ArchiveNotCommittedError
-    from ckptflow.storage.extract import extract_version
-    from ckptflow.storage.location import Location, open_location
-    from ckptflow.storage.tarindex import read_index
+    from ckptflow.storage import extract_epoch
 
-    full = open_location(tar_url, storage_options)
-    parent, _, name = full.root.rpartition("/")
-    src = Location(full.url.rsplit("/", 1)[0], full.fs, parent)
-    try:
-        index = read_index(src, name)
-    except ArchiveNotCommittedError:
-        index = None  # a tar made elsewhere: scan it, and trust the version's own manifest
-    version = _version_of_epoch(index, epoch) if index is not None else epoch
-    out.mkdir(parents=True, exist_ok=True)
-    written = extract_version(src, name, str(out), version_prefix=f"v{version:06d}/", index=index)
+    version, written = extract_epoch(tar_url, str(out), epoch=epoch, storage_options=storage_options)
     typer.echo(f"extracted epoch {epoch} (version {version}): {len(written)} files into {out}")
-
-
-def _version_of_epoch(index: Any, epoch: int) -> int:
-    manifests = index.extra.get("manifests", {})
-    for version, manifest in manifests.items():
-        if manifest.get("epoch") == epoch:
-            return int(version)
-    from ckptflow.storage.errors import CheckpointError
-
-    epochs = sorted(m.get("epoch") for m in manifests.values() if m.get("epoch") is not None)
-    raise CheckpointError(f"{index.tar} holds no epoch {epoch} (epochs: {', '.join(map(str, epochs))})")
 
 
 def _parse_versions(text: str) -> list[int]:

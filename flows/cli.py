@@ -117,22 +117,15 @@ GC_MIN_AGE = 900.0  # seconds: gc spares leftovers younger than this unless told
 
 def _open(url: str, storage_options: dict[str, Any] | None) -> CheckpointStore:
     """The store at ``url``; fails within seconds when nothing is stored there or it cannot be reached."""
-    from ckptflow.storage import CheckpointStore
-    from ckptflow.storage.location import probe, quick_answer_options
+    from ckptflow.storage import CheckpointStore, quick_answer_options
 
     store = CheckpointStore(url, storage_options=quick_answer_options(url, storage_options))
-    probe(store.loc, must_exist=True)
+    store.probe(must_exist=True)
     return store
 
 
 def _console() -> Console:
     return Console(highlight=False)
-
-
-def _version_url(store: CheckpointStore, version: int) -> str:
-    from ckptflow.storage.commit import version_dir
-
-    return store.loc.display(version_dir(version))
 
 
 # -- ls -------------------------------------------------------------------------
@@ -203,7 +196,7 @@ def show_command(
         typer.echo(manifest.to_json().decode())
         return
     console = _console()
-    console.print(present.summary_table(manifest, _version_url(store, manifest.version)), markup=False)
+    console.print(present.summary_table(manifest, store.version_url(manifest.version)), markup=False)
     console.print(present.shards_table(manifest), markup=False)
     console.print(present.tensors_table(manifest), markup=False)
 
@@ -388,20 +381,15 @@ def gc_command(
 
     A save in progress looks like a crashed one, so leftovers changed in the last --min-age seconds stay.
     """
-    from ckptflow.storage.commit import list_dirs
-    from ckptflow.storage.housekeeping import garbage_versions
-    from ckptflow.storage.location import translate_errors
-
     store = _open(url, storage_options)
-    with translate_errors(store.loc, "listing"):
-        writing = [v for v, has_manifest in list_dirs(store.loc).items() if not has_manifest]
-        removed = garbage_versions(store.loc, min_age) if dry_run else store.gc(min_age=min_age)
+    writing = [v for v, has_manifest in store.version_dirs().items() if not has_manifest]
+    removed = store.gc(min_age=min_age, dry_run=dry_run)
     for number in removed:
-        typer.echo(f"{'would remove' if dry_run else 'removed'} uncommitted {_version_url(store, number)}")
+        typer.echo(f"{'would remove' if dry_run else 'removed'} uncommitted {store.version_url(number)}")
     spared = [v for v in writing if v not in removed]
     for number in spared:
         typer.echo(
-            f"left {_version_url(store, number)}: changed in the last {min_age:g}s, a save may be writing "
+            f"left {store.version_url(number)}: changed in the last {min_age:g}s, a save may be writing "
             "it (--min-age 0 removes it)"
         )
     if not writing:

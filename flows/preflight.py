@@ -110,16 +110,16 @@ def _binds(tree: ast.Module, name: str) -> bool:
 
 def check_store(config: PipelineConfig) -> None:
     """List the run's store (bounded attempts); refuse a resumed run whose identity changed."""
-    from ckptflow.storage import CheckpointStore, refuse_if_held
-    from ckptflow.storage.location import open_location, probe, quick_answer_options
+    from ckptflow.storage import CheckpointStore, quick_answer_options, refuse_if_held
     from ckptflow.tasks.run_state import check_run_identity
 
     if config.storage_secret is not None:
-        open_location(config.storage, config.storage_options)  # the scheme; credentials need Prefect
+        # opening it checks the scheme; listing it needs the credentials, from Prefect
+        CheckpointStore(config.storage, storage_options=config.storage_options)
         return
     options = quick_answer_options(config.storage, config.storage_options)
     store = CheckpointStore(config.storage, storage_options=options)
-    if probe(store.loc, must_exist=False):
+    if store.probe(must_exist=False):
         refuse_if_held(store.loc)  # another live run holds the store: say so before Prefect starts
         check_run_identity(store, config, lambda message: None)  # the build logs the warning
 

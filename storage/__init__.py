@@ -32,8 +32,9 @@ from .errors import (
     VersionNotFoundError,
     VersionTakenError,
 )
+from .extract import extract_epoch
 from .lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
-from .location import redact
+from .location import quick_answer_options, redact
 from .manifest import FORMAT_VERSION, Manifest
 from .mirror import upload_storage_options
 from .retention import RetentionPolicy
@@ -80,6 +81,8 @@ __all__ = [
     "VersionNotFoundError",
     "VersionState",
     "VersionTakenError",
+    "extract_epoch",
+    "quick_answer_options",
     "read_lease",
     "redact",
     "refuse_if_held",

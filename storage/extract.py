@@ -20,7 +20,8 @@ so extraction trusts nothing in it:
 
 With an index, each member is read by range (its header block, checked to be a
 regular file of the right size, and its data), and nothing else of the tar is
-read. Without one, the tar is read once as a stream.
+read. Without one, the tar is read once as a stream. :func:`extract_epoch`
+finds the version of an epoch in the index (what ``ckptflow extract`` asks for).
 """
 
 from __future__ import annotations
@@ -33,19 +34,55 @@ import tarfile
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import IO, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from .byteio import CHUNK, MAX_REQUEST, ReadRange, fsync_dir, read_ranges
 from .checksum import digest, new_hasher
-from .commit import parse_version_dir
-from .errors import CheckpointError, CorruptShardError, UnsafeArchiveError, VersionNotFoundError
-from .location import Location
+from .commit import parse_version_dir, version_dir
+from .errors import (
+    ArchiveNotCommittedError,
+    CheckpointError,
+    CorruptShardError,
+    UnsafeArchiveError,
+    VersionNotFoundError,
+)
+from .location import Location, open_location
 from .manifest import MANIFEST_FILE, parse_manifest
-from .tarindex import BLOCK, IndexEntry, TarIndex, check_member_name
+from .tarindex import BLOCK, IndexEntry, TarIndex, check_member_name, read_index
 
 log = logging.getLogger(__name__)
 
 _PAX_SIZE_LIMIT = 8**11  # sizes from here on live in a PAX record; the ustar field says 0
+
+
+def extract_epoch(
+    tar_url: str, out_dir: str, *, epoch: int, storage_options: dict[str, Any] | None = None
+) -> tuple[int, list[str]]:
+    """Extract one epoch of the tarball at ``tar_url`` (a path or any fsspec URL) into local ``out_dir``.
+
+    With the tarball's index beside it, the epoch's version is found in the index and only its
+    byte ranges are read; a tarball without one (made elsewhere) is read as a stream, and its
+    version is taken to be numbered as the epoch. Returns (version, paths written).
+    """
+    full = open_location(tar_url, storage_options)
+    parent, _, name = full.root.rpartition("/")
+    src = Location(full.url.rsplit("/", 1)[0], full.fs, parent)
+    try:
+        index = read_index(src, name)
+    except ArchiveNotCommittedError:
+        index = None  # a tar made elsewhere: scan it, and trust the version's own manifest
+    version = _version_of_epoch(index, epoch) if index is not None else epoch
+    written = extract_version(src, name, out_dir, version_prefix=f"{version_dir(version)}/", index=index)
+    return version, written
+
+
+def _version_of_epoch(index: TarIndex, epoch: int) -> int:
+    manifests = index.extra.get("manifests", {})
+    for version, manifest in manifests.items():
+        if manifest.get("epoch") == epoch:
+            return int(version)
+    epochs = sorted(m.get("epoch") for m in manifests.values() if m.get("epoch") is not None)
+    raise CheckpointError(f"{index.tar} holds no epoch {epoch} (epochs: {', '.join(map(str, epochs))})")
 
 
 def extract_version(

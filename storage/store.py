@@ -39,7 +39,7 @@ from .errors import (
 from .info import StoreOptions, VersionInfo
 from .lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
 from .lease import LEASE_FILE, StoreLease
-from .location import open_location, translate_errors
+from .location import open_location, probe, translate_errors
 from .manifest import Manifest
 from .reader import read_blobs
 from .retention import PrunePlan, RetentionPolicy
@@ -127,6 +127,19 @@ class CheckpointStore:
 
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
+
+    def probe(self, *, must_exist: bool) -> bool:
+        """Whether anything is stored here: one listing, failing with a clear error on a missing
+        bucket, missing or refused credentials or an unreachable endpoint.
+
+        ``must_exist``: an empty or missing store is an error too (a mistyped URL). Open the
+        store with :func:`quick_answer_options` for an answer within seconds.
+        """
+        return probe(self.loc, must_exist=must_exist)
+
+    def version_url(self, version: int) -> str:
+        """The URL (without credentials) of a version's own directory, whether or not it exists."""
+        return self.loc.display(protocol.version_dir(version))
 
     def tarball_url(self, tar: str) -> str:
         """The URL (without credentials) of the tarball named ``tar`` in the store's ``archive/``."""
@@ -557,12 +570,16 @@ class CheckpointStore:
         with translate_errors(self.loc, "removing loose files from"):
             return housekeeping.drop_loose(self.loc, list(versions))
 
-    def gc(self, *, min_age: float = 0.0) -> list[int]:
+    def gc(self, *, min_age: float = 0.0, dry_run: bool = False) -> list[int]:
         """Remove what interrupted saves and archiving left: versions without manifest, tars without index.
 
         Return the versions removed. ``min_age`` seconds: spare what changed more
-        recently (another process may be saving to this store).
+        recently (another process may be saving to this store). ``dry_run``: remove
+        nothing, return the versions it would remove.
         """
+        if dry_run:
+            with translate_errors(self.loc, "listing"):
+                return housekeeping.garbage_versions(self.loc, min_age)
         self._saver.wait_previous()
         with translate_errors(self.loc, "collecting garbage in"):
             return housekeeping.collect_garbage(self.loc, min_age=min_age)

@@ -97,11 +97,9 @@ def private_storage_options(options: dict[str, Any]) -> Iterator[None]:
 
 def open_maintained_store(config: MaintenanceConfig, url: str) -> CheckpointStore:
     """The store at ``url``; StorageUnavailableError when nothing is stored there (a mistyped URL)."""
-    from ckptflow.storage.location import probe
-
     options = {**config.store_config(url).resolved_storage_options(), **(_private_options.get() or {})}
     store = CheckpointStore(url, storage_options=options)
-    probe(store.loc, must_exist=True)
+    store.probe(must_exist=True)
     return store
 
 
@@ -139,10 +137,8 @@ def _store_url_of(parameters: dict[str, Any]) -> str | None:
     storage = config.get("storage") if isinstance(config, dict) else None
     if not isinstance(storage, str):
         return None
-    from ckptflow.storage.location import open_location
-
     try:
-        return open_location(storage, None).display()
+        return CheckpointStore(storage).url
     except Exception:
         return storage
 
