@@ -31,7 +31,6 @@ import numpy as np
 import torch
 
 from ckptflow.storage import CheckpointError
-from ckptflow.storage.byteio import fsync_dir
 
 Format = Literal["torch", "safetensors"]
 
@@ -54,11 +53,7 @@ def write_atomic(out: Path, write: Callable[[Path], object]) -> None:
     try:
         write(tmp)
         os.chmod(tmp, _mode_for(target))
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync(tmp)
         os.replace(tmp, target)
     except (CheckpointError, OSError):
         raise
@@ -66,7 +61,16 @@ def write_atomic(out: Path, write: Callable[[Path], object]) -> None:
         raise CheckpointError(f"writing {out} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(str(target.parent))
+    _fsync(target.parent)  # the rename
+
+
+def _fsync(path: Path) -> None:
+    """Make a file's bytes, or a directory's entries, durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _mode_for(target: Path) -> int:

@@ -8,7 +8,6 @@ comes from the store's ``display`` form, which carries no credentials.
 
 from __future__ import annotations
 
-import math
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -17,8 +16,7 @@ from rich.table import Table
 from ckptflow.tasks.formatting import human_size, metric_value, metrics_text  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
-    from ckptflow.storage import Manifest, VersionInfo
-    from ckptflow.storage.retention import PrunePlan
+    from ckptflow.storage import Manifest, PrunePlan, VersionInfo
 
 
 def created_text(iso: str, *, zone: bool = True) -> str:
@@ -43,13 +41,11 @@ def describe(info: VersionInfo) -> str:
 
 def prune_lines(plan: PrunePlan, infos: dict[int, VersionInfo], *, dry_run: bool) -> list[str]:
     """What a prune removed (or would remove), kept and held back: the same lines for both modes."""
-    from ckptflow.storage.retention import describe_held
-
     verb, keep_verb, free_verb = (
         ("would remove", "would keep", "would free") if dry_run else ("removed", "kept", "freed")
     )
     lines = [f"{verb} {describe(infos[v]) if v in infos else f'version {v}'}" for v in plan.remove]
-    held = describe_held(plan)
+    held = plan.describe_held()
     if held:
         lines.append(f"{'would also keep' if dry_run else 'also kept'} {held}")
     kept = ", ".join(str(v) for v in plan.remaining) or "none"
@@ -147,15 +143,7 @@ def tensors_table(manifest: Manifest) -> Table:
     table.add_column("shape")
     table.add_column("size", justify="right", no_wrap=True)
     for tensor in manifest.tensors:
-        size = tensor_nbytes(tensor.dtype, tensor.shape)
+        size = tensor.nbytes
         shown = "?" if size is None else human_size(size)
         table.add_row(tensor.path, tensor.dtype, str(tuple(tensor.shape)), shown)
     return table
-
-
-def tensor_nbytes(dtype: str, shape: list[int]) -> int | None:
-    """Bytes of a tensor's own elements (None for a dtype this ckptflow does not know)."""
-    from ckptflow.storage.dtypenames import itemsize
-
-    size = itemsize(dtype)
-    return None if size is None else math.prod(shape) * size

@@ -37,7 +37,7 @@ from .lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
 from .location import quick_answer_options, redact
 from .manifest import FORMAT_VERSION, Manifest
 from .mirror import upload_storage_options
-from .retention import RetentionPolicy
+from .retention import PrunePlan, RetentionPolicy
 from .store import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
 from .tarindex import TarIndex
 
@@ -63,6 +63,7 @@ __all__ = [
     "LeaseLostError",
     "Manifest",
     "ManifestError",
+    "PrunePlan",
     "RankFailedError",
     "RankGroup",
     "RankStateWarning",

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .dtypenames import itemsize
 from .errors import FormatVersionError, ManifestError
 from .manifest_checks import MAX_BYTES, check_manifest
 
@@ -60,6 +61,12 @@ class TensorEntry(_Model):
     shape: list[int]
     stride: list[int] | None = None
     offset: int = 0
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of the tensor's own elements (None for a dtype this ckptflow does not store)."""
+        size = itemsize(self.dtype)
+        return None if size is None else math.prod(self.shape) * size
 
 
 class RankPart(_Model):

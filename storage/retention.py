@@ -81,6 +81,16 @@ class PrunePlan:
         """Every version still committed after the prune."""
         return tuple(sorted({*self.keep, *self.held}))
 
+    def describe_held(self) -> str | None:
+        """Which versions a shared tarball holds back, and why; None when there are none."""
+        if not self.held:
+            return None
+        parts = []
+        for tar in sorted(set(self.held.values())):
+            dropped = [v for v, t in sorted(self.held.items()) if t == tar]
+            parts.append(f"{_versions(dropped)} ({tar} holds kept {_versions(self.kept_in.get(tar, ()))})")
+        return "; ".join(parts) + ": a tarball is removed only whole"
+
 
 def plan_prune(
     manifests: list[Manifest],
@@ -109,17 +119,6 @@ def plan_prune(
         loose=tuple(v for v in numbers if v not in keep and v in loose),
         kept_in={tar: tuple(v for v in versions if v in keep) for tar, versions in members.items()},
     )
-
-
-def describe_held(plan: PrunePlan) -> str | None:
-    """Which versions a shared tarball holds back, and why; None when there are none."""
-    if not plan.held:
-        return None
-    parts = []
-    for tar in sorted(set(plan.held.values())):
-        dropped = [v for v, t in sorted(plan.held.items()) if t == tar]
-        parts.append(f"{_versions(dropped)} ({tar} holds kept {_versions(plan.kept_in.get(tar, ()))})")
-    return "; ".join(parts) + ": a tarball is removed only whole"
 
 
 def _versions(numbers: Collection[int]) -> str:

@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ckptflow.storage.retention import PrunePlan
+    from ckptflow.storage import PrunePlan
 
     from .config import RetentionConfig
 
@@ -36,8 +36,6 @@ def metrics_text(metrics: dict[str, float]) -> str:
 
 def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:
     """``retention (keep_last=3): removed versions 1, 2; kept 3, 4, 5`` plus what a tarball held back."""
-    from ckptflow.storage.retention import describe_held
-
     rules = ", ".join(
         f"{name}={value}"
         for name, value in (
@@ -49,5 +47,5 @@ def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:
     )
     removed = ", ".join(map(str, plan.remove)) or "none"
     line = f"retention ({rules}): removed versions {removed}; kept {', '.join(map(str, plan.remaining))}"
-    held = describe_held(plan)
+    held = plan.describe_held()
     return f"{line}; kept beyond the policy: {held}" if held else line
