@@ -26,6 +26,8 @@ from typing import Any
 import fsspec
 import pytest
 
+from tests.ports import free_port
+
 # Fake credentials: the tests must never reach a real AWS account.
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
@@ -41,12 +43,6 @@ S3_SECRET = "ckptflow-test-secret-7f3a9c1e"
 os.environ.update(AWS_ENV)
 for _name in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
     os.environ.pop(_name, None)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_until_up(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> None:
@@ -67,7 +63,7 @@ def _wait_until_up(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> N
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """A moto S3 server in a subprocess on a free local port; yields its endpoint URL."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **AWS_ENV}
     proc = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

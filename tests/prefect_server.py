@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,13 +15,9 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.ports import free_port
+
 STARTUP_TIMEOUT = float(os.environ.get("CKPTFLOW_TEST_PREFECT_STARTUP", "180"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def prefect_env(home: Path, api_url: str | None = None) -> dict[str, str]:

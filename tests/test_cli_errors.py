@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sqlite3
 import subprocess
 import sys
@@ -27,6 +26,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import AWS_ENV, S3_SECRET
+from tests.ports import free_port
 
 SECONDS = 10.0  # "within a few seconds", with room for a loaded machine
 LAUNCHER = """\
@@ -95,12 +95,6 @@ def ckptflow(tmp_path: Path):
     return run
 
 
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def endpoint_options(endpoint: str) -> str:
     return json.dumps({"client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}})
 
@@ -113,7 +107,7 @@ def bad_store(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict
     if kind == "unknown-scheme":
         return {"args": ["gopher://host/run1"], "says": ["no filesystem handles gopher://"]}
     if kind == "unreachable-endpoint":
-        endpoint = f"http://127.0.0.1:{closed_port()}"
+        endpoint = f"http://127.0.0.1:{free_port()}"
         return {
             "args": ["s3://bucket/run1", "--storage-options", endpoint_options(endpoint)],
             "says": ["cannot reach the object store at " + endpoint, "s3://bucket/run1", "endpoint_url"],

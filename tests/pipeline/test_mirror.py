@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
-import socket
 from typing import Any
 
 import pytest
@@ -29,6 +28,7 @@ from ckptflow.tasks.mirroring import check_mirror, mirrored_versions, version_ra
 from tests.conftest import assert_same_state
 from tests.pipeline.helpers import make_config, poll, run_summary, version_dirs
 from tests.pipeline.specs import MARKED_SPEC, SPEC_CONFIG
+from tests.ports import free_port
 
 
 def run_cli(*args: str) -> Any:
@@ -69,9 +69,7 @@ def summary_markdown(storage: str) -> str:
 
 def refused_endpoint() -> str:
     """An endpoint on 127.0.0.1 where nothing listens: every connection is refused."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return f"http://127.0.0.1:{s.getsockname()[1]}"
+    return f"http://127.0.0.1:{free_port()}"
 
 
 class TestConfig:

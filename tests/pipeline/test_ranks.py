@@ -31,6 +31,7 @@ from tests.pipeline.helpers import (
     wait_until,
 )
 from tests.pipeline.specs import MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV, marker
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.prefect, pytest.mark.timeout(600)]
 
@@ -182,7 +183,6 @@ def test_bad_nproc_is_refused_before_any_work(tmp_path):
 def test_the_rank_worker_runs_under_torchrun(tmp_path):
     """The entry point the pipeline launches is a plain torch.distributed program (multi-machine path)."""
     import json
-    import socket
     import subprocess
     import sys
 
@@ -191,9 +191,7 @@ def test_the_rank_worker_runs_under_torchrun(tmp_path):
     config = make_config(tmp_path / "T", epochs=2, nproc=2)
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"config": config.model_dump(mode="json"), "storage_options": {}}))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     launcher += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
     done = subprocess.run(

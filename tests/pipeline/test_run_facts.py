@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from dataclasses import asdict
@@ -26,6 +25,7 @@ from ckptflow.tasks.run_state import build_run, open_store
 from ckptflow.tasks.spec import Trainable
 from tests.pipeline.helpers import REPO
 from tests.pipeline.specs import SPEC_CONFIG
+from tests.ports import free_port
 
 FACTS_SPEC = "tests.pipeline.test_run_facts:FactsSpec"
 FACTS_DIR_ENV = "CKPTFLOW_TEST_FACTS_DIR"
@@ -100,19 +100,13 @@ def test_in_the_flows_process(tmp_path):
     assert {k: metrics[k] for k in facts(7)} == facts(7, save_every=3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_on_every_rank(tmp_path):
     """Two ranks of ``python -m ckptflow.tasks.rank_worker`` (as torchrun would start them)."""
     storage = tmp_path / "store"
     config = PipelineConfig(storage=str(storage), spec=FACTS_SPEC, spec_config=SPEC_CONFIG, epochs=2, nproc=2)
     job = tmp_path / "job.json"
     job.write_text(json.dumps({"config": config.model_dump(mode="json"), "storage_options": {}}))
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank in range(2):
         env = {

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ import torch
 from ckptflow.storage import CheckpointStore, RankStateWarning, StoreOptions
 from ckptflow.storage.commit import list_dirs
 from tests.conftest import assert_same_state, tensor_bits
+from tests.ports import free_port
 
 from .dist_child import digest, make_rank_state, make_state
 
@@ -48,12 +48,6 @@ JOB_TIMEOUT = 60.0
 
 
 # -- running a job -------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -74,7 +68,7 @@ class Job:
         storage_options: dict[str, Any] | None = None,
     ) -> Job:
         out.mkdir(parents=True, exist_ok=True)
-        port = _free_port()
+        port = free_port()
         procs = []
         for rank in range(world):
             env = {
