@@ -36,7 +36,9 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
+
+from ckptflow.tasks.lifetime import command
 
 log = logging.getLogger(__name__)
 
@@ -108,25 +110,18 @@ class TemporaryApiServer:
     def _spawn(self) -> None:
         self.port = _free_port()
         self.process = subprocess.Popen(
-            [
-                *(sys.executable, "-m", "uvicorn", "--app-dir", _prefect_parent()),
+            command(  # the kernel sends SIGTERM when this process dies (PR_SET_PDEATHSIG)
+                signal.SIGTERM,
+                "uvicorn",
+                *("--app-dir", _prefect_parent()),
                 *("--factory", "prefect.server.api.server:create_app"),
-                *(
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(self.port),
-                    "--log-level",
-                    "error",
-                    "--lifespan",
-                    "on",
-                ),
-            ],
+                *("--host", "127.0.0.1", "--port", str(self.port)),
+                *("--log-level", "error", "--lifespan", "on"),
+            ),
             env={k: v for k, v in {**os.environ, **SERVER_ENV}.items() if k != "PREFECT_API_URL"},
             stdin=subprocess.DEVNULL,
             stdout=self._output,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
 
     def _wait_healthy(self, deadline: float) -> bool:
@@ -158,14 +153,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: the kernel sends SIGTERM when the parent dies (PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    libc: Any = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def start_for_cli() -> TemporaryApiServer | None:

@@ -23,10 +23,11 @@ Ending: ``close`` lets the child finish its saves and exit. An interrupted
 flow (a worker's SIGTERM, Ctrl-C) sends the child SIGTERM: it stops the epoch
 in progress, commits the save in flight and exits, and the flow waits for
 that. The child ignores SIGINT: a Ctrl-C in the terminal reaches both, and
-the flow decides.
-If the flow's process dies, the kernel kills the child (PR_SET_PDEATHSIG), as
-it would an in-process run: nothing half-written is ever committed. If the
-child dies, every waiting call fails with :class:`TrainerDiedError`.
+the flow decides; it starts with SIGINT blocked, so one that comes before it
+ignores it is dropped too. If the flow's process dies, the kernel kills the
+child (PR_SET_PDEATHSIG, :mod:`.lifetime`), as it would an in-process run:
+nothing half-written is ever committed. If the child dies, every waiting call
+fails with :class:`TrainerDiedError`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from .childenv import FLOW_RUN_ENV
+from .lifetime import blocked_in_children, die_with_parent, ignore
 
 FD_ENV = "CKPTFLOW_TRAINER_FD"
 GRACE_SECONDS = 120.0  # how long an interrupted child gets to commit the save in flight
@@ -71,13 +73,13 @@ class TrainerProcess:
         self.config: Any = None
         parent, child = socket.socketpair()
         env = {**os.environ, FD_ENV: str(child.fileno())}
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "ckptflow.tasks.trainer"],
-            stdin=subprocess.PIPE,
-            env=env,
-            pass_fds=(child.fileno(),),
-            preexec_fn=_before_exec if sys.platform == "linux" else None,
-        )
+        with blocked_in_children(signal.SIGINT):  # until the child ignores it (see main)
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "ckptflow.tasks.trainer", str(os.getpid())],
+                stdin=subprocess.PIPE,
+                env=env,
+                pass_fds=(child.fileno(),),
+            )
         child.close()
         self._conn = Connection(parent.detach())
         self._send_lock = threading.Lock()
@@ -314,16 +316,6 @@ def _remote_error(error: dict[str, Any]) -> BaseException:
     return exc
 
 
-def _before_exec() -> None:
-    """In the child, before exec: killed when the flow's process dies, as an in-process run would be;
-    deaf to Ctrl-C from the start (the flow decides, see :func:`main`)."""
-    import ctypes
-
-    libc: Any = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-
-
 # -- the child's side ----------------------------------------------------------------------------
 
 
@@ -471,7 +463,8 @@ def _warm_up() -> None:
 
 
 def main() -> int:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the flow too: it stops this process
+    die_with_parent(signal.SIGKILL, int(sys.argv[1]))  # as an in-process run dies with the flow's process
+    ignore(signal.SIGINT)  # Ctrl-C reaches the flow too: it stops this process
     job: list[bytes] = []
     reading = threading.Thread(target=lambda: job.append(sys.stdin.buffer.read()), daemon=True)
     reading.start()  # so that a large job never blocks the flow's write

@@ -320,6 +320,24 @@ def test_a_process_started_early_that_gets_no_job_ends_without_a_word(tmp_path):
     assert code_of_spare in (0, -signal.SIGTERM), code_of_spare
 
 
+def test_the_training_process_is_deaf_to_ctrl_c_from_its_start():
+    """A terminal's Ctrl-C reaches the training process too, and the flow decides. One that comes
+    before the process's main ignores SIGINT (while Python starts, or imports) ends nothing either:
+    the process starts with SIGINT blocked, and drops it when it ignores it."""
+    from ckptflow.tasks.trainer import TrainerProcess
+
+    trainer = TrainerProcess()
+    deadline = time.monotonic() + 3  # from its fork to well into its imports
+    while time.monotonic() < deadline and trainer.process.poll() is None:
+        os.kill(trainer.pid, signal.SIGINT)
+        time.sleep(0.001)
+    assert trainer.process.poll() is None, f"SIGINT ended the training process: {trainer.process.returncode}"
+    assert trainer.process.stdin is not None
+    trainer.process.stdin.close()  # no job: it exits, as a discarded process does
+    assert trainer.process.wait(120) == 0
+    trainer.close()
+
+
 FLOW_SIDE = r"""
 import json, sys
 from ckptflow.flows.train import train_pipeline
