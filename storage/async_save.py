@@ -67,9 +67,6 @@ class SaveHandle:
                 "the previous committed version is intact"
             ) from exc
 
-    def _unreported_failure(self) -> bool:
-        return self._future.done() and not self._reported and self._future.exception() is not None
-
 
 class AsyncSaver:
     def __init__(self) -> None:

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any, BinaryIO
 
 from .byteio import CHUNK, MAX_REQUEST, ReadRange, fsync_dir, read_ranges
-from .checksum import digest, new_hasher
+from .checksum import new_hasher
 from .commit import parse_version_dir, version_dir
 from .errors import (
     ArchiveNotCommittedError,
@@ -115,15 +115,6 @@ def read_member_range(src: Location, tar_name: str, entry: IndexEntry, start: in
     if length:
         _read(src, tar_name, [ReadRange(entry.offset + start, memoryview(out))], entry.name)
     return bytes(out)
-
-
-def read_member(src: Location, tar_name: str, entry: IndexEntry) -> bytes:
-    """A whole archived member (a manifest, a small shard), verified against the index."""
-    data = read_member_range(src, tar_name, entry, 0, entry.size)
-    actual = digest(data)
-    if actual != entry.checksum:
-        raise CorruptShardError(_member(src, tar_name, entry.name), expected=entry.checksum, actual=actual)
-    return data
 
 
 # -- with an index: range reads ----------------------------------------------------------------------

@@ -25,7 +25,6 @@ import tempfile
 from dataclasses import dataclass
 
 import h5py
-import numpy as np
 from h5py import h5d, h5p, h5s, h5t
 
 from .dtypes import dtype_from_name, dtype_name, storage_dtype
@@ -126,9 +125,3 @@ def _segments(f, size: int, ranges: list[tuple[int, int, int]]) -> list[Segment]
             segments.append(Segment(off, length, index))
         pos = off + length
     return segments
-
-
-def read_blob_h5(path: str, dataset: str) -> np.ndarray:
-    """Read one dataset with h5py (used by tests and tools, not by the loader)."""
-    with h5py.File(path, "r") as f:
-        return f[dataset][()]

@@ -92,11 +92,6 @@ class TarIndex(_Model):
         raw["format_version"] = max(self.format_version, SEALED_INDEX_VERSION)
         return json.dumps(seal(raw, INDEX_SEAL_KEY), indent=1, allow_nan=False).encode()
 
-    @classmethod
-    def from_json(cls, data: bytes, where: str) -> TarIndex:
-        """Parse and validate an index; ``where`` names it in error messages."""
-        return parse_index(data, where)
-
 
 def index_name(tar_name: str) -> str:
     """``epochs-000000-000009.tar`` -> ``epochs-000000-000009.index.json``."""

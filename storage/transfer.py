@@ -108,10 +108,6 @@ class TransferResult:
     skipped: bool  # True: the remote copy was already complete and verified, nothing was sent
     etag: str  # S3: the object's ETag; other filesystems: "xxh3_64:<hex>" of the bytes
 
-    @property
-    def bytes_per_second(self) -> float:
-        return self.size / self.seconds if self.seconds > 0 else float("inf")
-
 
 class TransferVerifyError(CorruptShardError):
     """A transferred copy does not match its source; the bad copy was deleted."""

@@ -45,10 +45,10 @@ from ckptflow.storage.errors import (
     ManifestError,
     UnsafeArchiveError,
 )
-from ckptflow.storage.extract import extract_version, read_member, read_member_range
+from ckptflow.storage.extract import extract_version, read_member_range
 from ckptflow.storage.location import Location, open_location
 from ckptflow.storage.manifest import seal
-from ckptflow.storage.tarindex import INDEX_SEAL_KEY
+from ckptflow.storage.tarindex import INDEX_SEAL_KEY, parse_index
 from tests.conftest import assert_same_state
 
 VERSIONS = 10
@@ -214,7 +214,7 @@ class TestIndexFile:
         with_extra = index.model_copy(update={"extra": {"manifests": {"7": {"epoch": 7}}}})
         write_index(copy, with_extra)
         assert read_index(copy, TAR) == with_extra
-        assert TarIndex.from_json(with_extra.to_json(), "here") == with_extra
+        assert parse_index(with_extra.to_json(), "here") == with_extra
         assert archive_state(copy, TAR) is ArchiveState.COMMITTED
         assert archive_state(copy, "other.tar") is None
 
@@ -365,7 +365,7 @@ class TestS3:
         assert (index.size, index.checksum) == (local_index.size, local_index.checksum)
         for m, e in zip(members, index.members, strict=True):
             data = Path(m.source).read_bytes()
-            assert read_member(fresh, TAR, e) == data
+            assert read_member_range(fresh, TAR, e, 0, e.size) == data
             assert read_member_range(fresh, TAR, e, 100, 300) == data[100:400]
         for given, out in ((index, tmp_path / "by-range"), (None, tmp_path / "by-stream")):
             written = extract_version(fresh, TAR, str(out), version_prefix="v000005/", index=given)
@@ -563,8 +563,6 @@ class TestCorruption:
         with pytest.raises(CorruptShardError, match=f"{TAR} member {victim.name}: checksum expected"):
             extract_version(copy, TAR, str(out), version_prefix="v000007", index=index if use_index else None)
         assert files_under(out) == []
-        with pytest.raises(CorruptShardError, match=victim.name):
-            read_member(copy, TAR, victim)
 
     def test_truncated_tar_fails(self, archived, tmp_path):
         copy = copy_archive(archived, tmp_path / "a")
