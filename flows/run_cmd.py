@@ -27,9 +27,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast, get_origin
 
 import typer
+
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 Opt = typer.Option
 T = TypeVar("T")
@@ -121,45 +124,13 @@ def run_command(
     verbose: Annotated[bool, Opt("--verbose", "-v", help="Show Prefect's log lines.")] = False,
 ) -> None:
     """Train with checkpoints (resuming from the newest committed one in --storage)."""
-    raw = {
-        "storage": storage,
+    options = locals()  # every option, by its parameter's name
+    parsed = {
         "storage_options": _json_object("--storage-options", storage_options),
-        "storage_secret": storage_secret,
-        "spec": spec,
         "spec_config": _json_object("--spec-config", spec_config),
-        "seed": seed,
-        "epochs": epochs,
-        "save_every": save_every,
-        "shards": shards,
-        "async_save": async_save,
-        "epoch_retries": epoch_retries,
-        "nproc": nproc,
-        "dist_backend": dist_backend,
-        "torch_threads": torch_threads,
+        "archive_target_bytes": _size(archive_size) if archive_size else None,
+        "upload_options": _json_object("--upload-options", upload_options),
         "train_process": not in_process,
-        "allow_config_change": allow_config_change,
-        "archive": {
-            "every": archive_every,
-            "target_bytes": _size(archive_size) if archive_size else None,
-            "keep_loose": keep_loose,
-            "upload_to": upload_to,
-            "upload_options": _json_object("--upload-options", upload_options),
-            "upload_secret": upload_secret,
-            "upload_versions": upload_versions,
-        },
-        "retention": {
-            "keep_last": keep_last,
-            "keep_every": keep_every,
-            "keep_best": keep_best,
-            "best_mode": best_mode,
-        },
-        "stop": {
-            "metric": stop_metric,
-            "mode": stop_mode,
-            "target": target,
-            "patience": patience,
-            "max_seconds": max_seconds,
-        },
     }
     if not verbose:
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
@@ -169,6 +140,7 @@ def run_command(
 
     from . import preflight
 
+    raw = _config_fields(PipelineConfig, {**options, **parsed})
     try:
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
@@ -184,6 +156,23 @@ def run_command(
     warmup = _warm_up_api()
     result = _run_with_progress(config, warmup, verbose=verbose)
     _print_next_steps(config, result)
+
+
+def _config_fields(model: type[BaseModel], options: dict[str, Any], section: str = "") -> dict[str, Any]:
+    """The fields of ``model`` that options give, by name: ``--seed`` gives ``seed``; a section's
+    field comes from ``<section>_<field>`` or else ``<field>`` (``--stop-metric``, ``--keep-last``)."""
+    from pydantic import BaseModel
+
+    raw: dict[str, Any] = {}
+    for name, field in model.model_fields.items():
+        kind = field.annotation
+        if get_origin(kind) is None and isinstance(kind, type) and issubclass(kind, BaseModel):
+            raw[name] = _config_fields(kind, options, name)
+            continue
+        given = [key for key in ((f"{section}_{name}", name) if section else (name,)) if key in options]
+        if given:
+            raw[name] = options[given[0]]
+    return raw
 
 
 _UNITS = {

@@ -575,3 +575,103 @@ class TestS3:
 )
 def test_the_training_process_starts_first_only_for_runs_that_use_one(args, early):
     assert trains_in_a_child(args) is early
+
+
+class TestRunOptions:
+    """``ckptflow run``'s options reach the PipelineConfig fields of their names (a section's field
+    as ``--<section>-<field>`` or ``--<field>``); the fields no option sets keep their defaults."""
+
+    # every option of `run`, by its parameter's name, with a value other than its default
+    GIVEN = {
+        "storage": ["--storage", "somewhere/else"],
+        "epochs": ["--epochs", "7"],
+        "spec": ["--spec", "tests.pipeline.specs:MarkedDigitsSpec"],
+        "spec_config": ["--spec-config", '{"hidden": 8}'],
+        "seed": ["--seed", "3"],
+        "shards": ["--shards", "2"],
+        "async_save": ["--no-async-save"],
+        "save_every": ["--save-every", "2"],
+        "archive_every": ["--archive-every", "3"],
+        "archive_size": ["--archive-size", "2MiB"],
+        "keep_loose": ["--keep-loose"],
+        "upload_to": ["--upload-to", "s3://bucket/mirror"],
+        "upload_options": ["--upload-options", '{"client_kwargs": {"region_name": "eu-west-1"}}'],
+        "upload_secret": ["--upload-secret", "aws-credentials/uploads"],
+        "upload_versions": ["--no-upload-versions"],
+        "keep_last": ["--keep-last", "4"],
+        "keep_every": ["--keep-every", "5"],
+        "keep_best": ["--keep-best", "loss"],
+        "best_mode": ["--best-mode", "max"],
+        "stop_metric": ["--stop-metric", "accuracy"],
+        "stop_mode": ["--stop-mode", "max"],
+        "target": ["--target", "0.9"],
+        "patience": ["--patience", "2"],
+        "max_seconds": ["--max-seconds", "60"],
+        "epoch_retries": ["--epoch-retries", "0"],
+        "nproc": ["--nproc", "2"],
+        "dist_backend": ["--dist-backend", "gloo"],
+        "torch_threads": ["--torch-threads", "3"],
+        "storage_options": ["--storage-options", '{"auto_mkdir": true}'],
+        "storage_secret": ["--storage-secret", "secret/store"],
+        "allow_config_change": ["--allow-config-change"],
+        "in_process": ["--in-process"],
+        "verbose": ["--verbose"],  # not a field: it also keeps this process's environment as it is
+    }
+    WANT = {
+        "storage": "somewhere/else",
+        "storage_options": {"auto_mkdir": True},
+        "storage_secret": "secret/store",
+        "spec": "tests.pipeline.specs:MarkedDigitsSpec",
+        "spec_config": {"hidden": 8},
+        "seed": 3,
+        "epochs": 7,
+        "save_every": 2,
+        "shards": 2,
+        "async_save": False,
+        "epoch_retries": 0,
+        "train_process": False,
+        "torch_threads": 3,
+        "retention": {"keep_last": 4, "keep_every": 5, "keep_best": "loss", "best_mode": "max"},
+        "stop": {"metric": "accuracy", "mode": "max", "target": 0.9, "patience": 2, "max_seconds": 60.0},
+        "archive": {
+            "every": 3,
+            "target_bytes": 2 << 20,
+            "keep_loose": True,
+            "upload_to": "s3://bucket/mirror",
+            "upload_options": {"client_kwargs": {"region_name": "eu-west-1"}},
+            "upload_secret": "aws-credentials/uploads",
+            "upload_versions": False,
+        },
+        "allow_config_change": True,
+        "nproc": 2,
+        "dist_backend": "gloo",
+    }
+
+    NO_OPTION = {"save_retries", "save_timeout_seconds", "rank_timeout_seconds", "lease_timeout_seconds"}
+
+    def test_every_option_sets_its_field(self, monkeypatch):
+        from typer.main import get_command
+
+        from ckptflow.flows import preflight
+        from ckptflow.tasks.config import PipelineConfig
+
+        class Checked(Exception):
+            """Raised by the store check with the config it got: the run goes no further."""
+
+        def check_store(config: PipelineConfig) -> None:
+            raise Checked(config)
+
+        def config_of(*args: str) -> PipelineConfig:
+            result = CliRunner().invoke(app, ["run", *args])
+            assert isinstance(result.exception, Checked), result.output
+            return result.exception.args[0]
+
+        monkeypatch.setattr(preflight, "check_store", check_store)
+        run = get_command(app).commands["run"]  # type: ignore[attr-defined]
+        assert {p.name for p in run.params} == set(self.GIVEN)
+        got = config_of(*(word for args in self.GIVEN.values() for word in args))
+        assert got == PipelineConfig.model_validate(self.WANT)
+        # the test can fail: every field an option sets differs from what it is without the option
+        plain = config_of(*self.GIVEN["storage"], *self.GIVEN["verbose"]).model_dump()
+        same = {name for name, value in got.model_dump().items() if value == plain[name]}
+        assert same == {"storage", *self.NO_OPTION}
