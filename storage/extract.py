@@ -107,16 +107,6 @@ def extract_version(
         out.discard()
 
 
-def read_member_range(src: Location, tar_name: str, entry: IndexEntry, start: int, length: int) -> bytes:
-    """``length`` bytes of an archived member from byte ``start`` of it, with one range read."""
-    if start < 0 or length < 0 or start + length > entry.size:
-        raise ValueError(f"range {start}+{length} is outside member {entry.name} ({entry.size} bytes)")
-    out = bytearray(length)
-    if length:
-        _read(src, tar_name, [ReadRange(entry.offset + start, memoryview(out))], entry.name)
-    return bytes(out)
-
-
 # -- with an index: range reads ----------------------------------------------------------------------
 
 
