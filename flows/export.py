@@ -129,10 +129,16 @@ def unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     seen: set[int] = set()
     out: dict[str, torch.Tensor] = {}
     for key, tensor in tensors.items():
-        tensor = tensor.contiguous()
-        pointer = tensor.untyped_storage().data_ptr()
-        if pointer and pointer in seen:
-            tensor = tensor.clone()
+        try:
+            tensor = tensor.contiguous()
+            pointer = tensor.untyped_storage().data_ptr()
+            if pointer and pointer in seen:
+                tensor = tensor.clone()
+        except (RuntimeError, MemoryError) as exc:  # a view far larger than its stored bytes
+            raise CheckpointError(
+                f"tensor {key} (shape {list(tensor.shape)}, {tensor.dtype}) cannot be written out "
+                f"whole: {str(exc).splitlines()[0]}"
+            ) from None
         seen.add(tensor.untyped_storage().data_ptr())
         out[key] = tensor
     return out

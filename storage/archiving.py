@@ -26,6 +26,7 @@ from .commit import version_dir
 from .errors import CheckpointError, FormatVersionError, ManifestError, UnsafeArchiveError
 from .location import Location
 from .manifest import MANIFEST_FILE, Manifest, validate_manifest
+from .manifest_checks import MAX_BYTES
 from .reader import ShardSource
 from .tarindex import INDEX_SUFFIX, TarIndex, index_name, parse_index, write_index
 
@@ -76,10 +77,15 @@ def list_archived(
     aloc = archive_location(loc)
     committed, _ = list_tarballs(loc)
     paths = [aloc.path(index_name(t)) for t in committed]
-    raw = aloc.fs.cat(paths, on_error="return") if paths else {}
+    raw = aloc.fs.cat(paths, on_error="return", start=0, end=MAX_BYTES + 1) if paths else {}
     found: dict[int, ArchivedVersion] = {}
     for tar, path in zip(committed, paths, strict=True):
         data = raw.get(path)
+        if isinstance(data, ManifestError):  # e.g. not a regular file inside the store
+            log.warning("ignoring tarball %s: %s", aloc.display(tar), data)
+            if unreadable is not None:
+                unreadable[tar] = data
+            continue
         if not isinstance(data, bytes):
             continue
         try:
@@ -88,6 +94,8 @@ def list_archived(
                 validate_manifest(m, f"{aloc.display(index_name(tar))}[{v}]")
                 for v, m in index.extra.get("manifests", {}).items()
             ]
+            for m in manifests:
+                _check_members(index, m, aloc.display(index_name(tar)))
         except (ManifestError, FormatVersionError, UnsafeArchiveError, ValueError) as exc:
             log.warning("ignoring tarball %s: %s", aloc.display(tar), exc)
             if unreadable is not None:
@@ -96,6 +104,20 @@ def list_archived(
         for m in manifests:
             found[m.version] = ArchivedVersion(m, tar, index)
     return found
+
+
+def _check_members(index: TarIndex, manifest: Manifest, where: str) -> None:
+    """Every file of an archived version is a member of its tarball, of the size its manifest says."""
+    sizes = {e.name: e.size for e in index.members}
+    vdir = version_dir(manifest.version)
+    for shard in manifest.shards:
+        name = f"{vdir}/{shard.file}"
+        if sizes.get(name) != shard.size:
+            found = "no such member" if name not in sizes else f"a member of {sizes[name]} bytes"
+            raise ManifestError(
+                f"archive index {where}: version {manifest.version}'s shard {name} ({shard.size} bytes) "
+                f"is {found} in the tarball"
+            )
 
 
 def archive_versions(loc: Location, manifests: list[Manifest], *, name: str | None = None) -> TarIndex:

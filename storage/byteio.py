@@ -19,6 +19,8 @@ import fsspec
 from fsspec.spec import AbstractBufferedFile
 
 from .checksum import new_hasher
+from .errors import CheckpointError
+from .localfs import open_regular
 
 if TYPE_CHECKING:
     import torch
@@ -49,7 +51,13 @@ def empty_bytes(nbytes: int) -> torch.Tensor:
     """A fresh uint8 tensor to read ``nbytes`` into."""
     import torch
 
-    return torch.empty(nbytes, dtype=torch.uint8)
+    try:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    except (RuntimeError, MemoryError):  # a manifest declaring more than the machine holds
+        raise CheckpointError(
+            f"cannot allocate the {nbytes} bytes a manifest declares: more than this machine can hold "
+            "(a damaged or crafted manifest? `ckptflow verify` checks it against its files)"
+        ) from None
 
 
 class Sink(Protocol):
@@ -118,7 +126,7 @@ def write_hashed(sink: Sink, data: memoryview | bytes, *hashers) -> None:
 
 def fsync_dir(path: str) -> None:
     """Make a rename or a new file in ``path`` durable (local disks only)."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
     finally:
@@ -140,7 +148,7 @@ def read_ranges(fs: fsspec.AbstractFileSystem, path: str, ranges: list[ReadRange
 
 
 def _read_local(path: str, ranges: Iterable[ReadRange]) -> None:
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         for r in ranges:
             view, pos = r.out, r.offset
@@ -163,7 +171,7 @@ def read_hashed_local(path: str, offset: int, out: memoryview) -> str:
     cache: one trip through memory instead of two (a third faster here).
     """
     hasher = new_hasher()
-    fd = os.open(path, os.O_RDONLY)
+    fd = open_regular(path)
     try:
         for start in range(0, len(out), HASH_CHUNK):
             view, pos = out[start : start + HASH_CHUNK], offset + start
@@ -223,7 +231,7 @@ def read_chunks(
     done = 0
     if local:
         buf = bytearray(min(CHUNK, max(size, 1)))
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
         try:
             while done < size:
                 n = os.preadv(fd, [memoryview(buf)[: min(len(buf), size - done)]], offset + done)

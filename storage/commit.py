@@ -45,6 +45,7 @@ from .byteio import fsync_dir
 from .errors import CheckpointError, FormatVersionError, ManifestError, VersionTakenError
 from .location import Location, bucket_missing, missing_bucket_error
 from .manifest import MANIFEST_FILE, Manifest, parse_manifest
+from .manifest_checks import MAX_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +130,8 @@ def scan(loc: Location) -> dict[int, VersionRecord]:
     dirs = list_dirs(loc)
     with_manifest = [v for v, has in dirs.items() if has]
     paths = [loc.path(version_dir(v), MANIFEST_FILE) for v in with_manifest]
-    raw = loc.fs.cat(paths, on_error="return") if paths else {}
+    # at most one byte past the limit: a huge (or sparse) manifest is refused, not read whole
+    raw = loc.fs.cat(paths, on_error="return", start=0, end=MAX_BYTES + 1) if paths else {}
     records = {v: VersionRecord(v, VersionState.WRITING) for v, has in dirs.items() if not has}
     for v in with_manifest:
         data = raw[loc.path(version_dir(v), MANIFEST_FILE)]
@@ -140,6 +142,9 @@ def scan(loc: Location) -> dict[int, VersionRecord]:
 def _record(loc: Location, version: int, data: bytes | Exception) -> VersionRecord:
     if isinstance(data, FileNotFoundError):  # vanished between listing and reading
         return VersionRecord(version, VersionState.WRITING)
+    if isinstance(data, ManifestError):  # e.g. not a regular file inside the store
+        log.warning("ignoring version %d: %s", version, data)
+        return VersionRecord(version, VersionState.UNREADABLE, error=data)
     if isinstance(data, Exception):
         raise data
     try:
@@ -158,8 +163,8 @@ def read_record(loc: Location, version: int) -> VersionRecord | None:
     """The state of one version, reading only its manifest (None: no such directory)."""
     path = loc.path(version_dir(version), MANIFEST_FILE)
     try:
-        data: bytes | Exception = loc.fs.cat_file(path)
-    except FileNotFoundError as exc:
+        data: bytes | Exception = loc.fs.cat_file(path, start=0, end=MAX_BYTES + 1)
+    except (FileNotFoundError, ManifestError) as exc:
         data = exc
     record = _record(loc, version, data)
     if record.is_writing() and not loc.fs.exists(loc.path(version_dir(version))):
@@ -402,7 +407,7 @@ def read_claim(loc: Location, version: int) -> Claim | None:
     try:
         raw = json.loads(loc.fs.cat_file(path))
         return Claim(str(raw["token"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]))
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
+    except (FileNotFoundError, ValueError, KeyError, TypeError, RecursionError, ManifestError):
         return None
 
 

@@ -117,3 +117,8 @@ class LeaseLostError(CheckpointError):
 
 class VersionTakenError(CheckpointError):
     """Another writer claimed or committed this version number while this one was saving it."""
+
+
+class UnsafeFileError(ManifestError):
+    """A file a store names is not a regular file inside the store (a symlink out of it, a FIFO,
+    a device, a directory): it is never opened. A manifest that is one makes its version unreadable."""

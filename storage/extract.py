@@ -46,6 +46,7 @@ from .errors import (
     UnsafeArchiveError,
     VersionNotFoundError,
 )
+from .localfs import open_regular
 from .location import Location, open_location
 from .manifest import MANIFEST_FILE, parse_manifest
 from .tarindex import BLOCK, IndexEntry, TarIndex, check_member_name, read_index
@@ -64,9 +65,8 @@ def extract_epoch(
     byte ranges are read; a tarball without one (made elsewhere) is read as a stream, and its
     version is taken to be numbered as the epoch. Returns (version, paths written).
     """
-    full = open_location(tar_url, storage_options)
-    parent, _, name = full.root.rpartition("/")
-    src = Location(full.url.rsplit("/", 1)[0], full.fs, parent)
+    url, slash, name = str(tar_url).rstrip("/").rpartition("/")
+    src = open_location(url or slash or ".", storage_options)  # its directory: the index is beside it
     try:
         index = read_index(src, name)
     except ArchiveNotCommittedError:
@@ -201,7 +201,7 @@ def _from_stream(src: Location, tar_name: str, prefix: str, out: _Staging) -> se
 
 def _open(src: Location, tar_name: str) -> BinaryIO:
     if src.is_local:
-        return open(src.path(tar_name), "rb", buffering=0)
+        return os.fdopen(open_regular(src.path(tar_name)), "rb", buffering=0)
     return src.fs.open(src.path(tar_name), "rb", block_size=MAX_REQUEST)
 
 

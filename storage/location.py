@@ -29,6 +29,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import StorageUnavailableError
+from .localfs import ConfinedLocalFileSystem
 
 
 def redact(url: str) -> str:
@@ -84,6 +85,8 @@ def open_location(url: str | os.PathLike[str], storage_options: dict[str, Any] |
     if scheme in S3_SCHEMES and getattr(fs, "retries", 0) > S3FS_RETRIES:
         fs.retries = S3FS_RETRIES  # s3fs's own retries on top of botocore's: bound the total
     root = root.rstrip("/") or root
+    if type(fs) is LocalFileSystem:  # a local store reads only regular files inside itself
+        fs = ConfinedLocalFileSystem(root, auto_mkdir=fs.auto_mkdir)
     if isinstance(fs, LocalFileSystem) and not urlsplit(text).scheme:
         text = root  # show plain paths absolute: messages then say where the files really are
     return Location(text, fs, root)

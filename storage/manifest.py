@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .dtypenames import itemsize
 from .errors import FormatVersionError, ManifestError
-from .manifest_checks import MAX_BYTES, check_manifest
+from .manifest_checks import MAX_BYTES, check_manifest, document_depth_problem
 
 FORMAT_NAME = "ckptflow-checkpoint"
 FORMAT_VERSION = 3  # the newest this code reads, and the one it writes
@@ -175,6 +175,9 @@ def load_versioned_json(data: bytes, where: str, *, kind: str, name: str, versio
         raise ManifestError(f"{kind} {where} is nested too deeply to be a ckptflow {kind}") from None
     if not isinstance(raw, dict) or raw.get("format") != name:
         raise ManifestError(f"{where} is not a ckptflow {kind}")
+    too_deep = document_depth_problem(raw)
+    if too_deep:
+        raise ManifestError(f"{kind} {where} is {too_deep}")
     found = raw.get("format_version")
     if not isinstance(found, int) or found > version:
         raise FormatVersionError(

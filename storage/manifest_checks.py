@@ -28,15 +28,17 @@ import re
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .dtypenames import itemsize
+from .dtypenames import NATIVE, itemsize
 from .errors import ManifestError
 from .names import is_plain_name
 
 if TYPE_CHECKING:
     from .manifest import BlobEntry, Manifest, ShardEntry, TensorEntry
 
-MAX_DEPTH = 256  # nesting of the structure; real training states are a few levels deep
+MAX_DEPTH = 64  # nesting of the structure; real training states are a few levels deep
+MAX_DOCUMENT_DEPTH = MAX_DEPTH + 16  # nesting of a whole manifest or index (a structure inside)
 MAX_BYTES = 256 << 20  # a manifest (or an index) larger than this is refused before parsing
+MAX_COUNT = 1 << 48  # a size, stride or offset in elements (or bytes) above this is not a real one
 _CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
 _TAGS = {"$tensor", "$ndarray", "$tuple", "$float", "$bytes", "$dtype", "$dict"}
 _FLOATS = {"nan", "inf", "-inf"}
@@ -44,6 +46,9 @@ _FLOATS = {"nan", "inf", "-inf"}
 
 def check_manifest(m: Manifest, where: str) -> None:
     """Raise :class:`ManifestError` for the first thing in ``m`` that cannot be trusted."""
+    for name, value in m.metrics.items():
+        if not math.isfinite(value):  # saving refuses them too; JSON output has no NaN
+            raise _fail(where, f"metrics.{name}", f"{value} is not a finite number")
     for i, shard in enumerate(m.shards):
         _check_shard(shard, f"shards[{i}]", where)
     if m.ranks and len(m.ranks) != m.world_size:
@@ -55,7 +60,7 @@ def check_manifest(m: Manifest, where: str) -> None:
             _check_blob(blob, m.shards, f"{prefix}blobs[{i}]", where)
         for i, tensor in enumerate(tensors):
             _check_tensor(tensor, blobs, f"{prefix}tensors[{i}]", where)
-        _check_structure(structure, len(tensors), f"{prefix}structure", where)
+        _check_structure(structure, [t.dtype for t in tensors], f"{prefix}structure", where)
 
 
 def _fail(where: str, field: str, problem: str) -> ManifestError:
@@ -75,8 +80,9 @@ def _check_blob(blob: BlobEntry, shards: list[ShardEntry], field: str, where: st
     width = itemsize(blob.dtype)
     if width is None:
         raise _fail(where, f"{field}.dtype", f"unknown dtype {blob.dtype!r}")
-    if any(n < 0 for n in blob.shape):
-        raise _fail(where, f"{field}.shape", f"negative size in {blob.shape}")
+    problem = _counts_problem(blob.shape)
+    if problem:
+        raise _fail(where, f"{field}.shape", f"{problem} in {blob.shape}")
     if math.prod(blob.shape) * width != blob.nbytes:
         raise _fail(
             where,
@@ -107,14 +113,17 @@ def _check_tensor(tensor: TensorEntry, blobs: list[BlobEntry], field: str, where
         raise _fail(where, f"{field}.dtype", f"unknown dtype {tensor.dtype!r}")
     if width != itemsize(blob.dtype):
         raise _fail(where, f"{field}.dtype", f"{tensor.dtype} does not match its blob's {blob.dtype}")
-    if any(n < 0 for n in tensor.shape):
-        raise _fail(where, f"{field}.shape", f"negative size in {tensor.shape}")
+    problem = _counts_problem(tensor.shape)
+    if problem:
+        raise _fail(where, f"{field}.shape", f"{problem} in {tensor.shape}")
     elements = blob.nbytes // width
     stride = tensor.stride if tensor.stride is not None else _contiguous(tensor.shape)
-    if len(stride) != len(tensor.shape) or any(s < 0 for s in stride):
+    if len(stride) != len(tensor.shape) or _counts_problem(stride):
         raise _fail(where, f"{field}.stride", f"{stride} does not fit shape {tensor.shape}")
-    if tensor.offset < 0:
-        raise _fail(where, f"{field}.offset", f"negative offset {tensor.offset}")
+    if tensor.offset < 0 or tensor.offset > elements:
+        raise _fail(where, f"{field}.offset", f"offset {tensor.offset} is outside a blob of {elements}")
+    if math.prod(tensor.shape) > MAX_COUNT:
+        raise _fail(where, f"{field}.shape", f"{tensor.shape} holds more than {MAX_COUNT} elements")
     if math.prod(tensor.shape) == 0:
         return
     last = tensor.offset + sum((n - 1) * s for n, s in zip(tensor.shape, stride, strict=True))
@@ -127,6 +136,15 @@ def _check_tensor(tensor: TensorEntry, blobs: list[BlobEntry], field: str, where
         )
 
 
+def _counts_problem(counts: list[int]) -> str | None:
+    """Why a shape or stride cannot be a real one (None: it can)."""
+    if any(n < 0 for n in counts):
+        return "a negative number"
+    if any(n > MAX_COUNT for n in counts) or math.prod(counts) > MAX_COUNT:
+        return f"a number above {MAX_COUNT}"
+    return None
+
+
 def _contiguous(shape: list[int]) -> list[int]:
     stride, step = [], 1
     for n in reversed(shape):
@@ -135,7 +153,7 @@ def _contiguous(shape: list[int]) -> list[int]:
     return stride[::-1]
 
 
-def _check_structure(structure: Any, tensors: int, field: str, where: str) -> None:
+def _check_structure(structure: Any, dtypes: list[str], field: str, where: str) -> None:
     for node, depth in _walk(structure):
         if depth > MAX_DEPTH:
             raise _fail(where, field, f"nested deeper than {MAX_DEPTH} levels")
@@ -144,17 +162,21 @@ def _check_structure(structure: Any, tensors: int, field: str, where: str) -> No
         ((tag, payload),) = node.items()
         if not tag.startswith("$"):
             continue
-        problem = _tag_problem(tag, payload, tensors)
+        problem = _tag_problem(tag, payload, dtypes)
         if problem:
             raise _fail(where, field, problem)
 
 
-def _tag_problem(tag: str, payload: Any, tensors: int) -> str | None:
+def _tag_problem(tag: str, payload: Any, dtypes: list[str]) -> str | None:
     if tag not in _TAGS:
         return f"unknown tag {tag!r}"
     if tag in ("$tensor", "$ndarray"):
-        ok = isinstance(payload, int) and not isinstance(payload, bool) and 0 <= payload < tensors
-        return None if ok else f"{tag} {payload!r} is not one of the {tensors} tensors"
+        ok = isinstance(payload, int) and not isinstance(payload, bool) and 0 <= payload < len(dtypes)
+        if not ok:
+            return f"{tag} {payload!r} is not one of the {len(dtypes)} tensors"
+        if tag == "$ndarray" and dtypes[payload] not in NATIVE:
+            return f"$ndarray {payload} is a {dtypes[payload]} tensor, which numpy cannot hold"
+        return None
     if tag == "$float":
         return None if payload in _FLOATS else f"$float {payload!r} is not nan, inf or -inf"
     if tag == "$dtype":
@@ -168,7 +190,36 @@ def _tag_problem(tag: str, payload: Any, tensors: int) -> str | None:
     if tag == "$tuple":
         return None if isinstance(payload, list) else "$tuple is not a list"
     pairs = isinstance(payload, list) and all(isinstance(p, list) and len(p) == 2 for p in payload)
-    return None if pairs else "$dict is not a list of [key, value] pairs"
+    if not pairs:
+        return "$dict is not a list of [key, value] pairs"
+    bad = next((k for k, _ in payload if not _is_key(k)), None)
+    return None if bad is None else f"$dict key {bad!r} is not a number, string, None or tuple of them"
+
+
+def _is_key(key: Any) -> bool:
+    """Whether ``key`` decodes to a hashable dict key: a scalar, or a tagged float, dtype, bytes,
+    or a tuple of keys."""
+    stack = [key]
+    while stack:
+        node = stack.pop()
+        if node is None or isinstance(node, (str, int, float)):
+            continue
+        if not isinstance(node, dict) or len(node) != 1:
+            return False
+        ((tag, payload),) = node.items()
+        if tag == "$tuple" and isinstance(payload, list):
+            stack.extend(payload)
+        elif tag not in ("$float", "$dtype", "$bytes"):
+            return False
+    return True
+
+
+def document_depth_problem(raw: Any) -> str | None:
+    """Why a whole JSON document is nested too deeply to be read safely (None: it is not)."""
+    deepest = max((depth for _, depth in _walk(raw)), default=0)
+    if deepest > MAX_DOCUMENT_DEPTH:
+        return f"nested {deepest} levels deep, more than the {MAX_DOCUMENT_DEPTH} allowed"
+    return None
 
 
 def _walk(root: Any) -> Iterator[tuple[Any, int]]:

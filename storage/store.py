@@ -41,6 +41,7 @@ from .lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
 from .lease import LEASE_FILE, StoreLease
 from .location import open_location, probe, translate_errors
 from .manifest import Manifest
+from .manifest_checks import MAX_BYTES, document_depth_problem
 from .reader import read_blobs
 from .retention import PrunePlan, RetentionPolicy
 from .tarindex import TarIndex
@@ -492,13 +493,22 @@ class CheckpointStore:
         path = self.loc.path(_meta_name(name))
         with translate_errors(self.loc, "reading"):
             try:
-                data = self.loc.fs.cat_file(path)
+                data = self.loc.fs.cat_file(path, start=0, end=MAX_BYTES + 1)
             except FileNotFoundError:
                 return None
+        where = self.loc.display(name)
+        if len(data) > MAX_BYTES:
+            raise ManifestError(f"{where} is more than {MAX_BYTES} bytes; refused")
         try:
-            return json.loads(data)
+            value = json.loads(data)
         except ValueError as exc:
-            raise ManifestError(f"{self.loc.display(name)} is not valid JSON: {exc}") from None
+            raise ManifestError(f"{where} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise ManifestError(f"{where} is nested too deeply; refused") from None
+        too_deep = document_depth_problem(value)
+        if too_deep:
+            raise ManifestError(f"{where} is {too_deep}; refused")
+        return value
 
     def write_json(self, name: str, value: Any) -> None:
         """Store a JSON document beside the versions, atomically."""

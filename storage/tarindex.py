@@ -37,6 +37,7 @@ from .errors import (
 )
 from .location import Location
 from .manifest import check_seal, load_versioned_json, seal, validation_problems
+from .manifest_checks import MAX_BYTES
 from .names import relative_name_problem
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ class TarIndex(_Model):
         for e in self.members:
             if e.name == name:
                 return e
-        raise KeyError(f"{self.tar} has no member {name!r}")
+        raise ManifestError(f"archive index of {self.tar} has no member {name!r}")
 
     def under(self, prefix: str) -> list[IndexEntry]:
         """Members whose name starts with ``prefix`` (e.g. ``"v000007/"``), in tar order."""
@@ -159,7 +160,7 @@ def read_index(loc: Location, tar_name: str) -> TarIndex:
     """The index of the tarball ``loc/tar_name``; ArchiveNotCommittedError when it has none."""
     name = index_name(tar_name)
     try:
-        data = loc.fs.cat_file(loc.path(name))
+        data = loc.fs.cat_file(loc.path(name), start=0, end=MAX_BYTES + 1)
     except FileNotFoundError:
         raise ArchiveNotCommittedError(
             f"tarball {loc.display(tar_name)} has no index {name}: it was never committed (archiving "

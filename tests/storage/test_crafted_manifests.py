@@ -60,6 +60,13 @@ def _deep(levels: int) -> Edit:
     return edit
 
 
+def _bfloat16_ndarray(m: dict[str, Any]) -> None:
+    """The 16-byte tensor ``w`` as 8 bfloat16s, marked a numpy array (numpy has no bfloat16)."""
+    m["blobs"][0].update(dtype="bfloat16", shape=[8])
+    m["tensors"][0].update(dtype="bfloat16", shape=[8], stride=[1])
+    m["structure"]["w"] = {"$ndarray": 0}
+
+
 CRAFTED: dict[str, tuple[Edit, str]] = {
     "shard outside the store": (_set("shards.0.file", "../../../../../etc/passwd"), "shards[0].file"),
     "absolute shard path": (_set("shards.0.file", "/etc/passwd"), "shards[0].file"),
@@ -85,7 +92,14 @@ CRAFTED: dict[str, tuple[Edit, str]] = {
     "unknown tag": (_set("structure.x", {"$evil": 1}), "structure"),
     "float tag not a float": (_set("structure.x", {"$float": "1e999"}), "structure"),
     "unknown dtype value": (_set("structure.x", {"$dtype": "float128"}), "structure"),
-    "structure deeper than allowed": (_deep(400), "structure"),
+    "structure deeper than allowed": (_deep(70), "structure"),
+    "user data nested too deeply": (_set("user", json.loads("[" * 200 + "]" * 200)), "nested 200 levels"),
+    "shape past any real size": (_set("blobs.0.shape", [0, 10**30]), "blobs[0].shape"),
+    "empty view far past its blob": (_set("tensors.0.offset", 10**30), "tensors[0].offset"),
+    "stride past any real size": (_set("tensors.0.stride", [10**30]), "tensors[0].stride"),
+    "unhashable dict key": (_set("structure.x", {"$dict": [[[[1]], 2]]}), "$dict key"),
+    "dict key that is an object": (_set("structure.x", {"$dict": [[{"a": 1}, 2]]}), "$dict key"),
+    "ndarray of a dtype numpy lacks": (_bfloat16_ndarray, "numpy cannot hold"),
 }
 
 

@@ -1,0 +1,212 @@
+"""A store's files may be hostile as files, not only as contents: a symlink out of the store, a
+FIFO, a directory, a sparse giant, a tar index naming members the tarball lacks.
+
+Before storage/localfs.py, a manifest or shard symlinked to a file outside the store was read
+(``verify`` said ok on a shard linked to a copy elsewhere); a FIFO manifest hung listing, a FIFO
+shard hung ``load``; a directory manifest made ``versions()`` raise IsADirectoryError; an archived
+manifest naming a file its tarball lacks raised KeyError; ``ls --json`` printed NaN (not JSON);
+a view far larger than its stored bytes crashed ``restore --format safetensors`` with a raw
+allocation error. Each case now refuses only the version concerned, with a CheckpointError.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptflow.storage import CheckpointError, CheckpointStore, ManifestError, StoreOptions
+from ckptflow.storage.errors import UnsafeFileError
+from ckptflow.storage.manifest import SEAL_KEY, seal
+from tests.test_cli import invoke
+
+STATE_1 = {"w": torch.arange(4, dtype=torch.float32)}
+STATE_2 = {"w": torch.arange(4, dtype=torch.float32) + 1}
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> CheckpointStore:
+    s = CheckpointStore(tmp_path / "store", options=StoreOptions(shards=1))
+    s.save(STATE_1, epoch=1)
+    s.save(STATE_2, epoch=2)
+    return s
+
+
+def vdir(store: CheckpointStore, version: int) -> Path:
+    return Path(store.loc.root) / f"v{version:06d}"
+
+
+def shard(store: CheckpointStore, version: int) -> Path:
+    [found] = vdir(store, version).glob("*.h5")
+    return found
+
+
+def assert_only_version_1_is_listed(store: CheckpointStore) -> None:
+    assert [v.version for v in store.versions()] == [1]
+    assert torch.equal(store.load(1)["w"], STATE_1["w"])
+
+
+def edit_manifest(store: CheckpointStore, version: int, edit: Any) -> None:
+    path = vdir(store, version) / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit(manifest)
+    path.write_text(json.dumps(seal(manifest, SEAL_KEY)))
+
+
+class TestSymlinksOutOfTheStore:
+    def test_a_manifest_linked_outside_is_never_read(self, store: CheckpointStore, tmp_path: Path) -> None:
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        manifest = vdir(store, 2) / "manifest.json"
+        shutil.copy(manifest, outside / "manifest.json")
+        manifest.unlink()
+        manifest.symlink_to(outside / "manifest.json")
+        assert_only_version_1_is_listed(store)
+        with pytest.raises(UnsafeFileError, match="outside the store"):
+            store.load(2)
+
+    def test_a_version_directory_linked_outside_is_never_read(
+        self, store: CheckpointStore, tmp_path: Path
+    ) -> None:
+        outside = tmp_path / "elsewhere"
+        shutil.move(vdir(store, 2), outside)
+        vdir(store, 2).symlink_to(outside)
+        assert_only_version_1_is_listed(store)
+        with pytest.raises(CheckpointError):
+            store.load(2)
+
+    @pytest.mark.parametrize("verify", [True, False])
+    def test_a_shard_linked_to_a_copy_outside_is_refused(
+        self, store: CheckpointStore, tmp_path: Path, verify: bool
+    ) -> None:
+        """The copy outside has the right bytes: checksums alone would pass it."""
+        copy = tmp_path / "copy.h5"
+        shutil.copy(shard(store, 2), copy)
+        shard(store, 2).unlink()
+        (vdir(store, 2) / copy.name).symlink_to(copy)
+        edit_manifest(store, 2, lambda m: m["shards"][0].update(file=copy.name))
+        with pytest.raises(UnsafeFileError, match=r"symlink|outside the store"):
+            store.load(2, verify=verify)
+        with pytest.raises(CheckpointError):
+            store.verify(2)
+        result = invoke("verify", store.loc.root, "--version", "2")
+        assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+class TestSpecialFiles:
+    def test_a_fifo_manifest_does_not_hang_listing(self, store: CheckpointStore) -> None:
+        manifest = vdir(store, 2) / "manifest.json"
+        manifest.unlink()
+        os.mkfifo(manifest)
+        found: list[Any] = []
+        lister = threading.Thread(target=lambda: found.append(store.versions()), daemon=True)
+        lister.start()
+        lister.join(30)
+        if lister.is_alive():  # release the reader blocked in open(): the bug
+            os.close(os.open(manifest, os.O_WRONLY | os.O_NONBLOCK))
+            lister.join(5)
+            pytest.fail("listing a store with a FIFO manifest hung")
+        assert [v.version for v in found[0]] == [1]
+
+    def test_a_fifo_shard_does_not_hang_load(self, store: CheckpointStore) -> None:
+        path = shard(store, 2)
+        path.unlink()
+        os.mkfifo(path)
+        outcome: list[BaseException | None] = []
+
+        def load() -> None:
+            try:
+                store.load(2, verify=False)
+                outcome.append(None)
+            except BaseException as exc:
+                outcome.append(exc)
+
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        loader.join(30)
+        if loader.is_alive():
+            os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+            loader.join(5)
+            pytest.fail("loading a version whose shard is a FIFO hung")
+        assert isinstance(outcome[0], UnsafeFileError), outcome
+        assert "FIFO" in str(outcome[0])
+
+    def test_a_directory_manifest_makes_its_version_unreadable(self, store: CheckpointStore) -> None:
+        manifest = vdir(store, 2) / "manifest.json"
+        manifest.unlink()
+        manifest.mkdir()
+        assert_only_version_1_is_listed(store)
+
+    def test_a_directory_shard_is_refused(self, store: CheckpointStore) -> None:
+        path = shard(store, 2)
+        path.unlink()
+        path.mkdir()
+        with pytest.raises(UnsafeFileError, match="directory"):
+            store.load(2, verify=False)
+
+    def test_a_sparse_giant_manifest_is_refused_unread(self, store: CheckpointStore) -> None:
+        manifest = vdir(store, 2) / "manifest.json"
+        os.truncate(manifest, 12 << 30)  # 12 GiB of holes: read whole, it would exhaust memory
+        assert_only_version_1_is_listed(store)
+        with pytest.raises(ManifestError, match="more than"):
+            store.load(2)
+
+
+class TestArchives:
+    def test_an_archived_manifest_naming_a_missing_member_makes_its_tarball_unreadable(
+        self, store: CheckpointStore
+    ) -> None:
+        from ckptflow.storage.tarindex import INDEX_SEAL_KEY
+
+        store.archive([1, 2])
+        store.drop_loose([1, 2])
+        [index] = (Path(store.loc.root) / "archive").glob("*.index.json")
+        raw = json.loads(index.read_text())
+        raw["extra"]["manifests"]["1"]["shards"][0]["file"] = "other.h5"  # the index's seal covers it
+        index.write_text(json.dumps(seal(raw, INDEX_SEAL_KEY)))
+        assert store.versions() == []
+        assert "v000001/other.h5" in str(store.survey().bad_archives)
+        with pytest.raises(CheckpointError, match=r"index\.json cannot be read.*--reindex"):
+            store.load(1)
+        result = invoke("verify", store.loc.root, "--all")
+        assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+class TestOutput:
+    def test_a_crafted_nan_metric_makes_its_version_unreadable_and_ls_json_stays_json(
+        self, store: CheckpointStore
+    ) -> None:
+        """Saving refuses non-finite metrics; a manifest holding one made ``ls --json`` print NaN."""
+        path = vdir(store, 2) / "manifest.json"
+        manifest = json.loads(path.read_text())
+        del manifest[SEAL_KEY]  # format 2, written before the seal, is still read
+        manifest.update(format_version=2, metrics={"loss": float("nan")})
+        path.write_text(json.dumps(manifest))
+        result = invoke("ls", store.loc.root, "--json")
+        assert result.exit_code == 0, result.output
+
+        def refuse(constant: str) -> None:
+            raise ValueError(f"not JSON: {constant}")
+
+        document = json.loads(result.stdout, parse_constant=refuse)
+        assert [v["version"] for v in document["versions"]] == [1]
+        assert "metrics.loss" in document["unreadable"][0]["error"]
+
+    def test_a_view_too_big_to_write_out_fails_restore_in_one_line(
+        self, store: CheckpointStore, tmp_path: Path
+    ) -> None:
+        """A stride-0 view of 10**13 elements over 4 stored ones: valid, but not writable whole."""
+        edit_manifest(store, 2, lambda m: m["tensors"][0].update(shape=[10**13], stride=[0]))
+        out = tmp_path / "r.safetensors"
+        result = invoke(
+            "restore", store.loc.root, "--version", "2", "--format", "safetensors", "--out", str(out)
+        )
+        assert result.exit_code == 1, result.output
+        assert "Traceback" not in result.output and "cannot be written out whole" in result.output
+        assert not out.exists()
