@@ -25,7 +25,7 @@ from .checksum import digest
 from .commit import version_dir
 from .errors import CheckpointError, FormatVersionError, ManifestError, UnsafeArchiveError
 from .location import Location
-from .manifest import MANIFEST_FILE, Manifest, validate_manifest
+from .manifest import MANIFEST_FILE, Manifest
 from .manifest_checks import MAX_BYTES
 from .reader import ShardSource
 from .tarindex import INDEX_SUFFIX, TarIndex, index_name, parse_index, write_index
@@ -90,10 +90,7 @@ def list_archived(
             continue
         try:
             index = parse_index(data, aloc.display(index_name(tar)))
-            manifests = [
-                validate_manifest(m, f"{aloc.display(index_name(tar))}[{v}]")
-                for v, m in index.extra.get("manifests", {}).items()
-            ]
+            manifests = list(index.manifests(aloc.display(index_name(tar))).values())
             for m in manifests:
                 _check_members(index, m, aloc.display(index_name(tar)))
         except (ManifestError, FormatVersionError, UnsafeArchiveError, ValueError) as exc:

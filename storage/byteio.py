@@ -142,13 +142,13 @@ class ReadRange:
 def read_ranges(fs: fsspec.AbstractFileSystem, path: str, ranges: list[ReadRange], *, local: bool) -> None:
     """Fill each range's buffer with the file's bytes at its offset."""
     if local:
-        _read_local(path, ranges)
+        _read_local(fs, path, ranges)
     else:
         _read_remote(fs, path, ranges)
 
 
-def _read_local(path: str, ranges: Iterable[ReadRange]) -> None:
-    fd = open_regular(path)
+def _read_local(fs: fsspec.AbstractFileSystem, path: str, ranges: Iterable[ReadRange]) -> None:
+    fd = open_regular(path, fs)
     try:
         for r in ranges:
             view, pos = r.out, r.offset
@@ -164,14 +164,14 @@ def _read_local(path: str, ranges: Iterable[ReadRange]) -> None:
 HASH_CHUNK = 1 << 20  # read-and-hash step: small enough that the hash reads the bytes from the CPU cache
 
 
-def read_hashed_local(path: str, offset: int, out: memoryview) -> str:
+def read_hashed_local(fs: fsspec.AbstractFileSystem, path: str, offset: int, out: memoryview) -> str:
     """Fill ``out`` with the file's bytes at ``offset`` and return their xxh3-64, in one pass.
 
     Each chunk is hashed right after it is read, while it is still in the CPU
     cache: one trip through memory instead of two (a third faster here).
     """
     hasher = new_hasher()
-    fd = open_regular(path)
+    fd = open_regular(path, fs)
     try:
         for start in range(0, len(out), HASH_CHUNK):
             view, pos = out[start : start + HASH_CHUNK], offset + start
@@ -231,7 +231,7 @@ def read_chunks(
     done = 0
     if local:
         buf = bytearray(min(CHUNK, max(size, 1)))
-        fd = open_regular(path)
+        fd = open_regular(path, fs)
         try:
             while done < size:
                 n = os.preadv(fd, [memoryview(buf)[: min(len(buf), size - done)]], offset + done)

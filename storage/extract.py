@@ -71,17 +71,17 @@ def extract_epoch(
         index = read_index(src, name)
     except ArchiveNotCommittedError:
         index = None  # a tar made elsewhere: scan it, and trust the version's own manifest
-    version = _version_of_epoch(index, epoch) if index is not None else epoch
+    version = _version_of_epoch(index, epoch, src.display(name)) if index is not None else epoch
     written = extract_version(src, name, out_dir, version_prefix=f"{version_dir(version)}/", index=index)
     return version, written
 
 
-def _version_of_epoch(index: TarIndex, epoch: int) -> int:
-    manifests = index.extra.get("manifests", {})
+def _version_of_epoch(index: TarIndex, epoch: int, where: str) -> int:
+    manifests = index.manifests(where)
     for version, manifest in manifests.items():
-        if manifest.get("epoch") == epoch:
-            return int(version)
-    epochs = sorted(m.get("epoch") for m in manifests.values() if m.get("epoch") is not None)
+        if manifest.epoch == epoch:
+            return version
+    epochs = sorted(m.epoch for m in manifests.values() if m.epoch is not None)
     raise CheckpointError(f"{index.tar} holds no epoch {epoch} (epochs: {', '.join(map(str, epochs))})")
 
 
@@ -201,7 +201,7 @@ def _from_stream(src: Location, tar_name: str, prefix: str, out: _Staging) -> se
 
 def _open(src: Location, tar_name: str) -> BinaryIO:
     if src.is_local:
-        return os.fdopen(open_regular(src.path(tar_name)), "rb", buffering=0)
+        return os.fdopen(open_regular(src.path(tar_name), src.fs), "rb", buffering=0)
     return src.fs.open(src.path(tar_name), "rb", block_size=MAX_REQUEST)
 
 

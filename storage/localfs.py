@@ -10,8 +10,8 @@ byte:
   :class:`~.location.Location`: a path (symlinks resolved) must lie inside the
   store's root, and one opened for reading must be a regular file;
 - :func:`open_regular`, the raw ``os.open`` of the fast read paths
-  (``preadv``): no symlink as the last component, no blocking open, and a
-  regular file or nothing.
+  (``preadv``): the same check given the store's filesystem, then no symlink as
+  the last component, no blocking open, and a regular file or nothing.
 
 Both raise :class:`~.errors.UnsafeFileError` (a :class:`~.errors.ManifestError`:
 a manifest that is one leaves its version unreadable, the others unharmed).
@@ -44,8 +44,11 @@ def _refuse_special(path: str, mode: int) -> None:
         raise UnsafeFileError(f"{path} is {kind}, not a regular file; refused")
 
 
-def open_regular(path: str) -> int:
-    """A read-only descriptor of the regular file ``path`` (not a symlink, FIFO, device or directory)."""
+def open_regular(path: str, fs: Any = None) -> int:
+    """A read-only descriptor of the regular file ``path`` (not a symlink, FIFO, device or directory);
+    with a store's ``fs``, also one inside the store (a directory on the way may not lead out)."""
+    if isinstance(fs, ConfinedLocalFileSystem):
+        fs.check(path, reading=True)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as exc:

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .byteio import MAX_REQUEST, ReadRange, coalesce, empty_bytes, read_hashed_local, read_ranges
 from .checksum import digest
@@ -86,7 +86,7 @@ def read_blobs(
         ]
         jobs.extend(partial(_read_job, loc, source, batch) for batch in _batches(ranges, loc.is_local))
     for group in _spread(fused, manifest, threads):
-        jobs.append(partial(_read_and_check, sources, manifest, group, out))
+        jobs.append(partial(_read_and_check, loc.fs, sources, manifest, group, out))
     _parallel(threads, jobs)
     if verify:
         _parallel(threads, [partial(_check_blob, sources, manifest, i, out[i]) for i in rest])
@@ -107,7 +107,7 @@ def _spread(blobs: list[int], manifest: Manifest, bins: int) -> list[list[int]]:
 
 
 def _read_and_check(
-    sources: list[ShardSource], manifest: Manifest, blobs: list[int], out: dict[int, torch.Tensor]
+    fs: Any, sources: list[ShardSource], manifest: Manifest, blobs: list[int], out: dict[int, torch.Tensor]
 ) -> None:
     for i in blobs:
         blob = manifest.blobs[i]
@@ -115,7 +115,7 @@ def _read_and_check(
         offset = _offset(source, blob.offset)
         assert offset is not None
         with _shard_errors(source):
-            actual = read_hashed_local(source.path, offset, out[i].numpy().data)
+            actual = read_hashed_local(fs, source.path, offset, out[i].numpy().data)
         if actual != blob.checksum:
             raise CorruptShardError(
                 f"{source.name} (dataset {blob.dataset})", expected=blob.checksum, actual=actual

@@ -36,7 +36,7 @@ from .errors import (
     UnsafeArchiveError,
 )
 from .location import Location
-from .manifest import check_seal, load_versioned_json, seal, validation_problems
+from .manifest import Manifest, check_seal, load_versioned_json, seal, validate_manifest, validation_problems
 from .manifest_checks import MAX_BYTES
 from .names import relative_name_problem
 
@@ -77,6 +77,22 @@ class TarIndex(_Model):
             if e.name == name:
                 return e
         raise ManifestError(f"archive index of {self.tar} has no member {name!r}")
+
+    def manifests(self, where: str) -> dict[int, Manifest]:
+        """The archived manifests (``extra.manifests``), each fully checked and keyed by its own
+        version; ManifestError naming the index for anything else."""
+        raw = self.extra.get("manifests", {})
+        if not isinstance(raw, dict):
+            raise ManifestError(f"archive index {where}: extra.manifests is not an object")
+        found: dict[int, Manifest] = {}
+        for key, value in raw.items():
+            manifest = validate_manifest(value, f"{where}[{key}]")
+            if key != str(manifest.version):
+                raise ManifestError(
+                    f"archive index {where}: the manifest under {key!r} is version {manifest.version}"
+                )
+            found[manifest.version] = manifest
+        return found
 
     def under(self, prefix: str) -> list[IndexEntry]:
         """Members whose name starts with ``prefix`` (e.g. ``"v000007/"``), in tar order."""

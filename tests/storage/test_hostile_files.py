@@ -177,6 +177,58 @@ class TestArchives:
         result = invoke("verify", store.loc.root, "--all")
         assert result.exit_code == 1 and "Traceback" not in result.output
 
+    @staticmethod
+    def archived(store: CheckpointStore) -> Path:
+        store.archive([1, 2])
+        store.drop_loose([1, 2])
+        [index] = (Path(store.loc.root) / "archive").glob("*.index.json")
+        return index
+
+    @pytest.mark.parametrize(
+        "manifests",
+        [[], None, {"1": 5}, "version 5 under key 1"],
+        ids=["a list", "null", "not an object", "another version"],
+    )
+    def test_archived_manifests_of_the_wrong_shape_make_the_index_unreadable(
+        self, store: CheckpointStore, tmp_path: Path, manifests: Any
+    ) -> None:
+        from ckptflow.storage.tarindex import INDEX_SEAL_KEY
+
+        index = self.archived(store)
+        raw = json.loads(index.read_text())
+        if manifests == "version 5 under key 1":
+            raw["extra"]["manifests"]["1"]["version"] = 5
+        else:
+            raw["extra"]["manifests"] = manifests
+        index.write_text(json.dumps(seal(raw, INDEX_SEAL_KEY)))
+        assert store.versions() == []
+        [error] = store.survey().bad_archives.values()
+        assert any(what in str(error) for what in ("extra.manifests", "[1]", "under '1'")), error
+        for args in (["verify", store.loc.root, "--all"], ["ls", store.loc.root]):
+            result = invoke(*args)
+            assert "Traceback" not in result.output, args
+        tar = next(index.parent.glob("*.tar"))
+        result = invoke("extract", str(tar), "--epoch", "1", "--out", str(tmp_path / "out"))
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+
+    @pytest.mark.parametrize("what", ["the tarball", "the archive directory"])
+    def test_archives_linked_outside_are_never_read(
+        self, store: CheckpointStore, tmp_path: Path, what: str
+    ) -> None:
+        index = self.archived(store)
+        adir = index.parent
+        if what == "the tarball":
+            tar = next(adir.glob("*.tar"))
+            shutil.move(tar, tmp_path / tar.name)
+            tar.symlink_to(tmp_path / tar.name)
+        else:
+            shutil.move(adir, tmp_path / "archive")
+            adir.symlink_to(tmp_path / "archive")
+        with pytest.raises(CheckpointError):
+            store.load(1)
+        result = invoke("verify", store.loc.root, "--all")
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+
 
 class TestOutput:
     def test_a_crafted_nan_metric_makes_its_version_unreadable_and_ls_json_stays_json(
