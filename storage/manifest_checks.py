@@ -214,9 +214,14 @@ def _is_key(key: Any) -> bool:
     return True
 
 
+def json_depth(value: Any) -> int:
+    """How deeply a JSON value nests (a scalar: 0), without recursion."""
+    return max((depth for _, depth in _walk(value)), default=0)
+
+
 def document_depth_problem(raw: Any) -> str | None:
     """Why a whole JSON document is nested too deeply to be read safely (None: it is not)."""
-    deepest = max((depth for _, depth in _walk(raw)), default=0)
+    deepest = json_depth(raw)
     if deepest > MAX_DOCUMENT_DEPTH:
         return f"nested {deepest} levels deep, more than the {MAX_DOCUMENT_DEPTH} allowed"
     return None

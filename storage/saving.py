@@ -31,12 +31,19 @@ from .catalog import archived_for_writing
 from .checksum import ALGORITHM
 from .commit import version_dir
 from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
-from .errors import CheckpointError, RankFailedError, VersionExistsError, VersionTakenError
+from .errors import (
+    CheckpointError,
+    RankFailedError,
+    UnsupportedValueError,
+    VersionExistsError,
+    VersionTakenError,
+)
 from .housekeeping import last_change
 from .info import StoreOptions, VersionInfo
 from .lease import DEFAULT_TIMEOUT, StoreLease, pid_alive, read_lease
 from .location import Location, translate_errors
 from .manifest import RANKS_FORMAT_VERSION, Manifest, TensorEntry, clean_metrics, utc_now, writer_versions
+from .manifest_checks import MAX_DOCUMENT_DEPTH, json_depth
 from .planner import Blob, SavePlan, plan_blobs, plan_save
 from .structure import encode
 
@@ -108,6 +115,10 @@ class VersionWriter:
     ) -> SaveJob:
         try:
             structure, leaves = encode(state)  # raises on unsupported values, before any I/O
+            if json_depth(user) >= MAX_DOCUMENT_DEPTH:  # a reader would refuse the manifest
+                raise UnsupportedValueError(
+                    "user", f"the metadata nests more than the {MAX_DOCUMENT_DEPTH - 1} levels it may hold"
+                )
             ranked: RankPlan | None = None
             if self.group is None and rank_state is None:
                 plan = plan_save(leaves, shards=self.options.shards)

@@ -33,6 +33,7 @@ import torch
 
 from .dtypes import SUPPORTED, dtype_from_name, dtype_name
 from .errors import UnsupportedValueError
+from .manifest_checks import MAX_DEPTH, json_depth
 
 Json = Any
 
@@ -58,7 +59,16 @@ def encode(state: object) -> tuple[Json, list[Leaf]]:
     value that cannot be stored; nothing has been written at that point.
     """
     leaves: list[Leaf] = []
-    return _encode(state, "", leaves, set()), leaves
+    try:
+        structure = _encode(state, "", leaves, set())
+        depth = json_depth(structure)
+    except RecursionError:
+        depth = MAX_DEPTH + 1
+    if depth > MAX_DEPTH:  # a reader would refuse it: refuse it now, before anything is written
+        raise UnsupportedValueError(
+            "", f"the state nests more than the {MAX_DEPTH} levels a checkpoint may hold; flatten it"
+        )
+    return structure, leaves
 
 
 def _encode(value: object, path: str, leaves: list[Leaf], active: set[int]) -> Json:

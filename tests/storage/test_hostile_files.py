@@ -262,3 +262,38 @@ class TestOutput:
         assert result.exit_code == 1, result.output
         assert "Traceback" not in result.output and "cannot be written out whole" in result.output
         assert not out.exists()
+
+
+class TestWhatIsWrittenCanBeRead:
+    """The reader's limits hold at save time too: before, a state nested 70 levels deep saved
+    fine and then was unreadable (so was one over 1,000 levels, with a raw RecursionError)."""
+
+    @staticmethod
+    def nested(levels: int) -> dict[str, Any]:
+        state: dict[str, Any] = {"w": torch.ones(2)}
+        node = state
+        for _ in range(levels):
+            node["n"] = {}
+            node = node["n"]
+        return state
+
+    def test_a_state_the_reader_would_refuse_is_refused_before_writing(self, tmp_path: Path) -> None:
+        from ckptflow.storage import UnsupportedValueError
+
+        store = CheckpointStore(tmp_path / "store")
+        for levels in (70, 5000):
+            with pytest.raises(UnsupportedValueError, match="nests more than"):
+                store.save(self.nested(levels), epoch=1)
+        with pytest.raises(UnsupportedValueError, match="metadata nests"):
+            store.save({"w": torch.ones(2)}, epoch=1, user={"a": self.nested(100)["n"]})
+        assert list(Path(store.loc.root).glob("v*")) == []
+
+    def test_a_state_at_the_limit_saves_loads_shows_and_archives(self, tmp_path: Path) -> None:
+        store = CheckpointStore(tmp_path / "store")
+        store.save(self.nested(60), epoch=1)
+        assert store.load(1)["n"]["n"]["n"] is not None
+        for args in (["show", store.loc.root, "--json"], ["archive", store.loc.root, "--versions", "1"]):
+            result = invoke(*args)
+            assert result.exit_code == 0, (args, result.output)
+        assert sorted(store.archived()) == [1]  # its copy in the index reads back
+        assert torch.equal(store.load(1)["w"], torch.ones(2))
