@@ -33,6 +33,7 @@ from ..errors import (
     ManifestError,
     UnsafeArchiveError,
 )
+from ..files.atomic import write_file_atomic
 from ..files.location import Location
 from ..format.checksum import ALGORITHM
 from ..format.manifest import (
@@ -45,7 +46,7 @@ from ..format.manifest import (
 )
 from ..format.manifest_checks import MAX_BYTES
 from ..format.names import relative_name_problem
-from ..versions.commit import parse_version_dir, write_file_atomic
+from ..versions.commit import parse_version_dir
 
 log = logging.getLogger(__name__)
 

@@ -32,13 +32,9 @@ What must always hold:
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
-import io
 import logging
 import os
 import random
-import zlib
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -46,8 +42,8 @@ from typing import Any, TypeVar
 
 import botocore.exceptions as bex
 
+from .download_checks import CRC32, Check, Cursor, Head, checker
 from .etag import (
-    MiB,
     Part,
     PartPlan,
     clean_etag,
@@ -58,6 +54,7 @@ from .etag import (
     plan_parts,
     same_checksum,
 )
+from .file_ranges import FileSlice, crc32_range, md5_range, write_hashed
 from .s3client import TRANSIENT, error_code
 
 log = logging.getLogger(__name__)
@@ -77,15 +74,6 @@ _DENIED = {"403", "AccessDenied", "Forbidden"}
 
 class VerifyFailed(Exception):
     """Internal: the remote bytes are not the expected ones (what, expected, actual)."""
-
-
-@dataclass(frozen=True)
-class Head:
-    size: int
-    etag: str  # without quotes
-    md5_etag: bool  # False for SSE-KMS / SSE-C objects, whose ETag is not an MD5
-    crc: str | None = None  # ChecksumCRC32 ("<base64>" or "<base64>-N"); None: not asked for, or none
-    full_object: bool = False  # the CRC32 is of the whole object even if multipart (ChecksumType)
 
 
 @dataclass(frozen=True)
@@ -308,9 +296,9 @@ class S3Transfer:
         (zlib, ~6 GB/s), else against the MD5s behind its ETag (~0.8 GB/s); both per upload part,
         as the bytes stream in, when the object is multipart and its part plan can be told.
         """
-        check = _checker(head) if verify else None
+        check = checker(head) if verify else None
         remote = plan_for_etag(head.size, head.etag, range_size) if check is not None else None
-        if check is _CRC32 and (head.full_object or (remote is not None and not remote.multipart)):
+        if check is CRC32 and (head.full_object or (remote is not None and not remote.multipart)):
             remote = plan_parts(head.size, head.size)  # one part: one CRC32 of it all
         # Parts are hashed as the bytes stream in, unless one part spans several ranges: then afterwards.
         hashed = remote is not None and (len(remote.parts) > 1 or head.size <= range_size)
@@ -327,9 +315,9 @@ class S3Transfer:
         if not check.same(expected, actual):
             raise VerifyFailed(check.name, expected, actual)
 
-    async def get_range(self, fd: int, parts: list[Part], etag: str, check: _Check | None) -> list[bytes]:
+    async def get_range(self, fd: int, parts: list[Part], etag: str, check: Check | None) -> list[bytes]:
         """Download consecutive ``parts`` by one ranged GET (resumed after a failure); hash each if asked."""
-        cursor = _Cursor(parts, check)
+        cursor = Cursor(parts, check)
         failures = 0
         async with self.sem:
             while cursor.pos < cursor.end:
@@ -343,7 +331,7 @@ class S3Transfer:
                     await asyncio.sleep(backoff(failures))
         return [h.digest() for h in cursor.hashers]
 
-    async def _stream(self, fd: int, cur: _Cursor, etag: str) -> None:
+    async def _stream(self, fd: int, cur: Cursor, etag: str) -> None:
         resp = await self.call("get_object", Range=f"bytes={cur.pos}-{cur.end - 1}", IfMatch=f'"{etag}"')
         body = resp["Body"]
         run = cur.check.runner(self) if cur.check is not None else self.run
@@ -356,49 +344,6 @@ class S3Transfer:
                 cur.pos += len(chunk)
         finally:
             body.close()
-
-
-class _Crc32:
-    """A running CRC32 with hashlib's update/digest."""
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: Any) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def digest(self) -> bytes:
-        return self.value.to_bytes(4, "big")
-
-
-@dataclass(frozen=True)
-class _Check:
-    """How a download is checked: against the object's CRC32, or the MD5s behind its ETag."""
-
-    name: str  # as errors name it
-    new: Callable[[], Any]  # a hasher of one part
-    whole_file: Callable[[int, int, int], bytes]  # (fd, offset, length) -> digest, from the file
-    expected: Callable[[Head], str]
-    combine: Callable[[PartPlan, list[bytes]], str]
-    same: Callable[[str, str], bool]
-    heavy: bool  # True: hashing runs on the capped hash threads (MD5), else on the I/O threads
-
-    def runner(self, xfer: S3Transfer) -> Callable[..., Awaitable[Any]]:
-        return xfer.hash if self.heavy else xfer.run
-
-    async def whole(self, xfer: S3Transfer, fd: int, size: int) -> bytes:
-        return await self.runner(xfer)(self.whole_file, fd, 0, size)
-
-
-class _Cursor:
-    """Where a range download stands: the next byte to fetch, and the running hash of each part."""
-
-    def __init__(self, parts: list[Part], check: _Check | None) -> None:
-        self.parts = parts
-        self.check = check
-        self.pos = parts[0].offset
-        self.end = parts[-1].offset + parts[-1].length
-        self.hashers = [check.new() for _ in parts] if check is not None else []
 
 
 def _md5_etag(resp: dict[str, Any]) -> bool:
@@ -422,102 +367,3 @@ async def gather_all(aws: list[Awaitable[T]] | list[Coroutine[Any, Any, T]]) -> 
         if not t.cancelled() and t.exception() is not None:
             raise t.exception()  # type: ignore[misc]
     return [t.result() for t in tasks]
-
-
-# -- blocking helpers, run in the thread pool ---------------------------------------------------
-
-
-class FileSlice(io.RawIOBase):
-    """A seekable, read-only view of ``length`` bytes of a file at ``offset``: a request body.
-
-    botocore reads it to sign and checksum it, aiohttp to send it, and seeks
-    back to 0 to retry; nothing holds the whole part in memory.
-    """
-
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        super().__init__()
-        self.fd, self.offset, self.length, self.pos = fd, offset, length, 0
-
-    def __len__(self) -> int:
-        return self.length
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self.pos, io.SEEK_END: self.length}[whence]
-        self.pos = min(max(base + pos, 0), self.length)
-        return self.pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        want = self.length - self.pos if size is None or size < 0 else min(size, self.length - self.pos)
-        data = os.pread(self.fd, want, self.offset + self.pos) if want > 0 else b""
-        if len(data) < want and not data:
-            raise EOFError(f"the file ended at byte {self.offset + self.pos} while it was being uploaded")
-        self.pos += len(data)
-        return data
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-
-def md5_range(fd: int, offset: int, length: int) -> bytes:
-    h = hashlib.md5()
-    for pos in range(offset, offset + length, 8 * MiB):
-        data = os.pread(fd, min(8 * MiB, offset + length - pos), pos)
-        if not data:
-            raise EOFError(f"the file ended at byte {pos} while it was being read")
-        h.update(data)
-    return h.digest()
-
-
-def crc32_range(fd: int, offset: int, length: int) -> str:
-    """The CRC32 of a file range, base64-encoded as S3's ``x-amz-checksum-crc32`` wants it."""
-    crc = 0
-    for pos in range(offset, offset + length, 8 * MiB):
-        crc = zlib.crc32(os.pread(fd, min(8 * MiB, offset + length - pos), pos), crc)
-    return base64.b64encode(crc.to_bytes(4, "big")).decode()
-
-
-def write_hashed(fd: int, data: bytes, pos: int, parts: list[Part], hashers: list) -> None:
-    """pwrite ``data`` at ``pos``; feed each part's hasher the bytes that fall in that part."""
-    view = memoryview(data)
-    written = 0
-    while written < len(view):
-        written += os.pwrite(fd, view[written:], pos + written)
-    for part, h in zip(parts, hashers, strict=False):  # no hashers: nothing to feed
-        lo, hi = max(part.offset, pos), min(part.offset + part.length, pos + len(view))
-        if lo < hi:
-            h.update(view[lo - pos : hi - pos])
-
-
-def _crc32_digest(fd: int, offset: int, length: int) -> bytes:
-    return base64.b64decode(crc32_range(fd, offset, length))
-
-
-_CRC32 = _Check(
-    "CRC32",
-    _Crc32,
-    _crc32_digest,
-    lambda head: head.crc or "",
-    lambda plan, digests: crc32_of(plan, [base64.b64encode(d).decode() for d in digests]),
-    same_checksum,
-    heavy=False,
-)
-_MD5 = _Check(
-    "ETag", hashlib.md5, md5_range, lambda head: head.etag, etag_of, lambda a, b: a == b, heavy=True
-)
-
-
-def _checker(head: Head) -> _Check | None:
-    if head.crc:
-        return _CRC32
-    return _MD5 if head.md5_etag else None

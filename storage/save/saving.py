@@ -43,7 +43,8 @@ from ..versions import commit as protocol
 from ..versions.catalog import archived_for_writing
 from ..versions.commit import version_dir
 from ..versions.housekeeping import last_change
-from ..versions.lease import DEFAULT_TIMEOUT, StoreLease, pid_alive, read_lease
+from ..versions.lease import DEFAULT_TIMEOUT, StoreLease, read_lease
+from ..versions.lease_info import pid_alive
 from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
 from .planner import Blob, SavePlan, plan_blobs, plan_save
 

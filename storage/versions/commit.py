@@ -42,6 +42,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, FormatVersionError, ManifestError, VersionTakenError
+from ..files.atomic import exclusive_local_write, write_file_atomic
 from ..files.byteio import fsync_dir
 from ..files.location import Location, bucket_missing, missing_bucket_error
 from ..format.manifest import MANIFEST_FILE, Manifest, parse_manifest
@@ -52,7 +53,6 @@ log = logging.getLogger(__name__)
 LATEST_FILE = "latest"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 _SET_ASIDE_DIR = re.compile(r"^v(\d{6,})\.unreadable-\d{8}T\d{6}Z-[0-9a-f]{6}$")
-_TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # what _atomic_local_write leaves when killed
 
 
 class VersionState(enum.Enum):
@@ -195,7 +195,7 @@ def create_manifest(loc: Location, manifest: Manifest) -> None:
     data = manifest.to_json()
     try:
         if loc.is_local:
-            _exclusive_local_write(loc.path(vdir), MANIFEST_FILE, data)
+            exclusive_local_write(loc.path(vdir), MANIFEST_FILE, data)
         else:
             loc.fs.pipe_file(loc.path(vdir, MANIFEST_FILE), data, mode="create")
         return
@@ -247,51 +247,6 @@ def _is_newest(loc: Location, version: int) -> bool:
     except OSError as exc:  # the commit stands; update the pointer as if this were the newest
         log.warning("could not list %s: %s", loc.display(), exc)
         return True
-
-
-def _atomic_local_write(directory: str, name: str, data: bytes) -> None:
-    os.replace(_durable_temp(directory, name, data), os.path.join(directory, name))
-    fsync_dir(directory)
-
-
-def _exclusive_local_write(directory: str, name: str, data: bytes) -> None:
-    """Create ``name`` with ``data``, complete and fsynced, or raise FileExistsError: a hard link
-    of a temporary file never replaces an existing name, where a rename would."""
-    tmp = _durable_temp(directory, name, data)
-    try:
-        os.link(tmp, os.path.join(directory, name))
-    finally:
-        os.unlink(tmp)
-    fsync_dir(directory)
-
-
-def _durable_temp(directory: str, name: str, data: bytes) -> str:
-    tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return tmp
-
-
-def stale_temp_files(loc: Location) -> list[str]:
-    """Temporary files of atomic writes under the root (``.latest.<hex>.tmp``) left by a killed writer."""
-    if not loc.is_local or not os.path.isdir(loc.root):
-        return []
-    return sorted(os.path.join(loc.root, n) for n in os.listdir(loc.root) if _TEMP_FILE.match(n))
-
-
-def write_file_atomic(loc: Location, name: str, data: bytes) -> None:
-    """Write a small file under the root so that readers see the old or the new bytes, never a mix."""
-    if loc.is_local:
-        os.makedirs(loc.root, exist_ok=True)
-        _atomic_local_write(loc.root, name, data)
-    else:
-        loc.fs.pipe_file(loc.path(name), data)
 
 
 def _write_latest(loc: Location, vdir: str) -> None:
@@ -392,7 +347,7 @@ def claim_version(loc: Location, version: int, claim: Claim) -> bool:
     try:
         if loc.is_local:
             os.makedirs(loc.path(vdir), exist_ok=True)
-            _exclusive_local_write(loc.path(vdir), CLAIM_FILE, data)
+            exclusive_local_write(loc.path(vdir), CLAIM_FILE, data)
         else:
             loc.fs.pipe_file(loc.path(vdir, CLAIM_FILE), data, mode="create")
         return True

@@ -25,6 +25,7 @@ from ..archive.tarballs import (
 )
 from ..archive.tarindex import TarIndex
 from ..errors import CheckpointError, VersionNotFoundError
+from ..files.atomic import stale_temp_files
 from ..files.location import Location
 from . import catalog
 from . import commit as protocol
@@ -122,7 +123,7 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> list[int]:
             remove_tarball(loc, tar)
     for v in protocol.stray_claims(loc):  # a writer killed between its commit and removing its claim
         protocol.drop_claim(loc, v)
-    for path in protocol.stale_temp_files(loc):
+    for path in stale_temp_files(loc):
         if settled(loc, path, min_age):
             os.remove(path)
     return garbage

@@ -30,102 +30,26 @@ offers it, and a takeover that is not guarded against a second taker.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
 from collections.abc import Collection, Iterator
-from dataclasses import asdict, dataclass, replace
-from datetime import datetime, timezone
+from dataclasses import replace
 
 from ..errors import LeaseLostError, StoreLockedError
+from ..files.atomic import atomic_local_write, exclusive_local_write
 from ..files.byteio import fsync_dir
 from ..files.location import Location
-from .commit import _atomic_local_write, _exclusive_local_write
+from .lease_info import LeaseInfo, default_owner
 
 log = logging.getLogger(__name__)
 
 LEASE_FILE = "lease.json"
 DEFAULT_TIMEOUT = 180.0  # seconds without renewal after which a lease may be taken over
 RENEWALS_PER_TIMEOUT = 6  # renew every timeout / 6 seconds (30 s by default)
-
-
-@dataclass(frozen=True)
-class LeaseInfo:
-    """What the lease object holds."""
-
-    owner: str
-    host: str
-    pid: int
-    started: float  # seconds since the epoch, holder's clock
-    renewed: float
-    timeout: float
-    token: str
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
-
-    @classmethod
-    def parse(cls, data: bytes) -> LeaseInfo | None:
-        """The lease in ``data``, or None for bytes that are not one (treated as stale)."""
-        try:
-            raw = json.loads(data)
-            return cls(
-                owner=str(raw["owner"]),
-                host=str(raw["host"]),
-                pid=int(raw["pid"]),
-                started=float(raw["started"]),
-                renewed=float(raw["renewed"]),
-                timeout=float(raw["timeout"]),
-                token=str(raw["token"]),
-            )
-        except (ValueError, KeyError, TypeError):
-            return None
-
-    def age(self, now: float | None = None) -> float:
-        return (time.time() if now is None else now) - self.renewed
-
-    def holder_gone(self) -> bool:
-        """Whether the holder is a process of this host that no longer exists."""
-        return self.host == socket.gethostname() and not pid_alive(self.pid)
-
-    def is_stale(self, now: float | None = None) -> bool:
-        return self.age(now) > self.timeout or self.holder_gone()
-
-    def describe(self) -> str:
-        return (
-            f"{self.owner} (host {self.host}, pid {self.pid}, since {_when(self.started)}, "
-            f"last renewed {_when(self.renewed)}, {self.age():.0f}s ago)"
-        )
-
-
-def _when(ts: float) -> str:
-    return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
-
-
-def default_owner() -> str:
-    """A description of this process for the lease: its command line, shortened."""
-    argv = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv)) or "python"
-    return argv if len(argv) <= 120 else argv[:117] + "..."
 
 
 class StoreLease:
@@ -431,14 +355,14 @@ def _read_local(path: str) -> LeaseInfo | None:
 def _create_local(directory: str, name: str, data: bytes) -> bool:
     """Create ``name`` with ``data`` only if it does not exist (a hard link never replaces)."""
     try:
-        _exclusive_local_write(directory, name, data)
+        exclusive_local_write(directory, name, data)
     except FileExistsError:
         return False
     return True
 
 
 def _write_local(directory: str, name: str, data: bytes) -> None:
-    _atomic_local_write(directory, name, data)
+    atomic_local_write(directory, name, data)
 
 
 # -- object stores ---------------------------------------------------------------

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from ..errors import ManifestError
+from ..files.atomic import write_file_atomic
 from ..files.location import Location, translate_errors
 from ..format.manifest_checks import MAX_BYTES, document_depth_problem
 from . import commit as protocol
@@ -43,7 +44,7 @@ def write_json(loc: Location, name: str, value: Any) -> None:
     """Store the JSON document ``name`` beside the versions, atomically."""
     data = json.dumps(value, indent=1, sort_keys=True).encode()
     with translate_errors(loc, "writing to"):
-        protocol.write_file_atomic(loc, meta_name(name), data)
+        write_file_atomic(loc, meta_name(name), data)
 
 
 def meta_name(name: str) -> str:
