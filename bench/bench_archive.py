@@ -56,9 +56,9 @@ from bench.common import (
     markdown_table,
     seconds,
 )
-from ckptflow.storage.archive import Member, start_writeback, write_index, write_tar
-from ckptflow.storage.checksum import digest
-from ckptflow.storage.location import open_location
+from ckptflow.storage.archive.tarwriter import Member, start_writeback, write_index, write_tar
+from ckptflow.storage.files.location import open_location
+from ckptflow.storage.format.checksum import digest
 
 TAR = "bench.tar"
 

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.bench_transfer import KEY, SECRET, start_moto
 from bench.common import MiB, markdown_table, median_seconds
 from ckptflow.storage import CheckpointStore
-from ckptflow.storage.transfer import download_file, upload_file
+from ckptflow.storage.remote.transfer import download_file, upload_file
 
 
 def main() -> None:

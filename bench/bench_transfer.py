@@ -52,7 +52,7 @@ from boto3.s3.transfer import TransferConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file or with -m
 
 from bench.common import MiB, emit, fsync_path, machine, markdown_table
-from ckptflow.storage.transfer import TransferOptions, download_file, upload_file
+from ckptflow.storage.remote.transfer import TransferOptions, download_file, upload_file
 
 BUCKET = "bench"
 KEY, SECRET = "bench-key", "bench-secret"

@@ -30,7 +30,7 @@ Crashed the training runs of this host whose process is gone (a SIGKILL
 leaves them Running; see ``ckptflow.tasks.crashed``).
 
 One run per store: the flow holds the store's writer lease (``lease.json``,
-see ``ckptflow.storage.lease``) from before init builds or writes anything
+see ``ckptflow.storage.versions.lease``) from before init builds or writes anything
 until it ends, however it ends; a second run on the store is refused with
 the holder named, and a killed run's lease is taken over after
 ``lease_timeout_seconds`` (at once on its own host).

@@ -14,8 +14,8 @@ torch.distributed, loads when first asked for).
 
 from typing import TYPE_CHECKING, Any
 
-from .async_save import SaveHandle
-from .commit import VersionState
+from .archive.extract import extract_epoch
+from .archive.tarindex import TarIndex
 from .errors import (
     CheckpointError,
     CorruptShardError,
@@ -32,22 +32,23 @@ from .errors import (
     VersionNotFoundError,
     VersionTakenError,
 )
-from .extract import extract_epoch
-from .lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
-from .location import quick_answer_options, redact
-from .manifest import FORMAT_VERSION, Manifest
-from .mirror import upload_storage_options
-from .retention import PrunePlan, RetentionPolicy
-from .store import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
-from .tarindex import TarIndex
+from .files.location import quick_answer_options, redact
+from .format.manifest import FORMAT_VERSION, Manifest
+from .load.restore import RankStateWarning
+from .remote.mirror import upload_storage_options
+from .save.async_save import SaveHandle
+from .store import CheckpointStore, StoreOptions, VersionInfo
+from .versions.commit import VersionState
+from .versions.lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
+from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:
-    from .distributed import RankGroup
+    from .save.distributed import RankGroup
 
 
 def __getattr__(name: str) -> Any:
     if name == "RankGroup":
-        from .distributed import RankGroup
+        from .save.distributed import RankGroup
 
         return RankGroup
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

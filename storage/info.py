@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .manifest import Manifest
+from .format.manifest import Manifest
 
 
 @dataclass(frozen=True)

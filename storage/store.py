@@ -16,19 +16,13 @@ one process (or one rank group) may write to a store at a time.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
-import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
-from . import catalog, housekeeping, mirror
-from . import commit as protocol
-from .archiving import archive_location, list_archived
-from .async_save import AsyncSaver, SaveHandle
-from .byteio import tensor_bytes
+from .archive.tarballs import archive_location, list_archived
+from .archive.tarindex import TarIndex
 from .errors import (
     CheckpointError,
     FormatVersionError,
@@ -36,30 +30,29 @@ from .errors import (
     UnreadableVersionError,
     VersionNotFoundError,
 )
+from .files.location import open_location, probe, translate_errors
+from .format.manifest import Manifest
 from .info import StoreOptions, VersionInfo
-from .lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
-from .lease import LEASE_FILE, StoreLease
-from .location import open_location, probe, translate_errors
-from .manifest import Manifest
-from .manifest_checks import MAX_BYTES, document_depth_problem
-from .reader import read_blobs
-from .retention import PrunePlan, RetentionPolicy
-from .tarindex import TarIndex
-from .verifying import verify_version
+from .load.restore import rank_manifest, read_state
+from .load.verifying import verify_version
+from .remote import mirror
+from .save.async_save import SaveHandle
+from .save.store_saver import SaveRequest, StoreSaver
+from .versions import catalog, housekeeping, metadata
+from .versions import commit as protocol
+from .versions.lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
+from .versions.lease import StoreLease
+from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
     import torch
 
-    from .archiving import ArchivedVersion
-    from .distributed import RankGroup
-    from .saving import SaveJob, VersionWriter
-    from .staging import StagingBuffer
+    from .archive.tarballs import ArchivedVersion
+    from .save.distributed import RankGroup
+    from .save.saving import VersionWriter
+    from .save.staging import StagingBuffer
 
 log = logging.getLogger(__name__)
-
-
-class RankStateWarning(UserWarning):
-    """Per-rank state saved by a different number of ranks was mapped by the documented rule."""
 
 
 class CheckpointStore:
@@ -82,36 +75,22 @@ class CheckpointStore:
     ) -> None:
         self.loc = open_location(url, storage_options)
         self.options = options or StoreOptions()
-        self._saver = AsyncSaver()
-        self._lock = threading.Lock()
-        self._made_writer: VersionWriter | None = None
-        self._made_staging: StagingBuffer | None = None
-        self._lease: StoreLease | None = None
         self.group: RankGroup | None = None
         if distributed:
-            from .distributed import RankGroup
+            from .save.distributed import RankGroup
 
             self.group = distributed if isinstance(distributed, RankGroup) else RankGroup.create()
+        self._saves = StoreSaver(self.loc, self.options, self.group)
+        self._saver = self._saves.saver
 
     @property
     def _writer(self) -> VersionWriter:
         """The save path (made on the first save, with torch)."""
-        with self._lock:
-            if self._made_writer is None:
-                from .saving import VersionWriter
-
-                self._made_writer = VersionWriter(self.loc, self.options, self.group)
-                self._made_writer.lease = self._lease
-            return self._made_writer
+        return self._saves.writer
 
     @property
     def _staging(self) -> StagingBuffer:
-        with self._lock:
-            if self._made_staging is None:
-                from .staging import StagingBuffer
-
-                self._made_staging = StagingBuffer()
-            return self._made_staging
+        return self._saves.staging
 
     @property
     def rank(self) -> int:
@@ -165,15 +144,7 @@ class CheckpointStore:
         from ``state``; in a distributed store ``state`` is the replicated state, the
         same on every rank, and each rank passes its own ``rank_state``.
         """
-        self._saver.wait_previous()
-        job = self._writer.prepare(state, epoch, step, metrics, version, user, rank_state)
-        if job.ranked is not None:  # reads only this rank's share: staging every device blob would waste it
-            return self._writer.write_ranked(
-                job, lambda b: tensor_bytes(b.source), lambda b: tensor_bytes(b.source)
-            )
-        device = [b for b in job.plan.blobs if b.source.device.type != "cpu"]
-        staged = self._staging.stage(device) if device else {}
-        return self._writer.write(job, lambda b: staged.get(b.index) or tensor_bytes(b.source))
+        return self._saves.save(state, SaveRequest(epoch, step, metrics, version, user, rank_state))
 
     def save_async(
         self,
@@ -193,45 +164,7 @@ class CheckpointStore:
         raises its failure, if it failed and nobody called ``wait()``. In a
         distributed store each rank copies only the share it writes.
         """
-        self._saver.wait_previous()
-        job = self._writer.prepare(state, epoch, step, metrics, version, user, rank_state)
-        if job.ranked is not None:
-            return self._submit_ranked(job)
-        staged = self._staging.stage(job.plan.blobs)
-        attempts = 0
-
-        def write() -> VersionInfo:
-            nonlocal attempts
-            attempts += 1
-            if attempts > 1:  # a resubmitted save: drop what the failed attempt left
-                self._writer.clear_leftovers(job.version)
-            return self._writer.write(job, lambda b: staged[b.index])
-
-        return self._saver.submit(write, job.version)
-
-    def _submit_ranked(self, job: SaveJob) -> SaveHandle:
-        from .distributed import staged_blobs
-
-        assert job.ranked is not None
-        blobs, offset = staged_blobs(job.ranked)
-        staged = self._staging.stage(blobs)
-        attempts = 0
-
-        def write() -> VersionInfo:
-            nonlocal attempts
-            attempts += 1
-            if attempts > 1 and self.group is not None:
-                raise CheckpointError(
-                    f"the save of version {job.version} was made by every rank together and cannot be "
-                    "written again by one rank: save again from every rank"
-                )
-            if attempts > 1:
-                self._writer.clear_leftovers(job.version)
-            return self._writer.write_ranked(
-                job, lambda b: staged[b.index], lambda b: staged[b.index + offset]
-            )
-
-        return self._saver.submit(write, job.version)
+        return self._saves.save_async(state, SaveRequest(epoch, step, metrics, version, user, rank_state))
 
     # -- one writer per store ---------------------------------------------------
 
@@ -255,9 +188,7 @@ class CheckpointStore:
             yield held
         finally:
             try:
-                inflight = self._saver._inflight
-                if inflight is not None:
-                    inflight.join()
+                self._saves.join_inflight()
             finally:
                 self.write_under(None)
                 held.release()
@@ -265,10 +196,7 @@ class CheckpointStore:
     def write_under(self, lease: StoreLease | None) -> None:
         """Make this store's commits need ``lease`` (held by this process, e.g. through another
         store object on the same URL); None: commit without one."""
-        with self._lock:
-            self._lease = lease
-            if self._made_writer is not None:
-                self._made_writer.lease = lease
+        self._saves.write_under(lease)
 
     def wait(self) -> VersionInfo | None:
         """Wait for the async save in flight, if any; raise its failure."""
@@ -339,24 +267,12 @@ class CheckpointStore:
         ranks above 0 from the run's seed, the epoch and the rank).
         """
         located = self._locate(version)
-        manifest = located.manifest
         rank = self.rank if rank is None else rank
         world = self.world_size if world_size is None else world_size
-        if not 0 <= rank < world:
-            raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
-        if not manifest.ranks:
+        manifest = rank_manifest(located.manifest, rank, world, stacklevel=2)
+        if manifest is None:
             return None
-        source = rank
-        if len(manifest.ranks) != world:
-            source = 0
-            warnings.warn(
-                RankStateWarning(
-                    f"version {manifest.version} was saved by {len(manifest.ranks)} rank(s), this job has "
-                    f"{world}: rank {rank} gets the per-rank state of rank 0"
-                ),
-                stacklevel=2,
-            )
-        return self._read(located, manifest.rank_view(source), None, map_location, verify, None)
+        return self._read(located, manifest, None, map_location, verify, None)
 
     def _read(
         self,
@@ -367,31 +283,7 @@ class CheckpointStore:
         verify: bool | None,
         into: Any,
     ) -> Any:
-        import torch
-
-        from .loader import as_bytes, build_tensors, target_buffers
-        from .structure import decode, leaf_refs, select
-
-        structure = select(manifest.structure, list(keys)) if keys else manifest.structure
-        leaf_ids = sorted(set(leaf_refs(structure)))
-        wanted = sorted({manifest.tensors[i].blob for i in leaf_ids})
-        check = self.options.verify_on_load if verify is None else verify
-        device = torch.device(map_location)
-        targets = {}
-        if into is not None and device.type == "cpu":
-            targets = target_buffers(manifest, leaf_ids, into)
-        with translate_errors(self.loc, "loading from"):
-            raw = read_blobs(
-                self.loc,
-                located.sources(self.loc),
-                manifest,
-                wanted,
-                verify=check,
-                threads=self.options.threads,
-                buffers={blob: as_bytes(t) for blob, t in targets.items()},
-            )
-        tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
-        return decode(structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i])
+        return read_state(self.loc, self.options, located, manifest, keys, map_location, verify, into)
 
     def verify(self, version: int | None = None) -> VersionInfo:
         """Check every byte of a version (loose or archived) against its shards' and blobs' checksums.
@@ -490,31 +382,11 @@ class CheckpointStore:
 
     def read_json(self, name: str) -> Any:
         """A JSON document stored beside the versions (e.g. ``run.json``), or None."""
-        path = self.loc.path(_meta_name(name))
-        with translate_errors(self.loc, "reading"):
-            try:
-                data = self.loc.fs.cat_file(path, start=0, end=MAX_BYTES + 1)
-            except FileNotFoundError:
-                return None
-        where = self.loc.display(name)
-        if len(data) > MAX_BYTES:
-            raise ManifestError(f"{where} is more than {MAX_BYTES} bytes; refused")
-        try:
-            value = json.loads(data)
-        except ValueError as exc:
-            raise ManifestError(f"{where} is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise ManifestError(f"{where} is nested too deeply; refused") from None
-        too_deep = document_depth_problem(value)
-        if too_deep:
-            raise ManifestError(f"{where} is {too_deep}; refused")
-        return value
+        return metadata.read_json(self.loc, name)
 
     def write_json(self, name: str, value: Any) -> None:
         """Store a JSON document beside the versions, atomically."""
-        data = json.dumps(value, indent=1, sort_keys=True).encode()
-        with translate_errors(self.loc, "writing to"):
-            protocol.write_file_atomic(self.loc, _meta_name(name), data)
+        metadata.write_json(self.loc, name, value)
 
     # -- deleting -------------------------------------------------------------
 
@@ -568,8 +440,8 @@ class CheckpointStore:
 
     def reindex(self) -> list[TarIndex]:
         """Rebuild, from the tarball itself, the index of every tarball whose index cannot be read."""
-        from .archiving import archive_location
-        from .reindex import rebuild_index
+        from .archive.reindex import rebuild_index
+        from .archive.tarballs import archive_location
 
         bad = self.survey().bad_archives
         with translate_errors(self.loc, "rebuilding archive indexes in"):
@@ -616,25 +488,10 @@ class CheckpointStore:
 
     def close(self) -> None:
         """Wait for the async save in flight and release the staging buffer."""
-        try:
-            self._saver.wait_previous()
-        finally:
-            self._saver.shutdown()
-            if self._made_staging is not None:
-                self._made_staging.release()
+        self._saves.close()
 
     def __enter__(self) -> CheckpointStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _meta_name(name: str) -> str:
-    reserved = name == LEASE_FILE or protocol.parse_version_dir(name) is not None
-    if not name or "/" in name or name.startswith(".") or reserved:
-        raise ValueError(f"{name!r} is not a valid metadata file name (a plain name like 'run.json')")
-    return name
-
-
-__all__ = ["CheckpointStore", "RankStateWarning", "StoreOptions", "VersionInfo"]

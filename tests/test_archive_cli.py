@@ -21,9 +21,9 @@ from typer.testing import CliRunner
 
 from ckptflow.flows.cli import app
 from ckptflow.storage import CheckpointStore, StoreOptions
-from ckptflow.storage.archiving import list_archived
-from ckptflow.storage.tarindex import index_name
-from ckptflow.storage.transfer import upload_file
+from ckptflow.storage.archive.tarballs import list_archived
+from ckptflow.storage.archive.tarindex import index_name
+from ckptflow.storage.remote.transfer import upload_file
 from tests.conftest import S3_SECRET, assert_same_state
 
 TAR = "epochs-000001-000003.tar"

@@ -60,10 +60,13 @@ def imports_of(source: str, module: str, where: str) -> Iterator[Import]:
 
 
 def package_imports(directory: str) -> list[Import]:
+    """Every import of every module of ``directory``, its subpackages' included."""
     found = []
-    for path in sorted((REPO / directory).glob("*.py")):
-        module = f"{PACKAGES[directory]}.{path.stem}" if path.stem != "__init__" else PACKAGES[directory]
-        found.extend(imports_of(path.read_text(), module, f"{directory}/{path.name}"))
+    for path in sorted((REPO / directory).rglob("*.py")):
+        relative = path.relative_to(REPO / directory)
+        parts = [*relative.parent.parts, *([] if path.stem == "__init__" else [path.stem])]
+        module = ".".join([PACKAGES[directory], *parts])
+        found.extend(imports_of(path.read_text(), module, f"{directory}/{relative.as_posix()}"))
     return found
 
 

@@ -45,7 +45,7 @@ def spec_params(markers: Path, **steer: Any) -> dict[str, Any]:
 
 
 def _slow_commit(directory: Path, version: int, seconds: float) -> None:
-    from ckptflow.storage import commit as protocol
+    from ckptflow.storage.versions import commit as protocol
 
     original = protocol.commit
 

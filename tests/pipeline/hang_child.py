@@ -57,7 +57,7 @@ def announce(marker: Path, text: str) -> None:
 
 
 def hang_in_tar(directory: Path) -> None:
-    from ckptflow.storage import archive
+    from ckptflow.storage.archive import tarwriter as archive
 
     original = archive._TarWriter.add
 
@@ -72,8 +72,8 @@ def hang_in_tar(directory: Path) -> None:
 
 
 def hang_in_upload(directory: Path) -> None:
-    from ckptflow.storage import s3transfer, transfer
-    from ckptflow.storage.etag import MiB
+    from ckptflow.storage.remote import multipart, transfer
+    from ckptflow.storage.remote.etag import MiB
 
     whole_file = transfer.upload_file
 
@@ -81,8 +81,8 @@ def hang_in_upload(directory: Path) -> None:
         options = dataclasses.replace(options or transfer.TransferOptions(), part_size=5 * MiB)
         return whole_file(*args, options=options, **kwargs)
 
-    transfer.upload_file = upload_file  # storage.mirror imports it at each upload
-    original = s3transfer.S3Transfer.put_part
+    transfer.upload_file = upload_file  # storage.remote.mirror imports it at each upload
+    original = multipart.S3Transfer.put_part
 
     async def put_part(self, fd, upload_id, part):
         if part.number > 1:
@@ -91,11 +91,11 @@ def hang_in_upload(directory: Path) -> None:
         announce(directory / UPLOAD_MARKER, f"{self.bucket}/{self.key}")
         return md5
 
-    s3transfer.S3Transfer.put_part = put_part
+    multipart.S3Transfer.put_part = put_part
 
 
 def hang_in_version_upload(directory: Path) -> None:
-    from ckptflow.storage import transfer
+    from ckptflow.storage.remote import transfer
 
     original = transfer.upload_file
 
@@ -105,7 +105,7 @@ def hang_in_version_upload(directory: Path) -> None:
             time.sleep(HANG_SECONDS)
         return original(local_path, url, **kwargs)
 
-    transfer.upload_file = upload_file  # storage.mirror imports it at each upload
+    transfer.upload_file = upload_file  # storage.remote.mirror imports it at each upload
 
 
 if __name__ == "__main__":

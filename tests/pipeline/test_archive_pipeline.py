@@ -31,10 +31,10 @@ import torch
 from typer.testing import CliRunner
 
 from ckptflow.storage import CheckpointStore, StoreOptions, VersionInfo
-from ckptflow.storage.archiving import list_archived, list_tarballs
-from ckptflow.storage.etag import MiB
-from ckptflow.storage.tarindex import index_name
-from ckptflow.storage.transfer import upload_file
+from ckptflow.storage.archive.tarballs import list_archived, list_tarballs
+from ckptflow.storage.archive.tarindex import index_name
+from ckptflow.storage.remote.etag import MiB
+from ckptflow.storage.remote.transfer import upload_file
 from ckptflow.tasks.archiving import next_groups
 from ckptflow.tasks.config import ArchiveConfig
 from ckptflow.tasks.formatting import human_size
@@ -337,7 +337,7 @@ class TestUpload:
     def test_upload_versions_mirrors_each_loose_version_manifest_last(
         self, prefect_server, reference, s3_server, s3_bucket, tmp_path, monkeypatch
     ):
-        from ckptflow.storage import transfer
+        from ckptflow.storage.remote import transfer
 
         sent: list[str] = []
         lock = threading.Lock()
@@ -382,7 +382,7 @@ class TestUpload:
         (FileNotFoundError, after its retries) and so did the run. An archive job now waits for the
         upload jobs of its versions. Here version uploads are slow, so the archive job comes first.
         """
-        from ckptflow.storage import transfer
+        from ckptflow.storage.remote import transfer
 
         def slow_version_upload(local_path, url, **kwargs):
             if "/archive/" not in url:

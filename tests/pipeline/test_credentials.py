@@ -21,7 +21,7 @@ from prefect_aws import AwsCredentials
 from pydantic import ValidationError
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.storage.archiving import list_archived
+from ckptflow.storage.archive.tarballs import list_archived
 from ckptflow.tasks.config import ArchiveConfig, PipelineConfig
 from ckptflow.tasks.credentials import aws_credentials_options, with_secret
 from tests.conftest import AWS_ENV, S3_KEY, S3_SECRET

@@ -22,7 +22,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.storage.archiving import list_archived
+from ckptflow.storage.archive.tarballs import list_archived
 from ckptflow.tasks.config import ArchiveConfig
 from ckptflow.tasks.mirroring import check_mirror, mirrored_versions, version_ranges
 from tests.conftest import assert_same_state

@@ -20,7 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow.storage import CheckpointStore, writer
+from ckptflow.storage import CheckpointStore
+from ckptflow.storage.save import writer
 from tests.pipeline.helpers import (
     assert_only_committed,
     assert_same_checkpoint,

@@ -34,10 +34,10 @@ def test_the_pipeline_does_not_import_the_s3_client_until_it_uploads():
 
 def test_an_upload_still_finds_the_s3_client():
     modules = imported_after(
-        "from ckptflow.storage.mirror import upload_file\n"
+        "from ckptflow.storage.remote.mirror import upload_file\n"
         "import tempfile, os\n"
         "d = tempfile.mkdtemp(); open(os.path.join(d, 'a'), 'wb').write(b'x')\n"
         "upload_file(os.path.join(d, 'a'), 'file://' + os.path.join(d, 'b'), storage_options={})\n"
         "assert open(os.path.join(d, 'b'), 'rb').read() == b'x'"
     )
-    assert "ckptflow.storage.transfer" in modules
+    assert "ckptflow.storage.remote.transfer" in modules

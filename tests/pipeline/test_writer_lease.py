@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ckptflow.storage import CheckpointStore, LeaseInfo, read_lease
-from ckptflow.storage.lease import LEASE_FILE
+from ckptflow.storage.versions.lease import LEASE_FILE
 from tests.pipeline.helpers import (
     REPO,
     assert_only_committed,

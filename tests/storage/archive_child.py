@@ -16,9 +16,9 @@ import sys
 import time
 from typing import Any
 
-from ckptflow.storage import byteio
-from ckptflow.storage.archive import Member, write_index, write_tar
-from ckptflow.storage.location import open_location
+from ckptflow.storage.archive.tarwriter import Member, write_index, write_tar
+from ckptflow.storage.files import byteio
+from ckptflow.storage.files.location import open_location
 
 
 def _slow_writes() -> None:

@@ -125,7 +125,8 @@ def _die() -> None:
 
 def install_kill_point(point: str, state_bytes: int) -> None:
     """Patch the storage library so that this process SIGKILLs itself at ``point``."""
-    from ckptflow.storage import byteio, commit
+    from ckptflow.storage.files import byteio
+    from ckptflow.storage.versions import commit
 
     if point == "mid-shard":
         written = [0]

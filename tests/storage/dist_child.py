@@ -161,7 +161,7 @@ class Steps:
 
 def block_after_first_shard(out: Path, rank: int, version: int) -> None:
     """Patch the writer: after this rank's first shard of ``version``, wait to be SIGKILLed."""
-    from ckptflow.storage import writer
+    from ckptflow.storage.save import writer
 
     original = writer._write_shard
     parent = os.getppid()
@@ -180,7 +180,7 @@ def block_after_first_shard(out: Path, rank: int, version: int) -> None:
 
 def fail_writes(version: int) -> Any:
     """Patch the writer so that this rank's write of ``version`` fails with an I/O error; returns undo."""
-    from ckptflow.storage import writer
+    from ckptflow.storage.save import writer
 
     original = writer._write_shard
 
@@ -195,7 +195,7 @@ def fail_writes(version: int) -> Any:
 
 def slow_writes(seconds: float) -> Any:
     """Patch the writer to pause before each shard (so that an async save surely overlaps training)."""
-    from ckptflow.storage import writer
+    from ckptflow.storage.save import writer
 
     original = writer._write_shard
 
@@ -213,7 +213,7 @@ def slow_writes(seconds: float) -> Any:
 def committed_here(url: str, options: Any) -> dict[str, Any]:
     """What a separate, non-distributed store sees: committed versions and version directories."""
     from ckptflow.storage import CheckpointStore
-    from ckptflow.storage.commit import list_dirs
+    from ckptflow.storage.versions.commit import list_dirs
 
     plain = CheckpointStore(url, storage_options=options)
     return {"versions": [v.version for v in plain.versions()], "dirs": sorted(list_dirs(plain.loc))}

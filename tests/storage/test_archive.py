@@ -27,7 +27,9 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore, CorruptShardError, StoreOptions, VersionNotFoundError
-from ckptflow.storage.archive import (
+from ckptflow.storage.archive.extract import extract_version
+from ckptflow.storage.archive.tarindex import INDEX_SEAL_KEY, parse_index
+from ckptflow.storage.archive.tarwriter import (
     ArchiveState,
     Member,
     TarIndex,
@@ -37,7 +39,6 @@ from ckptflow.storage.archive import (
     write_index,
     write_tar,
 )
-from ckptflow.storage.checksum import digest
 from ckptflow.storage.errors import (
     ArchiveExistsError,
     ArchiveNotCommittedError,
@@ -45,10 +46,9 @@ from ckptflow.storage.errors import (
     ManifestError,
     UnsafeArchiveError,
 )
-from ckptflow.storage.extract import extract_version
-from ckptflow.storage.location import Location, open_location
-from ckptflow.storage.manifest import seal
-from ckptflow.storage.tarindex import INDEX_SEAL_KEY, parse_index
+from ckptflow.storage.files.location import Location, open_location
+from ckptflow.storage.format.checksum import digest
+from ckptflow.storage.format.manifest import seal
 from tests.conftest import assert_same_state
 
 VERSIONS = 10

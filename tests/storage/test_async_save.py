@@ -26,7 +26,7 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore, SaveFailedError, StoreOptions
-from ckptflow.storage import writer as writer_module
+from ckptflow.storage.save import writer as writer_module
 
 from .test_crash_safety import assert_bitwise_equal
 
@@ -307,9 +307,9 @@ class TestBackgroundFailure:
 
 def test_staging_copies_in_pieces_on_several_threads_exactly(monkeypatch):
     """Large stagings are cut into pieces copied by several threads: every byte lands where it belongs."""
-    from ckptflow.storage import staging
-    from ckptflow.storage.planner import plan_blobs
-    from ckptflow.storage.structure import encode
+    from ckptflow.storage.format.structure import encode
+    from ckptflow.storage.save import staging
+    from ckptflow.storage.save.planner import plan_blobs
 
     monkeypatch.setattr(staging, "PIECE", 4096 + 13)  # pieces that cut through tensors at odd offsets
     monkeypatch.setattr(staging, "PARALLEL_FROM", 1)

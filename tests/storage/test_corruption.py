@@ -21,7 +21,7 @@ from tests.conftest import assert_same_state, tensor_bits
 def read_path(request, monkeypatch):
     """Both ways a verified load reads: local blobs read and hashed in one pass, and larger blobs
     (here: every blob, by lowering the limit) read in ranges and hashed afterwards."""
-    from ckptflow.storage import reader
+    from ckptflow.storage.load import reader
 
     if request.param == "read-then-hash":
         monkeypatch.setattr(reader, "FUSED_MAX", 0)

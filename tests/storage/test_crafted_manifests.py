@@ -28,7 +28,7 @@ from ckptflow.storage import (
     StoreOptions,
     VersionNotFoundError,
 )
-from ckptflow.storage.manifest import SEAL_KEY, seal
+from ckptflow.storage.format.manifest import SEAL_KEY, seal
 from tests.test_cli import invoke
 
 Edit = Callable[[dict[str, Any]], None]
@@ -165,7 +165,7 @@ def test_a_shard_name_outside_the_store_never_reads_the_file(store: CheckpointSt
     secret.write_bytes(b"s" * 16)
     path = _craft(store, lambda m: None)
     manifest = json.loads(path.read_text())
-    from ckptflow.storage.checksum import digest
+    from ckptflow.storage.format.checksum import digest
 
     manifest["shards"][0].update(file="../../secret.bin", size=16, checksum=digest(b"s" * 16))
     path.write_text(json.dumps(seal(manifest, SEAL_KEY)))

@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore, RankStateWarning, StoreOptions
-from ckptflow.storage.commit import list_dirs
+from ckptflow.storage.versions.commit import list_dirs
 from tests.conftest import assert_same_state, tensor_bits
 from tests.ports import free_port
 

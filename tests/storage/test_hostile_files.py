@@ -23,7 +23,7 @@ import torch
 
 from ckptflow.storage import CheckpointError, CheckpointStore, ManifestError, StoreOptions
 from ckptflow.storage.errors import UnsafeFileError
-from ckptflow.storage.manifest import SEAL_KEY, seal
+from ckptflow.storage.format.manifest import SEAL_KEY, seal
 from tests.test_cli import invoke
 
 STATE_1 = {"w": torch.arange(4, dtype=torch.float32)}
@@ -162,7 +162,7 @@ class TestArchives:
     def test_an_archived_manifest_naming_a_missing_member_makes_its_tarball_unreadable(
         self, store: CheckpointStore
     ) -> None:
-        from ckptflow.storage.tarindex import INDEX_SEAL_KEY
+        from ckptflow.storage.archive.tarindex import INDEX_SEAL_KEY
 
         store.archive([1, 2])
         store.drop_loose([1, 2])
@@ -192,7 +192,7 @@ class TestArchives:
     def test_archived_manifests_of_the_wrong_shape_make_the_index_unreadable(
         self, store: CheckpointStore, tmp_path: Path, manifests: Any
     ) -> None:
-        from ckptflow.storage.tarindex import INDEX_SEAL_KEY
+        from ckptflow.storage.archive.tarindex import INDEX_SEAL_KEY
 
         index = self.archived(store)
         raw = json.loads(index.read_text())

@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptflow.storage.errors import UnsupportedValueError
-from ckptflow.storage.planner import Blob, assign_shards, dataset_name, plan_blobs, plan_save
-from ckptflow.storage.structure import Leaf, decode, encode, leaf_refs, select
+from ckptflow.storage.format.structure import Leaf, decode, encode, leaf_refs, select
+from ckptflow.storage.save.planner import Blob, assign_shards, dataset_name, plan_blobs, plan_save
 
 
 def _blobs(sizes: list[int]) -> list[Blob]:

@@ -212,7 +212,7 @@ class TestCommitChecksShards:
 
         Before, the manifest was written anyway: on S3 a listed version whose shard was gone.
         """
-        from ckptflow.storage import commit as protocol
+        from ckptflow.storage.versions import commit as protocol
 
         store = store_url.open(shards=2)
         store.save({"a": torch.ones(1000), "b": torch.zeros(1000)}, epoch=0)

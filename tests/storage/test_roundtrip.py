@@ -20,7 +20,7 @@ from ckptflow.storage import (
     VersionExistsError,
     VersionNotFoundError,
 )
-from ckptflow.storage.dtypes import SUPPORTED
+from ckptflow.storage.format.dtypes import SUPPORTED
 from tests.conftest import assert_same_state, tensor_bits
 
 pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ckptflow.storage import CheckpointStore, StorageUnavailableError
-from ckptflow.storage.location import S3_ATTEMPTS, S3FS_RETRIES, open_location
+from ckptflow.storage.files.location import S3_ATTEMPTS, S3FS_RETRIES, open_location
 
 
 def _options(endpoint: str, **config: object) -> dict[str, object]:

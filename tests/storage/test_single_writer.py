@@ -38,9 +38,9 @@ from ckptflow.storage import (
     VersionTakenError,
     read_lease,
 )
-from ckptflow.storage import commit as protocol
-from ckptflow.storage import lease as lease_module
-from ckptflow.storage.lease import LEASE_FILE
+from ckptflow.storage.versions import commit as protocol
+from ckptflow.storage.versions import lease as lease_module
+from ckptflow.storage.versions.lease import LEASE_FILE
 from tests.conftest import StoreTarget, assert_same_state
 
 from .writer_child import make_state

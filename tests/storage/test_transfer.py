@@ -34,9 +34,9 @@ from fsspec.asyn import sync
 from fsspec.exceptions import FSTimeoutError
 
 from ckptflow.storage import StorageUnavailableError
-from ckptflow.storage import s3transfer as s3transfer_module
-from ckptflow.storage import transfer as transfer_module
-from ckptflow.storage.etag import (
+from ckptflow.storage.remote import multipart as multipart_module
+from ckptflow.storage.remote import transfer as transfer_module
+from ckptflow.storage.remote.etag import (
     MAX_PARTS,
     MiB,
     crc32_of,
@@ -48,7 +48,7 @@ from ckptflow.storage.etag import (
     plan_parts,
     same_checksum,
 )
-from ckptflow.storage.transfer import (
+from ckptflow.storage.remote.transfer import (
     TransferOptions,
     TransferVerifyError,
     download_file,
@@ -127,20 +127,20 @@ def s3(s3_bucket, fault_proxy, raw):  # noqa: F811
 def md5_calls(monkeypatch) -> list[int]:
     """Counts the uploader's MD5 computations (one entry per part hashed, its length)."""
     calls: list[int] = []
-    md5_range = s3transfer_module.md5_range
+    md5_range = multipart_module.md5_range
 
     def counted(fd, offset, length):
         calls.append(length)
         return md5_range(fd, offset, length)
 
-    monkeypatch.setattr(s3transfer_module, "md5_range", counted)
+    monkeypatch.setattr(multipart_module, "md5_range", counted)
     return calls
 
 
 @pytest.fixture
 def no_crc_in_head(monkeypatch) -> None:
     """HEADs answered as by an S3-compatible server without flexible checksums: no ChecksumCRC32."""
-    call = s3transfer_module.S3Transfer.call
+    call = multipart_module.S3Transfer.call
 
     async def without_crc(self, method: str, **kwargs: Any) -> Any:
         resp = await call(self, method, **kwargs)
@@ -148,7 +148,7 @@ def no_crc_in_head(monkeypatch) -> None:
             resp = {k: v for k, v in resp.items() if not k.startswith("Checksum")}
         return resp
 
-    monkeypatch.setattr(s3transfer_module.S3Transfer, "call", without_crc)
+    monkeypatch.setattr(multipart_module.S3Transfer, "call", without_crc)
 
 
 def remote_bytes(raw, bucket: str, key: str) -> bytes:
@@ -348,7 +348,7 @@ class TestS3Upload:
     def test_a_mismatch_after_upload_deletes_the_object(self, s3, tmp_path, monkeypatch):
         """The HEAD check after complete is what decides: a wrong CRC32 there removes the object."""
         bucket, options, _, raw = s3
-        monkeypatch.setattr(s3transfer_module, "crc32_of", lambda plan, crcs: "AAAAAA==-3")
+        monkeypatch.setattr(multipart_module, "crc32_of", lambda plan, crcs: "AAAAAA==-3")
         with pytest.raises(TransferVerifyError, match=r"CRC32 expected AAAAAA==-3, found") as err:
             upload_file(
                 write(tmp_path / "m", payload(3 * PART)),
@@ -723,14 +723,14 @@ class TestWithoutFlexibleChecksums:
         """A HEAD with ChecksumMode on an SSE-KMS object needs kms:Decrypt: refused, it is asked again
         without, and the ETags decide."""
         bucket, options, _, raw = s3
-        call = s3transfer_module.S3Transfer.call
+        call = multipart_module.S3Transfer.call
 
         async def refuse_checksums(self, method: str, **kwargs: Any) -> Any:
             if method == "head_object" and kwargs.get("ChecksumMode"):
                 raise bex.ClientError({"Error": {"Code": "403", "Message": "Forbidden"}}, "HeadObject")
             return await call(self, method, **kwargs)
 
-        monkeypatch.setattr(s3transfer_module.S3Transfer, "call", refuse_checksums)
+        monkeypatch.setattr(multipart_module.S3Transfer, "call", refuse_checksums)
         data = payload(PART + 3, seed=29)
         result = upload_file(
             write(tmp_path / "r", data), f"s3://{bucket}/r", storage_options=options, options=FAST
@@ -742,7 +742,7 @@ class TestWithoutFlexibleChecksums:
 _CHILD = textwrap.dedent(
     """
     import ast, sys
-    from ckptflow.storage.transfer import TransferOptions, upload_file
+    from ckptflow.storage.remote.transfer import TransferOptions, upload_file
     opts = TransferOptions(part_size=5 << 20, concurrency=2, read_timeout=120, max_attempts=1)
     upload_file(sys.argv[1], sys.argv[2], storage_options=ast.literal_eval(sys.argv[3]), options=opts)
     """

@@ -1,0 +1,5 @@
+"""Archives.
+
+Committed versions consolidated into tarballs, their indexes, extraction, and rebuilding an index
+from a tarball.
+"""

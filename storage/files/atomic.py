@@ -1,0 +1,65 @@
+"""Atomic writes of small files: readers see the old bytes or the new, never a mix.
+
+On local disks a file is written under a temporary name, fsynced, then renamed into
+place (or hard-linked, which never replaces an existing name) and its directory fsynced;
+on object stores one PUT is atomic. A killed writer leaves only a temporary file, which
+``gc`` removes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import uuid
+
+from .byteio import fsync_dir
+from .location import Location
+
+TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # what atomic_local_write leaves when killed
+
+
+def atomic_local_write(directory: str, name: str, data: bytes) -> None:
+    """Replace ``name`` with ``data``, complete and fsynced: a rename of a durable temporary file."""
+    os.replace(durable_temp(directory, name, data), os.path.join(directory, name))
+    fsync_dir(directory)
+
+
+def exclusive_local_write(directory: str, name: str, data: bytes) -> None:
+    """Create ``name`` with ``data``, complete and fsynced, or raise FileExistsError: a hard link
+    of a temporary file never replaces an existing name, where a rename would."""
+    tmp = durable_temp(directory, name, data)
+    try:
+        os.link(tmp, os.path.join(directory, name))
+    finally:
+        os.unlink(tmp)
+    fsync_dir(directory)
+
+
+def durable_temp(directory: str, name: str, data: bytes) -> str:
+    """A new temporary file beside ``name`` holding ``data``, fsynced."""
+    tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return tmp
+
+
+def stale_temp_files(loc: Location) -> list[str]:
+    """Temporary files of atomic writes under the root (``.latest.<hex>.tmp``) left by a killed writer."""
+    if not loc.is_local or not os.path.isdir(loc.root):
+        return []
+    return sorted(os.path.join(loc.root, n) for n in os.listdir(loc.root) if TEMP_FILE.match(n))
+
+
+def write_file_atomic(loc: Location, name: str, data: bytes) -> None:
+    """Write a small file under the root so that readers see the old or the new bytes, never a mix."""
+    if loc.is_local:
+        os.makedirs(loc.root, exist_ok=True)
+        atomic_local_write(loc.root, name, data)
+    else:
+        loc.fs.pipe_file(loc.path(name), data)

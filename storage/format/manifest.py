@@ -1,0 +1,255 @@
+"""The manifest: the JSON document that makes a version exist.
+
+A version directory holds HDF5 shards and, written last, ``manifest.json``. The
+manifest lists every shard with its size and checksum, every blob (dataset)
+with its byte offset, size and checksum, every tensor's key path, dtype and
+shape, and the non-tensor structure of the state. A reader needs nothing else
+to rebuild the state, and nothing in it is pickled.
+
+What must always hold: a version without a manifest that parses and validates
+does not exist. A manifest written by a newer format version is refused with a
+message that says which ckptflow can read it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+from datetime import datetime, timezone
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import FormatVersionError, ManifestError
+from .dtypenames import itemsize
+from .manifest_checks import MAX_BYTES, check_manifest, document_depth_problem
+
+FORMAT_NAME = "ckptflow-checkpoint"
+FORMAT_VERSION = 3  # the newest this code reads, and the one it writes
+RANKS_FORMAT_VERSION = 2  # added ``world_size`` and ``ranks`` (per-rank state of a multi-process save)
+SEALED_FORMAT_VERSION = 3  # added ``manifest_checksum``, the manifest's checksum of itself
+SEAL_KEY = "manifest_checksum"
+MANIFEST_FILE = "manifest.json"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ShardEntry(_Model):
+    file: str
+    size: int = Field(ge=0)
+    checksum: str
+    rank: int = 0
+
+
+class BlobEntry(_Model):
+    shard: int = Field(ge=0)
+    dataset: str
+    offset: int | None  # None for blobs of zero bytes (HDF5 allocates nothing)
+    nbytes: int = Field(ge=0)
+    dtype: str
+    shape: list[int]
+    checksum: str
+
+
+class TensorEntry(_Model):
+    path: str
+    blob: int = Field(ge=0)
+    dtype: str
+    shape: list[int]
+    stride: list[int] | None = None
+    offset: int = 0
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of the tensor's own elements (None for a dtype this ckptflow does not store)."""
+        size = itemsize(self.dtype)
+        return None if size is None else math.prod(self.shape) * size
+
+
+class RankPart(_Model):
+    """One rank's own state (RNG states, data position) in a checkpoint saved by several processes.
+
+    Its blobs live in the manifest's shared shard list; its tensors index its own blobs.
+    """
+
+    structure: Any
+    blobs: list[BlobEntry]
+    tensors: list[TensorEntry]
+
+
+class Manifest(_Model):
+    format: str = FORMAT_NAME
+    format_version: int = 1
+    version: int = Field(ge=0)
+    epoch: int | None = None
+    step: int | None = None
+    metrics: dict[str, float] = Field(default_factory=dict)
+    created: str
+    writer: dict[str, str] = Field(default_factory=dict)
+    checksum_algorithm: str
+    nbytes: int = Field(ge=0)
+    shards: list[ShardEntry]
+    blobs: list[BlobEntry]
+    tensors: list[TensorEntry]
+    structure: Any
+    user: dict[str, Any] = Field(default_factory=dict)
+    world_size: int = Field(default=1, ge=1)  # processes that saved it
+    ranks: list[RankPart] = Field(default_factory=list)  # one per rank, or none
+
+    @property
+    def total_size(self) -> int:
+        """Bytes on storage: all shards (the manifest itself not counted)."""
+        return sum(s.size for s in self.shards)
+
+    def to_json(self) -> bytes:
+        """The manifest as written: sealed with its own checksum (format 3), multi-process fields
+        only when it has them."""
+        exclude = {"world_size", "ranks"} if self.world_size == 1 and not self.ranks else set()
+        raw = self.model_dump(mode="json", exclude=exclude)
+        raw["format_version"] = max(self.format_version, SEALED_FORMAT_VERSION)
+        return json.dumps(seal(raw, SEAL_KEY), indent=1, allow_nan=False).encode()
+
+    def rank_view(self, rank: int) -> Manifest:
+        """This manifest with rank ``rank``'s own state in place of the shared state (same shards)."""
+        part = self.ranks[rank]
+        return self.model_copy(
+            update={"structure": part.structure, "blobs": part.blobs, "tensors": part.tensors, "ranks": []}
+        )
+
+
+def writer_versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    import h5py
+    import torch
+
+    try:
+        ours = version("ckptflow")
+    except PackageNotFoundError:  # running from a source tree that is not installed
+        ours = "unknown"
+    return {
+        "ckptflow": ours,
+        "torch": torch.__version__,
+        "h5py": h5py.__version__,
+        "hdf5": h5py.version.hdf5_version,
+        "python": platform.python_version(),
+    }
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+
+
+def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
+    """Metrics as finite floats; raises ``ValueError`` naming a bad metric."""
+    out: dict[str, float] = {}
+    for name, value in (metrics or {}).items():
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"metric {name!r} must be a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"metric {name!r} must be finite, got {number}")
+        out[str(name)] = number
+    return out
+
+
+def load_versioned_json(data: bytes, where: str, *, kind: str, name: str, version: int, verb: str) -> dict:
+    """The JSON object of a ckptflow document (a manifest, an archive index), its format checked.
+
+    A document written by a newer format version is refused with FormatVersionError.
+    """
+
+    if len(data) > MAX_BYTES:
+        raise ManifestError(
+            f"{kind} {where} is {len(data)} bytes, more than the {MAX_BYTES} a {kind} may have"
+        )
+    try:
+        raw = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(f"{kind} {where} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ManifestError(f"{kind} {where} is nested too deeply to be a ckptflow {kind}") from None
+    if not isinstance(raw, dict) or raw.get("format") != name:
+        raise ManifestError(f"{where} is not a ckptflow {kind}")
+    too_deep = document_depth_problem(raw)
+    if too_deep:
+        raise ManifestError(f"{kind} {where} is {too_deep}")
+    found = raw.get("format_version")
+    if not isinstance(found, int) or found > version:
+        raise FormatVersionError(
+            f"{kind} {where} has format version {found!r}, but this ckptflow reads versions up to "
+            f"{version}; upgrade ckptflow to {verb} it"
+        )
+    return raw
+
+
+def seal(raw: dict[str, Any], key: str) -> dict[str, Any]:
+    """``raw`` with ``key`` set to the xxh3 of its canonical JSON (sorted keys, no spaces)."""
+    from .checksum import digest
+
+    body = {k: v for k, v in raw.items() if k != key}
+    return {**body, key: digest(_canonical(body))}
+
+
+def check_seal(raw: dict[str, Any], key: str, where: str, *, kind: str, required: bool) -> dict[str, Any]:
+    """``raw`` without its seal, after checking it; ManifestError if it was changed after writing."""
+    from .checksum import digest
+
+    if key not in raw:
+        if required:
+            raise ManifestError(f"{kind} {where} has no {key}: it was changed after it was written")
+        return raw
+    body = {k: v for k, v in raw.items() if k != key}
+    actual = digest(_canonical(body))
+    if raw[key] != actual:
+        raise ManifestError(
+            f"{kind} {where} was changed after it was written: its {key} is {raw[key]!r}, its content "
+            f"hashes to {actual!r}; do not trust it: load another version, or restore it from a copy"
+        )
+    return body
+
+
+def _canonical(raw: dict[str, Any]) -> bytes:
+    try:
+        return json.dumps(raw, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+    except ValueError as exc:
+        raise ManifestError(f"not a JSON document ckptflow writes: {exc}") from None
+
+
+def parse_manifest(data: bytes, where: str) -> Manifest:
+    """Parse and validate a manifest; ``where`` names it in error messages."""
+    raw = load_versioned_json(
+        data, where, kind="manifest", name=FORMAT_NAME, version=FORMAT_VERSION, verb="load"
+    )
+    required = raw["format_version"] >= SEALED_FORMAT_VERSION
+    raw = check_seal(raw, SEAL_KEY, where, kind="manifest", required=required)
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as exc:
+        raise ManifestError(f"manifest {where} is invalid: {validation_problems(exc)}") from None
+    check_manifest(manifest, where)
+    return manifest
+
+
+def validate_manifest(raw: object, where: str) -> Manifest:
+    """A manifest from an already parsed JSON value (an archive index's copy), fully checked."""
+    try:
+        manifest = Manifest.model_validate(raw)
+    except ValidationError as exc:
+        raise ManifestError(f"manifest {where} is invalid: {validation_problems(exc)}") from None
+    check_manifest(manifest, where)
+    return manifest
+
+
+def validation_problems(exc: ValidationError) -> str:
+    """The first five problems pydantic found, ``field.path: message``, and how many more."""
+    problems = "; ".join(
+        f"{'.'.join(str(part) for part in e['loc']) or '<root>'}: {e['msg']}"
+        for e in exc.errors(include_url=False)[:5]
+    )
+    more = f" (and {exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+    return problems + more

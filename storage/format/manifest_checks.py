@@ -1,0 +1,239 @@
+"""Everything a manifest says is checked before anything acts on it.
+
+A manifest is untrusted input: stores are shared, copied and downloaded, and a
+crafted or damaged manifest must never make a reader touch a file outside its
+version, allocate what the shard cannot hold, or crash with a raw exception.
+The schema (types, ranges) is pydantic's job in :mod:`.manifest`; this module
+checks what ties the fields together, without recursion and before any I/O:
+
+- every shard name is one plain path component (:mod:`.names`): a shard is a
+  file *inside* its version;
+- every blob names a listed shard, a known dtype, a shape whose size times the
+  dtype's width is its byte count, and a byte range inside its shard;
+- every tensor names a listed blob, a known dtype, and a view (shape, stride,
+  offset) that stays inside that blob;
+- the structure is at most :data:`MAX_DEPTH` deep, uses only known ``$`` tags
+  with payloads of the right kind, and refers only to listed tensors;
+- checksums are 16 hex digits (xxh3-64).
+
+Every violation raises :class:`ManifestError` naming the manifest and the field.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+import re
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ManifestError
+from .dtypenames import NATIVE, itemsize
+from .names import is_plain_name
+
+if TYPE_CHECKING:
+    from .manifest import BlobEntry, Manifest, ShardEntry, TensorEntry
+
+MAX_DEPTH = 64  # nesting of the structure; real training states are a few levels deep
+MAX_DOCUMENT_DEPTH = MAX_DEPTH + 16  # nesting of a whole manifest or index (a structure inside)
+MAX_BYTES = 256 << 20  # a manifest (or an index) larger than this is refused before parsing
+MAX_COUNT = 1 << 48  # a size, stride or offset in elements (or bytes) above this is not a real one
+_CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
+_TAGS = {"$tensor", "$ndarray", "$tuple", "$float", "$bytes", "$dtype", "$dict"}
+_FLOATS = {"nan", "inf", "-inf"}
+
+
+def check_manifest(m: Manifest, where: str) -> None:
+    """Raise :class:`ManifestError` for the first thing in ``m`` that cannot be trusted."""
+    for name, value in m.metrics.items():
+        if not math.isfinite(value):  # saving refuses them too; JSON output has no NaN
+            raise _fail(where, f"metrics.{name}", f"{value} is not a finite number")
+    for i, shard in enumerate(m.shards):
+        _check_shard(shard, f"shards[{i}]", where)
+    if m.ranks and len(m.ranks) != m.world_size:
+        raise ManifestError(f"manifest {where}: {len(m.ranks)} rank parts for a world size of {m.world_size}")
+    parts = [("", m.blobs, m.tensors, m.structure)]
+    parts += [(f"ranks[{r}].", p.blobs, p.tensors, p.structure) for r, p in enumerate(m.ranks)]
+    for prefix, blobs, tensors, structure in parts:
+        for i, blob in enumerate(blobs):
+            _check_blob(blob, m.shards, f"{prefix}blobs[{i}]", where)
+        for i, tensor in enumerate(tensors):
+            _check_tensor(tensor, blobs, f"{prefix}tensors[{i}]", where)
+        _check_structure(structure, [t.dtype for t in tensors], f"{prefix}structure", where)
+
+
+def _fail(where: str, field: str, problem: str) -> ManifestError:
+    return ManifestError(f"manifest {where} is invalid: {field}: {problem}")
+
+
+def _check_shard(shard: ShardEntry, field: str, where: str) -> None:
+    if not is_plain_name(shard.file):
+        raise _fail(where, f"{field}.file", f"{shard.file!r} is not a plain file name inside the version")
+    if not _CHECKSUM.match(shard.checksum):
+        raise _fail(where, f"{field}.checksum", f"{shard.checksum!r} is not an xxh3-64 checksum")
+
+
+def _check_blob(blob: BlobEntry, shards: list[ShardEntry], field: str, where: str) -> None:
+    if blob.shard >= len(shards):
+        raise _fail(where, f"{field}.shard", f"shard {blob.shard} is not listed ({len(shards)} shards)")
+    width = itemsize(blob.dtype)
+    if width is None:
+        raise _fail(where, f"{field}.dtype", f"unknown dtype {blob.dtype!r}")
+    problem = _counts_problem(blob.shape)
+    if problem:
+        raise _fail(where, f"{field}.shape", f"{problem} in {blob.shape}")
+    if math.prod(blob.shape) * width != blob.nbytes:
+        raise _fail(
+            where,
+            f"{field}.nbytes",
+            f"{blob.nbytes} bytes for shape {blob.shape} of {blob.dtype} ({width} B each)",
+        )
+    if not _CHECKSUM.match(blob.checksum):
+        raise _fail(where, f"{field}.checksum", f"{blob.checksum!r} is not an xxh3-64 checksum")
+    if blob.offset is None:
+        if blob.nbytes:
+            raise _fail(where, f"{field}.offset", "missing for a blob of non-zero size")
+        return
+    size = shards[blob.shard].size
+    if blob.offset < 0 or blob.offset + blob.nbytes > size:
+        raise _fail(
+            where,
+            f"{field}.offset",
+            f"bytes {blob.offset}..{blob.offset + blob.nbytes} lie outside shard {blob.shard} ({size} bytes)",
+        )
+
+
+def _check_tensor(tensor: TensorEntry, blobs: list[BlobEntry], field: str, where: str) -> None:
+    if tensor.blob >= len(blobs):
+        raise _fail(where, f"{field}.blob", f"blob {tensor.blob} is not listed ({len(blobs)} blobs)")
+    blob = blobs[tensor.blob]
+    width = itemsize(tensor.dtype)
+    if width is None:
+        raise _fail(where, f"{field}.dtype", f"unknown dtype {tensor.dtype!r}")
+    if width != itemsize(blob.dtype):
+        raise _fail(where, f"{field}.dtype", f"{tensor.dtype} does not match its blob's {blob.dtype}")
+    problem = _counts_problem(tensor.shape)
+    if problem:
+        raise _fail(where, f"{field}.shape", f"{problem} in {tensor.shape}")
+    elements = blob.nbytes // width
+    stride = tensor.stride if tensor.stride is not None else _contiguous(tensor.shape)
+    if len(stride) != len(tensor.shape) or _counts_problem(stride):
+        raise _fail(where, f"{field}.stride", f"{stride} does not fit shape {tensor.shape}")
+    if tensor.offset < 0 or tensor.offset > elements:
+        raise _fail(where, f"{field}.offset", f"offset {tensor.offset} is outside a blob of {elements}")
+    if math.prod(tensor.shape) > MAX_COUNT:
+        raise _fail(where, f"{field}.shape", f"{tensor.shape} holds more than {MAX_COUNT} elements")
+    if math.prod(tensor.shape) == 0:
+        return
+    last = tensor.offset + sum((n - 1) * s for n, s in zip(tensor.shape, stride, strict=True))
+    if last >= elements:
+        raise _fail(
+            where,
+            f"{field}",
+            f"shape {tensor.shape}, stride {stride} and offset {tensor.offset} reach element {last} "
+            f"of a blob of {elements}",
+        )
+
+
+def _counts_problem(counts: list[int]) -> str | None:
+    """Why a shape or stride cannot be a real one (None: it can)."""
+    if any(n < 0 for n in counts):
+        return "a negative number"
+    if any(n > MAX_COUNT for n in counts) or math.prod(counts) > MAX_COUNT:
+        return f"a number above {MAX_COUNT}"
+    return None
+
+
+def _contiguous(shape: list[int]) -> list[int]:
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= max(n, 1)
+    return stride[::-1]
+
+
+def _check_structure(structure: Any, dtypes: list[str], field: str, where: str) -> None:
+    for node, depth in _walk(structure):
+        if depth > MAX_DEPTH:
+            raise _fail(where, field, f"nested deeper than {MAX_DEPTH} levels")
+        if not isinstance(node, dict) or len(node) != 1:
+            continue
+        ((tag, payload),) = node.items()
+        if not tag.startswith("$"):
+            continue
+        problem = _tag_problem(tag, payload, dtypes)
+        if problem:
+            raise _fail(where, field, problem)
+
+
+def _tag_problem(tag: str, payload: Any, dtypes: list[str]) -> str | None:
+    if tag not in _TAGS:
+        return f"unknown tag {tag!r}"
+    if tag in ("$tensor", "$ndarray"):
+        ok = isinstance(payload, int) and not isinstance(payload, bool) and 0 <= payload < len(dtypes)
+        if not ok:
+            return f"{tag} {payload!r} is not one of the {len(dtypes)} tensors"
+        if tag == "$ndarray" and dtypes[payload] not in NATIVE:
+            return f"$ndarray {payload} is a {dtypes[payload]} tensor, which numpy cannot hold"
+        return None
+    if tag == "$float":
+        return None if payload in _FLOATS else f"$float {payload!r} is not nan, inf or -inf"
+    if tag == "$dtype":
+        return None if isinstance(payload, str) and itemsize(payload) else f"unknown $dtype {payload!r}"
+    if tag == "$bytes":
+        try:
+            base64.b64decode(payload, validate=True)
+        except (binascii.Error, TypeError, ValueError):
+            return "$bytes is not base64"
+        return None
+    if tag == "$tuple":
+        return None if isinstance(payload, list) else "$tuple is not a list"
+    pairs = isinstance(payload, list) and all(isinstance(p, list) and len(p) == 2 for p in payload)
+    if not pairs:
+        return "$dict is not a list of [key, value] pairs"
+    bad = next((k for k, _ in payload if not _is_key(k)), None)
+    return None if bad is None else f"$dict key {bad!r} is not a number, string, None or tuple of them"
+
+
+def _is_key(key: Any) -> bool:
+    """Whether ``key`` decodes to a hashable dict key: a scalar, or a tagged float, dtype, bytes,
+    or a tuple of keys."""
+    stack = [key]
+    while stack:
+        node = stack.pop()
+        if node is None or isinstance(node, (str, int, float)):
+            continue
+        if not isinstance(node, dict) or len(node) != 1:
+            return False
+        ((tag, payload),) = node.items()
+        if tag == "$tuple" and isinstance(payload, list):
+            stack.extend(payload)
+        elif tag not in ("$float", "$dtype", "$bytes"):
+            return False
+    return True
+
+
+def json_depth(value: Any) -> int:
+    """How deeply a JSON value nests (a scalar: 0), without recursion."""
+    return max((depth for _, depth in _walk(value)), default=0)
+
+
+def document_depth_problem(raw: Any) -> str | None:
+    """Why a whole JSON document is nested too deeply to be read safely (None: it is not)."""
+    deepest = json_depth(raw)
+    if deepest > MAX_DOCUMENT_DEPTH:
+        return f"nested {deepest} levels deep, more than the {MAX_DOCUMENT_DEPTH} allowed"
+    return None
+
+
+def _walk(root: Any) -> Iterator[tuple[Any, int]]:
+    """Every node of a JSON value with its depth, without recursion (a deep structure cannot crash it)."""
+    stack = [(root, 0)]
+    while stack:
+        node, depth = stack.pop()
+        yield node, depth
+        if isinstance(node, dict):
+            stack.extend((v, depth + 1) for v in node.values())
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)

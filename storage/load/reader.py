@@ -1,0 +1,201 @@
+"""Read blobs of a committed version back into tensors, verifying as it goes.
+
+Only the blobs a caller asks for are read (a partial load touches only the
+bytes of the tensors it returns). Each blob lands in a fresh uint8 tensor,
+read in place on local disks by several threads at once, and its checksum is
+compared with the manifest's before anything is returned. A shard shorter
+than the manifest says, or bytes that do not match, raise
+:class:`CorruptShardError` naming the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CorruptShardError
+from ..files.byteio import MAX_REQUEST, ReadRange, coalesce, empty_bytes, read_hashed_local, read_ranges
+from ..files.location import Location
+from ..format.checksum import digest
+from ..format.manifest import Manifest
+
+if TYPE_CHECKING:
+    import torch
+
+SPLIT = 64 << 20  # large blobs are read as several ranges, in parallel
+FUSED_MAX = 256 << 20  # verified local blobs up to this size are read and hashed in one pass
+
+
+@dataclass(frozen=True)
+class ShardSource:
+    """Where a shard's bytes are: a whole file (``offset`` 0) or a member of a tarball."""
+
+    path: str  # the file in the store's filesystem
+    offset: int  # where the shard starts in that file
+    file_size: int  # the size that file must have
+    name: str  # for messages: the shard's URL, or the tarball's URL and the member
+
+
+def loose_sources(loc: Location, version_dir: str, manifest: Manifest) -> list[ShardSource]:
+    """The shards of a version stored as files in its directory."""
+    return [
+        ShardSource(loc.path(version_dir, s.file), 0, s.size, loc.display(version_dir, s.file))
+        for s in manifest.shards
+    ]
+
+
+def read_blobs(
+    loc: Location,
+    sources: list[ShardSource],
+    manifest: Manifest,
+    wanted: list[int],
+    *,
+    verify: bool,
+    threads: int,
+    buffers: dict[int, torch.Tensor] | None = None,
+) -> dict[int, torch.Tensor]:
+    """uint8 tensors holding the bytes of the ``wanted`` blobs (``buffers``: where to put some)."""
+    given = buffers or {}
+    out = {i: given[i] if i in given else empty_bytes(manifest.blobs[i].nbytes) for i in wanted}
+    # Local and verified: each blob up to FUSED_MAX is read and hashed in one pass (see
+    # read_hashed_local), its blobs spread over the threads by size. Larger blobs are read
+    # in SPLIT-sized ranges by several threads and hashed afterwards.
+    fused = [
+        i
+        for i in wanted
+        if verify
+        and loc.is_local
+        and manifest.blobs[i].offset is not None
+        and 0 < manifest.blobs[i].nbytes <= FUSED_MAX
+    ]
+    rest = [i for i in wanted if i not in set(fused)]
+    jobs: list[Callable[[], None]] = []
+    for shard_index in sorted({manifest.blobs[i].shard for i in wanted}):
+        source = sources[shard_index]
+        if verify:
+            check_size(loc, source)
+        ranges = [
+            r
+            for i in rest
+            if manifest.blobs[i].shard == shard_index
+            for r in _ranges(_offset(source, manifest.blobs[i].offset), out[i])
+        ]
+        jobs.extend(partial(_read_job, loc, source, batch) for batch in _batches(ranges, loc.is_local))
+    for group in _spread(fused, manifest, threads):
+        jobs.append(partial(_read_and_check, loc.fs, sources, manifest, group, out))
+    _parallel(threads, jobs)
+    if verify:
+        _parallel(threads, [partial(_check_blob, sources, manifest, i, out[i]) for i in rest])
+    return out
+
+
+def _spread(blobs: list[int], manifest: Manifest, bins: int) -> list[list[int]]:
+    """Blob indices in ``bins`` groups of about equal bytes (largest first into the lightest)."""
+    groups: list[list[int]] = [[] for _ in range(max(1, bins))]
+    loads = [0] * len(groups)
+    for i in sorted(blobs, key=lambda i: -manifest.blobs[i].nbytes):
+        target = loads.index(min(loads))
+        groups[target].append(i)
+        loads[target] += manifest.blobs[i].nbytes
+    return [
+        sorted(g, key=lambda i: (manifest.blobs[i].shard, manifest.blobs[i].offset or 0)) for g in groups if g
+    ]
+
+
+def _read_and_check(
+    fs: Any, sources: list[ShardSource], manifest: Manifest, blobs: list[int], out: dict[int, torch.Tensor]
+) -> None:
+    for i in blobs:
+        blob = manifest.blobs[i]
+        source = sources[blob.shard]
+        offset = _offset(source, blob.offset)
+        assert offset is not None
+        with _shard_errors(source):
+            actual = read_hashed_local(fs, source.path, offset, out[i].numpy().data)
+        if actual != blob.checksum:
+            raise CorruptShardError(
+                f"{source.name} (dataset {blob.dataset})", expected=blob.checksum, actual=actual
+            )
+
+
+def _offset(source: ShardSource, offset: int | None) -> int | None:
+    return None if offset is None else source.offset + offset
+
+
+def check_size(loc: Location, source: ShardSource) -> None:
+    try:
+        actual = loc.fs.size(source.path)
+    except FileNotFoundError:
+        raise CorruptShardError(
+            source.name, expected=f"{source.file_size} bytes", actual="no file", what="size"
+        ) from None
+    if actual != source.file_size:
+        raise CorruptShardError(
+            source.name, expected=f"{source.file_size} bytes", actual=f"{actual} bytes", what="size"
+        )
+
+
+def _ranges(offset: int | None, buf: torch.Tensor) -> list[ReadRange]:
+    if offset is None or buf.numel() == 0:
+        return []
+    view = buf.numpy().data
+    return [ReadRange(offset + s, view[s : s + SPLIT]) for s in range(0, len(view), SPLIT)]
+
+
+def _batches(ranges: list[ReadRange], local: bool) -> list[list[ReadRange]]:
+    """Group small ranges so one job reads about ``MAX_REQUEST`` bytes."""
+    if not local:
+        return coalesce(ranges)
+    batches: list[list[ReadRange]] = []
+    size = MAX_REQUEST
+    for r in sorted(ranges, key=lambda r: r.offset):
+        if size + len(r.out) > MAX_REQUEST:
+            batches.append([])
+            size = 0
+        batches[-1].append(r)
+        size += len(r.out)
+    return batches
+
+
+def _read_job(loc: Location, source: ShardSource, ranges: list[ReadRange]) -> None:
+    with _shard_errors(source):
+        read_ranges(loc.fs, source.path, ranges, local=loc.is_local)
+
+
+@contextmanager
+def _shard_errors(source: ShardSource) -> Iterator[None]:
+    """A missing or short shard file, as CorruptShardError naming it."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise CorruptShardError(
+            source.name, expected="a shard file", actual="no file", what="presence"
+        ) from None
+    except EOFError as exc:
+        raise CorruptShardError(source.name, expected="more bytes", actual=str(exc), what="size") from None
+
+
+def _parallel(threads: int, calls: list[Callable[[], None]]) -> None:
+    """Run ``calls`` on up to ``threads`` threads (I/O and xxh3 release the GIL); re-raise the first error."""
+    if threads <= 1 or len(calls) <= 1:
+        for call in calls:
+            call()
+        return
+    with ThreadPoolExecutor(min(threads, len(calls)), thread_name_prefix="ckptflow-read") as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.result()
+
+
+def _check_blob(sources: list[ShardSource], manifest: Manifest, i: int, data: torch.Tensor) -> None:
+    blob = manifest.blobs[i]
+    actual = digest(data.numpy().data) if data.numel() else digest(b"")
+    if actual != blob.checksum:
+        raise CorruptShardError(
+            f"{sources[blob.shard].name} (dataset {blob.dataset})",
+            expected=blob.checksum,
+            actual=actual,
+        )

@@ -1,0 +1,84 @@
+"""Restoring a state: a located version's manifest turned back into the state that was saved.
+
+Selects the key paths asked for, reads only their blobs (into the caller's tensors where
+they match), and rebuilds the structure around the tensors. Per-rank state is mapped by
+one documented rule when the number of ranks changed.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..files.location import Location, translate_errors
+from ..format.manifest import Manifest
+from ..info import StoreOptions
+from .reader import read_blobs
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..versions.catalog import Located
+
+
+class RankStateWarning(UserWarning):
+    """Per-rank state saved by a different number of ranks was mapped by the documented rule."""
+
+
+def rank_manifest(manifest: Manifest, rank: int, world: int, *, stacklevel: int) -> Manifest | None:
+    """The view of ``manifest`` holding rank ``rank``'s state in a job of ``world`` ranks, or None if
+    none was saved: rank r's when saved by ``world`` ranks, else rank 0's (with a warning)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank must be in 0..{world - 1}, got {rank}")
+    if not manifest.ranks:
+        return None
+    source = rank
+    if len(manifest.ranks) != world:
+        source = 0
+        warnings.warn(
+            RankStateWarning(
+                f"version {manifest.version} was saved by {len(manifest.ranks)} rank(s), this job has "
+                f"{world}: rank {rank} gets the per-rank state of rank 0"
+            ),
+            stacklevel=stacklevel + 1,
+        )
+    return manifest.rank_view(source)
+
+
+def read_state(
+    loc: Location,
+    options: StoreOptions,
+    located: Located,
+    manifest: Manifest,
+    keys: Sequence[str] | None,
+    map_location: str | torch.device,
+    verify: bool | None,
+    into: Any,
+) -> Any:
+    """The state ``manifest`` (of the version ``located``) describes, or the parts under ``keys``."""
+    import torch
+
+    from ..format.structure import decode, leaf_refs, select
+    from .loader import as_bytes, build_tensors, target_buffers
+
+    structure = select(manifest.structure, list(keys)) if keys else manifest.structure
+    leaf_ids = sorted(set(leaf_refs(structure)))
+    wanted = sorted({manifest.tensors[i].blob for i in leaf_ids})
+    check = options.verify_on_load if verify is None else verify
+    device = torch.device(map_location)
+    targets = {}
+    if into is not None and device.type == "cpu":
+        targets = target_buffers(manifest, leaf_ids, into)
+    with translate_errors(loc, "loading from"):
+        raw = read_blobs(
+            loc,
+            located.sources(loc),
+            manifest,
+            wanted,
+            verify=check,
+            threads=options.threads,
+            buffers={blob: as_bytes(t) for blob, t in targets.items()},
+        )
+    tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
+    return decode(structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i])

@@ -1,0 +1,79 @@
+"""Mirroring a local store to another URL, one version or one tarball at a time, committed last.
+
+A mirror is a store of its own, so it is written in the order that makes one: a
+version's shards go up first, each uploaded and verified, and its manifest last
+(the version's commit on the mirror); a tarball goes up before its index (the
+tarball's commit). A mirror therefore never lists a version whose bytes are
+not all there. Uploading again after a crash skips what is already there and
+verified (:func:`.transfer.upload_file`). Uploads copy from a local store
+(:func:`require_local`).
+
+:mod:`.transfer` is imported at the first upload: its S3 client (aiohttp,
+aiobotocore) takes 0.2 s to import, which a process that never uploads would
+otherwise wait for.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ..archive.tarballs import archive_location
+from ..archive.tarindex import index_name, read_index
+from ..errors import CheckpointError
+from ..files.location import Location
+from ..format.manifest import MANIFEST_FILE, Manifest
+from ..versions.commit import version_dir
+
+if TYPE_CHECKING:
+    from .transfer import TransferResult
+
+S3_PREFIXES = ("s3://", "s3a://")
+
+
+def upload_storage_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
+    """fsspec options for uploads to ``url``: on S3 with the transfers' timeouts and bounded attempts
+    (those set in ``config_kwargs`` win), so a silent target fails an upload in bounded time."""
+    options = dict(storage_options or {})
+    if not url.startswith(S3_PREFIXES):
+        return options
+    from .transfer import TransferOptions, s3_storage_options
+
+    return s3_storage_options(options, TransferOptions().honouring(options))
+
+
+def upload_file(local_path: str, url: str, *, storage_options: dict[str, Any]) -> TransferResult:
+    """:func:`.transfer.upload_file` with the timeouts and attempts set in ``storage_options``."""
+    from . import transfer
+
+    options = transfer.TransferOptions().honouring(storage_options)
+    return transfer.upload_file(local_path, url, storage_options=storage_options, options=options)
+
+
+def mirror_version(loc: Location, manifest: Manifest, url: str, storage_options: dict[str, Any]) -> str:
+    """Upload the loose version ``manifest`` describes from the local store ``loc`` to ``url``: its
+    shards, then its manifest. Returns the URL of the version's directory on the mirror."""
+    vdir = version_dir(manifest.version)
+    remote = f"{url.rstrip('/')}/{vdir}"
+    for name in [s.file for s in manifest.shards] + [MANIFEST_FILE]:
+        upload_file(loc.path(vdir, name), f"{remote}/{name}", storage_options=storage_options)
+    return remote
+
+
+def mirror_archive(loc: Location, tar: str, url: str, storage_options: dict[str, Any]) -> str:
+    """Upload the committed tarball ``tar`` of the local store ``loc`` to ``url``'s ``archive/``, then
+    its index. Returns the URL of the tarball on the mirror."""
+    aloc = archive_location(loc)
+    remote = f"{url.rstrip('/')}/archive"
+    for name in (tar, index_name(tar)):
+        upload_file(aloc.path(name), f"{remote}/{name}", storage_options=storage_options)
+    read_index(aloc, tar)  # still committed here, after the upload
+    return f"{remote}/{tar}"
+
+
+def require_local(loc: Location) -> None:
+    """Refuse a store that is not a local directory: uploads copy from one."""
+    if not loc.is_local or not os.path.isdir(loc.root):
+        raise CheckpointError(
+            f"uploads copy from a local store; {loc.display()} is not one (write archives there directly)"
+        )

@@ -1,0 +1,247 @@
+"""Saving from a torch.distributed job: every rank writes a share, rank 0 commits.
+
+The replicated state (what DDP keeps identical on every rank: model,
+optimizer, scheduler) is split over the ranks by size, and each rank writes
+only its share, so W ranks write about 1/W of the bytes each. Each rank also
+writes its own state (RNG states, data position) to a small file of its own.
+Then every rank reports what it wrote (shard sizes and checksums, blob
+entries) to rank 0, which writes the manifest only if every rank succeeded,
+and tells every rank the outcome. A failed or dead rank means no manifest:
+the previous version stays the latest, and the files written are garbage that
+a retry of the same version or ``gc`` removes.
+
+The checkpoint's collectives run on a group of their own (gloo, so they work
+beside NCCL on GPUs), so that an async save's background thread never
+interleaves with the training loop's collectives on the default group. They
+carry JSON in uint8 tensors: nothing a rank receives is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import CheckpointError, RankFailedError
+from ..format.dtypes import dtype_name
+from ..format.manifest import BlobEntry, RankPart, ShardEntry, TensorEntry
+from ..format.structure import Leaf, encode
+from .planner import Blob, SavePlan, ShardPlan, TensorRef, assign_shards, balance, plan_blobs
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """This process's place in the job, and the checkpoint's own process group."""
+
+    rank: int
+    world_size: int
+    group: Any  # a torch.distributed ProcessGroup (gloo)
+
+    @classmethod
+    def create(cls, timeout: timedelta = DEFAULT_TIMEOUT) -> RankGroup:
+        """A new gloo group over every rank of the default group (a collective call: all ranks make it)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "a distributed CheckpointStore needs torch.distributed to be initialised: "
+                "call torch.distributed.init_process_group(...) on every rank first"
+            )
+        group = dist.new_group(backend="gloo", timeout=timeout)
+        return cls(dist.get_rank(), dist.get_world_size(), group)
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == 0
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's JSON value, on every rank."""
+        data = _encode(value) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        with _collective():
+            dist.broadcast(size, src=0, group=self.group)
+            if self.rank != 0:
+                data = torch.empty(int(size.item()), dtype=torch.uint8)
+            if data.numel():
+                dist.broadcast(data, src=0, group=self.group)
+        return _decode(data)
+
+    def gather(self, value: Any) -> list[Any] | None:
+        """Every rank's JSON value, in rank order, on rank 0 (None on the others)."""
+        data = _encode(value)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        with _collective():
+            dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
+            longest = max(int(s.item()) for s in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: data.numel()] = data
+            if self.rank == 0:
+                out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+                dist.gather(padded, out, dst=0, group=self.group)
+                return [_decode(t[: int(n.item())]) for t, n in zip(out, sizes, strict=True)]
+            dist.gather(padded, None, dst=0, group=self.group)
+        return None
+
+    def agree(self, work: Any, what: str) -> Any:
+        """Run ``work()`` on rank 0 and give its result (or its failure) to every rank."""
+        outcome: dict[str, Any] | None = None
+        if self.rank == 0:
+            try:
+                outcome = {"ok": work()}
+            except Exception as exc:  # every rank must hear of it, or they would wait forever
+                outcome = {"error": f"{type(exc).__name__}: {exc}"}
+                self.broadcast(outcome)
+                raise
+        outcome = self.broadcast(outcome)
+        if "error" in outcome:
+            raise RankFailedError(f"{what} failed on rank 0: {outcome['error']}")
+        return outcome["ok"]
+
+
+@contextmanager
+def _collective() -> Iterator[None]:
+    """A collective of the checkpoint group that failed (a rank died, or it timed out), as RankFailedError."""
+    try:
+        yield
+    except RuntimeError as exc:  # what gloo raises for a peer that closed its connection, or a timeout
+        raise RankFailedError(
+            f"a rank of the checkpoint group died or timed out ({exc}); the save did not complete on "
+            "every rank and the previous committed version is intact"
+        ) from exc
+
+
+def _encode(value: Any) -> torch.Tensor:
+    raw = json.dumps(value, allow_nan=False).encode()
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+def _decode(data: torch.Tensor) -> Any:
+    return json.loads(bytes(data.numpy().tobytes()).decode())
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """What one rank writes: its share of the replicated blobs and its own state."""
+
+    shared: SavePlan  # all replicated blobs; ``shards`` holds only this rank's share
+    own: SavePlan  # this rank's own state, in one file
+    own_structure: Any
+    own_refs: list[TensorEntry]
+
+
+def plan_rank(
+    blobs: list[Blob], refs: Any, rank_state: object, *, shards: int, rank: int, world_size: int
+) -> RankPlan:
+    """Split the replicated blobs over the ranks and plan this rank's files.
+
+    Every rank computes the same split from the same state, so nothing needs to
+    be exchanged before writing.
+    """
+    mine = balance(blobs, world_size)[rank]
+    # ``shards`` files in all, spread over the ranks: W ranks on one machine share its cores and disk
+    per_rank = max(1, -(-shards // world_size))
+    shared_shards = assign_shards(mine, shards=per_rank, rank=rank) if mine else []
+    structure, leaves = encode(rank_state if rank_state is not None else {})
+    own_blobs, own_refs = plan_blobs(leaves)
+    own_bytes = sum(b.nbytes for b in own_blobs)
+    own_file = ShardPlan(0, f"state-r{rank}.h5", [b.index for b in own_blobs], own_bytes)
+    entries = tensor_entries(leaves, own_refs)
+    return RankPlan(
+        SavePlan(blobs, refs, shared_shards), SavePlan(own_blobs, own_refs, [own_file]), structure, entries
+    )
+
+
+def staged_blobs(plan: RankPlan) -> tuple[list[Blob], int]:
+    """The blobs this rank must copy before an async save returns: its share and its own state.
+
+    Its own blobs are renumbered after the replicated ones (offset returned) so that one
+    staging buffer holds both.
+    """
+    offset = len(plan.shared.blobs)
+    mine = [plan.shared.blobs[i] for shard in plan.shared.shards for i in shard.blobs]
+    return mine + [replace(b, index=b.index + offset) for b in plan.own.blobs], offset
+
+
+def report(shards: list[ShardEntry], blobs: dict[int, BlobEntry], own: tuple, plan: RankPlan) -> dict:
+    """What a rank tells rank 0 after writing: its files and the entries of the blobs in them."""
+    own_shards, own_blobs = own
+    return {
+        "shards": [s.model_dump(mode="json") for s in shards],
+        "blobs": {str(i): b.model_dump(mode="json") for i, b in blobs.items()},
+        "own_shards": [s.model_dump(mode="json") for s in own_shards],
+        "own_blobs": [own_blobs[i].model_dump(mode="json") for i in range(len(plan.own.blobs))],
+        "own_structure": plan.own_structure,
+        "own_tensors": [t.model_dump(mode="json") for t in plan.own_refs],
+        "own_nbytes": plan.own.nbytes,
+    }
+
+
+@dataclass(frozen=True)
+class Assembled:
+    shards: list[ShardEntry]
+    blobs: list[BlobEntry]
+    ranks: list[RankPart]
+    own_nbytes: int
+
+
+def assemble(reports: list[dict], blob_count: int) -> Assembled:
+    """Rank 0: one shard list and one blob list from every rank's report.
+
+    Each rank numbered its shards from 0; here they are concatenated in rank
+    order and every blob entry's shard number is moved by its rank's offset.
+    """
+    shards: list[ShardEntry] = []
+    blobs: dict[int, BlobEntry] = {}
+    ranks: list[RankPart] = []
+    own_nbytes = 0
+    for rep in reports:
+        base = len(shards)
+        shards += [ShardEntry.model_validate(s) for s in rep["shards"]]
+        for key, raw in rep["blobs"].items():
+            entry = BlobEntry.model_validate(raw)
+            blobs[int(key)] = entry.model_copy(update={"shard": entry.shard + base})
+        own_base = len(shards)
+        shards += [ShardEntry.model_validate(s) for s in rep["own_shards"]]
+        own_blobs = [BlobEntry.model_validate(b) for b in rep["own_blobs"]]
+        ranks.append(
+            RankPart(
+                structure=rep["own_structure"],
+                blobs=[b.model_copy(update={"shard": b.shard + own_base}) for b in own_blobs],
+                tensors=[TensorEntry.model_validate(t) for t in rep["own_tensors"]],
+            )
+        )
+        own_nbytes += int(rep["own_nbytes"])
+    missing = [i for i in range(blob_count) if i not in blobs]
+    if missing:  # the ranks did not split the state alike: their states differ
+        raise CheckpointError(
+            f"no rank wrote {len(missing)} of the {blob_count} replicated tensors: the ranks passed "
+            "different replicated states (same keys, shapes and dtypes are required on every rank)"
+        )
+    return Assembled(shards, [blobs[i] for i in range(blob_count)], ranks, own_nbytes)
+
+
+def tensor_entries(leaves: list[Leaf], refs: list[TensorRef]) -> list[TensorEntry]:
+    """The manifest's entries of the planned leaves: key path, blob, dtype, shape, view."""
+    return [
+        TensorEntry(
+            path=leaf.path,
+            blob=r.blob,
+            dtype=dtype_name(r.dtype),
+            shape=list(r.shape),
+            stride=list(r.stride) if r.stride is not None else None,
+            offset=r.offset,
+        )
+        for leaf, r in zip(leaves, refs, strict=True)
+    ]
+
+
+__all__ = ["RankFailedError", "RankGroup", "RankPlan", "assemble", "plan_rank", "report", "staged_blobs"]

@@ -1,0 +1,188 @@
+"""Pure planning: which bytes are stored, and in which shard.
+
+A *blob* is one contiguous run of bytes written to one HDF5 dataset. Usually a
+blob is one tensor's own elements. Tensors that share storage (tied weights,
+views of one buffer) are stored once: identical views share a blob and come
+back as one tensor object; different views of one storage share a blob that
+spans the bytes they use, and are rebuilt as views of it, so the sharing
+survives the round trip.
+
+Blobs are then spread over N shards by size: largest first into the lightest
+shard. Nothing here does I/O; the writer follows the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..format.dtypes import storage_dtype
+from ..format.structure import Leaf
+
+
+@dataclass(frozen=True)
+class Blob:
+    """Bytes written as one dataset: ``numel`` elements of ``dtype``, laid out as ``shape``."""
+
+    index: int
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    source: torch.Tensor  # the data, viewed so that ``source.contiguous()`` is exactly the bytes
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.numel() * self.source.element_size()
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """How a leaf is rebuilt from its blob (``stride`` None: the whole blob, reshaped)."""
+
+    blob: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...] | None = None
+    offset: int = 0
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    index: int
+    file: str
+    blobs: list[int] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    blobs: list[Blob]
+    refs: list[TensorRef]
+    shards: list[ShardPlan]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blobs)
+
+
+def shard_file_name(rank: int, index: int) -> str:
+    return f"shard-r{rank}-{index:02d}.h5"
+
+
+def plan_save(leaves: list[Leaf], *, shards: int, rank: int = 0) -> SavePlan:
+    """Blobs for ``leaves`` and their split into at most ``shards`` files."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    blobs, refs = plan_blobs(leaves)
+    return SavePlan(blobs, refs, assign_shards(blobs, shards=shards, rank=rank))
+
+
+def plan_blobs(leaves: list[Leaf]) -> tuple[list[Blob], list[TensorRef]]:
+    """Group leaves by the storage they live in; one blob per group (or per view)."""
+    groups: dict[object, list[int]] = {}
+    for i, leaf in enumerate(leaves):
+        groups.setdefault(_storage_key(leaf.tensor, i), []).append(i)
+    blobs: list[Blob] = []
+    refs: list[TensorRef | None] = [None] * len(leaves)
+    names: set[str] = set()
+    for members in groups.values():
+        _plan_group(leaves, members, blobs, refs, names)
+    return blobs, [r for r in refs if r is not None]
+
+
+def _storage_key(t: torch.Tensor, i: int) -> object:
+    if t.numel() == 0:
+        return ("empty", i)
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def _view_key(t: torch.Tensor) -> tuple:
+    return (t.dtype, tuple(t.shape), t.stride(), t.storage_offset())
+
+
+def _plan_group(
+    leaves: list[Leaf], members: list[int], blobs: list[Blob], refs: list[TensorRef | None], names: set[str]
+) -> None:
+    views: dict[tuple, list[int]] = {}
+    for i in members:
+        views.setdefault(_view_key(leaves[i].tensor), []).append(i)
+    dtypes = {key[0] for key in views}
+    if len(views) == 1 or len(dtypes) > 1:
+        # One view (tied weights: the same tensor under several keys), or views of
+        # different dtypes over one storage, which are stored apart.
+        for same in views.values():
+            t = leaves[same[0]].tensor
+            blob = _new_blob(blobs, names, leaves[same[0]].path, t.dtype, tuple(t.shape), t)
+            for i in same:
+                refs[i] = TensorRef(blob, t.dtype, tuple(t.shape))
+        return
+    first = leaves[members[0]].tensor
+    start = min(int(leaves[i].tensor.storage_offset()) for i in members)
+    end = max(_extent_end(leaves[i].tensor) for i in members)
+    span = torch.as_strided(first, (end - start,), (1,), start)
+    blob = _new_blob(blobs, names, leaves[members[0]].path, first.dtype, (end - start,), span)
+    for i in members:
+        t = leaves[i].tensor
+        refs[i] = TensorRef(blob, t.dtype, tuple(t.shape), t.stride(), int(t.storage_offset()) - start)
+
+
+def _extent_end(t: torch.Tensor) -> int:
+    return int(t.storage_offset()) + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True)) + 1
+
+
+def _new_blob(
+    blobs: list[Blob],
+    names: set[str],
+    path: str,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    source: torch.Tensor,
+) -> int:
+    storage_dtype(dtype)  # raises early for dtypes we cannot store
+    blobs.append(Blob(len(blobs), dataset_name(path, names), dtype, shape, source))
+    return len(blobs) - 1
+
+
+def dataset_name(path: str, taken: set[str]) -> str:
+    """A unique, flat HDF5 dataset name for a key path (``model/fc.weight`` -> ``model.fc.weight``).
+
+    HDF5 names are NUL-terminated: a NUL in a key is escaped.
+    """
+    base = path.replace("/", ".").replace("\x00", "\\x00") or "root"
+    if base in (".", ".."):
+        base = f"_{base}"
+    name, n = base, 1
+    while name in taken:
+        n += 1
+        name = f"{base}#{n}"
+    taken.add(name)
+    return name
+
+
+def assign_shards(blobs: list[Blob], *, shards: int, rank: int = 0) -> list[ShardPlan]:
+    """Largest blob first into the lightest shard; empty shards are dropped."""
+    plans: list[ShardPlan] = []
+    for members in balance(blobs, shards):
+        if members:
+            load = sum(b.nbytes for b in members)
+            indices = sorted(b.index for b in members)
+            plans.append(ShardPlan(len(plans), shard_file_name(rank, len(plans)), indices, load))
+    if not plans:  # a state without tensors still gets one (small) shard file
+        plans.append(ShardPlan(0, shard_file_name(rank, 0)))
+    return plans
+
+
+def balance(blobs: list[Blob], bins: int) -> list[list[Blob]]:
+    """Split blobs into ``bins`` groups of about equal bytes: largest first into the lightest group.
+
+    Deterministic: the same blobs, in any order, give the same groups (every rank of a
+    multi-process save computes the same split of the replicated state on its own).
+    """
+    groups: list[list[Blob]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    for blob in sorted(blobs, key=lambda b: (-b.nbytes, b.index)):
+        target = min(range(bins), key=lambda s: (loads[s], s))
+        groups[target].append(blob)
+        loads[target] += blob.nbytes
+    return groups

@@ -1,0 +1,369 @@
+"""How a save becomes a committed version: plan it, claim a number, write, commit.
+
+:class:`VersionWriter` does this for one process, or for one rank of a
+torch.distributed job (see :mod:`.distributed`): every rank plans the same
+split of the replicated state, rank 0 claims the version number for all,
+each rank writes its share, and rank 0 commits. The store around it decides
+when (now, or in the background from staged bytes) and keeps the state.
+
+What must always hold: nothing is written before the whole state is known to
+be storable and the version number is claimed (exclusively: two writers never
+write one version's shards; see :mod:`.commit`); the manifest, written last,
+is what makes the version exist; a failed save exposes nothing and leaves
+the previous version the latest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import (
+    CheckpointError,
+    RankFailedError,
+    UnsupportedValueError,
+    VersionExistsError,
+    VersionTakenError,
+)
+from ..files.location import Location, translate_errors
+from ..format.checksum import ALGORITHM
+from ..format.manifest import (
+    RANKS_FORMAT_VERSION,
+    Manifest,
+    TensorEntry,
+    clean_metrics,
+    utc_now,
+    writer_versions,
+)
+from ..format.manifest_checks import MAX_DOCUMENT_DEPTH, json_depth
+from ..format.structure import encode
+from ..info import StoreOptions, VersionInfo
+from ..versions import catalog
+from ..versions import commit as protocol
+from ..versions.catalog import archived_for_writing
+from ..versions.commit import version_dir
+from ..versions.housekeeping import last_change
+from ..versions.lease import DEFAULT_TIMEOUT, StoreLease, read_lease
+from ..versions.lease_info import pid_alive
+from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
+from .planner import Blob, SavePlan, plan_blobs, plan_save
+
+log = logging.getLogger(__name__)
+
+CLAIM_TRIES = 100  # new numbers tried when other writers keep taking the next one
+STALE_CLAIM_SECONDS = DEFAULT_TIMEOUT  # a claim on a version unchanged for this long is garbage
+
+
+@dataclass(frozen=True)
+class SaveJob:
+    """A save, planned and numbered: what writing it needs."""
+
+    version: int
+    epoch: int | None
+    step: int | None
+    metrics: dict[str, float]
+    structure: Any
+    refs: list[TensorEntry]
+    plan: SavePlan
+    user: dict[str, Any]
+    ranked: RankPlan | None = None  # a save with per-rank state, or from several ranks
+
+    def manifest(self, shards: list[Any], blobs: list[Any], seconds: float, **extra: Any) -> Manifest:
+        """The manifest of this save, once its shards are written (``extra``: multi-process fields)."""
+        fields: dict[str, Any] = {
+            "version": self.version,
+            "epoch": self.epoch,
+            "step": self.step,
+            "metrics": self.metrics,
+            "created": utc_now(),
+            "writer": writer_versions(),
+            "checksum_algorithm": ALGORITHM,
+            "nbytes": self.plan.nbytes,
+            "shards": shards,
+            "blobs": blobs,
+            "tensors": self.refs,
+            "structure": self.structure,
+            "user": {**self.user, "save_seconds": round(seconds, 4)},
+        }
+        return Manifest(**{**fields, **extra})
+
+
+class VersionWriter:
+    """Writes versions into one store, as one process or as one rank of a group."""
+
+    def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
+        self.loc, self.options, self.group = loc, options, group
+        self.claim = protocol.new_claim(uuid.uuid4().hex)  # how this writer claims version numbers
+        self.lease: StoreLease | None = None  # the store's lease, when this writer's store holds it
+
+    @property
+    def rank(self) -> int:
+        return self.group.rank if self.group else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.group.world_size if self.group else 1
+
+    def prepare(
+        self,
+        state: object,
+        epoch: int | None,
+        step: int | None,
+        metrics: dict[str, float] | None,
+        version: int | None,
+        user: dict[str, Any] | None,
+        rank_state: object = None,
+    ) -> SaveJob:
+        try:
+            structure, leaves = encode(state)  # raises on unsupported values, before any I/O
+            if json_depth(user) >= MAX_DOCUMENT_DEPTH:  # a reader would refuse the manifest
+                raise UnsupportedValueError(
+                    "user", f"the metadata nests more than the {MAX_DOCUMENT_DEPTH - 1} levels it may hold"
+                )
+            ranked: RankPlan | None = None
+            if self.group is None and rank_state is None:
+                plan = plan_save(leaves, shards=self.options.shards)
+            else:
+                blobs, blob_refs = plan_blobs(leaves)
+                ranked = plan_rank(
+                    blobs,
+                    blob_refs,
+                    rank_state,
+                    shards=self.options.shards,
+                    rank=self.rank,
+                    world_size=self.world_size,
+                )
+                plan = ranked.shared
+            refs = tensor_entries(leaves, plan.refs)
+            clean = clean_metrics(metrics)
+        except Exception as exc:
+            if self.group is not None:  # the other ranks wait for this one in the claim: tell them
+                with contextlib.suppress(CheckpointError):
+                    self._claim_together(version, epoch, None, failure=exc)
+            raise
+        if self.group is None:
+            with translate_errors(self.loc, "saving to"):
+                number = self._claim_version(version, epoch)
+        else:
+            number = self._claim_together(version, epoch, plan.blobs)
+        return SaveJob(number, epoch, step, clean, structure, refs, plan, dict(user or {}), ranked)
+
+    def _claim_together(
+        self,
+        version: int | None,
+        epoch: int | None,
+        blobs: list[Blob] | None,
+        *,
+        failure: Exception | None = None,
+    ) -> int:
+        """Rank 0 checks that every rank has the same replicated state and claims the version.
+
+        A rank that could not plan its save (``failure``) takes part all the same, so that no rank
+        waits for it: every rank then raises.
+        """
+        assert self.group is not None
+        group = self.group
+        if failure is not None or blobs is None:
+            found = group.gather({"error": f"{type(failure).__name__}: {failure}"})
+        else:
+            found = group.gather([[b.name, str(b.dtype), list(b.shape)] for b in blobs])
+
+        def claim() -> int:
+            assert found is not None
+            failed = [f"rank {r}: {sig['error']}" for r, sig in enumerate(found) if isinstance(sig, dict)]
+            if failed:
+                raise RankFailedError(
+                    f"nothing was written, a rank could not prepare its save: {'; '.join(failed)}"
+                )
+            differ = [r for r, sig in enumerate(found) if sig != found[0]]
+            if differ:
+                raise CheckpointError(
+                    f"the replicated state of rank(s) {differ} differs from rank 0's (tensor names, "
+                    "dtypes or shapes): every rank must pass the same state; put what differs in rank_state"
+                )
+            with translate_errors(self.loc, "saving to"):
+                return self._claim_version(version, epoch)
+
+        return int(group.agree(claim, "claiming a version"))
+
+    def _claim_version(self, version: int | None, epoch: int | None = None) -> int:
+        """``version``, or by default the epoch's number when it is above every version directory
+        (committed or not: a crashed save's name is never reused), else the next number above them;
+        claimed exclusively before any shard is written."""
+        if self.lease is not None:
+            self.lease.check()
+        if version is None:
+            floor = epoch if epoch is not None and epoch >= 0 else 0
+            number = catalog.next_version(self.loc, at_least=floor)
+            for _ in range(CLAIM_TRIES):
+                if protocol.claim_version(self.loc, number, self.claim):
+                    return number
+                number = max(number + 1, catalog.next_version(self.loc, at_least=floor))  # taken meanwhile
+            raise VersionTakenError(
+                f"could not claim a new version number in {self.loc.display()}: other writers took "
+                f"{CLAIM_TRIES} numbers in a row. Only one writer may use a store at a time"
+            )
+        if version < 0:
+            raise ValueError(f"version must be >= 0, got {version}")
+        record = protocol.read_record(self.loc, version)
+        if (record is not None and not record.is_writing()) or version in archived_for_writing(self.loc):
+            raise VersionExistsError(version, self.loc.display())
+        if record is not None:
+            self.clear_leftovers(version)
+        if not protocol.claim_version(self.loc, version, self.claim):
+            raise self._taken(version, protocol.read_claim(self.loc, version))
+        return version
+
+    def clear_leftovers(self, version: int) -> None:
+        """Remove an uncommitted ``version`` before writing it, unless another live writer is writing it."""
+        found = protocol.read_claim(self.loc, version)
+        if found is not None and found.token != self.claim.token and not self._is_stale(found, version):
+            raise self._taken(version, found)
+        log.info("removing leftovers of an interrupted save of version %d", version)
+        protocol.clear_leftovers(self.loc, version)
+
+    def _is_stale(self, found: protocol.Claim, version: int) -> bool:
+        """Whether another writer's claim is a leftover: its process is gone, or it predates the
+        store's current lease (this writer holds it, or writes for its holder), or nothing changed
+        in the version for a lease timeout."""
+        if found.host == socket.gethostname() and not pid_alive(found.pid):
+            return True
+        if self.lease is not None and self.lease.is_held():
+            return True
+        holder = read_lease(self.loc)
+        if holder is not None and holder.started > found.created:
+            return True
+        changed = last_change(self.loc, self.loc.path(version_dir(version)))
+        return changed is not None and time.time() - changed > STALE_CLAIM_SECONDS
+
+    def _taken(self, version: int, found: protocol.Claim | None) -> VersionTakenError:
+        who = f" ({found.describe()})" if found is not None else ""
+        return VersionTakenError(
+            f"version {version} in {self.loc.display()} is being written by another writer{who}. Only "
+            "one writer may use a store at a time: wait for it, or if it is gone, remove the leftovers "
+            f"with `ckptflow gc` (or store.gc()); they also count as gone {STALE_CLAIM_SECONDS:g}s after "
+            "their last change"
+        )
+
+    def _ensure_claim(self, version: int) -> None:
+        """Before writing: the version is still this writer's claim (claim it again after leftovers
+        of a failed attempt were cleared)."""
+        found = protocol.read_claim(self.loc, version)
+        if found is not None and found.token == self.claim.token:
+            return
+        if found is not None or not protocol.claim_version(self.loc, version, self.claim):
+            raise self._taken(version, protocol.read_claim(self.loc, version))
+
+    def _commit(self, manifest: Manifest) -> None:
+        """Commit under this writer's claim (and lease, if it holds one); a failure drops the claim."""
+        try:
+            if self.lease is not None:
+                self.lease.check()
+            protocol.commit(self.loc, manifest, claim=self.claim.token)
+        except BaseException:
+            self._discard(manifest.version)
+            raise
+
+    def _discard(self, version: int) -> None:
+        """After a failed save: remove its partial files (its claim shows they are this writer's,
+        and no manifest made them a version), so a full disk is freed at once. Ranked saves call
+        it on rank 0 once every rank has reported, i.e. stopped writing."""
+        with contextlib.suppress(Exception):
+            found = protocol.read_claim(self.loc, version)
+            record = protocol.read_record(self.loc, version)
+            if found is not None and found.token == self.claim.token and record and record.is_writing():
+                self.loc.fs.rm(self.loc.path(version_dir(version)), recursive=True)
+                log.info("removed the partial files of the failed save of version %d", version)
+                return
+        self._abandon(version)
+
+    def _abandon(self, version: int) -> None:
+        """After a failed save: drop this writer's claim, so its leftovers count as garbage."""
+        with contextlib.suppress(Exception):
+            found = protocol.read_claim(self.loc, version)
+            if found is not None and found.token == self.claim.token:
+                protocol.drop_claim(self.loc, version)
+
+    def write(self, job: SaveJob, blob_bytes: Callable[[Blob], memoryview]) -> VersionInfo:
+        from .writer import write_shards
+
+        start = time.perf_counter()
+        vdir = version_dir(job.version)
+        with translate_errors(self.loc, "saving to"):
+            self._ensure_claim(job.version)
+            try:
+                shards, written = write_shards(
+                    self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads
+                )
+            except BaseException:
+                self._discard(job.version)
+                raise
+            blobs = [written[i] for i in range(len(job.plan.blobs))]
+            seconds = time.perf_counter() - start
+            manifest = job.manifest(shards, blobs, seconds)
+            self._commit(manifest)
+        log.info("committed %s (%d bytes in %.2fs)", self.loc.display(vdir), manifest.total_size, seconds)
+        return VersionInfo.from_manifest(manifest, self.loc.display(vdir))
+
+    def write_ranked(self, job: SaveJob, shared_bytes: Callable, own_bytes: Callable) -> VersionInfo:
+        """Write this rank's files, report them to rank 0, which commits if every rank succeeded."""
+        from .writer import write_shards
+
+        assert job.ranked is not None
+        start = time.perf_counter()
+        vdir = version_dir(job.version)
+        failure: Exception | None = None
+        try:
+            with translate_errors(self.loc, "saving to"):
+                if self.rank == 0:
+                    self._ensure_claim(job.version)
+                threads = self.options.threads
+                shards, written = write_shards(
+                    self.loc, vdir, job.ranked.shared, shared_bytes, threads=threads, rank=self.rank
+                )
+                own = write_shards(self.loc, vdir, job.ranked.own, own_bytes, threads=1, rank=self.rank)
+            mine: dict[str, Any] = report(shards, written, own, job.ranked)
+        except Exception as exc:  # tell rank 0, so that it does not commit and nobody waits forever
+            failure = exc
+            mine = {"error": f"{type(exc).__name__}: {exc}"}
+        reports = self.group.gather(mine) if self.group else [mine]
+
+        def commit() -> dict[str, Any]:
+            assert reports is not None
+            errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
+            if errors:  # every rank has stopped writing (it reported): the partial files can go
+                self._discard(job.version)
+                raise RankFailedError(f"nothing was committed: {'; '.join(errors)}")
+            parts = assemble(reports, len(job.plan.blobs))
+            seconds = time.perf_counter() - start
+            manifest = job.manifest(
+                parts.shards,
+                parts.blobs,
+                seconds,
+                format_version=RANKS_FORMAT_VERSION,
+                nbytes=job.plan.nbytes + parts.own_nbytes,
+                world_size=self.world_size,
+                ranks=parts.ranks,
+            )
+            with translate_errors(self.loc, "saving to"):
+                self._commit(manifest)
+            log.info("committed %s (%d ranks)", self.loc.display(vdir), self.world_size)
+            return dataclasses.asdict(VersionInfo.from_manifest(manifest, self.loc.display(vdir)))
+
+        try:
+            info = self.group.agree(commit, f"the save of version {job.version}") if self.group else commit()
+        except RankFailedError:
+            if failure is not None:
+                raise failure from None
+            raise
+        return VersionInfo(**info)
+
+
+__all__ = ["SaveJob", "VersionWriter"]

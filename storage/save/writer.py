@@ -1,0 +1,96 @@
+"""Write a planned state as HDF5 shards, in parallel, one thread per shard.
+
+Each shard is laid out by :mod:`.h5layout` and then streamed front to back:
+metadata bytes from the layout, tensor bytes straight from memory. While the
+bytes go out, they are hashed twice: into the shard's checksum (the whole
+file) and into the blob's own checksum. A shard is complete only when its
+sink commits (fsync on local disks, the final part on object stores); the
+manifest that references it is written afterwards by :mod:`.commit`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from ..files.byteio import open_sink, write_hashed
+from ..files.location import Location
+from ..format.checksum import new_hasher
+from ..format.dtypes import dtype_name
+from ..format.h5layout import build_shard_image
+from ..format.manifest import BlobEntry, ShardEntry
+from .planner import Blob, SavePlan, ShardPlan
+
+log = logging.getLogger(__name__)
+
+BlobBytes = Callable[[Blob], memoryview]
+
+
+def write_shards(
+    loc: Location, version_dir: str, plan: SavePlan, blob_bytes: BlobBytes, *, threads: int, rank: int = 0
+) -> tuple[list[ShardEntry], dict[int, BlobEntry]]:
+    """Write every shard of ``plan`` under ``version_dir``; return their manifest entries.
+
+    The blob entries are keyed by blob index: those of the blobs in ``plan.shards``, which
+    in a multi-process save are this rank's share of ``plan.blobs``.
+    """
+    if loc.is_local:  # object stores need no directories, and s3fs's makedirs would create a bucket
+        loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
+    blob_entries: dict[int, BlobEntry] = {}
+
+    def one(shard: ShardPlan) -> ShardEntry:
+        entry, blobs = _write_shard(loc, version_dir, shard, plan.blobs, blob_bytes, rank)
+        blob_entries.update(blobs)
+        return entry
+
+    workers = max(1, min(threads, len(plan.shards)))
+    if workers == 1:
+        shard_entries = [one(s) for s in plan.shards]
+    else:
+        with ThreadPoolExecutor(workers, thread_name_prefix="ckptflow-write") as pool:
+            shard_entries = list(pool.map(one, plan.shards))
+    return shard_entries, blob_entries
+
+
+def _write_shard(
+    loc: Location, version_dir: str, shard: ShardPlan, blobs: list[Blob], blob_bytes: BlobBytes, rank: int
+) -> tuple[ShardEntry, dict[int, BlobEntry]]:
+    members = [blobs[i] for i in shard.blobs]
+    image = build_shard_image(members)
+    path = loc.path(version_dir, shard.file)
+    file_hash = new_hasher()
+    sums: dict[int, str] = {}
+    sink = open_sink(loc.fs, path, local=loc.is_local)
+    try:
+        for seg in image.segments:
+            if seg.blob is None:
+                write_hashed(sink, seg.data, file_hash)
+                continue
+            data = blob_bytes(blobs[seg.blob])
+            if len(data) != seg.length:
+                raise AssertionError(
+                    f"blob {blobs[seg.blob].name}: {len(data)} bytes, layout has {seg.length}"
+                )
+            blob_hash = new_hasher()
+            write_hashed(sink, data, file_hash, blob_hash)
+            sums[seg.blob] = blob_hash.hexdigest()
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+    empty = new_hasher().hexdigest()
+    entries = {
+        b.index: BlobEntry(
+            shard=shard.index,
+            dataset=b.name,
+            offset=image.offsets[b.index],
+            nbytes=b.nbytes,
+            dtype=dtype_name(b.dtype),
+            shape=list(b.shape),
+            checksum=sums.get(b.index, empty),
+        )
+        for b in members
+    }
+    log.debug("wrote %s (%d bytes, %d blobs)", path, image.size, len(members))
+    return ShardEntry(file=shard.file, size=image.size, checksum=file_hash.hexdigest(), rank=rank), entries

@@ -1,0 +1,402 @@
+"""The commit protocol and the states of a version.
+
+A version is a directory ``v%06d`` under the store's root. Its state is read
+from storage, never remembered:
+
+- ``WRITING``: the directory exists but has no manifest. Either a save is in
+  progress or one crashed; such a version is never loaded and ``gc`` removes
+  it (only one writer per store at a time is supported; ``gc(min_age=...)``
+  spares directories that changed recently).
+- ``COMMITTED``: ``manifest.json`` exists and validates. This is the only state
+  readers trust.
+- ``UNREADABLE``: a manifest exists but is corrupt, or was written by a newer
+  ckptflow. Never loaded, never garbage-collected: a person must look at it.
+  A writer that resumes past a corrupt one *sets it aside*: the directory is
+  renamed ``v000008.unreadable-20261124T154000Z-3f9a1c``, a name that is no version
+  (so the number is free again), that ``ls`` shows and ``gc`` never touches.
+
+The protocol: every shard is fully written (fsynced on local disks) before
+the manifest is written, and is found with its size by one listing just before
+(a shard removed mid-save fails the commit); on local disks the manifest goes to a temporary name,
+is fsynced and hard-linked into place, and the directory is fsynced; on object
+stores one PUT is atomic. Either way the manifest is created only if absent
+(a link never replaces a name; the PUT carries ``If-None-Match: *``), so no
+commit replaces another writer's. Before its first shard, a writer claims the
+version number with a claim file created the same exclusive way; the commit
+checks the claim is still its own and removes it. The ``latest`` pointer is updated after the commit
+and is only a hint for other tools: the truth is "the highest committed
+version".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import logging
+import os
+import re
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+
+from ..errors import CheckpointError, FormatVersionError, ManifestError, VersionTakenError
+from ..files.atomic import exclusive_local_write, write_file_atomic
+from ..files.byteio import fsync_dir
+from ..files.location import Location, bucket_missing, missing_bucket_error
+from ..format.manifest import MANIFEST_FILE, Manifest, parse_manifest
+from ..format.manifest_checks import MAX_BYTES
+
+log = logging.getLogger(__name__)
+
+LATEST_FILE = "latest"
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+_SET_ASIDE_DIR = re.compile(r"^v(\d{6,})\.unreadable-\d{8}T\d{6}Z-[0-9a-f]{6}$")
+
+
+class VersionState(enum.Enum):
+    WRITING = "writing"
+    COMMITTED = "committed"
+    UNREADABLE = "unreadable"
+
+
+@dataclass(frozen=True)
+class VersionRecord:
+    version: int
+    state: VersionState
+    manifest: Manifest | None = None
+    error: CheckpointError | None = None  # why an UNREADABLE version cannot be read
+
+    def is_committed(self) -> bool:
+        return self.state is VersionState.COMMITTED
+
+    def is_writing(self) -> bool:
+        return self.state is VersionState.WRITING
+
+    def is_unreadable(self) -> bool:
+        return self.state is VersionState.UNREADABLE
+
+
+def version_dir(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def parse_version_dir(name: str) -> int | None:
+    match = _VERSION_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def list_dirs(loc: Location) -> dict[int, bool]:
+    """Every version directory under the root: version -> whether it has a manifest file.
+
+    One listing, no file read: enough to number a new version or find garbage.
+    """
+    loc.fs.invalidate_cache()  # listings cached by fsspec (s3fs) miss changes made by other processes
+    if not loc.fs.exists(loc.root):
+        if bucket_missing(loc):  # else a mistyped bucket would look like an empty store
+            raise missing_bucket_error(loc)
+        return {}
+    entries = loc.fs.find(loc.root, maxdepth=2, withdirs=True, detail=False)
+    dirs: dict[int, bool] = {}
+    for path in entries:
+        rel = path[len(loc.root) :].strip("/").split("/")
+        version = parse_version_dir(rel[0])
+        if version is None:
+            continue
+        dirs[version] = dirs.get(version, False) or (len(rel) == 2 and rel[1] == MANIFEST_FILE)
+    return dict(sorted(dirs.items()))
+
+
+def newest_committed(
+    loc: Location, *, skipped: dict[int, VersionRecord] | None = None
+) -> VersionRecord | None:
+    """The highest committed version, reading manifests from the top down until one validates.
+
+    ``skipped`` collects the unreadable versions passed on the way down.
+    """
+    for version, has_manifest in sorted(list_dirs(loc).items(), reverse=True):
+        if has_manifest:
+            record = read_record(loc, version)
+            if record is not None and record.is_committed():
+                return record
+            if record is not None and record.is_unreadable() and skipped is not None:
+                skipped[version] = record
+    return None
+
+
+def scan(loc: Location) -> dict[int, VersionRecord]:
+    """The state of every version directory under the root, by version number (reads every manifest)."""
+    dirs = list_dirs(loc)
+    with_manifest = [v for v, has in dirs.items() if has]
+    paths = [loc.path(version_dir(v), MANIFEST_FILE) for v in with_manifest]
+    # at most one byte past the limit: a huge (or sparse) manifest is refused, not read whole
+    raw = loc.fs.cat(paths, on_error="return", start=0, end=MAX_BYTES + 1) if paths else {}
+    records = {v: VersionRecord(v, VersionState.WRITING) for v, has in dirs.items() if not has}
+    for v in with_manifest:
+        data = raw[loc.path(version_dir(v), MANIFEST_FILE)]
+        records[v] = _record(loc, v, data)
+    return dict(sorted(records.items()))
+
+
+def _record(loc: Location, version: int, data: bytes | Exception) -> VersionRecord:
+    if isinstance(data, FileNotFoundError):  # vanished between listing and reading
+        return VersionRecord(version, VersionState.WRITING)
+    if isinstance(data, ManifestError):  # e.g. not a regular file inside the store
+        log.warning("ignoring version %d: %s", version, data)
+        return VersionRecord(version, VersionState.UNREADABLE, error=data)
+    if isinstance(data, Exception):
+        raise data
+    try:
+        manifest = parse_manifest(data, loc.display(version_dir(version), MANIFEST_FILE))
+    except (ManifestError, FormatVersionError) as exc:
+        log.warning("ignoring version %d: %s", version, exc)
+        return VersionRecord(version, VersionState.UNREADABLE, error=exc)
+    if manifest.version != version:
+        error = ManifestError(f"manifest of {version_dir(version)} says version {manifest.version}")
+        log.warning("ignoring version %d: %s", version, error)
+        return VersionRecord(version, VersionState.UNREADABLE, error=error)
+    return VersionRecord(version, VersionState.COMMITTED, manifest)
+
+
+def read_record(loc: Location, version: int) -> VersionRecord | None:
+    """The state of one version, reading only its manifest (None: no such directory)."""
+    path = loc.path(version_dir(version), MANIFEST_FILE)
+    try:
+        data: bytes | Exception = loc.fs.cat_file(path, start=0, end=MAX_BYTES + 1)
+    except (FileNotFoundError, ManifestError) as exc:
+        data = exc
+    record = _record(loc, version, data)
+    if record.is_writing() and not loc.fs.exists(loc.path(version_dir(version))):
+        return None
+    return record
+
+
+def commit(loc: Location, manifest: Manifest, *, claim: str | None = None) -> None:
+    """Write the manifest of a version whose shards are all durable: the version now exists.
+
+    The manifest is created only if absent, so a commit never replaces another writer's.
+    ``claim``: the token this writer claimed the version with; it must still be the claim's.
+    """
+    vdir = version_dir(manifest.version)
+    if claim is not None:
+        check_claim(loc, manifest.version, claim)
+    check_shards_present(loc, manifest)
+    create_manifest(loc, manifest)
+    if claim is not None:
+        drop_claim(loc, manifest.version)
+    if _is_newest(loc, manifest.version):  # a save with an explicit, lower version leaves latest alone
+        _write_latest(loc, vdir)
+
+
+def create_manifest(loc: Location, manifest: Manifest) -> None:
+    """Create ``manifest.json`` of a version if it does not exist yet; raise VersionTakenError if it does."""
+    vdir = version_dir(manifest.version)
+    data = manifest.to_json()
+    try:
+        if loc.is_local:
+            exclusive_local_write(loc.path(vdir), MANIFEST_FILE, data)
+        else:
+            loc.fs.pipe_file(loc.path(vdir, MANIFEST_FILE), data, mode="create")
+        return
+    except FileExistsError:
+        pass
+    try:
+        if loc.fs.cat_file(loc.path(vdir, MANIFEST_FILE)) == data:
+            return  # our own PUT, retried by the client after a lost answer
+    except FileNotFoundError:
+        pass
+    raise VersionTakenError(
+        f"not committing {loc.display(vdir)}: another writer committed version {manifest.version} while "
+        "this one was writing it; that commit stands. Only one writer may use a store at a time"
+    )
+
+
+def check_shards_present(loc: Location, manifest: Manifest) -> None:
+    """Refuse to commit a version whose shard files are not all there with their sizes.
+
+    One listing of the version directory. It catches a shard removed while the
+    save ran (``gc`` from another process, a lifecycle rule), which would
+    otherwise become a committed version that cannot be loaded.
+    """
+    vdir = version_dir(manifest.version)
+    loc.fs.invalidate_cache(loc.path(vdir))
+    try:
+        found = {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
+            for e in loc.fs.ls(loc.path(vdir), detail=True)
+        }
+    except FileNotFoundError:
+        found = {}
+    wrong = [s.file for s in manifest.shards if found.get(s.file) != s.size]
+    if wrong:
+        raise CheckpointError(
+            f"not committing {loc.display(vdir)}: shard files {', '.join(wrong)} are missing or changed "
+            "since they were written (was `ckptflow gc` run on a store being saved to?). The previous "
+            "version stays the latest; save again"
+        )
+
+
+def _is_newest(loc: Location, version: int) -> bool:
+    """Whether no committed version above ``version`` exists (one listing in the usual case)."""
+    try:
+        loc.fs.invalidate_cache(loc.root)
+        names = loc.fs.ls(loc.root, detail=False)
+        higher = [v for name in names if (v := parse_version_dir(name)) is not None and v > version]
+        return not any(loc.fs.exists(loc.path(version_dir(v), MANIFEST_FILE)) for v in higher)
+    except OSError as exc:  # the commit stands; update the pointer as if this were the newest
+        log.warning("could not list %s: %s", loc.display(), exc)
+        return True
+
+
+def _write_latest(loc: Location, vdir: str) -> None:
+    try:
+        write_file_atomic(loc, LATEST_FILE, f"{vdir}\n".encode())
+    except OSError as exc:  # the commit stands; the pointer is only a hint
+        log.warning("could not update %s: %s", loc.display(LATEST_FILE), exc)
+
+
+def refresh_latest(loc: Location, committed: list[int]) -> None:
+    """Point ``latest`` at the newest committed version, or remove it when there is none."""
+    if committed:
+        _write_latest(loc, version_dir(max(committed)))
+    elif loc.fs.exists(loc.path(LATEST_FILE)):
+        loc.fs.rm_file(loc.path(LATEST_FILE))
+
+
+def remove_version(loc: Location, version: int) -> None:
+    """Delete a version directory, manifest first, so a crash midway leaves garbage, not a broken version."""
+    vdir = loc.path(version_dir(version))
+    manifest = loc.path(version_dir(version), MANIFEST_FILE)
+    if loc.fs.exists(manifest):
+        loc.fs.rm_file(manifest)
+        if loc.is_local:
+            fsync_dir(vdir)
+    if loc.fs.exists(vdir):
+        loc.fs.rm(vdir, recursive=True)
+
+
+def set_aside(loc: Location, version: int) -> str:
+    """Rename an unreadable version's directory to a name that is no version; return that name."""
+    name = aside_name(version_dir(version))
+    source, target = loc.path(version_dir(version)), loc.path(name)
+    if loc.is_local:
+        os.rename(source, target)  # atomic: the version is there under one name or the other
+        fsync_dir(loc.root)
+    else:
+        loc.fs.mv(source, target, recursive=True)
+    return name
+
+
+def aside_name(name: str) -> str:
+    """``name.unreadable-<UTC time>-<6 hex>``: where an unreadable file or directory is kept, a name
+    nothing lists, reads or removes, unique so that two set-asides never merge."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{name}.unreadable-{stamp}-{uuid.uuid4().hex[:6]}"
+
+
+def list_set_aside(loc: Location) -> list[str]:
+    """Names of the directories that writers set aside as unreadable (see :func:`set_aside`)."""
+    try:
+        names = [p.rstrip("/").rsplit("/", 1)[-1] for p in loc.fs.ls(loc.root, detail=False)]
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if _SET_ASIDE_DIR.match(n))
+
+
+def clear_leftovers(loc: Location, version: int) -> None:
+    """Remove what a crashed save of ``version`` left behind, before writing it again."""
+    record = read_record(loc, version)
+    if record is None:
+        return
+    if not record.is_writing():
+        raise CheckpointError(f"refusing to clear {version_dir(version)}: it is {record.state.value}")
+    loc.fs.rm(loc.path(version_dir(version)), recursive=True)
+
+
+# -- claiming a version number ---------------------------------------------------
+
+CLAIM_FILE = ".claim.json"  # inside a version directory while it is written; removed by the commit
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Who is writing a version: made exclusively before its first shard, removed when it commits."""
+
+    token: str
+    host: str
+    pid: int
+    created: float  # seconds since the epoch, the claimer's clock
+
+    def describe(self) -> str:
+        return f"host {self.host}, pid {self.pid}, {time.time() - self.created:.0f}s ago"
+
+
+def new_claim(token: str) -> Claim:
+    return Claim(token, socket.gethostname(), os.getpid(), time.time())
+
+
+def claim_version(loc: Location, version: int, claim: Claim) -> bool:
+    """Claim ``version`` for a writer: True if it is now this claim's, False if another holds it.
+
+    An exclusive create of the claim file (a hard link locally, ``If-None-Match: *`` on S3): two
+    writers that picked the same number never both write its shards.
+    """
+    vdir = version_dir(version)
+    data = json.dumps(dataclasses.asdict(claim), sort_keys=True).encode()
+    try:
+        if loc.is_local:
+            os.makedirs(loc.path(vdir), exist_ok=True)
+            exclusive_local_write(loc.path(vdir), CLAIM_FILE, data)
+        else:
+            loc.fs.pipe_file(loc.path(vdir, CLAIM_FILE), data, mode="create")
+        return True
+    except FileExistsError:
+        found = read_claim(loc, version)
+        return found is not None and found.token == claim.token  # our create, retried by the client
+
+
+def read_claim(loc: Location, version: int) -> Claim | None:
+    """The claim of a version being written (None: none, or unreadable)."""
+    path = loc.path(version_dir(version), CLAIM_FILE)
+    try:
+        raw = json.loads(loc.fs.cat_file(path))
+        return Claim(str(raw["token"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]))
+    except (FileNotFoundError, ValueError, KeyError, TypeError, RecursionError, ManifestError):
+        return None
+
+
+def check_claim(loc: Location, version: int, token: str) -> None:
+    """Raise VersionTakenError unless ``version`` is still claimed with ``token``."""
+    found = read_claim(loc, version)
+    if found is None or found.token != token:
+        who = f"claimed by another writer ({found.describe()})" if found else "its claim was removed"
+        raise VersionTakenError(
+            f"not committing {loc.display(version_dir(version))}: {who} while this writer was saving it, "
+            "so its shard files may not be this writer's. Only one writer may use a store at a time; "
+            "the store's other versions are intact: save again"
+        )
+
+
+def drop_claim(loc: Location, version: int) -> None:
+    """Remove the claim of a committed version (what a kill leaves here, ``gc`` removes)."""
+    try:
+        loc.fs.rm_file(loc.path(version_dir(version), CLAIM_FILE))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the commit stands
+        log.warning("could not remove %s: %s", loc.display(version_dir(version), CLAIM_FILE), exc)
+
+
+def stray_claims(loc: Location) -> list[int]:
+    """Committed versions whose claim file is still there (a writer killed right after its commit)."""
+    loc.fs.invalidate_cache()
+    if not loc.fs.exists(loc.root):
+        return []
+    names: dict[int, set[str]] = {}
+    for path in loc.fs.find(loc.root, maxdepth=2, detail=False):
+        rel = path[len(loc.root) :].strip("/").split("/")
+        version = parse_version_dir(rel[0])
+        if version is not None and len(rel) == 2:
+            names.setdefault(version, set()).add(rel[1])
+    return sorted(v for v, files in names.items() if {CLAIM_FILE, MANIFEST_FILE} <= files)
