@@ -19,11 +19,12 @@ from __future__ import annotations
 import logging
 import tarfile
 
-from ..errors import CheckpointError, UnsafeArchiveError
+from ..errors import CheckpointError, ManifestError, UnsafeArchiveError
 from ..files.byteio import hash_range
 from ..files.location import Location
 from ..format.checksum import digest, new_hasher
 from ..format.manifest import MANIFEST_FILE, Manifest, parse_manifest, utc_now
+from ..format.manifest_checks import MAX_BYTES
 from ..format.names import is_plain_name
 from ..versions.commit import aside_name, parse_version_dir
 from .tarindex import IndexEntry, TarIndex, check_member_name, index_name, write_index
@@ -75,6 +76,8 @@ def _scan(aloc: Location, tar: str, where: str) -> tuple[dict[str, IndexEntry], 
                 if name in entries:
                     raise UnsafeArchiveError(f"{where}: member {name!r} appears twice; refused")
                 if parts[1] == MANIFEST_FILE:
+                    if info.size > MAX_BYTES:  # refused before it is read
+                        raise ManifestError(f"{where}: member {name} is {info.size} bytes, not a manifest")
                     data = archive.extractfile(info).read()  # type: ignore[union-attr]
                     manifest = parse_manifest(data, f"{where}[{name}]")
                     if manifest.version != parse_version_dir(parts[0]):

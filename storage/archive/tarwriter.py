@@ -48,6 +48,7 @@ from typing import Any
 
 from ..errors import ArchiveExistsError, CorruptShardError, UnsafeArchiveError
 from ..files.byteio import CHUNK, MAX_REQUEST, LocalSink, Sink, open_sink
+from ..files.localfs import open_regular
 from ..files.location import Location
 from ..format.checksum import new_hasher
 from ..format.manifest import utc_now
@@ -229,15 +230,15 @@ def source_chunks(src: Location, member: Member, buf: bytearray) -> Iterator[mem
     where = _display(src, member.source)
     try:
         if src.is_local:
-            yield from _local_chunks(member, buf, where)
+            yield from _local_chunks(src, member, buf, where)
         else:
             yield from _remote_chunks(src, member, where)
     except FileNotFoundError:
         raise CorruptShardError(where, expected="a file", actual="no file", what="presence") from None
 
 
-def _local_chunks(member: Member, buf: bytearray, where: str) -> Iterator[memoryview]:
-    fd = os.open(member.source, os.O_RDONLY)
+def _local_chunks(src: Location, member: Member, buf: bytearray, where: str) -> Iterator[memoryview]:
+    fd = open_regular(member.source, src.fs)  # never a file outside the store, a FIFO or a device
     try:
         _check_size(where, member.size, os.fstat(fd).st_size)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)

@@ -51,9 +51,13 @@ def open_regular(path: str, fs: Any = None) -> int:
         fs.check(path, reading=True)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise UnsafeFileError(f"{path} is a symlink; store files are read directly; refused") from None
+        if exc.errno in (errno.EISDIR, errno.ENOTDIR, errno.ENAMETOOLONG):
+            raise UnsafeFileError(f"{path} cannot be opened as a file ({exc.strerror}); refused") from None
         raise
     try:
         _refuse_special(path, os.fstat(fd).st_mode)
@@ -77,7 +81,13 @@ class ConfinedLocalFileSystem(LocalFileSystem):
         if real != self.confined_to and not real.startswith(inside):
             raise UnsafeFileError(f"{path} leads outside the store (to {real}); refused")
         if reading:
-            _refuse_special(path, os.stat(real).st_mode)  # FileNotFoundError: as without the check
+            try:
+                mode = os.stat(real).st_mode
+            except FileNotFoundError:
+                raise  # as without the check
+            except OSError as exc:  # a symlink loop, a name too long, ...
+                raise UnsafeFileError(f"{path} cannot be opened ({exc.strerror}); refused") from None
+            _refuse_special(path, mode)
         return path
 
     def _open(self, path: str, mode: str = "rb", block_size: Any = None, **kwargs: Any) -> Any:

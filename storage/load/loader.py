@@ -69,20 +69,24 @@ def build_tensors(
     targets: dict[int, torch.Tensor],
 ) -> dict[int, torch.Tensor]:
     """Leaf index -> tensor, from the blobs' bytes (``raw``: blob -> uint8 tensor)."""
-    typed: dict[int, torch.Tensor] = {}
+    typed: dict[tuple[int, str], torch.Tensor] = {}
     whole: dict[int, torch.Tensor] = dict(targets)
     out: dict[int, torch.Tensor] = {}
     for i in leaf_ids:
         entry = manifest.tensors[i]
-        if entry.stride is None and entry.blob in whole:  # tied weights come back as one tensor
-            out[i] = whole[entry.blob]
+        dtype = dtype_from_name(entry.dtype)
+        tied = whole.get(entry.blob)  # tied weights come back as one tensor, if the very same view
+        same = tied is not None and (tied.dtype, list(tied.shape)) == (dtype, entry.shape)
+        if entry.stride is None and same and tied is not None:
+            out[i] = tied
             continue
-        if entry.blob not in typed:
-            base = raw[entry.blob].view(dtype_from_name(entry.dtype))
-            typed[entry.blob] = base if device.type == "cpu" else base.to(device)
-        base = typed[entry.blob]
+        if (entry.blob, entry.dtype) not in typed:
+            base = raw[entry.blob].view(dtype)
+            typed[entry.blob, entry.dtype] = base if device.type == "cpu" else base.to(device)
+        base = typed[entry.blob, entry.dtype]
         if entry.stride is None:
-            whole[entry.blob] = out[i] = base.reshape(entry.shape)
+            out[i] = base.reshape(entry.shape)
+            whole.setdefault(entry.blob, out[i])
         else:
             out[i] = torch.as_strided(base, entry.shape, entry.stride, entry.offset)
     return out

@@ -51,8 +51,8 @@ from ..format.manifest_checks import MAX_BYTES
 log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
-_VERSION_DIR = re.compile(r"^v(\d{6,})$")
-_SET_ASIDE_DIR = re.compile(r"^v(\d{6,})\.unreadable-\d{8}T\d{6}Z-[0-9a-f]{6}$")
+_VERSION_DIR = re.compile(r"v([0-9]{6,})")  # fullmatch: ASCII digits only, no trailing newline
+_SET_ASIDE_DIR = re.compile(r"v([0-9]{6,})\.unreadable-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")
 
 
 class VersionState(enum.Enum):
@@ -83,7 +83,7 @@ def version_dir(version: int) -> str:
 
 
 def parse_version_dir(name: str) -> int | None:
-    match = _VERSION_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    match = _VERSION_DIR.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
 
 
@@ -301,7 +301,7 @@ def list_set_aside(loc: Location) -> list[str]:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in loc.fs.ls(loc.root, detail=False)]
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if _SET_ASIDE_DIR.match(n))
+    return sorted(n for n in names if _SET_ASIDE_DIR.fullmatch(n))
 
 
 def clear_leftovers(loc: Location, version: int) -> None:

@@ -297,3 +297,75 @@ class TestWhatIsWrittenCanBeRead:
             assert result.exit_code == 0, (args, result.output)
         assert sorted(store.archived()) == [1]  # its copy in the index reads back
         assert torch.equal(store.load(1)["w"], torch.ones(2))
+
+
+class TestMoreHostileFiles:
+    """Cases found by the adversarial run after the first round of fixes."""
+
+    @pytest.mark.parametrize("what", ["manifest", "shard", "version directory"])
+    def test_a_symlink_loop_leaves_only_its_version_unreadable(
+        self, store: CheckpointStore, what: str
+    ) -> None:
+        path = {
+            "manifest": vdir(store, 2) / "manifest.json",
+            "shard": shard(store, 2),
+            "version directory": vdir(store, 2),
+        }[what]
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+        path.symlink_to(path)  # a loop
+        if what == "shard":
+            with pytest.raises(UnsafeFileError):
+                store.load(2, verify=False)
+        else:
+            assert_only_version_1_is_listed(store)
+        result = invoke("ls", store.loc.root)
+        assert result.exit_code == 0 and "Traceback" not in result.output, result.output
+
+    @pytest.mark.parametrize("what", ["a directory", "a symlink loop", "a sparse giant"])
+    def test_an_index_that_is_no_file_is_reported_not_hidden(self, store: CheckpointStore, what: str) -> None:
+        index = TestArchives.archived(store)
+        index.unlink()
+        if what == "a directory":
+            index.mkdir()
+        elif what == "a symlink loop":
+            index.symlink_to(index)
+        else:
+            index.touch()
+            os.truncate(index, 12 << 30)
+        assert store.versions() == []
+        assert list(store.survey().bad_archives) == [index.name.replace(".index.json", ".tar")]
+        result = invoke("verify", store.loc.root, "--all")
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+
+    def test_two_tensors_on_one_blob_each_get_their_own_dtype_and_shape(self, store: CheckpointStore) -> None:
+        """A second entry on the same blob with another dtype and shape came back as the first's tensor."""
+
+        def alias(m: dict[str, Any]) -> None:
+            m["tensors"].append({**m["tensors"][0], "path": "alias", "dtype": "int32", "shape": [2, 2]})
+            m["structure"]["alias"] = {"$tensor": len(m["tensors"]) - 1}
+
+        edit_manifest(store, 2, alias)
+        state = store.load(2)
+        assert (state["w"].dtype, list(state["w"].shape)) == (torch.float32, [4])
+        assert (state["alias"].dtype, list(state["alias"].shape)) == (torch.int32, [2, 2])
+        assert torch.equal(state["alias"].reshape(-1).view(torch.float32), STATE_2["w"])
+        assert torch.equal(store.load(2, keys=["alias"])["alias"], state["alias"])
+
+    def test_archiving_never_copies_a_file_from_outside_the_store(
+        self, store: CheckpointStore, tmp_path: Path
+    ) -> None:
+        copy = tmp_path / "copy.h5"
+        shutil.copy(shard(store, 2), copy)
+        name = shard(store, 2).name
+        shard(store, 2).unlink()
+        (vdir(store, 2) / name).symlink_to(copy)
+        result = invoke("archive", store.loc.root, "--versions", "2")
+        assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+        assert not list((Path(store.loc.root) / "archive").glob("*.index.json"))
+
+    @pytest.mark.parametrize("name", ["v000004\n", "v\u0660\u0660\u0660\u0660\u0660\u0664", "v00004"])
+    def test_only_ascii_six_digit_names_are_versions(self, name: str) -> None:
+        from ckptflow.storage.versions.commit import parse_version_dir
+
+        assert parse_version_dir(name) is None
+        assert parse_version_dir("v000004") == 4 and parse_version_dir("v1000000") == 1000000
