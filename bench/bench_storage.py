@@ -553,7 +553,13 @@ def _ckptflow_load(ctx: Ctx) -> list[dict[str, Any]]:
     full |= ctx.load_loop(path, once("ckpt-load-into", ctx.state, into=target))
     model = ctx.load_loop(path, once("ckpt-load-model", {"model": ctx.state["model"]}, keys=["model"]))
     model_bytes = sum(t.nbytes for _, t in flat_tensors(ctx.state["model"]))
-    return rows(ctx, full) + rows(ctx, model, model_bytes)
+
+    def verify(p: Probe) -> None:  # every byte against every shard and blob checksum, no tensors built
+        store.verify()
+        p.mark("ckpt-verify")
+
+    checked_only = ctx.load_loop(path, verify)
+    return rows(ctx, full) + rows(ctx, model, model_bytes) + rows(ctx, checked_only)
 
 
 @method("torch-save")
@@ -711,6 +717,7 @@ LABELS = {
     "h5-save": ("h5py: 1 file, `create_dataset` per tensor + fsync", "save"),
     "h5-read-direct": ("h5py `read_direct` into existing arrays", "load"),
     "ckpt-load-into": ("**ckptflow** `load(into=existing)` (verify on)", "load"),
+    "ckpt-verify": ("**ckptflow** `verify()`: every byte against shard and blob checksums", "load"),
 }
 
 # key -> anchors whose time it is divided by
@@ -723,6 +730,7 @@ ANCHORS = {
     "ckpt-load-noverify": ["h5-read-direct", "torch-load", "raw-read-fresh"],
     "ckpt-load-model": ["ckpt-load"],
     "ckpt-load-into": ["h5-read-direct", "torch-load", "raw-read-par"],
+    "ckpt-verify": ["raw-read-par", "ckpt-load"],
 }
 ANCHOR_NAMES = {
     "raw-write": "plain write",

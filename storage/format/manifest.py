@@ -227,16 +227,11 @@ def parse_manifest(data: bytes, where: str) -> Manifest:
     )
     required = raw["format_version"] >= SEALED_FORMAT_VERSION
     raw = check_seal(raw, SEAL_KEY, where, kind="manifest", required=required)
-    try:
-        manifest = Manifest.model_validate(raw)
-    except ValidationError as exc:
-        raise ManifestError(f"manifest {where} is invalid: {validation_problems(exc)}") from None
-    check_manifest(manifest, where)
-    return manifest
+    return validate_manifest(raw, where)
 
 
 def validate_manifest(raw: object, where: str) -> Manifest:
-    """A manifest from an already parsed JSON value (an archive index's copy), fully checked."""
+    """A manifest from an already parsed JSON value (a file's, or an archive index's copy), fully checked."""
     try:
         manifest = Manifest.model_validate(raw)
     except ValidationError as exc:
