@@ -226,3 +226,12 @@ def run_counts(flow_run_id: UUID, task_name: str, expected_runs: int) -> list[in
     runs = poll(read, lambda rs: len(rs) == expected_runs and all(t.state and t.state.is_final() for t in rs))
     assert len(runs) == expected_runs, f"{task_name}: {[(t.name, t.state_type) for t in runs]}"
     return sorted(t.run_count for t in runs)
+
+
+def gone(pid: int) -> bool:
+    """True once ``pid`` has exited (a zombie counts: it runs no more)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return True
+    return "\nState:\tZ" in status

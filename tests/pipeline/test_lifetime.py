@@ -18,19 +18,9 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from ckptflow.tasks.lifetime import command
-from tests.pipeline.helpers import wait_until
-
-
-def gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie counts: it runs no more)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "\nState:\tZ" in status
+from tests.pipeline.helpers import gone, wait_until
 
 
 def test_it_runs_the_module_with_its_arguments(tmp_path):

@@ -31,6 +31,7 @@ from tests.pipeline.helpers import (
     assert_only_committed,
     assert_same_checkpoint,
     assert_same_metrics,
+    gone,
     make_config,
     run_counts,
     run_flow,
@@ -63,15 +64,6 @@ def children(pid: int) -> list[int]:
     for task in Path(f"/proc/{pid}/task").iterdir():
         found += [int(p) for p in (task / "children").read_text().split()]
     return found
-
-
-def gone(pid: int) -> bool:
-    """True once ``pid`` has exited (a zombie counts: it runs no more)."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return True
-    return "\nState:\tZ" in status
 
 
 def default_sigint() -> None:
