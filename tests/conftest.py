@@ -28,6 +28,12 @@ import pytest
 
 from tests.ports import free_port
 
+# One Prefect API call may wait on a busy server far longer than Prefect's default 60 s on a
+# loaded 2-core CI machine. A timed-out call is retried, and a retried final-state proposal is
+# rejected (the run is already Completed): the flow's return value is then lost (MissingResult)
+# although the run succeeded. Set before prefect is imported; servers and children inherit it.
+os.environ.setdefault("PREFECT_API_REQUEST_TIMEOUT", "600")
+
 # Fake credentials: the tests must never reach a real AWS account.
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
