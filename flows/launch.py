@@ -1,6 +1,6 @@
 """The ``ckptflow`` console script.
 
-For ``ckptflow run`` it starts the training process (:mod:`ckptflow.tasks.trainer`) before
+For ``ckptflow run`` it starts the trainers' launcher (:mod:`ckptflow.tasks.trainer`) before
 anything else is imported, so that torch loads there while this process loads the CLI and
 Prefect; every other command goes straight to :mod:`.cli`.
 
@@ -16,17 +16,11 @@ import sys
 
 
 def trains_in_a_child(args: list[str]) -> bool:
-    """Whether these arguments start a run that trains in one child process (the default).
+    """Whether these arguments start a run that trains in training processes (the default).
 
-    A guess from the words alone; a wrong one only costs the child (``prestart`` ends it).
+    A guess from the words alone; a wrong one only costs the launcher (``prestart`` ends it).
     """
-    if args[:1] != ["run"] or any(a in ("--in-process", "--help", "-h") for a in args):
-        return False
-    for i, arg in enumerate(args):
-        value = args[i + 1 : i + 2] if arg == "--nproc" else [arg[8:]] if arg.startswith("--nproc=") else None
-        if value is not None and value != ["1"]:
-            return False
-    return True
+    return args[:1] == ["run"] and not any(a in ("--in-process", "--help", "-h") for a in args)
 
 
 def main() -> None:

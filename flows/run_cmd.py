@@ -97,6 +97,15 @@ def run_command(
     nproc: Annotated[
         int, Opt("--nproc", min=1, help="Training processes (torch.distributed ranks) on this machine.")
     ] = 1,
+    nnodes: Annotated[
+        int, Opt("--nnodes", min=1, help="Machines; the others join with torchrun (see README).")
+    ] = 1,
+    rdzv_endpoint: Annotated[
+        str | None, Opt("--rdzv-endpoint", metavar="HOST:PORT", help="The ranks' rendezvous (with --nnodes).")
+    ] = None,
+    rdzv_id: Annotated[
+        str | None, Opt("--rdzv-id", help="Rendezvous id the other machines' torchrun give.")
+    ] = None,
     dist_backend: Annotated[str, Opt("--dist-backend", help="auto, gloo or nccl (with --nproc).")] = "auto",
     torch_threads: Annotated[
         int | None,
@@ -125,6 +134,8 @@ def run_command(
 ) -> None:
     """Train with checkpoints (resuming from the newest committed one in --storage)."""
     options = locals()  # every option, by its parameter's name
+    if in_process and (nproc > 1 or nnodes > 1):
+        raise typer.BadParameter("--in-process trains in this process: leave it out with --nproc or --nnodes")
     parsed = {
         "storage_options": _json_object("--storage-options", storage_options),
         "spec_config": _json_object("--spec-config", spec_config),
@@ -147,7 +158,7 @@ def run_command(
         raise typer.BadParameter(_validation_message(exc)) from None
     spec_defined = _before_prefect(verbose, lambda: preflight.spec_defined(config.spec))
     _before_prefect(verbose, lambda: preflight.check_store(config))
-    if config.train_process:
+    if config.uses_trainers:
         from ckptflow.tasks.trainer import prestart
 
         prestart(config)  # torch, the spec and the model, while this process imports Prefect
@@ -344,7 +355,7 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
     remove = add_listener(on_event)
     started = time.perf_counter()
     try:
-        if not config.train_process:
+        if not config.uses_trainers:
             _warm_up_torch()  # while a temporary API server starts in its own process
         from .preflight import wait_for_spec
 

@@ -14,16 +14,15 @@ cancellation from Prefect. A cancellation seen between epochs (the UI's
 Cancelled; a cancellation delivered as SIGTERM by a worker interrupts the
 epoch, and the save in flight still commits before the process exits.
 
-With ``train_process`` the model lives in a child process
-(``ckptflow.tasks.trainer``) and the same tasks drive it there; an
-interrupted flow stops it after the save in flight commits.
-
-With ``nproc`` > 1 the epochs run in ``nproc`` torch.distributed processes
-launched by one task, ``train_ranks`` (see ``ckptflow.tasks.gang``): every
-rank writes its share of each checkpoint and rank 0 commits; this process
-reports what rank 0 tells it, archives, uploads and applies retention as in a
-single-process run. A rank that dies fails the task; its retry resumes every
-rank from the last commit.
+The model trains in the flow's process (``train_process`` off: for a
+debugger) or in trainers: a torch.distributed world of ``nproc`` ranks per
+machine (one is the plain case; ``nnodes`` machines), launched by torch's
+elastic launcher (``ckptflow.tasks.trainer``). The same loop and the same
+tasks drive them: one ``train_epoch`` task run per epoch at every world
+size. Every rank writes its share of each checkpoint and rank 0 commits;
+this process archives, uploads and applies retention. A rank that dies fails
+the task in progress; its retry starts new trainers, which resume from the
+last commit. An interrupted flow stops them after the save in flight commits.
 
 Every run labels its flow run with the process that runs it and marks
 Crashed the training runs of this host whose process is gone (a SIGKILL
@@ -58,11 +57,9 @@ from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.crashed import record_this_run
 from ckptflow.tasks.formatting import human_size, metrics_text
-from ckptflow.tasks.gang import Message, train_ranks
 from ckptflow.tasks.monitoring import RunMonitor
-from ckptflow.tasks.run_state import EpochAttempts, set_aside_unreadable
+from ckptflow.tasks.run_state import EpochAttempts
 from ckptflow.tasks.steps import (
-    check_run_identity,
     commit_checkpoint,
     finalize,
     init_model,
@@ -79,9 +76,7 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
     record_this_run()  # and mark Crashed the runs on this host whose process is gone
     with _writer_lease(config) as lease:
-        if config.nproc > 1:
-            return _train_on_ranks(config, lease)
-        if config.train_process:  # it sets its own threads (init logs how many)
+        if config.uses_trainers:  # they set their own threads (init logs how many)
             return _train_in_process(config, lease)
         with torch_threads(config.torch_threads) as threads:
             get_run_logger().info("torch intra-op threads: %d of %d cores", threads, os.cpu_count() or 1)
@@ -167,66 +162,6 @@ def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, An
     return _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed, archiver)
 
 
-def _train_on_ranks(config: PipelineConfig, lease: StoreLease) -> dict[str, Any] | State:
-    """The same run on ``config.nproc`` torch.distributed ranks, launched by one task."""
-    logger = get_run_logger()
-    store = open_store(config)
-    set_aside_unreadable(store, logger.warning)
-    check_run_identity(store, config)
-    existing = store.versions()
-    latest = store.latest()
-    last = (latest.epoch if latest.epoch is not None else latest.version) if latest else 0
-    monitor = RunMonitor(
-        run_name=flow_run.get_name() or "local", store_url=store.url, total_epochs=config.epochs
-    )
-    monitor.start(existing, first_epoch=last + 1)
-    archiver = ArchiveQueue(store, config.archive, existing, on_result=monitor.archived)
-
-    def relay(message: Message) -> None:
-        kind = message["kind"]
-        if kind == "started":
-            resumed = message.get("resumed_from")
-            where = f"resuming from version {resumed}" if resumed is not None else "starting a new run"
-            logger.info("%d ranks %s in %s", message["world_size"], where, store.url)
-        elif kind == "epoch":
-            lease.check()  # before rank 0 saves it: a run that lost the store stops here
-            epoch, metrics = message["epoch"], message["metrics"]
-            logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(metrics))
-            monitor.epoch_done(epoch, metrics)
-        elif kind == "committed":
-            _committed(VersionInfo(**message["info"]), monitor, archiver)
-
-    watch = CancelWatch()
-    try:
-        archiver.catch_up()
-        ranks = train_ranks.with_options(retries=config.epoch_retries)
-        result = ranks(config, relay, lambda: watch.requested)
-    except BaseException:
-        archiver.abandon()
-        monitor.catch_up(store.versions)
-        monitor.flush()
-        raise
-    finally:
-        watch.close()
-    archiver.drain(strict=False)
-    removed = finalize(store, config.retention)
-    if result.last_epoch is not None:
-        last_epoch = result.last_epoch
-    else:  # rank 0's last report was lost: the store knows how far the run got
-        newest = store.latest()
-        last_epoch = newest.epoch if newest is not None and newest.epoch is not None else last
-    return _finish(
-        store,
-        monitor,
-        last + 1,
-        last_epoch,
-        latest.version if latest else None,
-        result.reason,
-        removed,
-        archiver,
-    )
-
-
 def _finish(
     store: CheckpointStore,
     monitor: RunMonitor,
@@ -270,7 +205,9 @@ def _commit(
         _committed(commit(pending, timeout=config.save_timeout_seconds), monitor, archiver)
 
 
-def _committed(info: VersionInfo, monitor: RunMonitor, archiver: ArchiveQueue) -> None:
+def _committed(info: VersionInfo | None, monitor: RunMonitor, archiver: ArchiveQueue) -> None:
+    if info is None:  # lost with the trainers that were writing it (commit_checkpoint warned)
+        return
     monitor.committed(info)
     archiver.committed(info)  # queues archive/upload jobs the policy says are due
 

@@ -1,9 +1,7 @@
-"""Environment variables the flow's process sets for the processes it starts (ranks, the trainer).
+"""Environment variables the flow's process sets for the processes it starts (the trainers).
 
 Its own module so that both sides can import the names: the flow's side without
 torch, the children's side without Prefect.
 """
 
 FLOW_RUN_ENV = "CKPTFLOW_FLOW_RUN_ID"  # the flow run, for the spec's own logging
-REPORT_ADDRESS_ENV = "CKPTFLOW_REPORT_ADDRESS"  # host:port of the flow's listener (rank 0 only)
-REPORT_KEY_ENV = "CKPTFLOW_REPORT_KEY"  # its authentication key, hex

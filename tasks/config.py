@@ -165,6 +165,19 @@ class PipelineConfig(_Strict):
     nproc: int = Field(
         1, ge=1, le=256, description="training processes (torch.distributed ranks) launched for this run"
     )
+    nnodes: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="machines the run trains on: this one leads; the others join with torchrun "
+        "(--nnodes N --rdzv-backend c10d --rdzv-endpoint ENDPOINT -m ckptflow.tasks.rank_worker)",
+    )
+    rdzv_endpoint: str | None = Field(
+        None,
+        description="host:port of the ranks' c10d rendezvous (needed with nnodes > 1; default: a port "
+        "of 127.0.0.1 the rendezvous store binds itself)",
+    )
+    rdzv_id: str | None = Field(None, description="the rendezvous id the other machines' torchrun give")
     dist_backend: Literal["auto", "gloo", "nccl"] = Field(
         "auto", description="torch.distributed backend of the ranks (auto: nccl with GPUs, else gloo)"
     )
@@ -202,7 +215,17 @@ class PipelineConfig(_Strict):
             raise ValueError("storage must name a location, e.g. ./checkpoints or s3://bucket/run1")
         if ":" not in self.spec:
             raise ValueError(f"spec {self.spec!r} must look like 'package.module:ClassName'")
+        if self.nnodes > 1 and not self.rdzv_endpoint:
+            raise ValueError(
+                f"nnodes={self.nnodes} needs rdzv_endpoint (host:port that every machine reaches, "
+                "e.g. this machine's address and a free port)"
+            )
         return self
+
+    @property
+    def uses_trainers(self) -> bool:
+        """Whether the run trains in training processes (ranks) rather than in the flow's process."""
+        return self.train_process or self.nproc > 1 or self.nnodes > 1
 
     def identity(self) -> dict[str, Any]:
         """The fields that define the run: a resumed run must match them."""

@@ -1,54 +1,54 @@
-"""One rank of a multi-process training run: ``python -m ckptflow.tasks.rank_worker``.
+"""One training rank: it builds the run's objects and does what the flow asks, epoch by epoch.
 
-The pipeline's ``train_ranks`` task starts it once per rank on its machine;
-any launcher that sets torch.distributed's environment (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) can start it
-the same way, e.g. ``torchrun --nproc-per-node 2 -m ckptflow.tasks.rank_worker
-job.json``. Its job is JSON, ``{"config": <PipelineConfig>, "storage_options":
-{...}}``: the pipeline passes it on stdin, so that credentials never show in a
-process listing or the environment; other launchers name a file.
+Every training process is a rank of a torch.distributed world of size N >= 1,
+started by torch's elastic launcher (:mod:`.launcher` on the flow's machine,
+``torchrun`` on the others). One rank, the *leader* (local rank 0 on the
+flow's machine), holds the flow's end of the channel: JSON requests
+``{"id", "op", "args"}`` in, ``{"id", "ok"}`` / ``{"id", "error"}`` answers
+and ``{"log", "message", "id"}`` notes out; nothing is unpickled. The leader
+hands each request to the other ranks through the rendezvous store, in order,
+and every rank carries it out: build and restore, begin an epoch, train it,
+save (every rank writes its share, the leader's rank 0 commits), wait for a
+save, close. The leader answers; the others only act. So the flow drives N
+ranks exactly as it drives one.
 
-Every rank builds the spec, restores the newest committed checkpoint (the
-replicated state straight into its tensors, its own RNG and spec state from
-its own file), trains, and saves through a distributed store: each rank writes
-its share of the replicated state, rank 0 commits. Rank 0 decides when to stop
-(the epoch budget, the stop conditions, a cancellation relayed by the parent)
-and tells the others; rank 0 also reports epochs and commits to the parent,
-which turns them into Prefect logs, artifacts and events.
+The leader is rank 0 of the world the ranks build: ranks are renumbered from
+it, so that it is the one that commits. Another machine joins a run with
+``torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT -m
+ckptflow.tasks.rank_worker`` (the job, credentials included, comes from the
+leader through the rendezvous store).
 
 Per-rank state when the number of ranks changed: rank 0 takes rank 0's saved
 state; every other rank starts from rank 0's state too and then reseeds its
 RNGs from (seed, epoch, rank), so that ranks do not draw the same numbers.
 
-No Prefect import here: a rank starts in a second, not five.
+Failures: a rank whose request fails (other than the leader's answer of an
+error) or that dies ends the world: the launcher stops the other ranks and
+the flow's waiting call fails with the failure record. SIGTERM (the flow was
+interrupted) stops the epoch in progress; the saves in flight commit before
+the rank exits. No Prefect import here: a rank starts in a second, not five.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
 import threading
-import time
+import traceback
 import warnings
+from collections.abc import Callable, Iterator
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from ckptflow.storage import CheckpointStore, RankGroup, SaveHandle, StoreOptions, VersionInfo
-
-from .childenv import REPORT_ADDRESS_ENV, REPORT_KEY_ENV
-from .config import PipelineConfig
-from .run_state import RUN_FILE
-from .spec import RunFacts, Trainable, TrainingSpec, make_spec
-from .stopping import CANCELLED, SIGTERM_STOP, StopTracker
-from .training_state import capture, restore, rng_state, run_epoch, seed_everything, split_ranked
-
 log = logging.getLogger("ckptflow.rank")
+
+STORE_PREFIX = "ckptflow"
+WAIT_SLICE = timedelta(seconds=5)  # a follower re-checks its leader's store this often when idle
 
 
 def rank_seed(seed: int, epoch: int, rank: int) -> int:
@@ -56,196 +56,335 @@ def rank_seed(seed: int, epoch: int, rank: int) -> int:
     return (seed * 1_000_003 + epoch) * 1_009 + rank
 
 
-class Reporter:
-    """Rank 0's line to the parent: JSON messages out, a cancellation request in."""
+class _Interrupted(BaseException):
+    """SIGTERM: stop the epoch in progress."""
 
-    def __init__(self, conn: Any) -> None:
-        self.conn = conn
-        self.cancelled = False
+
+class World:
+    """This rank's place: its (renumbered) rank, the world's size, and the command feed."""
+
+    def __init__(self, store: Any, rank: int, size: int, local_world: int) -> None:
+        self.store = store
+        self.rank = rank
+        self.size = size
+        self.local_world = local_world
+        self.sent = 0
+
+    @property
+    def leads(self) -> bool:
+        return self.rank == 0
 
     @classmethod
-    def from_env(cls) -> Reporter | None:
-        address = os.environ.get(REPORT_ADDRESS_ENV)
-        if not address:
-            return None
-        from multiprocessing.connection import Client
+    def join(cls, may_lead: bool, backend: str, timeout: timedelta) -> World:
+        """Meet the other ranks in the launcher's store; the leader becomes rank 0 of the process group."""
+        import torch.distributed as dist
 
-        host, _, port = address.rpartition(":")
-        return cls(Client((host, int(port)), authkey=bytes.fromhex(os.environ[REPORT_KEY_ENV])))
+        size = int(os.environ.get("WORLD_SIZE", "1"))
+        launched = int(os.environ.get("RANK", "0"))
+        base = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timeout,
+            wait_for_workers=False,
+        )
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"{STORE_PREFIX}/{attempt}/", base)
+        if may_lead:
+            store.compare_set("leader", "", str(launched))
+        try:
+            leader = int(store.get("leader"))
+        except RuntimeError as exc:
+            raise RuntimeError(
+                "no rank leads this world: a ckptflow run leads it from the flow's machine "
+                "(`ckptflow run --nnodes N --rdzv-endpoint HOST:PORT`); start the other machines' "
+                f"ranks with torchrun while it waits ({exc})"
+            ) from exc
+        rank = (launched - leader) % size
+        dist.init_process_group(
+            backend, store=dist.PrefixStore("pg/", store), rank=rank, world_size=size, timeout=timeout
+        )
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return cls(store, rank, size, local_world)
 
-    def send(self, kind: str, **data: Any) -> None:
-        self.conn.send_bytes(json.dumps({"kind": kind, **data}).encode())
+    def publish(self, request: dict[str, Any]) -> None:
+        """The leader: hand ``request`` to the other ranks (they take them in order)."""
+        self.sent += 1
+        if self.size > 1:
+            self.store.set(f"request/{self.sent}", json.dumps(request))
 
-    def cancel_requested(self) -> bool:
-        while not self.cancelled and self.conn.poll():
-            self.cancelled = json.loads(self.conn.recv_bytes()).get("kind") == "cancel"
-        return self.cancelled
+    def next_request(self) -> dict[str, Any]:
+        """A follower: the leader's next request, however long the flow takes to send it."""
+        self.sent += 1
+        key = f"request/{self.sent}"
+        while True:
+            try:
+                self.store.wait([key], WAIT_SLICE)
+            except RuntimeError as exc:  # a timeout: wait again; a lost store: the leader is gone
+                if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                    raise
+                continue
+            return dict(json.loads(self.store.get(key)))
 
 
-class RankTrainer:
-    """The training loop of one rank."""
+class Rank:
+    """The run's objects in this rank, and the requests it carries out."""
 
-    def __init__(self, config: PipelineConfig, storage_options: dict[str, Any], reporter: Reporter | None):
-        self.config = config
-        self.reporter = reporter
+    def __init__(self, world: World, conn: Connection | None) -> None:
+        self.world = world
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.run: Any = None
+        self.attempts: Any = None
+        self.handles: dict[int, Any] = {}
+        self.current = 0  # the request being carried out in the main thread: its notes go with it
+
+    # -- the flow's channel (the leader only) --
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.conn is None:
+            return
+        with self.send_lock:
+            self.conn.send_bytes(json.dumps(message).encode())
+
+    def log(self, level: str) -> Callable[[str], None]:
+        if self.world.leads:
+            return lambda message: self.send({"log": level, "message": message, "id": self.current})
+        rank = self.world.rank
+        return lambda message: getattr(log, level)("rank %d: %s", rank, message)
+
+    def answer(self, call_id: int, work: Callable[[], Any]) -> None:
+        """Carry out ``work``; the leader sends its answer or error, another rank fails on an error."""
+        try:
+            result = work()
+        except Exception as exc:
+            if not self.world.leads:
+                raise
+            error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+            self.send({"id": call_id, "error": error})
+        else:
+            self.send({"id": call_id, "ok": result})
+
+    def in_thread(self, call_id: int, work: Callable[[], Any]) -> None:
+        def run() -> None:
+            try:
+                self.answer(call_id, work)
+            except BaseException:  # a follower's failed write: end the world, as in the main thread
+                traceback.print_exc()
+                os._exit(1)
+
+        threading.Thread(target=run, name="ckptflow-rank-call").start()
+
+    def requests(self) -> Iterator[dict[str, Any]]:
+        """The flow's requests: the leader reads and publishes them, the others take them in turn."""
+        if not self.world.leads:
+            while True:
+                yield self.world.next_request()
+        assert self.conn is not None
+        while True:
+            try:
+                request = json.loads(self.conn.recv_bytes())
+            except (EOFError, OSError):  # the flow's end closed: end as if asked to
+                request = {"id": -1, "op": "close", "args": {}}
+            self.world.publish(request)
+            yield request
+
+    # -- the requests --
+
+    def build(self, job: dict[str, Any]) -> dict[str, Any]:
+        import torch
+
+        from ckptflow.storage import RankGroup
+
+        from .config import PipelineConfig
+        from .run_state import build_run, open_store
+        from .spec import load_spec_class
+        from .threads import intra_op_threads
+
+        config = PipelineConfig.model_validate(job["config"])
+        load_spec_class(config.spec)
+        self.send({"spec": "ok"})
+        world = self.world
+        threads = intra_op_threads(config.torch_threads) if world.local_world == 1 else None
+        if world.local_world > 1 and not os.environ.get("OMP_NUM_THREADS"):
+            threads = max(1, (os.cpu_count() or 1) // world.local_world)
+        if threads is not None:
+            torch.set_num_threads(threads)
         timeout = timedelta(seconds=config.rank_timeout_seconds)
-        self.store = CheckpointStore(
-            config.storage,
-            storage_options=storage_options,
-            options=StoreOptions(shards=config.shards),
-            distributed=RankGroup.create(timeout),
+        group = RankGroup.create(timeout) if world.size > 1 else None
+        store = open_store(config, job["storage_options"], distributed=group)
+        if world.leads and job.get("writers"):
+            from ckptflow.storage import refuse_if_held
+
+            # started before the flow took the store's lease: build nothing on a store another run holds
+            refuse_if_held(store.loc, writers=set(job["writers"]))
+        # the flow writes run.json and sets unreadable versions aside once it holds the lease
+        self.run = build_run(
+            config,
+            store,
+            info=self.log("info"),
+            warn=self.log("warning"),
+            writes=False,
+            world_size=world.size,
+            rank=world.rank,
         )
-        self.control = RankGroup.create(timeout)  # stop decisions; never shared with a save in flight
-        self.rank, self.world = self.control.rank, self.control.world_size
-        facts = RunFacts(
-            epochs=config.epochs,
-            save_every=config.save_every,
-            world_size=self.world,
-            rank=self.rank,
-            storage=self.store.url,
-        )
-        self.spec: TrainingSpec = make_spec(config.spec, config.spec_config, seed=config.seed, run=facts)
-        seed_everything(config.seed)  # every rank builds the same model
-        self.trainable: Trainable = self.spec.build()
-        self.epoch, self.step = 0, 0
-        self.history: dict[int, dict[str, float]] = {}
-        self.term = threading.Event()
+        resumed = self.run.resumed_from
+        return {
+            "identity": self.run.identity,
+            "epoch": self.run.epoch,
+            "step": self.run.step,
+            "resumed_from": dataclasses.asdict(resumed) if resumed is not None else None,
+            "metrics": {str(k): v for k, v in self.run.metrics.items()},
+            "threads": torch.get_num_threads(),
+            "world_size": world.size,
+        }
 
-    def run(self) -> None:
-        resumed = self._resume()
-        if self.rank == 0:  # built and restored: now the store is this run's (the flow checked it)
-            self.store.write_json(RUN_FILE, self.config.identity())
-        self.rng = rng_state()
-        stopper = StopTracker(self.config.stop, self.config.epochs)
-        stopper.seed(self.history)
-        self._report("started", resumed_from=resumed, epoch=self.epoch, world_size=self.world)
-        reason = f"already at epoch {self.epoch}" if self.epoch >= self.config.epochs else None
-        pending: SaveHandle | None = None
-        while reason is None:
-            epoch = self.epoch + 1
-            metrics = self._train(epoch)
-            if self.rank == 0:
-                self._report("epoch", epoch=epoch, metrics=metrics)
-                reason = stopper.update(epoch, metrics) or self._interrupted()
-            reason = self.control.broadcast(reason)
-            if epoch % self.config.save_every == 0 or reason is not None:
-                self._committed(pending)
-                pending = self._save(epoch, metrics)
-        self._committed(pending)
-        self.store.close()
-        self._report("done", reason=reason, epoch=self.epoch)
+    def serve(self) -> None:
+        """Carry out requests until ``close`` (or until the flow's end of the channel closes)."""
+        for request in self.requests():
+            if request["op"] == "close":
+                self.finish()
+                if request["id"] >= 0:
+                    self.send({"id": request["id"], "ok": None})
+                return
+            self.current = request["id"]
+            self.handle(request["id"], request["op"], request["args"])
 
-    def _resume(self) -> int | None:
-        version = self.control.agree(lambda: _latest_version(self.store), "finding the newest checkpoint")
-        if version is None:
-            self._reseed(0)
-            return None
-        manifest = self.store.manifest(version)
-        shared, _ = split_ranked(capture(self.trainable, self.spec, epoch=0, step=0))
-        state = self.store.load(version, into=shared)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            own = self.store.load_rank_state(version)
-        for w in caught:
-            log.warning("rank %d: %s", self.rank, w.message)
-        same_world = len(manifest.ranks) == self.world or (not manifest.ranks and self.world == 1)
-        own = own if own is not None else {k: state.pop(k) for k in ("rng", "spec") if k in state}
-        self.epoch, self.step = restore(self.trainable, self.spec, {**state, **own})
-        if not same_world:
-            self._reseed(self.epoch)
-        if self.rank == 0:
-            self.history = {v.epoch: v.metrics for v in self.store.versions() if v.epoch is not None}
-        return version
+    def handle(self, call_id: int, op: str, args: dict[str, Any]) -> None:
+        """Epochs and the staging of saves run here, in turn; writes and waits in threads of their own."""
+        from .childenv import FLOW_RUN_ENV
 
-    def _reseed(self, epoch: int) -> None:
-        if self.rank > 0:
-            seed_everything(rank_seed(self.config.seed, epoch, self.rank))
+        if op == "begin_epoch":
+            self.answer(call_id, lambda: self.begin_epoch(bool(args["keep_snapshot"])))
+        elif op == "train":
+            self.answer(call_id, lambda: self.train(args["epoch"], args["attempt"]))
+        elif op == "save" and args["async"]:
+            self.answer(call_id, lambda: self.save_async(args["epoch"]))
+        elif op == "save":
+            (shared, own), kwargs = self.capture(args["epoch"])
+            store = self.run.store
+            self.in_thread(call_id, lambda: dataclasses.asdict(store.save(shared, rank_state=own, **kwargs)))
+        elif op == "wait":
+            handle = self.handles[args["version"]]
+            self.in_thread(call_id, lambda: dataclasses.asdict(handle.wait()))
+        elif op == "flow_run":  # for the spec's own logging
+            os.environ[FLOW_RUN_ENV] = args["id"]
+            self.answer(call_id, lambda: None)
+        elif op == "resubmit":
+            self.answer(call_id, self.handles[args["version"]].resubmit)
+        else:
+            self.answer(call_id, lambda: _unknown(op))
 
-    def _train(self, epoch: int) -> dict[str, float]:
-        clean, steps, self.rng = run_epoch(self.spec, self.trainable, epoch, self.rng)
-        self.epoch, self.step = epoch, self.step + steps
-        self.history[epoch] = clean
-        return clean
+    def capture(self, epoch: int) -> tuple[tuple[dict[str, Any], dict[str, Any] | None], dict[str, Any]]:
+        """The state to save (shared, this rank's own), and the save's arguments."""
+        from .run_state import capture_run
+        from .training_state import split_ranked
 
-    def _save(self, epoch: int, metrics: dict[str, float]) -> SaveHandle | None:
-        state = capture(self.trainable, self.spec, epoch=self.epoch, step=self.step, rng=self.rng)
-        shared, own = split_ranked(state)
-        kwargs: dict[str, Any] = {"epoch": epoch, "step": self.step, "metrics": metrics, "version": epoch}
-        if self.config.async_save:
-            return self.store.save_async(shared, rank_state=own, **kwargs)
-        self._report_commit(self.store.save(shared, rank_state=own, **kwargs))
-        return None
+        run = self.run
+        kwargs = {"epoch": epoch, "step": run.step, "version": epoch, "metrics": run.metrics.get(epoch)}
+        state = capture_run(run)
+        if self.world.size == 1:
+            return (state, None), kwargs
+        return split_ranked(state), kwargs
 
-    def _committed(self, pending: SaveHandle | None) -> None:
-        if pending is not None:
-            self._report_commit(pending.wait())
+    def save_async(self, epoch: int) -> int:
+        (shared, own), kwargs = self.capture(epoch)
+        self.handles[epoch] = self.run.store.save_async(shared, rank_state=own, **kwargs)
+        return epoch
 
-    def _report_commit(self, info: VersionInfo) -> None:
-        from dataclasses import asdict
+    def begin_epoch(self, keep_snapshot: bool) -> None:
+        from .run_state import EpochAttempts
 
-        self._report("committed", info=asdict(info))
+        self.attempts = EpochAttempts(self.run, keep_snapshot=keep_snapshot)
 
-    def _interrupted(self) -> str | None:
-        if self.term.is_set():
-            return SIGTERM_STOP
-        if self.reporter is not None and self.reporter.cancel_requested():
-            return CANCELLED
-        return None
+    def train(self, epoch: int, attempt: int) -> dict[str, Any]:
+        from .run_state import train_attempt
 
-    def _report(self, kind: str, **data: Any) -> None:
-        if self.reporter is not None:
-            self.reporter.send(kind, **data)
-        elif self.rank == 0:
-            log.info("%s %s", kind, data)
+        if self.attempts is None:
+            raise RuntimeError(f"epoch {epoch} was not begun")
+        self.attempts.count = attempt
+        metrics = train_attempt(self.run, epoch, self.attempts, self.log("warning"))
+        return {"metrics": metrics, "step": self.run.step}
+
+    def finish(self) -> None:
+        """Let every save end (committed or failed) before the rank exits."""
+        for handle in self.handles.values():
+            handle.join()
+        if self.run is not None:
+            self.run.store.close()
 
 
-def _latest_version(store: CheckpointStore) -> int | None:
-    latest = store.latest()
-    return latest.version if latest is not None else None
+def _unknown(op: str) -> None:
+    raise ValueError(f"unknown training request {op!r}")
 
 
-def _backend(config: PipelineConfig) -> str:
-    if config.dist_backend != "auto":
-        return config.dist_backend
+def _interrupt(signum: int, frame: Any) -> None:
+    raise _Interrupted()
+
+
+def _backend(requested: str) -> str:
+    import torch
+
+    if requested != "auto":
+        return requested
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def _exit_with_parent() -> None:
-    """End this rank if the process that started it dies (a SIGKILLed flow must not leave ranks behind)."""
-    parent = os.getppid()
+def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None) -> None:
+    """A rank's life: join the world, take the job (from the flow, or from the leader), serve, leave.
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.2)
-        os._exit(70)
+    ``job`` and ``fd`` (the flow's channel) are given to the ranks the flow's launcher forks;
+    ``launcher`` is its pid: a rank dies with it, as it would with an in-process run.
+    """
+    import torch
+    import torch.distributed as dist
 
-    threading.Thread(target=watch, name="ckptflow-parent-watch", daemon=True).start()
+    from .lifetime import die_with_parent
 
-
-def main(argv: list[str]) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s rank %(process)d %(levelname)s %(message)s")
-    if len(argv) > 1 and argv[1] != "-":
-        with open(argv[1], encoding="utf-8") as f:
-            job = json.load(f)
-    else:
-        job = json.loads(sys.stdin.read())
-    config = PipelineConfig.model_validate(job["config"])
-    _exit_with_parent()
+    if launcher is not None:
+        die_with_parent(signal.SIGKILL, launcher)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    may_lead = job is not None and fd is not None and local_rank == 0
+    world_job = (job or {}).get("world", {})
+    timeout = timedelta(seconds=float(world_job.get("timeout", 600)))
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(_backend(config), timeout=timedelta(seconds=config.rank_timeout_seconds))
+        torch.cuda.set_device(local_rank)
+    signal.signal(signal.SIGTERM, _interrupt)
+    world = World.join(may_lead, _backend(world_job.get("backend", "auto")), timeout)
+    conn = Connection(fd) if world.leads and fd is not None else None
+    if fd is not None and conn is None:
+        os.close(fd)  # another local rank leads: this one never speaks to the flow
+    rank = Rank(world, conn)
     try:
-        reporter = Reporter.from_env() if dist.get_rank() == 0 else None
-        trainer = RankTrainer(config, job.get("storage_options") or {}, reporter)
-        signal.signal(signal.SIGTERM, lambda *_: trainer.term.set())  # finish the epoch, save, commit
-        trainer.run()
-        dist.barrier()  # rank 0 hosts the rendezvous store: nobody leaves while others still use it
+        if world.leads:
+            assert job is not None
+            if world.size > 1:
+                world.store.set("job", json.dumps(job))
+        else:
+            job = json.loads(world.store.get("job"))
+        assert job is not None
+        rank.answer(0, lambda: rank.build(job))
+        if rank.run is not None:
+            rank.serve()
+    except _Interrupted:
+        pass
     finally:
-        dist.destroy_process_group()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the saves in flight commit now
+        rank.finish()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def main() -> int:
+    """A rank started by ``torchrun`` on another machine: it joins a world a flow leads."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        serve_rank(None, None, None)
     return 0
 
 
-def _exit(code: int) -> None:
+def exit_now(code: int) -> None:
     """Leave without running C++ static destructors.
 
     A torch.distributed process that exits normally sometimes aborts in them ("terminate
@@ -260,12 +399,10 @@ def _exit(code: int) -> None:
 
 if __name__ == "__main__":
     try:
-        status = main(sys.argv)
+        status = main()
     except SystemExit as stop:
         status = stop.code if isinstance(stop.code, int) else 1
     except BaseException:
-        import traceback
-
         traceback.print_exc()
         status = 1
-    _exit(status)
+    exit_now(status)

@@ -59,7 +59,7 @@ class RunState:
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
     writing: tuple[int, Future[Any]] | None = None  # (version, sync save) that outlived its task's timeout
-    remote: Any = None  # a ckptflow.tasks.trainer.TrainerProcess
+    remote: Any = None  # the trainers, a ckptflow.tasks.trainer.TrainerProcess
     identity: dict[str, Any] | None = None  # what run.json must hold (None: it does already)
 
     def local(self) -> tuple[TrainingSpec, Trainable]:
@@ -74,11 +74,16 @@ class RunState:
             self.remote.close(interrupted=interrupted)
 
 
-def open_store(config: PipelineConfig, storage_options: dict[str, Any] | None = None) -> CheckpointStore:
-    """The run's store; ``storage_options`` default to the config's, credentials resolved."""
+def open_store(
+    config: PipelineConfig, storage_options: dict[str, Any] | None = None, *, distributed: Any = None
+) -> CheckpointStore:
+    """The run's store; ``storage_options`` default to the config's, credentials resolved.
+
+    ``distributed``: a rank's :class:`~ckptflow.storage.RankGroup` (every rank writes a share).
+    """
     options = config.resolved_storage_options() if storage_options is None else storage_options
     shards = StoreOptions(shards=config.shards)
-    return CheckpointStore(config.storage, storage_options=options, options=shards)
+    return CheckpointStore(config.storage, storage_options=options, options=shards, distributed=distributed)
 
 
 def check_run_identity(store: CheckpointStore, config: PipelineConfig, warn: Log) -> dict[str, Any] | None:
@@ -114,7 +119,14 @@ def record_run_identity(store: CheckpointStore, identity: dict[str, Any] | None)
 
 
 def build_run(
-    config: PipelineConfig, store: CheckpointStore, *, info: Log, warn: Log, writes: bool = True
+    config: PipelineConfig,
+    store: CheckpointStore,
+    *,
+    info: Log,
+    warn: Log,
+    writes: bool = True,
+    world_size: int = 1,
+    rank: int = 0,
 ) -> RunState:
     """Build the spec's objects; restore the newest committed checkpoint if there is one.
 
@@ -122,35 +134,56 @@ def build_run(
     change nothing in the store; the flow calls :func:`claim_store` once it holds the lease.
     Either way the run resumes from the same version: setting unreadable versions aside
     only moves versions that resuming skips.
+
+    In a rank of a world of ``world_size`` > 1 (``store`` distributed), every rank builds the
+    same model and restores the replicated state, then its own state (see :mod:`.rank_worker`).
     """
     from .spec import RunFacts, load_spec_class, make_spec
     from .training_state import capture, restore, rng_state, seed_everything
 
     load_spec_class(config.spec)
     identity = check_run_identity(store, config, warn)
-    facts = RunFacts(epochs=config.epochs, save_every=config.save_every, storage=store.url)
+    facts = RunFacts(
+        epochs=config.epochs,
+        save_every=config.save_every,
+        world_size=world_size,
+        rank=rank,
+        storage=store.url,
+    )
     spec = make_spec(config.spec, config.spec_config, seed=config.seed, run=facts)
-    seed_everything(config.seed)
+    seed_everything(config.seed)  # every rank builds the same model
     run = RunState(config, store, spec, spec.build())
     if writes:
         set_aside_unreadable(store, warn)
     latest = store.latest()
+    reseed_epoch: int | None = 0
     if latest is not None:
         spec, trainable = run.local()
         into = capture(trainable, spec, epoch=0, step=0)  # read the model straight into its tensors
         state = store.load(latest.version, into=into)
-        if "rng" not in state:  # saved by several ranks: their own states are apart
-            ranks = len(store.manifest(latest.version).ranks)
-            warn(f"version {latest.version} was saved by {ranks} ranks: resuming with rank 0's RNG state")
+        saved_by = len(store.manifest(latest.version).ranks) or 1
+        if world_size > 1:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RankStateWarning)
+                own = store.load_rank_state(latest.version)
+            own = own if own is not None else {k: state.pop(k) for k in ("rng", "spec") if k in state}
+            state.update(own)
+        elif "rng" not in state:  # saved by several ranks: their own states are apart
+            warn(f"version {latest.version} was saved by {saved_by} ranks: resuming with rank 0's RNG state")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RankStateWarning)
                 state.update(store.load_rank_state(latest.version, rank=0, world_size=1) or {})
         run.epoch, run.step = restore(trainable, spec, state)
+        reseed_epoch = run.epoch if saved_by != world_size else None
         run.resumed_from = latest
         run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
         info(f"resuming from {latest.url} (epoch {run.epoch})")
     else:
         info(f"starting a new run in {store.url}")
+    if reseed_epoch is not None and rank > 0:  # this rank's own RNG state was not saved
+        from .rank_worker import rank_seed
+
+        seed_everything(rank_seed(config.seed, reseed_epoch, rank))
     run.rng = rng_state()
     run.identity = identity
     if writes:
@@ -180,9 +213,9 @@ class EpochAttempts:
 
     def __init__(self, run: RunState, *, keep_snapshot: bool) -> None:
         self.snapshot: Snapshot | None = None
-        if run.remote is not None:  # the training process keeps its own
-            run.remote.call("begin_epoch", keep_snapshot=keep_snapshot).result()
-        elif keep_snapshot:
+        self.keep_snapshot = keep_snapshot
+        self.begun_at = 0  # with trainers: the attempt at which they began the epoch (kept its start)
+        if run.remote is None and keep_snapshot:  # trainers keep their own (train_epoch begins it)
             from .training_state import Snapshot
 
             spec, trainable = run.local()

@@ -82,7 +82,7 @@ def init_model(config: PipelineConfig) -> RunState:
     With ``train_process``, the training process builds them (see :mod:`.trainer`).
     """
     logger = get_run_logger()
-    if config.train_process:
+    if config.uses_trainers:
         return _init_remote(config, logger)
     return run_state.build_run(config, open_store(config), info=logger.info, warn=logger.warning)
 
@@ -97,13 +97,13 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
     except BaseException:
         process.close(interrupted=True)
         raise
-    run_id = flow_run.get_id()
-    if run_id is not None:
-        process.call("flow_run", id=str(run_id)).result()
+    _tell_flow_run(process)
+    world = built.get("world_size", 1)
     logger.info(
-        "training in process %d%s, torch intra-op threads: %d of %d cores",
+        "training in %s (launcher pid %d%s), torch intra-op threads: %d of %d cores",
+        f"{world} ranks" if world > 1 else "a training process",
         process.pid,
-        " (started before Prefect)" if prestarted else "",
+        ", started before Prefect" if prestarted else "",
         built["threads"],
         os.cpu_count() or 1,
     )
@@ -123,15 +123,65 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
     )
 
 
+def _tell_flow_run(process: Any) -> None:
+    run_id = flow_run.get_id()
+    if run_id is not None:  # for the spec's own logging
+        process.call("flow_run", id=str(run_id)).result()
+
+
+def _live_trainers(run: RunState) -> bool:
+    """Make sure the run's trainers are alive; True if new ones had to be started.
+
+    Trainers that died (a rank failed or was killed) are replaced by new ones, which resume from
+    the last commit; the epochs trained since then are trained again, so that the new trainers
+    stand where the flow's run stands (``run.epoch``). Training is deterministic from a commit
+    (its RNG states are saved), so they stand exactly there.
+    """
+    from .trainer import relaunch
+
+    old = run.remote
+    if not old.dead():
+        return False
+    logger = get_run_logger()
+    logger.warning("%s: starting new trainers", old.died_message())
+    process = relaunch(run.config, old.storage_options)
+    process.set_log(_log_to(logger))
+    try:
+        built = process.built().result()
+        _tell_flow_run(process)
+        if built["epoch"] > run.epoch:
+            raise RuntimeError(
+                f"the new trainers resumed at epoch {built['epoch']}, after the run's epoch {run.epoch}"
+            )
+        log = _log_to(logger)
+        for epoch in range(built["epoch"] + 1, run.epoch + 1):
+            logger.info("training epoch %d again: its trainers died before it was committed", epoch)
+            process.call("begin_epoch", keep_snapshot=False).result()
+            process.call("train", log, epoch=epoch, attempt=1).result()
+    except BaseException:
+        process.close(interrupted=True)
+        raise
+    run.remote = process
+    return True
+
+
 @task(name="train_epoch", cache_policy=NO_CACHE)
 def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str, float]:
-    """Run the spec's epoch (and evaluation); return finite float metrics."""
+    """Run the spec's epoch (and evaluation); return finite float metrics.
+
+    With trainers, a retry after they died starts new ones from the last commit (see
+    :func:`_live_trainers`); a retry after an error in the epoch restores the epoch's start state.
+    """
     attempts.count += 1
     warn = get_run_logger().warning
     if run.remote is None:
         return run_state.train_attempt(run, epoch, attempts, warn)
+    if _live_trainers(run) or not attempts.begun_at:
+        run.remote.call("begin_epoch", keep_snapshot=attempts.keep_snapshot).result()
+        attempts.begun_at = attempts.count
     log = _log_to(get_run_logger())
-    answer = run.remote.call("train", log, epoch=epoch, attempt=attempts.count).result()
+    attempt = attempts.count - attempts.begun_at + 1
+    answer = run.remote.call("train", log, epoch=epoch, attempt=attempt).result()
     run.epoch, run.step = epoch, answer["step"]
     run.metrics[epoch] = answer["metrics"]
     return cast(dict[str, float], answer["metrics"])
@@ -187,6 +237,7 @@ def save_checkpoint(
         get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
         return SaveResult(existing, committed)
     if run.remote is not None:
+        _live_trainers(run)
         return _save_remote(run, epoch, async_save, timeout, committed)
     state = run_state.capture_run(run)
     kwargs: dict[str, Any] = {
@@ -212,7 +263,7 @@ def _save_remote(
 
     if async_save:
         version = run.remote.call("save", epoch=epoch, **{"async": True}).result()
-        return SaveResult(cast(SaveHandle, RemoteSave(run.remote, version)), committed)
+        return SaveResult(cast(SaveHandle, RemoteSave(run.remote, version, run.store)), committed)
     answer = run.remote.call("save", epoch=epoch, **{"async": False})
     future: Future[Any] = Future()
     answer.add_done_callback(lambda f: _chain(f, future))
@@ -232,19 +283,27 @@ def _chain(answer: Future[Any], future: Future[Any]) -> None:
 
 
 @io_task("commit_checkpoint")
-def commit_checkpoint(handle: SaveHandle, timeout: float | None = None) -> VersionInfo:
-    """Wait until an async save is committed; a failed write is redone on the next attempt."""
+def commit_checkpoint(handle: SaveHandle, timeout: float | None = None) -> VersionInfo | None:
+    """Wait until an async save is committed; a failed write is redone on the next attempt.
+
+    None: the trainers that were writing it died first (it is not committed; see :func:`_live_trainers`).
+    """
     return _commit_within(handle, timeout)
 
 
-def _commit_within(handle: SaveHandle, timeout: float | None) -> VersionInfo:
+def _commit_within(handle: SaveHandle, timeout: float | None) -> VersionInfo | None:
     try:
-        return _wait_for(_in_thread(handle.wait), timeout, handle.version)
+        info = _wait_for(_in_thread(handle.wait), timeout, handle.version)
     except SaveTimeoutError:
         raise  # still writing: the next attempt waits again
     except Exception:
         handle.resubmit()
         raise
+    if info is None:
+        get_run_logger().warning(
+            "version %d was being written when the trainers died: it was not committed", handle.version
+        )
+    return cast(VersionInfo | None, info)
 
 
 @task(name="finalize", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))

@@ -1,56 +1,62 @@
-"""The training process: a run's model, optimizer and data in a child process.
+"""The flow's side of its trainers: the training ranks of a run, in processes of their own.
 
-With ``train_process`` on (``ckptflow run``'s default), the flow's tasks stay
-in the flow's process and ask a child, ``python -m ckptflow.tasks.trainer``,
-to build the run, train each epoch and save, through the same functions an
-in-process run calls (:mod:`.run_state`). The child imports torch but not
-Prefect; the flow's process imports Prefect and does not build anything. So
-the two start side by side: the ``ckptflow`` script starts the child first
-thing (:func:`spawn_early`); the child imports torch while the CLI parses its
-options and imports Prefect, and gets its job when the options are valid
-(:func:`prestart`). The first epoch starts when both sides are ready instead
-of after one and then the other.
+With ``train_process`` on (``ckptflow run``'s default) or ``nproc`` > 1, the
+flow's tasks stay in the flow's process and ask the trainers to build the
+run, train each epoch and save, through the same functions an in-process run
+calls (:mod:`.run_state`). The trainers are a torch.distributed world of
+``nproc`` ranks per machine (one rank is the plain case), started by
+:mod:`.launcher` with torch's elastic launcher; the flow talks to one of them,
+the leader (:mod:`.rank_worker`), which hands every request to the others.
+The trainers import torch but not Prefect; the flow's process imports Prefect
+and builds nothing. So the two start side by side: the ``ckptflow`` script
+starts the launcher first thing (:func:`spawn_early`); it imports torch while
+the CLI parses its options and imports Prefect, and gets its job when the
+options are valid (:func:`prestart`). The first epoch starts when both sides
+are ready instead of after one and then the other.
 
-Protocol: JSON messages on a socket pair (nothing is unpickled), each request
-``{"id", "op", "args"}`` answered by ``{"id", "ok"}`` or ``{"id", "error"}``;
-notes for the run's log come as ``{"log", "message"}``; ``{"spec": "ok"}`` says
-that the spec imported, the first thing a build does, so ``ckptflow run`` can
-refuse a bad spec before it creates a flow run (:func:`spec_check`). The job (config and
-resolved storage options, credentials included) goes on the child's stdin, so
+Protocol: JSON messages on a socket pair that only the launcher's process
+tree holds (nothing is unpickled), each request ``{"id", "op", "args"}``
+answered by ``{"id", "ok"}`` or ``{"id", "error"}``; notes for the run's log
+come as ``{"log", "message"}``; ``{"spec": "ok"}`` says that the spec imported,
+the first thing a build does, so ``ckptflow run`` can refuse a bad spec before
+it creates a flow run (:func:`spec_check`). The job (config, resolved storage
+options with credentials, the world's size) goes on the launcher's stdin, so
 it shows in no process listing or environment. Request 0 is the build.
 
-Ending: ``close`` lets the child finish its saves and exit. An interrupted
-flow (a worker's SIGTERM, Ctrl-C) sends the child SIGTERM: it stops the epoch
-in progress, commits the save in flight and exits, and the flow waits for
-that. The child ignores SIGINT: a Ctrl-C in the terminal reaches both, and
-the flow decides; it starts with SIGINT blocked, so one that comes before it
-ignores it is dropped too. If the flow's process dies, the kernel kills the
-child (PR_SET_PDEATHSIG, :mod:`.lifetime`), as it would an in-process run:
-nothing half-written is ever committed. If the child dies, every waiting call
-fails with :class:`TrainerDiedError`.
+Ending: ``close`` lets the ranks finish their saves and exit. An interrupted
+flow (a worker's SIGTERM, Ctrl-C) sends the launcher SIGTERM: its agent passes
+it to the ranks, which stop the epoch in progress, commit the save in flight
+and exit, and the flow waits for that. The trainers ignore SIGINT: a Ctrl-C in
+the terminal reaches them too, and the flow decides; the launcher starts with
+SIGINT blocked, so one that comes before it ignores it is dropped too. If the
+flow's process dies, the kernel kills the launcher and the ranks
+(PR_SET_PDEATHSIG, :mod:`.lifetime`), as it would an in-process run: nothing
+half-written is ever committed. If a rank dies or fails, the launcher stops the
+others and every waiting call fails with :class:`TrainerDiedError`, which names
+the rank and how it ended; the task's retry starts new trainers
+(:func:`relaunch`), which resume from the last commit.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
-import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .childenv import FLOW_RUN_ENV
-from .lifetime import blocked_in_children, die_with_parent, ignore
+from .lifetime import blocked_in_children
 
 FD_ENV = "CKPTFLOW_TRAINER_FD"
-GRACE_SECONDS = 120.0  # how long an interrupted child gets to commit the save in flight
+GRACE_SECONDS = 150.0  # how long interrupted trainers get to commit (the launcher gives its ranks 120)
 Log = Callable[[str, str], None]  # (level name, message)
 
 
@@ -69,13 +75,16 @@ class TrainerProcess:
     """A started training process and the calls in flight to it."""
 
     def __init__(self) -> None:
-        """Start the process; it imports torch and the storage code while it waits for :meth:`start`."""
+        """Start the launcher; it imports torch and the storage code while it waits for :meth:`start`."""
         self.config: Any = None
+        self.storage_options: dict[str, Any] = {}
+        handle, self._failure_file = tempfile.mkstemp(prefix="ckptflow-trainers-", suffix=".failure")
+        os.close(handle)
         parent, child = socket.socketpair()
         env = {**os.environ, FD_ENV: str(child.fileno())}
         with blocked_in_children(signal.SIGINT):  # until the child ignores it (see main)
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "ckptflow.tasks.trainer", str(os.getpid())],
+                [sys.executable, "-m", "ckptflow.tasks.launcher", str(os.getpid())],
                 stdin=subprocess.PIPE,
                 env=env,
                 pass_fds=(child.fileno(),),
@@ -99,7 +108,22 @@ class TrainerProcess:
         """Send the job: the process builds the run of ``config`` (request 0, :meth:`built`)."""
         assert self.process.stdin is not None and self.config is None
         self.config = config
-        job = {"config": config.model_dump(mode="json"), "storage_options": storage_options}
+        self.storage_options = storage_options
+        world = {
+            "nproc": config.nproc,
+            "nnodes": config.nnodes,
+            "rdzv_endpoint": config.rdzv_endpoint,
+            "rdzv_id": config.rdzv_id,
+            "backend": config.dist_backend,
+            "timeout": config.rank_timeout_seconds,
+            "failure_file": self._failure_file,
+        }
+        job = {
+            "config": config.model_dump(mode="json"),
+            "storage_options": storage_options,
+            "world": world,
+            "writers": [os.getpid()],  # the flow takes the store's lease for its trainers
+        }
         try:
             self.process.stdin.write(json.dumps(job).encode())
             self.process.stdin.close()
@@ -168,6 +192,23 @@ class TrainerProcess:
                 self.process.wait()
         self._closed = True
         self._conn.close()
+        self._forget_failure()
+
+    def dead(self) -> bool:
+        """Whether the trainers have ended (a rank failed, or they were closed)."""
+        return self._closed or self.process.poll() is not None
+
+    def failure(self) -> str:
+        """What the launcher recorded of the rank that failed ('' if none did)."""
+        try:
+            with open(self._failure_file, encoding="utf-8") as f:
+                return f.read(4000).strip()
+        except OSError:
+            return ""
+
+    def _forget_failure(self) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self._failure_file)
 
     def _read(self) -> None:
         for message in _received(self._conn):
@@ -200,35 +241,50 @@ class TrainerProcess:
             if not future.done():
                 future.set_exception(self._died())
 
+    def died_message(self) -> str:
+        """How the trainers ended, for the run's log."""
+        return str(self._died())
+
     def _died(self) -> TrainerDiedError:
         code = self.process.poll()
-        how = (
-            "is closed"
-            if code is None
-            else f"was killed by signal {-code}"
-            if code < 0
-            else f"exited with code {code}"
-        )
+        failure = self.failure()
+        if failure:
+            how = f"ended: {failure}"
+        elif code is None:
+            how = "are closed"
+        elif code < 0:
+            how = f"were killed (signal {-code} to the launcher, pid {self.process.pid})"
+        else:
+            how = f"ended (the launcher, pid {self.process.pid}, exited with code {code})"
         return TrainerDiedError(
-            f"the training process (pid {self.process.pid}) {how}; the checkpoints it committed are "
-            "intact: run again to resume from the newest"
+            f"the training ranks {how}; the checkpoints they committed are intact: a retry, or "
+            "another run, resumes from the newest"
         )
 
 
 class RemoteSave:
     """An async save in flight in the training process (what a SaveHandle is in-process)."""
 
-    def __init__(self, trainer: TrainerProcess, version: int) -> None:
+    def __init__(self, trainer: TrainerProcess, version: int, store: Any = None) -> None:
         self.trainer = trainer
         self.version = version
+        self.store = store  # where to look for it if the trainers die while it is written
 
     def wait(self, timeout: float | None = None) -> Any:
+        """The committed version; None if the trainers that wrote it died before it committed."""
         from ckptflow.storage import VersionInfo
 
-        return VersionInfo(**self.trainer.call("wait", version=self.version).result(timeout))
+        try:
+            return VersionInfo(**self.trainer.call("wait", version=self.version).result(timeout))
+        except TrainerDiedError:
+            if self.store is None:
+                raise
+            found = self.store.find(self.version)  # it may have committed just before they died
+            return found
 
     def resubmit(self) -> None:
-        self.trainer.call("resubmit", version=self.version).result()
+        if not self.trainer.dead():
+            self.trainer.call("resubmit", version=self.version).result()
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until the save has ended; the process stops its epoch and exits to get there."""
@@ -272,7 +328,7 @@ def prestart(config: Any) -> None:
     (to the process :func:`spawn_early` started, if any).
     """
     global _prestarted, _spare
-    if not (config.train_process and config.nproc == 1):
+    if not config.uses_trainers:
         if _spare is not None:
             _spare.discard()
             _spare = None
@@ -296,6 +352,11 @@ def take(config: Any) -> tuple[TrainerProcess, bool]:
     return _started(config, config.resolved_storage_options()), False
 
 
+def relaunch(config: Any, storage_options: dict[str, Any]) -> TrainerProcess:
+    """New trainers for a run whose trainers died: they build the run and resume from the last commit."""
+    return TrainerProcess().start(config, storage_options)
+
+
 def _received(conn: Connection) -> Iterator[dict[str, Any]]:
     """The messages from the other side, until it closes its end."""
     while True:
@@ -314,178 +375,3 @@ def _remote_error(error: dict[str, Any]) -> BaseException:
     exc = kind(error["message"]) if kind else TrainerError(f"{error['type']}: {error['message']}")
     exc.add_note(f"in the training process:\n{error['traceback']}")
     return exc
-
-
-# -- the child's side ----------------------------------------------------------------------------
-
-
-class _Interrupted(BaseException):
-    """SIGTERM: stop the epoch in progress."""
-
-
-class _Child:
-    def __init__(self, conn: Connection) -> None:
-        self.conn = conn
-        self.send_lock = threading.Lock()
-        self.run: Any = None
-        self.attempts: Any = None
-        self.handles: dict[int, Any] = {}
-        self.current = 0  # the request being answered in the main thread: its notes go with it
-
-    def send(self, message: dict[str, Any]) -> None:
-        with self.send_lock:
-            self.conn.send_bytes(json.dumps(message).encode())
-
-    def log(self, level: str) -> Callable[[str], None]:
-        return lambda message: self.send({"log": level, "message": message, "id": self.current})
-
-    def answer(self, call_id: int, work: Callable[[], Any]) -> None:
-        try:
-            result = work()
-        except Exception as exc:
-            error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
-            self.send({"id": call_id, "error": error})
-        else:
-            self.send({"id": call_id, "ok": result})
-
-    def in_thread(self, call_id: int, work: Callable[[], Any]) -> None:
-        threading.Thread(target=self.answer, args=(call_id, work), name="ckptflow-trainer-call").start()
-
-    def build(self, job: dict[str, Any]) -> dict[str, Any]:
-        import torch
-
-        from ckptflow.storage import refuse_if_held
-
-        from .config import PipelineConfig
-        from .run_state import build_run, open_store
-        from .spec import load_spec_class
-        from .threads import intra_op_threads
-
-        config = PipelineConfig.model_validate(job["config"])
-        load_spec_class(config.spec)
-        self.send({"spec": "ok"})
-        threads = intra_op_threads(config.torch_threads)
-        if threads is not None:
-            torch.set_num_threads(threads)
-        store = open_store(config, job["storage_options"])
-        # started before the flow took the store's lease: build nothing on a store another run holds
-        refuse_if_held(store.loc, writers={os.getppid()})
-        # the flow writes run.json and sets unreadable versions aside once it holds the lease
-        self.run = build_run(config, store, info=self.log("info"), warn=self.log("warning"), writes=False)
-        resumed = self.run.resumed_from
-        return {
-            "identity": self.run.identity,
-            "epoch": self.run.epoch,
-            "step": self.run.step,
-            "resumed_from": dataclasses.asdict(resumed) if resumed is not None else None,
-            "metrics": {str(k): v for k, v in self.run.metrics.items()},
-            "threads": torch.get_num_threads(),
-        }
-
-    def serve(self) -> None:
-        """Answer requests until ``close`` or until the flow's end of the socket closes."""
-        for request in _received(self.conn):
-            if request["op"] == "close":
-                self.finish()
-                self.send({"id": request["id"], "ok": None})
-                return
-            self.current = request["id"]
-            self.handle(request["id"], request["op"], request["args"])
-
-    def handle(self, call_id: int, op: str, args: dict[str, Any]) -> None:
-        """Epochs and the staging of saves run here, in turn; writes and waits in threads of their own."""
-        if op == "begin_epoch":
-            self.answer(call_id, lambda: self.begin_epoch(bool(args["keep_snapshot"])))
-        elif op == "train":
-            self.answer(call_id, lambda: self.train(args["epoch"], args["attempt"]))
-        elif op == "save" and args["async"]:
-            self.answer(call_id, lambda: self.save_async(args["epoch"]))
-        elif op == "save":
-            state, kwargs = self.capture(args["epoch"])
-            self.in_thread(call_id, lambda: dataclasses.asdict(self.run.store.save(state, **kwargs)))
-        elif op == "wait":
-            handle = self.handles[args["version"]]
-            self.in_thread(call_id, lambda: dataclasses.asdict(handle.wait()))
-        elif op == "flow_run":  # for the spec's own logging, as the ranks have it
-            os.environ[FLOW_RUN_ENV] = args["id"]
-            self.answer(call_id, lambda: None)
-        elif op == "resubmit":
-            self.answer(call_id, self.handles[args["version"]].resubmit)
-        else:
-            self.answer(call_id, lambda: _unknown(op))
-
-    def capture(self, epoch: int) -> tuple[dict[str, Any], dict[str, Any]]:
-        from .run_state import capture_run
-
-        run = self.run
-        kwargs = {"epoch": epoch, "step": run.step, "version": epoch, "metrics": run.metrics.get(epoch)}
-        return capture_run(run), kwargs
-
-    def save_async(self, epoch: int) -> int:
-        state, kwargs = self.capture(epoch)
-        self.handles[epoch] = self.run.store.save_async(state, **kwargs)
-        return epoch
-
-    def begin_epoch(self, keep_snapshot: bool) -> None:
-        from .run_state import EpochAttempts
-
-        self.attempts = EpochAttempts(self.run, keep_snapshot=keep_snapshot)
-
-    def train(self, epoch: int, attempt: int) -> dict[str, Any]:
-        from .run_state import train_attempt
-
-        if self.attempts is None:
-            raise RuntimeError(f"epoch {epoch} was not begun")
-        self.attempts.count = attempt
-        metrics = train_attempt(self.run, epoch, self.attempts, self.log("warning"))
-        return {"metrics": metrics, "step": self.run.step}
-
-    def finish(self) -> None:
-        """Let every save end (committed or failed) before the process exits."""
-        for handle in self.handles.values():
-            handle.join()
-
-
-def _unknown(op: str) -> None:
-    raise ValueError(f"unknown training process request {op!r}")
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise _Interrupted()
-
-
-def _warm_up() -> None:
-    """What every build needs, imported while the job is on its way: torch, the storage code, and
-    ``torch._dynamo``, which constructing any torch optimizer imports (about a third of the wait)."""
-    import torch._dynamo  # noqa: F401
-
-    from . import run_state  # noqa: F401
-
-
-def main() -> int:
-    die_with_parent(signal.SIGKILL, int(sys.argv[1]))  # as an in-process run dies with the flow's process
-    ignore(signal.SIGINT)  # Ctrl-C reaches the flow too: it stops this process
-    job: list[bytes] = []
-    reading = threading.Thread(target=lambda: job.append(sys.stdin.buffer.read()), daemon=True)
-    reading.start()  # so that a large job never blocks the flow's write
-    _warm_up()
-    reading.join()
-    if not job[0]:
-        return 0  # discarded before it got a job
-    conn = Connection(int(os.environ[FD_ENV]))
-    child = _Child(conn)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        child.answer(0, lambda: child.build(json.loads(job[0])))
-        if child.run is not None:
-            child.serve()
-    except _Interrupted:
-        pass
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the saves in flight commit now
-        child.finish()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

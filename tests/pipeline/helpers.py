@@ -228,6 +228,27 @@ def run_counts(flow_run_id: UUID, task_name: str, expected_runs: int) -> list[in
     return sorted(t.run_count for t in runs)
 
 
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (from /proc; none once it has exited)."""
+    found: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(p) for p in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes started by ``pid``, its children's, and so on (the trainers: launcher, ranks)."""
+    found: list[int] = []
+    todo = children(pid)
+    while todo:
+        found.append(todo.pop())
+        todo += children(found[-1])
+    return found
+
+
 def gone(pid: int) -> bool:
     """True once ``pid`` has exited (a zombie counts: it runs no more)."""
     try:

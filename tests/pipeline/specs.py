@@ -92,7 +92,8 @@ class FaultyDigitsSpec(FlakyDigitsSpec):
     """FlakyDigitsSpec for a run whose model lives in a training process, out of the test's reach.
 
     ``CKPTFLOW_TEST_FAULTS`` plans the faults: ``"2:2"`` fails epoch 2 twice (after training
-    it); ``"3:kill"`` SIGKILLs the process that trains, at the start of epoch 3. Attempts are
+    it); ``"3:kill"`` SIGKILLs the process that trains, at the start of epoch 3 (every attempt),
+    ``"3:killonce"`` only the first time (it leaves ``<markers>/killed-3``). Attempts are
     appended to ``<markers>/attempts`` as ``<epoch> <pid>`` lines.
     """
 
@@ -106,11 +107,14 @@ class FaultyDigitsSpec(FlakyDigitsSpec):
             cls._planned = True
             for item in filter(None, os.environ.get(FAULTS_ENV, "").split(",")):
                 at, what = item.split(":")
-                cls.failures[int(at)] = -1 if what == "kill" else int(what)
+                cls.failures[int(at)] = {"kill": -1, "killonce": -2}.get(what) or int(what)
         directory = os.environ.get(MARKERS_ENV)
         if directory:
             with open(Path(directory) / "attempts", "a") as log:
                 log.write(f"{epoch} {os.getpid()}\n")
         if cls.failures.get(epoch) == -1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if cls.failures.get(epoch) == -2 and directory and not (Path(directory) / f"killed-{epoch}").exists():
+            (Path(directory) / f"killed-{epoch}").touch()
             os.kill(os.getpid(), signal.SIGKILL)
         return super().train_epoch(trainable, epoch)

@@ -31,6 +31,8 @@ from tests.pipeline.helpers import (
     assert_only_committed,
     assert_same_checkpoint,
     assert_same_metrics,
+    children,
+    descendants,
     gone,
     make_config,
     run_counts,
@@ -56,14 +58,6 @@ CKPTFLOW = str(Path(sys.executable).parent / "ckptflow")
 
 EPOCHS = 6
 KILLED_IN = 4
-
-
-def children(pid: int) -> list[int]:
-    """The child processes of ``pid`` (from /proc)."""
-    found: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(p) for p in (task / "children").read_text().split()]
-    return found
 
 
 def default_sigint() -> None:
@@ -94,11 +88,12 @@ def test_killed_flow_takes_its_training_process_along_and_the_resume_is_exact(
 
     child, markers = start_slowed(prefect_server, b, tmp_path, KILLED_IN, 120)
     try:
-        trainers = children(child.proc.pid)
-        assert len(trainers) == 1, f"the flow's process has children {trainers}"
+        assert len(children(child.proc.pid)) == 1, "the flow's process has one child: the launcher"
+        trainers = descendants(child.proc.pid)
+        assert len(trainers) == 2, f"the launcher and its rank: {trainers}"
         os.kill(child.proc.pid, signal.SIGKILL)  # the flow's process only, not its session
         child.proc.wait(30)
-        wait_until(lambda: gone(trainers[0]), 10, "end of the training process")
+        wait_until(lambda: all(gone(pid) for pid in trainers), 10, "end of the trainers")
     finally:
         child.kill()
     assert not marker(markers, KILLED_IN + 1).exists()
@@ -157,16 +152,37 @@ def test_a_bad_spec_fails_init_once_with_its_name(prefect_server, tmp_path):
     assert run_counts(run_id, "init_model", 1) == [1]  # a user's mistake is not retried
 
 
+def test_a_dead_training_process_is_replaced_by_the_retry_and_the_run_completes(
+    prefect_server, tmp_path, monkeypatch
+):
+    """SIGKILL at the start of epoch 3: the task fails, its retry starts new trainers from commit 2."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    monkeypatch.setenv(FAULTS_ENV, "3:killonce")
+    monkeypatch.setenv(MARKERS_ENV, str(markers))
+    config = make_config(tmp_path / "s", spec=FAULTY_SPEC, epochs=4, async_save=False, train_process=True)
+    summary, run_id = run_summary(config)
+
+    assert summary["last_epoch"] == 4
+    assert run_counts(run_id, "train_epoch", 4) == [1, 1, 1, 2]  # epoch 3: one failed attempt, one retry
+    assert run_counts(run_id, "init_model", 1) == [1]
+    assert assert_only_committed(config.storage) == [1, 2, 3, 4]
+    pids = [line.split() for line in (markers / "attempts").read_text().splitlines()]
+    assert [int(e) for e, _ in pids] == [1, 2, 3, 3, 4]
+    assert pids[2][1] != pids[3][1], "the retry trained in a new process"
+
+
 def test_a_dead_training_process_fails_the_run_and_keeps_what_it_committed(
     prefect_server, tmp_path, monkeypatch
 ):
     monkeypatch.setenv(FAULTS_ENV, "3:kill")
     config = make_config(tmp_path / "s", spec=FAULTY_SPEC, epochs=4, async_save=False, train_process=True)
-    state, _ = run_flow(config)
+    state, run_id = run_flow(config)
 
     assert state.is_failed()
-    with pytest.raises(RuntimeError, match=r"training process .* was killed by signal 9"):
+    with pytest.raises(RuntimeError, match=r"training ranks ended: rank 0 was killed by SIGKILL"):
         state.result()
+    assert run_counts(run_id, "train_epoch", 3) == [1, 1, 2]  # the retry's new trainers died too
     assert assert_only_committed(config.storage) == [1, 2]
 
     monkeypatch.delenv(FAULTS_ENV)
@@ -202,8 +218,8 @@ def test_ctrl_c_of_the_cli_commits_the_save_in_flight_and_ends_the_training_proc
     try:
         wait_until(lambda: marker(markers, 3).exists() or proc.poll() is not None, 120, "epoch 3")
         assert proc.poll() is None, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
-        trainers = children(proc.pid)
-        assert len(trainers) == 1, trainers
+        trainers = descendants(proc.pid)
+        assert len(trainers) == 2, trainers  # the launcher and its rank
         os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait(60)
     finally:
@@ -212,13 +228,13 @@ def test_ctrl_c_of_the_cli_commits_the_save_in_flight_and_ends_the_training_proc
             proc.wait(30)
     output = (tmp_path / "run.log").read_text(errors="replace")
     assert code != 0, output[-3000:]
-    assert gone(trainers[0]), "the training process outlived the CLI"
+    assert all(gone(pid) for pid in trainers), "the trainers outlived the CLI"
     assert assert_only_committed(store) == [1, 2], output[-3000:]
 
     env[SLOW_FROM_ENV] = "99"
     resumed = subprocess.run([*args, "-v"], env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "(started before Prefect)" in resumed.stderr, "the CLI's training process was not adopted"
+    assert "started before Prefect" in resumed.stderr, "the CLI's trainers were not adopted"
     assert "resuming from" in resumed.stderr, "the training process's notes did not reach the run's log"
     assert f"resuming in {store} at epoch 3" in " ".join(resumed.stderr.split())
     assert assert_only_committed(store) == [1, 2, 3, 4]
@@ -294,14 +310,14 @@ def test_a_refused_command_line_leaves_no_training_process(tmp_path, args):
 
 
 def test_a_process_started_early_that_gets_no_job_ends_without_a_word(tmp_path):
-    """``--nproc N`` runs ranks instead: the process started on the guess is discarded."""
+    """A config that trains in the flow's process: the launcher started on the guess is discarded."""
     code = (
         "import sys\n"
         "from ckptflow.tasks import trainer\n"
         "from ckptflow.tasks.config import PipelineConfig\n"
         "trainer.spawn_early()\n"
         "spare = trainer._spare\n"
-        f"trainer.prestart(PipelineConfig(storage={str(tmp_path / 's')!r}, nproc=2, train_process=True))\n"
+        f"trainer.prestart(PipelineConfig(storage={str(tmp_path / 's')!r}, train_process=False))\n"
         "assert trainer._spare is None and trainer._prestarted is None\n"
         "print('EXIT', spare.process.poll())\n"
     )

@@ -1,0 +1,124 @@
+"""The trainers' launcher: ``python -m ckptflow.tasks.launcher PARENT``, the flow's one child.
+
+The flow starts it early (before Prefect is imported, see :mod:`.trainer`): it
+imports torch and the training code while it waits for its job on stdin, then
+starts the run's ranks on this machine with torch's elastic launcher
+(``elastic_launch``, the engine under ``torchrun``): c10d rendezvous (on a
+port the store binds itself, or the endpoint the job names when other
+machines join), one agent per machine, failure records. The ranks are forked
+from this warmed-up process, so none imports torch again, and the flow's first
+epoch starts as soon as they have met (:mod:`.rank_worker`).
+
+It ends with the flow's process (PR_SET_PDEATHSIG) and so do its ranks. SIGTERM
+(the flow was interrupted) is passed by the agent to every rank, which commits
+the save in flight and exits; they get ``GRACE_SECONDS`` before SIGKILL. A rank
+that fails ends the world: the agent stops the others, and this process writes
+the failure record (which rank, its exit code or signal, its error) to the
+file the job names, for the flow's error message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import uuid
+from typing import Any
+
+from .lifetime import die_with_parent, ignore
+
+GRACE_SECONDS = 120  # how long interrupted ranks get to commit the save in flight
+
+
+def _warm_up() -> None:
+    """What every rank needs, imported once here while the job is on its way: torch, the launcher,
+    the storage code, and ``torch._dynamo``, which constructing any torch optimizer imports."""
+    import torch._dynamo
+    import torch.distributed.launcher.api  # noqa: F401
+
+    from . import rank_worker, run_state  # noqa: F401
+
+
+def launch(job: dict[str, Any], fd: int) -> None:
+    """Start this machine's ranks of the job's world and wait until they have all ended."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    world = job["world"]
+    nnodes = int(world.get("nnodes", 1))
+    endpoint = world.get("rdzv_endpoint") or "127.0.0.1:0"
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=int(world.get("nproc", 1)),
+        run_id=world.get("rdzv_id") or uuid.uuid4().hex,
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"timeout": int(world.get("rdzv_timeout", 900))},
+        max_restarts=0,  # a failed rank fails the flow's task; its retry starts a new world
+        monitor_interval=0.1,
+        start_method="fork",  # from this process, torch already imported
+        local_addr="127.0.0.1" if nnodes == 1 else None,
+        logs_specs=DefaultLogsSpecs(),
+        shutdown_timeout=GRACE_SECONDS,
+    )
+    elastic_launch(config, _rank)(job, fd, os.getpid())
+
+
+def _rank(job: dict[str, Any], fd: int, launcher: int) -> None:
+    """A forked rank; it returns (or raises: the agent records the error) and multiprocessing
+    ends the process with ``os._exit``, so C++ static destructors never run in a rank."""
+    from .rank_worker import serve_rank
+
+    serve_rank(job, fd, launcher)
+
+
+def failure_text(error: BaseException) -> str:
+    """What went wrong, one line per failed rank: its rank, how it ended, its error's last line."""
+    failures = getattr(error, "failures", None)
+    if not failures:
+        return f"{type(error).__name__}: {error}"
+    lines = []
+    for rank, failure in sorted(failures.items()):
+        code = failure.exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if failure.signal_name() not in ("", "<N/A>"):
+            how = f"was killed by {failure.signal_name()}"
+        message = failure.message
+        if isinstance(message, dict):
+            message = str(message.get("message", ""))
+        detail = " ".join(message.split())[-400:] if message and "To enable traceback" not in message else ""
+        lines.append(f"rank {rank} {how}" + (f": {detail}" if detail else ""))
+    return "; ".join(lines)
+
+
+def main() -> int:
+    die_with_parent(signal.SIGKILL, int(sys.argv[1]))  # as an in-process run dies with the flow's process
+    ignore(signal.SIGINT)  # Ctrl-C reaches the flow too: it stops the ranks
+    fd = int(os.environ["CKPTFLOW_TRAINER_FD"])
+    received: list[bytes] = []
+    reading = threading.Thread(target=lambda: received.append(sys.stdin.buffer.read()), daemon=True)
+    reading.start()  # so that a large job never blocks the flow's write
+    _warm_up()
+    reading.join()
+    if not received[0]:
+        return 0  # discarded before it got a job
+    job = json.loads(received[0])
+    try:
+        launch(job, fd)
+    except BaseException as exc:
+        failure = job["world"].get("failure_file")
+        if failure:
+            with open(failure, "w", encoding="utf-8") as out:
+                out.write(failure_text(exc))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
