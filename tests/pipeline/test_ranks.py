@@ -1,13 +1,15 @@
 """The pipeline on two torch.distributed ranks (gloo on 127.0.0.1), against a real Prefect server.
 
-Run A trains 6 epochs straight with ``nproc=2``. Run B (same config, its own
-store) runs in a child process; while both ranks train epoch 4, only the flow
-process is SIGKILLed: its ranks must notice and exit on their own. B is run
-again and must end bit for bit where A ended: the replicated state and each
-rank's own state (RNGs of torch, NumPy and Python, the spec's state) of every
-version. Run C loses rank 1 to SIGKILL mid-epoch: the ``train_ranks`` task
-fails, its retry resumes every rank from the last commit, and C too ends
-where A ended. Then the number of ranks changes under a store (2 -> 1 -> 3).
+Run A trains 6 epochs straight with ``nproc=2``: one ``train_epoch`` task run
+per epoch, as with one process. Run B (same config, its own store) runs in a
+child process; while both ranks train epoch 4, only the flow process is
+SIGKILLed: its launcher and ranks must go with it. B is run again and must end
+bit for bit where A ended: the replicated state and each rank's own state (RNGs
+of torch, NumPy and Python, the spec's state) of every version. Run C loses
+rank 1 to SIGKILL mid-epoch: the ``train_epoch`` task fails, its retry starts
+new ranks from the last commit, and C too ends where A ended. Then the number
+of ranks changes under a store (2 -> 1 -> 3), and a second "machine" (a
+torchrun agent of its own) joins a run through c10d rendezvous on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from ckptflow.storage import CheckpointStore
 from tests.conftest import assert_same_state
 from tests.pipeline.helpers import (
     assert_only_committed,
+    children,
+    gone,
     make_config,
     run_counts,
     run_flow,
@@ -40,24 +44,19 @@ KILLED_IN = 4
 WORLD = 2
 
 
-def rank_processes(parent: int) -> dict[int, int]:
-    """rank -> pid of the rank workers whose parent is ``parent``."""
-    found: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            if b"ckptflow.tasks.rank_worker" not in cmdline:
-                continue
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue  # exited meanwhile
-        rank = next((int(v[5:]) for v in environ if v.startswith(b"RANK=")), None)
-        if ppid == parent and rank is not None:
-            found[rank] = int(entry.name)
-    return found
+def rank_processes(flow: int) -> dict[int, int]:
+    """rank -> pid of the ranks the flow process ``flow`` launched (its launcher forks them in order)."""
+    launchers = [pid for pid in children(flow) if b"ckptflow.tasks.launcher" in cmdline(pid)]
+    assert len(launchers) <= 1, launchers
+    ranks = sorted(children(launchers[0])) if launchers else []
+    return dict(enumerate(ranks))
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def assert_same_ranked_checkpoint(got: CheckpointStore, want: CheckpointStore, version: int) -> None:
@@ -82,8 +81,9 @@ def assert_same_ranked_checkpoint(got: CheckpointStore, want: CheckpointStore, v
 def straight(prefect_server, tmp_path_factory) -> CheckpointStore:
     """Run A: six epochs on two ranks, never interrupted."""
     config = make_config(tmp_path_factory.mktemp("ranks") / "A", epochs=EPOCHS, nproc=WORLD)
-    summary, _ = run_summary(config)
+    summary, run_id = run_summary(config)
     assert summary["last_epoch"] == EPOCHS and summary["resumed_from"] is None
+    assert run_counts(run_id, "train_epoch", EPOCHS) == [1] * EPOCHS, "one train_epoch task run per epoch"
     store = CheckpointStore(config.storage)
     assert [v.version for v in store.versions()] == list(range(1, EPOCHS + 1))
     shards = store.manifest(EPOCHS).shards
@@ -98,9 +98,11 @@ def test_flow_killed_mid_epoch_and_resumed_equals_straight_run(prefect_server, s
     try:
         ranks = rank_processes(child.proc.pid)
         assert sorted(ranks) == [0, 1], f"rank processes of the flow: {ranks}"
+        launcher = children(child.proc.pid)
         os.kill(child.proc.pid, signal.SIGKILL)  # the flow process only: its ranks must not live on
         child.proc.wait(30)
-        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in ranks.values()), 10, "rank exit")
+        trainers = [*ranks.values(), *launcher]
+        wait_until(lambda: all(gone(pid) for pid in trainers), 10, "the end of the launcher and ranks")
     finally:
         child.kill()
     committed = assert_only_committed(config.storage, garbage_allowed=True)
@@ -149,7 +151,8 @@ def test_a_killed_rank_fails_the_task_and_its_retry_resumes_from_the_last_commit
     assert state.is_completed(), f"flow run ended {state.type.value}: {state.message}"
     summary = state.result()
     assert summary["last_epoch"] == EPOCHS
-    assert run_counts(run_id, "train_ranks", 1) == [2], "one failed attempt, one retry"
+    counts = run_counts(run_id, "train_epoch", EPOCHS)
+    assert counts == [1] * (EPOCHS - 1) + [2], "epoch 4: one failed attempt, one retry; the rest once"
     got = CheckpointStore(config.storage)
     assert [v.version for v in got.versions()] == list(range(1, EPOCHS + 1))
     for version in range(1, EPOCHS + 1):
@@ -180,34 +183,39 @@ def test_bad_nproc_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-def test_the_rank_worker_runs_under_torchrun(tmp_path):
-    """The entry point the pipeline launches is a plain torch.distributed program (multi-machine path)."""
-    import json
+def test_a_second_machine_joins_the_run_through_c10d_rendezvous(prefect_server, tmp_path):
+    """Two "machines" on this one: the flow's launcher agent (1 rank) and a torchrun agent (1 rank)
+    meet at a c10d rendezvous on 127.0.0.1; the flow's rank leads, both write, rank 0 commits."""
     import subprocess
     import sys
 
     from tests.pipeline.helpers import REPO
 
-    config = make_config(tmp_path / "T", epochs=2, nproc=2)
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"config": config.model_dump(mode="json"), "storage_options": {}}))
-    port = free_port()
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    launcher += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-    done = subprocess.run(
-        [*launcher, "-m", "ckptflow.tasks.rank_worker", str(job)],
-        cwd=REPO,
-        capture_output=True,
-        timeout=240,
+    endpoint = f"127.0.0.1:{free_port()}"
+    config = make_config(
+        tmp_path / "T", epochs=2, nproc=1, nnodes=2, rdzv_endpoint=endpoint, rdzv_id="two-nodes"
     )
-    output = (done.stdout + done.stderr).decode(errors="replace")
-    assert done.returncode == 0, output[-4000:]
-    assert "reached epoch 2" in output
+    other = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+    other += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes"]
+    with open(tmp_path / "other.log", "wb") as log:
+        machine = subprocess.Popen(
+            [*other, "-m", "ckptflow.tasks.rank_worker"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        summary, run_id = run_summary(config)
+        assert machine.wait(120) == 0, (tmp_path / "other.log").read_text(errors="replace")[-4000:]
+    finally:
+        if machine.poll() is None:
+            machine.kill()
+            machine.wait()
+    assert summary["last_epoch"] == 2
+    assert run_counts(run_id, "train_epoch", 2) == [1, 1]
     store = CheckpointStore(config.storage)
     assert [v.version for v in store.versions()] == [1, 2]
-    manifest = store.manifest(2)
-    assert manifest.world_size == 2 and {s.rank for s in manifest.shards} == {0, 1}
-    store.verify(2)
+    for version in (1, 2):
+        manifest = store.manifest(version)
+        assert manifest.world_size == 2 and {s.rank for s in manifest.shards} == {0, 1}
+        store.verify(version)
 
 
 def test_ckptflow_run_nproc_trains_on_ranks_and_archives_their_commits(prefect_server, tmp_path, monkeypatch):
