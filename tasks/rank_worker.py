@@ -355,6 +355,7 @@ def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None)
     if fd is not None and conn is None:
         os.close(fd)  # another local rank leads: this one never speaks to the flow
     rank = Rank(world, conn)
+    interrupted = False
     try:
         if world.leads:
             assert job is not None
@@ -367,12 +368,14 @@ def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None)
         if rank.run is not None:
             rank.serve()
     except _Interrupted:
-        pass
+        interrupted = True
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the saves in flight commit now
         rank.finish()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if interrupted:  # saves committed; leave now, as a stopped rank (the agent waits for no result)
+        exit_now(128 + signal.SIGTERM)
 
 
 def main() -> int:

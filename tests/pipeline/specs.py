@@ -94,7 +94,7 @@ class FaultyDigitsSpec(FlakyDigitsSpec):
     ``CKPTFLOW_TEST_FAULTS`` plans the faults: ``"2:2"`` fails epoch 2 twice (after training
     it); ``"3:kill"`` SIGKILLs the process that trains, at the start of epoch 3 (every attempt),
     ``"3:killonce"`` only the first time (it leaves ``<markers>/killed-3``). Attempts are
-    appended to ``<markers>/attempts`` as ``<epoch> <pid>`` lines.
+    appended to ``<markers>/attempts`` as ``<epoch> <pid> <parent pid>`` lines.
     """
 
     failures: ClassVar[dict[int, int]] = {}
@@ -111,7 +111,7 @@ class FaultyDigitsSpec(FlakyDigitsSpec):
         directory = os.environ.get(MARKERS_ENV)
         if directory:
             with open(Path(directory) / "attempts", "a") as log:
-                log.write(f"{epoch} {os.getpid()}\n")
+                log.write(f"{epoch} {os.getpid()} {os.getppid()}\n")
         if cls.failures.get(epoch) == -1:
             os.kill(os.getpid(), signal.SIGKILL)
         if cls.failures.get(epoch) == -2 and directory and not (Path(directory) / f"killed-{epoch}").exists():

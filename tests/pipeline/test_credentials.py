@@ -143,8 +143,8 @@ class TestPipelineWithAwsCredentialsBlock:
         summary, run_id = run_summary(config)
 
         assert summary["last_epoch"] == 2
-        pids = {int(line.split()[1]) for line in (markers / "attempts").read_text().splitlines()}
-        assert pids == {early}, f"epochs ran in {pids}, not in the process started early ({early})"
+        parents = {int(line.split()[2]) for line in (markers / "attempts").read_text().splitlines()}
+        assert parents == {early}, f"epochs ran in ranks of {parents}, not of the early launcher {early}"
         assert trainer._spare is None
         store = CheckpointStore(f"s3://{bucket}/early", storage_options=options)
         assert [v.version for v in store.versions()] == [1, 2]

@@ -25,7 +25,6 @@ from ckptflow.tasks.run_state import build_run, open_store
 from ckptflow.tasks.spec import Trainable
 from tests.pipeline.helpers import REPO
 from tests.pipeline.specs import SPEC_CONFIG
-from tests.ports import free_port
 
 FACTS_SPEC = "tests.pipeline.test_run_facts:FactsSpec"
 FACTS_DIR_ENV = "CKPTFLOW_TEST_FACTS_DIR"
@@ -100,39 +99,15 @@ def test_in_the_flows_process(tmp_path):
     assert {k: metrics[k] for k in facts(7)} == facts(7, save_every=3)
 
 
-def test_on_every_rank(tmp_path):
-    """Two ranks of ``python -m ckptflow.tasks.rank_worker`` (as torchrun would start them)."""
+def test_on_every_rank(prefect_server, tmp_path, monkeypatch):
+    """Two ranks launched by the flow (``nproc=2``): each spec is told its own rank."""
+    from tests.pipeline.helpers import run_summary
+
     storage = tmp_path / "store"
     config = PipelineConfig(storage=str(storage), spec=FACTS_SPEC, spec_config=SPEC_CONFIG, epochs=2, nproc=2)
-    job = tmp_path / "job.json"
-    job.write_text(json.dumps({"config": config.model_dump(mode="json"), "storage_options": {}}))
-    port = str(free_port())
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "PYTHONPATH": str(REPO),
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "OMP_NUM_THREADS": "1",
-            FACTS_DIR_ENV: str(tmp_path),
-        }
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "ckptflow.tasks.rank_worker", str(job)],
-                env=env,
-                cwd=REPO,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-    outputs = [p.communicate(timeout=240)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outputs[0][-3000:] + outputs[1][-3000:]
+    monkeypatch.setenv(FACTS_DIR_ENV, str(tmp_path))
+    summary, _ = run_summary(config)
+    assert summary["last_epoch"] == 2
     assert facts_by_epoch(storage) == {1: facts(2, world=2), 2: facts(2, world=2)}  # rank 0's metrics
     for rank in (0, 1):
         told = json.loads((tmp_path / f"rank-{rank}.json").read_text())

@@ -122,8 +122,8 @@ def test_failed_epoch_is_retried_in_the_training_process_from_its_start_state(
     summary, run_id = run_summary(config)
 
     attempts = [line.split() for line in (markers / "attempts").read_text().splitlines()]
-    assert [int(epoch) for epoch, _ in attempts] == [1, 2, 2, 2, 3]
-    pids = {int(pid) for _, pid in attempts}
+    assert [int(epoch) for epoch, _, _ in attempts] == [1, 2, 2, 2, 3]
+    pids = {int(pid) for _, pid, _ in attempts}
     assert len(pids) == 1 and os.getpid() not in pids, "every attempt in one training process"
     assert summary["last_epoch"] == 3
     assert sorted(run_counts(run_id, "train_epoch", 3)) == [1, 1, 3]
@@ -168,7 +168,7 @@ def test_a_dead_training_process_is_replaced_by_the_retry_and_the_run_completes(
     assert run_counts(run_id, "init_model", 1) == [1]
     assert assert_only_committed(config.storage) == [1, 2, 3, 4]
     pids = [line.split() for line in (markers / "attempts").read_text().splitlines()]
-    assert [int(e) for e, _ in pids] == [1, 2, 3, 3, 4]
+    assert [int(e) for e, _, _ in pids] == [1, 2, 3, 3, 4]
     assert pids[2][1] != pids[3][1], "the retry trained in a new process"
 
 
