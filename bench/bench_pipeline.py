@@ -8,6 +8,10 @@ a fresh process, R times each (interleaved; medians shown):
 - ephemeral:  `ckptflow run` with Prefect's temporary local API server
 - server:     `ckptflow run` against a running `prefect server start` (PREFECT_API_URL set)
 - in-process: the same with `--in-process` (the model in the CLI's process, not a child)
+- 2 ranks:    the plain loop as a 2-rank torch.distributed program under `torchrun
+              --standalone`, against `ckptflow run --nproc 2` (server): the same
+              flow loop and tasks driving two ranks (W=1 rows are the plain and
+              server rows above)
 
 and prints one table: time from process start to the first epoch starting,
 the time the epochs took, and the overhead per epoch against the plain loop.
@@ -53,6 +57,30 @@ for epoch in range(1, int(sys.argv[2]) + 1):
 handle.wait()
 TimedDigits.mark("end")
 assert "prefect" not in sys.modules, "the plain loop imported Prefect"
+"""
+
+PLAIN_RANKS = r"""
+import sys
+import torch.distributed as dist
+from ckptflow.storage import CheckpointStore
+from ckptflow.tasks.training_state import capture, seed_everything, split_ranked
+from bench.timing_spec import TimedDigits
+dist.init_process_group("gloo")
+store = CheckpointStore(sys.argv[1], distributed=True)
+spec = TimedDigits({}, seed=0)
+seed_everything(0)
+t = spec.build()
+handle = None
+for epoch in range(1, int(sys.argv[2]) + 1):
+    m = spec.train_epoch(t, epoch); m.update(spec.evaluate(t, epoch)); m.pop("steps")
+    if handle is not None:
+        handle.wait()
+    shared, own = split_ranked(capture(t, spec, epoch=epoch, step=0))
+    handle = store.save_async(shared, rank_state=own, epoch=epoch, metrics=m, version=epoch)
+handle.wait()
+store.close()
+dist.barrier()
+dist.destroy_process_group()
 """
 
 FLOOR = r"""
@@ -107,6 +135,9 @@ def main() -> None:
         base = prefect_env(home)
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in KINDS}
         run_cmd = [ckptflow, "run", "--spec", spec, "--epochs", str(args.epochs)]
+        plain_ranks = tmp / "plain_ranks.py"
+        plain_ranks.write_text(PLAIN_RANKS)
+        torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         # warm the ephemeral database once (first start creates and migrates it), as a user's second run would
         run_child([py, "-c", FLOOR], base, times)
         server = start_prefect_server(tmp / "server-home")
@@ -127,6 +158,12 @@ def main() -> None:
                 )
                 runs["ckptflow run --in-process, server"].append(
                     run_child([*run_cmd, "--in-process", "--storage", str(store / "inp")], env, times)
+                )
+                runs["plain loop, 2 ranks (torchrun)"].append(
+                    run_child([*torchrun, str(plain_ranks), str(store / "p2"), str(args.epochs)], base, times)
+                )
+                runs["ckptflow run --nproc 2, server"].append(
+                    run_child([*run_cmd, "--nproc", "2", "--storage", str(store / "srv2")], env, times)
                 )
             commands = time_commands(py, ckptflow, tmp / "run0" / "srv", args.repeats)
         finally:
@@ -167,16 +204,20 @@ KINDS = (
     "prefect floor, server",
     "ckptflow run, server",
     "ckptflow run --in-process, server",
+    "plain loop, 2 ranks (torchrun)",
+    "ckptflow run --nproc 2, server",
 )
 
 
 def print_table(results: dict[str, dict[str, float]], epochs: int, repeats: int) -> None:
-    plain = results["plain loop"]["epochs"]
+    plain1 = results["plain loop"]["epochs"]
+    plain2 = results["plain loop, 2 ranks (torchrun)"]["epochs"]
     print(
         f"\n{epochs} epochs of the digits demo, a save every epoch; median of {repeats} runs, {machine()}\n"
     )
     rows = []
     for name, r in results.items():
+        plain = plain2 if "2" in name else plain1  # against the plain loop of the same world size
         per_epoch = "" if "floor" in name else f"{1000 * (r['epochs'] - plain) / epochs:.1f}"
         epochs_s = "" if "floor" in name else f"{r['epochs']:.2f}"
         rows.append([name, f"{r['to_first_epoch']:.2f}", epochs_s, per_epoch])
@@ -191,6 +232,17 @@ def print_table(results: dict[str, dict[str, float]], epochs: int, repeats: int)
     inp = results["ckptflow run --in-process, server"]["to_first_epoch"]
     print(f"start-up against a running server: {srv:.2f} s (target <= 4 s); in-process {inp:.2f} s")
     print(f"the training process's start-up against in-process: {srv / inp:.2f}x the time")
+    for world, plain_name, run_name in (
+        (1, "plain loop", "ckptflow run, server"),
+        (2, "plain loop, 2 ranks (torchrun)", "ckptflow run --nproc 2, server"),
+    ):
+        p, c = results[plain_name], results[run_name]
+        later = c["to_first_epoch"] - p["to_first_epoch"]
+        overhead = 1000 * (c["epochs"] - p["epochs"]) / epochs
+        print(
+            f"W={world}: first epoch {later:+.2f} s after the plain loop's (target <= 0.5 s); "
+            f"orchestration {overhead:.1f} ms per epoch (target <= 30 ms)"
+        )
     print(json.dumps(results, indent=1))
 
 

@@ -63,6 +63,7 @@ def launch(job: dict[str, Any], fd: int) -> None:
         local_addr="127.0.0.1" if nnodes == 1 else None,
         logs_specs=DefaultLogsSpecs(),
         shutdown_timeout=GRACE_SECONDS,
+        signals_to_handle="SIGTERM",  # Ctrl-C reaches the flow, which decides (SIGINT stays ignored)
     )
     elastic_launch(config, _rank)(job, fd, os.getpid())
 

@@ -38,6 +38,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Iterator
@@ -48,7 +49,6 @@ from typing import Any
 log = logging.getLogger("ckptflow.rank")
 
 STORE_PREFIX = "ckptflow"
-WAIT_SLICE = timedelta(seconds=5)  # a follower re-checks its leader's store this often when idle
 
 
 def rank_seed(seed: int, epoch: int, rank: int) -> int:
@@ -114,17 +114,27 @@ class World:
             self.store.set(f"request/{self.sent}", json.dumps(request))
 
     def next_request(self) -> dict[str, Any]:
-        """A follower: the leader's next request, however long the flow takes to send it."""
+        """A follower: the leader's next request, however long the flow takes to send it.
+
+        Polled (a store check is one round trip), not waited for: a blocking wait would hold off
+        SIGTERM until it returned, and logs a warning each time it times out.
+        """
         self.sent += 1
         key = f"request/{self.sent}"
-        while True:
-            try:
-                self.store.wait([key], WAIT_SLICE)
-            except RuntimeError as exc:  # a timeout: wait again; a lost store: the leader is gone
-                if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
-                    raise
-                continue
-            return dict(json.loads(self.store.get(key)))
+        pause = 0.0005
+        while not self.store.check([key]):
+            time.sleep(pause)
+            pause = min(pause * 1.5, 0.02)
+        return dict(json.loads(self.take(key)))
+
+    def take(self, key: str) -> bytes:
+        """A follower: the value of ``key``; the last follower to read it deletes it (the job's
+        credentials, and requests that would pile up over a long run)."""
+        value = bytes(self.store.get(key))
+        if self.store.add(f"read/{key}", 1) == self.size - 1:
+            self.store.delete_key(key)
+            self.store.delete_key(f"read/{key}")
+        return value
 
 
 class Rank:
@@ -362,7 +372,7 @@ def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None)
             if world.size > 1:
                 world.store.set("job", json.dumps(job))
         else:
-            job = json.loads(world.store.get("job"))
+            job = json.loads(world.take("job"))
         assert job is not None
         rank.answer(0, lambda: rank.build(job))
         if rank.run is not None:
@@ -370,11 +380,13 @@ def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None)
     except _Interrupted:
         interrupted = True
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the saves in flight commit now
+        stops: list[int] = []
+        signal.signal(signal.SIGTERM, lambda *_: stops.append(1))  # the saves in flight commit first
         rank.finish()
         if dist.is_initialized():
             dist.destroy_process_group()
-    if interrupted:  # saves committed; leave now, as a stopped rank (the agent waits for no result)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing in flight: a stop now ends the process
+    if interrupted or stops:  # leave now, as a stopped rank (the agent waits for no result then)
         exit_now(128 + signal.SIGTERM)
 
 
