@@ -148,9 +148,10 @@ class PipelineConfig(_Strict):
         description="fail a save or commit task that waits longer (retried; the write goes on)",
     )
     train_process: bool = Field(
-        False,
-        description="train in a child process of the flow's (ckptflow run's default): it starts beside "
-        "Prefect instead of after it; off, the model lives in the flow's process (for a debugger)",
+        True,
+        description="train in training processes, ranks launched by torch's elastic launcher: they "
+        "start beside Prefect instead of after it; off, the model lives in the flow's process (for a "
+        "debugger; nproc and nnodes must then be 1)",
     )
     torch_threads: int | None = Field(
         None,
@@ -215,6 +216,11 @@ class PipelineConfig(_Strict):
             raise ValueError("storage must name a location, e.g. ./checkpoints or s3://bucket/run1")
         if ":" not in self.spec:
             raise ValueError(f"spec {self.spec!r} must look like 'package.module:ClassName'")
+        if not self.train_process and (self.nproc > 1 or self.nnodes > 1):
+            raise ValueError(
+                "train_process=false trains in the flow's process: nproc and nnodes must be 1 (leave "
+                "train_process on to train on ranks)"
+            )
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise ValueError(
                 f"nnodes={self.nnodes} needs rdzv_endpoint (host:port that every machine reaches, "
@@ -225,7 +231,7 @@ class PipelineConfig(_Strict):
     @property
     def uses_trainers(self) -> bool:
         """Whether the run trains in training processes (ranks) rather than in the flow's process."""
-        return self.train_process or self.nproc > 1 or self.nnodes > 1
+        return self.train_process
 
     def identity(self) -> dict[str, Any]:
         """The fields that define the run: a resumed run must match them."""

@@ -33,10 +33,13 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def make_config(storage: str | Path, **fields: Any) -> PipelineConfig:
-    """A small, fast run of the marked digits spec (shards=2 keeps the files few)."""
+    """A small, fast run of the marked digits spec (shards=2 keeps the files few; one process trains
+    in the flow's process unless the test asks for trainers)."""
     fields.setdefault("spec", MARKED_SPEC)
     fields.setdefault("spec_config", dict(SPEC_CONFIG))
     fields.setdefault("shards", 2)
+    if fields.get("nproc", 1) == 1 and fields.get("nnodes", 1) == 1:
+        fields.setdefault("train_process", False)  # in the flow's process: faster; tests of trainers ask
     return PipelineConfig(storage=str(storage), **fields)
 
 
