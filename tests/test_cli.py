@@ -565,15 +565,15 @@ class TestS3:
         (["run"], True),
         (["run", "--epochs", "3", "--nproc", "1"], True),
         (["run", "--nproc=1"], True),
-        (["run", "--nproc", "2"], False),
-        (["run", "--nproc=4"], False),
+        (["run", "--nproc", "2"], True),  # ranks are trainers too: the launcher starts first
+        (["run", "--nproc=4"], True),
         (["run", "--in-process"], False),
         (["run", "--help"], False),
         (["ls", "run"], False),
         ([], False),
     ],
 )
-def test_the_training_process_starts_first_only_for_runs_that_use_one(args, early):
+def test_the_launcher_starts_first_only_for_runs_that_use_trainers(args, early):
     assert trains_in_a_child(args) is early
 
 
@@ -609,6 +609,9 @@ class TestRunOptions:
         "max_seconds": ["--max-seconds", "60"],
         "epoch_retries": ["--epoch-retries", "0"],
         "nproc": ["--nproc", "2"],
+        "nnodes": ["--nnodes", "2"],
+        "rdzv_endpoint": ["--rdzv-endpoint", "10.0.0.1:29400"],
+        "rdzv_id": ["--rdzv-id", "run1"],
         "dist_backend": ["--dist-backend", "gloo"],
         "torch_threads": ["--torch-threads", "3"],
         "storage_options": ["--storage-options", '{"auto_mkdir": true}'],
@@ -629,7 +632,6 @@ class TestRunOptions:
         "shards": 2,
         "async_save": False,
         "epoch_retries": 0,
-        "train_process": False,
         "torch_threads": 3,
         "retention": {"keep_last": 4, "keep_every": 5, "keep_best": "loss", "best_mode": "max"},
         "stop": {"metric": "accuracy", "mode": "max", "target": 0.9, "patience": 2, "max_seconds": 60.0},
@@ -644,6 +646,9 @@ class TestRunOptions:
         },
         "allow_config_change": True,
         "nproc": 2,
+        "nnodes": 2,
+        "rdzv_endpoint": "10.0.0.1:29400",
+        "rdzv_id": "run1",
         "dist_backend": "gloo",
     }
 
@@ -669,9 +674,23 @@ class TestRunOptions:
         monkeypatch.setattr(preflight, "check_store", check_store)
         run = get_command(app).commands["run"]  # type: ignore[attr-defined]
         assert {p.name for p in run.params} == set(self.GIVEN)
-        got = config_of(*(word for args in self.GIVEN.values() for word in args))
+        # --in-process goes alone: it refuses --nproc/--nnodes, which train on ranks
+        together = [word for name, args in self.GIVEN.items() if name != "in_process" for word in args]
+        got = config_of(*together)
         assert got == PipelineConfig.model_validate(self.WANT)
         # the test can fail: every field an option sets differs from what it is without the option
         plain = config_of(*self.GIVEN["storage"], *self.GIVEN["verbose"]).model_dump()
         same = {name for name, value in got.model_dump().items() if value == plain[name]}
-        assert same == {"storage", *self.NO_OPTION}
+        assert same == {"storage", "train_process", *self.NO_OPTION}
+        assert plain["train_process"] is True
+        alone = config_of(*self.GIVEN["storage"], *self.GIVEN["in_process"])
+        assert alone.train_process is False
+
+
+def test_in_process_refuses_ranks(tmp_path):
+    """The debugger's mode trains in the CLI's process: it cannot also train on ranks."""
+    args = ["run", "--storage", str(tmp_path / "s"), "--in-process", "--nproc", "2"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert "--in-process trains in this process" in result.output
+    assert not (tmp_path / "s").exists()

@@ -41,7 +41,9 @@ def spec_params(markers: Path, **steer: Any) -> dict[str, Any]:
     markers.mkdir(parents=True, exist_ok=True)
     if steer:
         (markers / "steer.json").write_text(json.dumps(steer))
-    return {"spec": SPEC, "spec_config": {**BASE_CONFIG, "markers": str(markers)}}
+    # This spec watches the flow's own process (its SIGTERM handler, Prefect's flow run context):
+    # it trains there. Deployed runs of the other tests train in trainers, the default.
+    return {"spec": SPEC, "spec_config": {**BASE_CONFIG, "markers": str(markers)}, "train_process": False}
 
 
 def _slow_commit(directory: Path, version: int, seconds: float) -> None:

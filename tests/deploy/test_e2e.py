@@ -124,6 +124,8 @@ class TestTrainingRun:
         assert run.work_pool_name == POOL
         assert run.parameters["config"]["storage"] == str(trained.storage)
         assert f"Flow run '{trained.name}' submitted to infrastructure" in trained.worker_log
+        # deployed runs train in trainers by default, as `ckptflow run` does
+        assert "training in a training process (launcher pid" in trained.worker_log
 
     def test_storage_holds_the_committed_versions(self, trained):
         assert assert_only_committed(trained.storage) == EPOCHS
