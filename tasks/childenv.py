@@ -5,3 +5,4 @@ torch, the children's side without Prefect.
 """
 
 FLOW_RUN_ENV = "CKPTFLOW_FLOW_RUN_ID"  # the flow run, for the spec's own logging
+TRAINER_FD_ENV = "CKPTFLOW_TRAINER_FD"  # the launcher's end of the flow's channel (its leader rank's)

@@ -27,6 +27,7 @@ import threading
 import uuid
 from typing import Any
 
+from .childenv import TRAINER_FD_ENV
 from .lifetime import die_with_parent, ignore
 
 GRACE_SECONDS = 120  # how long interrupted ranks get to commit the save in flight
@@ -98,7 +99,7 @@ def failure_text(error: BaseException) -> str:
 def main() -> int:
     die_with_parent(signal.SIGKILL, int(sys.argv[1]))  # as an in-process run dies with the flow's process
     ignore(signal.SIGINT)  # Ctrl-C reaches the flow too: it stops the ranks
-    fd = int(os.environ["CKPTFLOW_TRAINER_FD"])
+    fd = int(os.environ[TRAINER_FD_ENV])
     received: list[bytes] = []
     reading = threading.Thread(target=lambda: received.append(sys.stdin.buffer.read()), daemon=True)
     reading.start()  # so that a large job never blocks the flow's write

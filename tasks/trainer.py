@@ -53,9 +53,9 @@ from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from typing import Any
 
+from .childenv import TRAINER_FD_ENV
 from .lifetime import blocked_in_children
 
-FD_ENV = "CKPTFLOW_TRAINER_FD"
 GRACE_SECONDS = 150.0  # how long interrupted trainers get to commit (the launcher gives its ranks 120)
 Log = Callable[[str, str], None]  # (level name, message)
 
@@ -81,7 +81,7 @@ class TrainerProcess:
         handle, self._failure_file = tempfile.mkstemp(prefix="ckptflow-trainers-", suffix=".failure")
         os.close(handle)
         parent, child = socket.socketpair()
-        env = {**os.environ, FD_ENV: str(child.fileno())}
+        env = {**os.environ, TRAINER_FD_ENV: str(child.fileno())}
         with blocked_in_children(signal.SIGINT):  # until the child ignores it (see main)
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "ckptflow.tasks.launcher", str(os.getpid())],
@@ -265,7 +265,7 @@ class TrainerProcess:
 class RemoteSave:
     """An async save in flight in the training process (what a SaveHandle is in-process)."""
 
-    def __init__(self, trainer: TrainerProcess, version: int, store: Any = None) -> None:
+    def __init__(self, trainer: TrainerProcess, version: int, store: Any) -> None:
         self.trainer = trainer
         self.version = version
         self.store = store  # where to look for it if the trainers die while it is written
@@ -277,10 +277,7 @@ class RemoteSave:
         try:
             return VersionInfo(**self.trainer.call("wait", version=self.version).result(timeout))
         except TrainerDiedError:
-            if self.store is None:
-                raise
-            found = self.store.find(self.version)  # it may have committed just before they died
-            return found
+            return self.store.find(self.version)  # it may have committed just before they died
 
     def resubmit(self) -> None:
         if not self.trainer.dead():
