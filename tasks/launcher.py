@@ -14,17 +14,22 @@ It ends with the flow's process (PR_SET_PDEATHSIG) and so do its ranks. SIGTERM
 the save in flight and exits; they get ``GRACE_SECONDS`` before SIGKILL. A rank
 that fails ends the world: the agent stops the others, and this process writes
 the failure record (which rank, its exit code or signal, its error) to the
-file the job names, for the flow's error message.
+flow, as the last message on the trainers' socket: nothing is left behind in
+the temporary directory (torch's per-rank error files live in one that is
+removed when the launch ends).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import uuid
+from multiprocessing.connection import Connection
 from typing import Any
 
 from .childenv import TRAINER_FD_ENV
@@ -42,8 +47,11 @@ def _warm_up() -> None:
     from . import rank_worker, run_state  # noqa: F401
 
 
-def launch(job: dict[str, Any], fd: int) -> None:
-    """Start this machine's ranks of the job's world and wait until they have all ended."""
+def launch(job: dict[str, Any], fd: int, log_dir: str) -> None:
+    """Start this machine's ranks of the job's world and wait until they have all ended.
+
+    ``log_dir`` holds torch's failure records of the ranks (their ``error.json``) while they run.
+    """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -62,7 +70,7 @@ def launch(job: dict[str, Any], fd: int) -> None:
         monitor_interval=0.1,
         start_method="fork",  # from this process, torch already imported
         local_addr="127.0.0.1" if nnodes == 1 else None,
-        logs_specs=DefaultLogsSpecs(),
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir),
         shutdown_timeout=GRACE_SECONDS,
         signals_to_handle="SIGTERM",  # Ctrl-C reaches the flow, which decides (SIGINT stays ignored)
     )
@@ -108,14 +116,15 @@ def main() -> int:
     if not received[0]:
         return 0  # discarded before it got a job
     job = json.loads(received[0])
+    log_dir = tempfile.mkdtemp(prefix="ckptflow-ranks-")
     try:
-        launch(job, fd)
+        launch(job, fd, log_dir)
     except BaseException as exc:
-        failure = job["world"].get("failure_file")
-        if failure:
-            with open(failure, "w", encoding="utf-8") as out:
-                out.write(failure_text(exc))
+        with Connection(fd) as conn:  # every rank has ended: this process alone writes on it now
+            conn.send_bytes(json.dumps({"failure": failure_text(exc)}).encode())
         return 1
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
     return 0
 
 

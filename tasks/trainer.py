@@ -17,7 +17,8 @@ are ready instead of after one and then the other.
 Protocol: JSON messages on a socket pair that only the launcher's process
 tree holds (nothing is unpickled), each request ``{"id", "op", "args"}``
 answered by ``{"id", "ok"}`` or ``{"id", "error"}``; notes for the run's log
-come as ``{"log", "message"}``; ``{"spec": "ok"}`` says that the spec imported,
+come as ``{"log", "message"}``, and the launcher's record of a failed rank as
+``{"failure"}``, the last message; ``{"spec": "ok"}`` says that the spec imported,
 the first thing a build does, so ``ckptflow run`` can refuse a bad spec before
 it creates a flow run (:func:`spec_check`). The job (config, resolved storage
 options with credentials, the world's size) goes on the launcher's stdin, so
@@ -39,14 +40,12 @@ the rank and how it ended; the task's retry starts new trainers
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -78,8 +77,7 @@ class TrainerProcess:
         """Start the launcher; it imports torch and the storage code while it waits for :meth:`start`."""
         self.config: Any = None
         self.storage_options: dict[str, Any] = {}
-        handle, self._failure_file = tempfile.mkstemp(prefix="ckptflow-trainers-", suffix=".failure")
-        os.close(handle)
+        self._failure = ""  # what the launcher recorded of a failed rank
         parent, child = socket.socketpair()
         env = {**os.environ, TRAINER_FD_ENV: str(child.fileno())}
         with blocked_in_children(signal.SIGINT):  # until the child ignores it (see main)
@@ -116,7 +114,6 @@ class TrainerProcess:
             "rdzv_id": config.rdzv_id,
             "backend": config.dist_backend,
             "timeout": config.rank_timeout_seconds,
-            "failure_file": self._failure_file,
         }
         job = {
             "config": config.model_dump(mode="json"),
@@ -192,7 +189,6 @@ class TrainerProcess:
                 self.process.wait()
         self._closed = True
         self._conn.close()
-        self._forget_failure()
 
     def dead(self) -> bool:
         """Whether the trainers have ended (a rank failed, or they were closed)."""
@@ -200,15 +196,9 @@ class TrainerProcess:
 
     def failure(self) -> str:
         """What the launcher recorded of the rank that failed ('' if none did)."""
-        try:
-            with open(self._failure_file, encoding="utf-8") as f:
-                return f.read(4000).strip()
-        except OSError:
-            return ""
-
-    def _forget_failure(self) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self._failure_file)
+        if self.process.poll() is not None and threading.current_thread() is not self._reader:
+            self._reader.join(5)  # its record is the last message: read up to the end first
+        return self._failure[:4000]
 
     def _read(self) -> None:
         for message in _received(self._conn):
@@ -219,6 +209,9 @@ class TrainerProcess:
                 continue
             if "spec" in message:
                 _settle(self._spec, None)
+                continue
+            if "failure" in message:
+                self._failure = str(message["failure"]).strip()
                 continue
             with self._lock:
                 future = self._calls.pop(message["id"], None)
@@ -359,7 +352,7 @@ def _received(conn: Connection) -> Iterator[dict[str, Any]]:
     while True:
         try:
             yield json.loads(conn.recv_bytes())
-        except (EOFError, OSError):
+        except (EOFError, OSError, ValueError):  # ValueError: a frame cut short by a killed rank
             return
 
 

@@ -292,3 +292,12 @@ def assert_same_state(got: object, want: object, path: str = "") -> None:
             assert struct.pack("<d", got) == struct.pack("<d", want), f"{where}: {got!r}, expected {want!r}"
     else:
         assert got == want, f"{where}: {got!r}, expected {want!r}"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``--dist loadgroup``) the deployment tests share one worker, so their
+    package's Prefect server, work pool and deployments are set up once."""
+    for item in items:
+        if item.nodeid.startswith("tests/deploy/"):
+            item.add_marker(pytest.mark.xdist_group("deploy"))

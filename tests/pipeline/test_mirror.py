@@ -201,11 +201,16 @@ def test_a_refusing_target_ends_the_run_with_the_versions_not_mirrored(prefect_s
     from ckptflow.tasks import archiving
     from tests.pipeline.helpers import run_flow
 
-    # Retries still happen, without their backoff: the endpoint refuses at once every time.
+    # Retries still happen at both levels (the task's, the S3 client's), with little backoff:
+    # the endpoint refuses at once every time.
     slow = archiving.upload_version
     monkeypatch.setattr(archiving, "upload_version", slow.with_options(retry_delay_seconds=0))
     mirror = "s3://mirror-bucket/run"
-    archive = {"upload_to": mirror, "upload_options": {"client_kwargs": {"endpoint_url": refused_endpoint()}}}
+    refused = {
+        "client_kwargs": {"endpoint_url": refused_endpoint()},
+        "config_kwargs": {"retries": {"total_max_attempts": 2}},
+    }
+    archive = {"upload_to": mirror, "upload_options": refused}
     config = make_config(tmp_path / "store", epochs=3, archive=archive)
     state, _ = run_flow(config)
     assert state.is_failed(), state

@@ -160,6 +160,9 @@ def test_a_dead_training_process_is_replaced_by_the_retry_and_the_run_completes(
     markers.mkdir()
     monkeypatch.setenv(FAULTS_ENV, "3:killonce")
     monkeypatch.setenv(MARKERS_ENV, str(markers))
+    temp = tmp_path / "tmp"  # the trainers' temporary directory
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     config = make_config(tmp_path / "s", spec=FAULTY_SPEC, epochs=4, async_save=False, train_process=True)
     summary, run_id = run_summary(config)
 
@@ -170,18 +173,23 @@ def test_a_dead_training_process_is_replaced_by_the_retry_and_the_run_completes(
     pids = [line.split() for line in (markers / "attempts").read_text().splitlines()]
     assert [int(e) for e, _, _ in pids] == [1, 2, 3, 3, 4]
     assert pids[2][1] != pids[3][1], "the retry trained in a new process"
+    assert os.listdir(temp) == [], "the trainers left files behind"
 
 
 def test_a_dead_training_process_fails_the_run_and_keeps_what_it_committed(
     prefect_server, tmp_path, monkeypatch
 ):
     monkeypatch.setenv(FAULTS_ENV, "3:kill")
+    temp = tmp_path / "tmp"  # the trainers' temporary directory
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     config = make_config(tmp_path / "s", spec=FAULTY_SPEC, epochs=4, async_save=False, train_process=True)
     state, run_id = run_flow(config)
 
     assert state.is_failed()
     with pytest.raises(RuntimeError, match=r"training ranks ended: rank 0 was killed by SIGKILL"):
         state.result()
+    assert os.listdir(temp) == [], "the failed trainers left files behind"
     assert run_counts(run_id, "train_epoch", 3) == [1, 1, 2]  # the retry's new trainers died too
     assert assert_only_committed(config.storage) == [1, 2]
 
