@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PKGS := storage tasks flows
 ARGS ?=
+# pytest-xdist workers: most tests wait on servers and child processes, so 3 keep 2 cores busy.
+WORKERS ?= 3
 
 .PHONY: run test lint typecheck pytest install clean
 
@@ -32,7 +34,7 @@ typecheck: $(STAMP)
 	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p ckptflow
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider $(ARGS)
+	$(BIN)/pytest -q -p no:cacheprovider -n $(WORKERS) $(ARGS)
 
 test: lint typecheck pytest
 

@@ -2,9 +2,10 @@
 
 This is the library's front door. It composes the pure parts (structure,
 planner, retention) with the mechanism (:mod:`.saving` plans, numbers, writes
-and commits a version; reader, catalog, housekeeping, mirror) and holds the state a
-store needs in memory: the async save in flight, its staging buffer, and, in
-a torch.distributed job, the checkpoint's process group.
+and commits a version; reader, catalog) and holds the state a store needs in
+memory: the async save in flight, its staging buffer, and, in
+a torch.distributed job, the checkpoint's process group. Deleting, pruning,
+archiving, collecting garbage and mirroring are in :mod:`.upkeep`.
 
 What always holds: ``save`` returns only after the version is committed;
 ``save_async`` returns once the state is copied, and the version is committed
@@ -19,10 +20,9 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from .archive.tarballs import archive_location, list_archived
-from .archive.tarindex import TarIndex
 from .errors import (
     CheckpointError,
     FormatVersionError,
@@ -35,14 +35,13 @@ from .format.manifest import Manifest
 from .info import StoreOptions, VersionInfo
 from .load.restore import rank_manifest, read_state
 from .load.verifying import verify_version
-from .remote import mirror
 from .save.async_save import SaveHandle
 from .save.store_saver import SaveRequest, StoreSaver
-from .versions import catalog, housekeeping, metadata
+from .upkeep import Upkeep
+from .versions import catalog, metadata
 from .versions import commit as protocol
 from .versions.lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
 from .versions.lease import StoreLease
-from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
     import torch
@@ -55,7 +54,7 @@ if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, p
 log = logging.getLogger(__name__)
 
 
-class CheckpointStore:
+class CheckpointStore(Upkeep):
     """Checkpoints of one training run under an fsspec URL (path, file://, s3://, memory://).
 
     ``distributed=True`` (or a :class:`RankGroup`): a store shared by every rank of a
@@ -387,104 +386,6 @@ class CheckpointStore:
     def write_json(self, name: str, value: Any) -> None:
         """Store a JSON document beside the versions, atomically."""
         metadata.write_json(self.loc, name, value)
-
-    # -- deleting -------------------------------------------------------------
-
-    def delete(self, version: int) -> None:
-        """Delete a committed version (its manifest first, so a crash leaves only garbage)."""
-        self._saver.wait_previous()
-        with translate_errors(self.loc, "deleting from"):
-            housekeeping.delete_version(self.loc, version)
-
-    def prune(
-        self,
-        policy: RetentionPolicy | None = None,
-        *,
-        keep_last: int | None = None,
-        keep_every: int | None = None,
-        keep_best: tuple[str, Literal["min", "max"]] | None = None,
-    ) -> list[int]:
-        """Delete committed versions the policy does not keep; return the numbers of those gone.
-
-        A tarball is removed whole: a version it shares with a kept version stays
-        (see :meth:`apply_retention`, which says which).
-        """
-        if policy is None:
-            policy = RetentionPolicy(
-                keep_last=keep_last,
-                keep_every=keep_every,
-                keep_best=keep_best[0] if keep_best else None,
-                best_mode=keep_best[1] if keep_best else "min",
-            )
-        return list(self.apply_retention(policy).remove)
-
-    def plan_retention(self, policy: RetentionPolicy) -> PrunePlan:
-        """What :meth:`apply_retention` would do now; changes nothing (a dry run)."""
-        with translate_errors(self.loc, "listing"):
-            return housekeeping.plan(self.loc, policy)
-
-    def apply_retention(self, policy: RetentionPolicy) -> PrunePlan:
-        """Delete what the policy does not keep; return the plan carried out (kept, removed, held)."""
-        self._saver.wait_previous()
-        with translate_errors(self.loc, "pruning"):
-            return housekeeping.prune(self.loc, policy)
-
-    def archive(self, versions: Sequence[int], *, name: str | None = None) -> TarIndex:
-        """Consolidate committed loose versions into ``archive/<name>.tar`` plus its index.
-
-        The loose copies stay until :meth:`drop_loose`: remove them only once the
-        tarball is where it must be (uploaded and verified, when you upload).
-        """
-        with translate_errors(self.loc, "archiving in"):
-            return housekeeping.archive(self.loc, list(versions), name=name)
-
-    def reindex(self) -> list[TarIndex]:
-        """Rebuild, from the tarball itself, the index of every tarball whose index cannot be read."""
-        from .archive.reindex import rebuild_index
-        from .archive.tarballs import archive_location
-
-        bad = self.survey().bad_archives
-        with translate_errors(self.loc, "rebuilding archive indexes in"):
-            return [rebuild_index(archive_location(self.loc), tar) for tar in sorted(bad)]
-
-    def drop_loose(self, versions: Sequence[int]) -> list[int]:
-        """Remove the loose copies of archived versions; they load from their tarball after."""
-        with translate_errors(self.loc, "removing loose files from"):
-            return housekeeping.drop_loose(self.loc, list(versions))
-
-    def gc(self, *, min_age: float = 0.0, dry_run: bool = False) -> list[int]:
-        """Remove what interrupted saves and archiving left: versions without manifest, tars without index.
-
-        Return the versions removed. ``min_age`` seconds: spare what changed more
-        recently (another process may be saving to this store). ``dry_run``: remove
-        nothing, return the versions it would remove.
-        """
-        if dry_run:
-            with translate_errors(self.loc, "listing"):
-                return housekeeping.garbage_versions(self.loc, min_age)
-        self._saver.wait_previous()
-        with translate_errors(self.loc, "collecting garbage in"):
-            return housekeeping.collect_garbage(self.loc, min_age=min_age)
-
-    # -- mirroring --------------------------------------------------------------
-
-    def mirror_version(self, version: int, url: str, *, storage_options: dict[str, Any]) -> str:
-        """Upload a committed loose version to the store at ``url``: each shard uploaded and verified,
-        then its manifest, the version's commit there. Returns the version's URL on the mirror.
-
-        Copies from a local store; a copy already there and verified is skipped. Give
-        ``storage_options`` made by :func:`upload_storage_options`.
-        """
-        mirror.require_local(self.loc)
-        return mirror.mirror_version(self.loc, self.manifest(version), url, storage_options)
-
-    def mirror_archive(self, tar: str, url: str, *, storage_options: dict[str, Any]) -> str:
-        """Upload a committed tarball to ``url``'s ``archive/``, then its index (its commit there).
-
-        Returns the tarball's URL on the mirror. As :meth:`mirror_version`, from a local store.
-        """
-        mirror.require_local(self.loc)
-        return mirror.mirror_archive(self.loc, tar, url, storage_options)
 
     def close(self) -> None:
         """Wait for the async save in flight and release the staging buffer."""

@@ -294,10 +294,16 @@ def assert_same_state(got: object, want: object, path: str = "") -> None:
         assert got == want, f"{where}: {got!r}, expected {want!r}"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the groups
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``--dist loadgroup``) the deployment tests share one worker, so their
-    package's Prefect server, work pool and deployments are set up once."""
-    for item in items:
-        if item.nodeid.startswith("tests/deploy/"):
-            item.add_marker(pytest.mark.xdist_group("deploy"))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist (``make test`` runs 3 workers) hands out every test on its own, except the
+    deployment tests, which go to one worker together: their package's Prefect server, work
+    pool and deployments are set up once. (xdist's own ``--dist loadgroup`` cannot be used:
+    it renames test ids through an attribute pytest 9.2 no longer reads.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class DeploymentsTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "tests/deploy" if nodeid.startswith("tests/deploy/") else nodeid
+
+    return DeploymentsTogether(config, log)

@@ -147,3 +147,16 @@ class TestTheCheckItself:
         assert refused == [("ckptflow.storage.commit", "list_dirs"), ("ckptflow.storage.location", "probe")]
         assert reaches_past_storage_api(Import("x.py:1", "ckptflow.storage", "commit"))
         assert not reaches_past_storage_api(Import("x.py:1", "ckptflow.storage"))
+
+
+MAX_LINES = 400
+
+
+def test_no_module_of_storage_is_over_400_lines() -> None:
+    """storage/ shows its architecture: a module that grows past this is split by concern."""
+    long = {
+        path.relative_to(REPO).as_posix(): n
+        for path in (REPO / "storage").rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}, f"split these modules (lines): {long}"

@@ -15,17 +15,15 @@ from storage, never remembered:
   renamed ``v000008.unreadable-20261124T154000Z-3f9a1c``, a name that is no version
   (so the number is free again), that ``ls`` shows and ``gc`` never touches.
 
-The protocol: every shard is fully written (fsynced on local disks) before
-the manifest is written, and is found with its size by one listing just before
-(a shard removed mid-save fails the commit); on local disks the manifest goes to a temporary name,
-is fsynced and hard-linked into place, and the directory is fsynced; on object
-stores one PUT is atomic. Either way the manifest is created only if absent
-(a link never replaces a name; the PUT carries ``If-None-Match: *``), so no
-commit replaces another writer's. Before its first shard, a writer claims the
-version number with a claim file created the same exclusive way; the commit
-checks the claim is still its own and removes it. The ``latest`` pointer is updated after the commit
-and is only a hint for other tools: the truth is "the highest committed
-version".
+The protocol: every shard is fully written (fsynced on local disks) before the manifest is written,
+and is found with its size by one listing just before (a shard removed mid-save fails the commit);
+on local disks the manifest goes to a temporary name, is fsynced and hard-linked into place, and the
+directory is fsynced; on object stores one PUT is atomic. Either way the manifest is created only if
+absent (a link never replaces a name; the PUT carries ``If-None-Match: *``), so no commit replaces
+another writer's. Before its first shard, a writer claims the version number with a claim file
+created the same exclusive way; the commit checks the claim is still its own and removes it. The
+``latest`` pointer is updated after the commit and is only a hint for other tools: the truth is "the
+highest committed version".
 """
 
 from __future__ import annotations

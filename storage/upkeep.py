@@ -1,0 +1,133 @@
+"""A store's upkeep: delete, prune, archive, collect garbage and mirror its committed versions.
+
+These are the :class:`~.store.CheckpointStore` methods that change what is
+stored after it was committed; each waits for the store's async save in flight
+first and names the store in its errors. They are for one process (rank 0, or
+a job that is not running); the mechanism is in :mod:`.versions.housekeeping`
+and :mod:`.remote.mirror`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+from .archive.tarindex import TarIndex
+from .files.location import Location, translate_errors
+from .remote import mirror
+from .versions import housekeeping
+from .versions.retention import PrunePlan, RetentionPolicy
+
+if TYPE_CHECKING:
+    from .format.manifest import Manifest
+    from .save.async_save import AsyncSaver
+    from .versions import catalog
+
+
+class Upkeep:
+    """What :class:`~.store.CheckpointStore` does to committed versions besides reading them."""
+
+    loc: Location
+    _saver: AsyncSaver
+
+    if TYPE_CHECKING:
+
+        def survey(self) -> catalog.Survey: ...
+
+        def manifest(self, version: int | None = None) -> Manifest: ...
+
+    def delete(self, version: int) -> None:
+        """Delete a committed version (its manifest first, so a crash leaves only garbage)."""
+        self._saver.wait_previous()
+        with translate_errors(self.loc, "deleting from"):
+            housekeeping.delete_version(self.loc, version)
+
+    def prune(
+        self,
+        policy: RetentionPolicy | None = None,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: tuple[str, Literal["min", "max"]] | None = None,
+    ) -> list[int]:
+        """Delete committed versions the policy does not keep; return the numbers of those gone.
+
+        A tarball is removed whole: a version it shares with a kept version stays
+        (see :meth:`apply_retention`, which says which).
+        """
+        if policy is None:
+            policy = RetentionPolicy(
+                keep_last=keep_last,
+                keep_every=keep_every,
+                keep_best=keep_best[0] if keep_best else None,
+                best_mode=keep_best[1] if keep_best else "min",
+            )
+        return list(self.apply_retention(policy).remove)
+
+    def plan_retention(self, policy: RetentionPolicy) -> PrunePlan:
+        """What :meth:`apply_retention` would do now; changes nothing (a dry run)."""
+        with translate_errors(self.loc, "listing"):
+            return housekeeping.plan(self.loc, policy)
+
+    def apply_retention(self, policy: RetentionPolicy) -> PrunePlan:
+        """Delete what the policy does not keep; return the plan carried out (kept, removed, held)."""
+        self._saver.wait_previous()
+        with translate_errors(self.loc, "pruning"):
+            return housekeeping.prune(self.loc, policy)
+
+    def archive(self, versions: Sequence[int], *, name: str | None = None) -> TarIndex:
+        """Consolidate committed loose versions into ``archive/<name>.tar`` plus its index.
+
+        The loose copies stay until :meth:`drop_loose`: remove them only once the
+        tarball is where it must be (uploaded and verified, when you upload).
+        """
+        with translate_errors(self.loc, "archiving in"):
+            return housekeeping.archive(self.loc, list(versions), name=name)
+
+    def reindex(self) -> list[TarIndex]:
+        """Rebuild, from the tarball itself, the index of every tarball whose index cannot be read."""
+        from .archive.reindex import rebuild_index
+        from .archive.tarballs import archive_location
+
+        bad = self.survey().bad_archives
+        with translate_errors(self.loc, "rebuilding archive indexes in"):
+            return [rebuild_index(archive_location(self.loc), tar) for tar in sorted(bad)]
+
+    def drop_loose(self, versions: Sequence[int]) -> list[int]:
+        """Remove the loose copies of archived versions; they load from their tarball after."""
+        with translate_errors(self.loc, "removing loose files from"):
+            return housekeeping.drop_loose(self.loc, list(versions))
+
+    def gc(self, *, min_age: float = 0.0, dry_run: bool = False) -> list[int]:
+        """Remove what interrupted saves and archiving left: versions without manifest, tars without index.
+
+        Return the versions removed. ``min_age`` seconds: spare what changed more
+        recently (another process may be saving to this store). ``dry_run``: remove
+        nothing, return the versions it would remove.
+        """
+        if dry_run:
+            with translate_errors(self.loc, "listing"):
+                return housekeeping.garbage_versions(self.loc, min_age)
+        self._saver.wait_previous()
+        with translate_errors(self.loc, "collecting garbage in"):
+            return housekeeping.collect_garbage(self.loc, min_age=min_age)
+
+    # -- mirroring --------------------------------------------------------------
+
+    def mirror_version(self, version: int, url: str, *, storage_options: dict[str, Any]) -> str:
+        """Upload a committed loose version to the store at ``url``: each shard uploaded and verified,
+        then its manifest, the version's commit there. Returns the version's URL on the mirror.
+
+        Copies from a local store; a copy already there and verified is skipped. Give
+        ``storage_options`` made by :func:`upload_storage_options`.
+        """
+        mirror.require_local(self.loc)
+        return mirror.mirror_version(self.loc, self.manifest(version), url, storage_options)
+
+    def mirror_archive(self, tar: str, url: str, *, storage_options: dict[str, Any]) -> str:
+        """Upload a committed tarball to ``url``'s ``archive/``, then its index (its commit there).
+
+        Returns the tarball's URL on the mirror. As :meth:`mirror_version`, from a local store.
+        """
+        mirror.require_local(self.loc)
+        return mirror.mirror_archive(self.loc, tar, url, storage_options)
