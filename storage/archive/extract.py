@@ -48,7 +48,7 @@ from ..files.localfs import open_regular
 from ..files.location import Location, open_location
 from ..format.checksum import new_hasher
 from ..format.manifest import MANIFEST_FILE, parse_manifest
-from ..versions.commit import parse_version_dir, version_dir
+from ..format.names import parse_version_dir, version_dir
 from .tarindex import BLOCK, IndexEntry, TarIndex, check_member_name, read_index
 
 log = logging.getLogger(__name__)

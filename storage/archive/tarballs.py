@@ -25,8 +25,8 @@ from ..files.location import Location
 from ..format.checksum import digest
 from ..format.manifest import MANIFEST_FILE, Manifest
 from ..format.manifest_checks import MAX_BYTES
+from ..format.names import version_dir
 from ..load.reader import ShardSource
-from ..versions.commit import version_dir
 from .tarindex import INDEX_SUFFIX, TarIndex, index_name, parse_index, write_index
 from .tarwriter import Member, write_tar
 

@@ -45,8 +45,7 @@ from ..format.manifest import (
     validation_problems,
 )
 from ..format.manifest_checks import MAX_BYTES
-from ..format.names import relative_name_problem
-from ..versions.commit import parse_version_dir
+from ..format.names import parse_version_dir, relative_name_problem
 
 log = logging.getLogger(__name__)
 

@@ -34,3 +34,17 @@ def relative_name_problem(name: str) -> str | None:
     if bad:
         return f"has the component {bad[0]!r}, not a plain name (letters, digits, '_', '-', '.'; no '..')"
     return None
+
+
+_VERSION_DIR = re.compile(r"v([0-9]{6,})")  # fullmatch: ASCII digits only, no trailing newline
+
+
+def version_dir(version: int) -> str:
+    """The name of a version's directory: ``v`` and at least six digits."""
+    return f"v{version:06d}"
+
+
+def parse_version_dir(name: str) -> int | None:
+    """The version a directory name (or path) stands for; None if it is no version directory."""
+    match = _VERSION_DIR.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None

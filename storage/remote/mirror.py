@@ -23,7 +23,7 @@ from ..archive.tarindex import index_name, read_index
 from ..errors import CheckpointError
 from ..files.location import Location
 from ..format.manifest import MANIFEST_FILE, Manifest
-from ..versions.commit import version_dir
+from ..format.names import version_dir
 
 if TYPE_CHECKING:
     from .transfer import TransferResult

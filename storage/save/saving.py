@@ -43,12 +43,12 @@ from ..format.manifest import (
     writer_versions,
 )
 from ..format.manifest_checks import MAX_DOCUMENT_DEPTH, json_depth
+from ..format.names import version_dir
 from ..format.structure import encode
 from ..info import StoreOptions, VersionInfo
-from ..versions import catalog
+from ..versions import catalog, claims
 from ..versions import commit as protocol
 from ..versions.catalog import archived_for_writing
-from ..versions.commit import version_dir
 from ..versions.housekeeping import last_change
 from ..versions.lease import DEFAULT_TIMEOUT, StoreLease, read_lease
 from ..versions.lease_info import pid_alive
@@ -100,7 +100,7 @@ class VersionWriter:
 
     def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
         self.loc, self.options, self.group = loc, options, group
-        self.claim = protocol.new_claim(uuid.uuid4().hex)  # how this writer claims version numbers
+        self.claim = claims.new_claim(uuid.uuid4().hex)  # how this writer claims version numbers
         self.lease: StoreLease | None = None  # the store's lease, when this writer's store holds it
 
     @property
@@ -203,7 +203,7 @@ class VersionWriter:
             floor = epoch if epoch is not None and epoch >= 0 else 0
             number = catalog.next_version(self.loc, at_least=floor)
             for _ in range(CLAIM_TRIES):
-                if protocol.claim_version(self.loc, number, self.claim):
+                if claims.claim_version(self.loc, number, self.claim):
                     return number
                 number = max(number + 1, catalog.next_version(self.loc, at_least=floor))  # taken meanwhile
             raise VersionTakenError(
@@ -217,19 +217,19 @@ class VersionWriter:
             raise VersionExistsError(version, self.loc.display())
         if record is not None:
             self.clear_leftovers(version)
-        if not protocol.claim_version(self.loc, version, self.claim):
-            raise self._taken(version, protocol.read_claim(self.loc, version))
+        if not claims.claim_version(self.loc, version, self.claim):
+            raise self._taken(version, claims.read_claim(self.loc, version))
         return version
 
     def clear_leftovers(self, version: int) -> None:
         """Remove an uncommitted ``version`` before writing it, unless another live writer is writing it."""
-        found = protocol.read_claim(self.loc, version)
+        found = claims.read_claim(self.loc, version)
         if found is not None and found.token != self.claim.token and not self._is_stale(found, version):
             raise self._taken(version, found)
         log.info("removing leftovers of an interrupted save of version %d", version)
         protocol.clear_leftovers(self.loc, version)
 
-    def _is_stale(self, found: protocol.Claim, version: int) -> bool:
+    def _is_stale(self, found: claims.Claim, version: int) -> bool:
         """Whether another writer's claim is a leftover: its process is gone, or it predates the
         store's current lease (this writer holds it, or writes for its holder), or nothing changed
         in the version for a lease timeout."""
@@ -243,7 +243,7 @@ class VersionWriter:
         changed = last_change(self.loc, self.loc.path(version_dir(version)))
         return changed is not None and time.time() - changed > STALE_CLAIM_SECONDS
 
-    def _taken(self, version: int, found: protocol.Claim | None) -> VersionTakenError:
+    def _taken(self, version: int, found: claims.Claim | None) -> VersionTakenError:
         who = f" ({found.describe()})" if found is not None else ""
         return VersionTakenError(
             f"version {version} in {self.loc.display()} is being written by another writer{who}. Only "
@@ -255,11 +255,11 @@ class VersionWriter:
     def _ensure_claim(self, version: int) -> None:
         """Before writing: the version is still this writer's claim (claim it again after leftovers
         of a failed attempt were cleared)."""
-        found = protocol.read_claim(self.loc, version)
+        found = claims.read_claim(self.loc, version)
         if found is not None and found.token == self.claim.token:
             return
-        if found is not None or not protocol.claim_version(self.loc, version, self.claim):
-            raise self._taken(version, protocol.read_claim(self.loc, version))
+        if found is not None or not claims.claim_version(self.loc, version, self.claim):
+            raise self._taken(version, claims.read_claim(self.loc, version))
 
     def _commit(self, manifest: Manifest) -> None:
         """Commit under this writer's claim (and lease, if it holds one); a failure drops the claim."""
@@ -276,7 +276,7 @@ class VersionWriter:
         and no manifest made them a version), so a full disk is freed at once. Ranked saves call
         it on rank 0 once every rank has reported, i.e. stopped writing."""
         with contextlib.suppress(Exception):
-            found = protocol.read_claim(self.loc, version)
+            found = claims.read_claim(self.loc, version)
             record = protocol.read_record(self.loc, version)
             if found is not None and found.token == self.claim.token and record and record.is_writing():
                 self.loc.fs.rm(self.loc.path(version_dir(version)), recursive=True)
@@ -287,9 +287,9 @@ class VersionWriter:
     def _abandon(self, version: int) -> None:
         """After a failed save: drop this writer's claim, so its leftovers count as garbage."""
         with contextlib.suppress(Exception):
-            found = protocol.read_claim(self.loc, version)
+            found = claims.read_claim(self.loc, version)
             if found is not None and found.token == self.claim.token:
-                protocol.drop_claim(self.loc, version)
+                claims.drop_claim(self.loc, version)
 
     def write(self, job: SaveJob, blob_bytes: Callable[[Blob], memoryview]) -> VersionInfo:
         from .writer import write_shards

@@ -17,9 +17,9 @@ from ..archive.tarindex import index_name
 from ..errors import CheckpointError, VersionNotFoundError
 from ..files.location import Location
 from ..format.manifest import Manifest
+from ..format.names import version_dir
 from ..load.reader import ShardSource, loose_sources
 from . import commit as protocol
-from .commit import version_dir
 
 
 @dataclass(frozen=True)

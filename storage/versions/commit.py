@@ -28,13 +28,10 @@ highest committed version".
 
 from __future__ import annotations
 
-import dataclasses
 import enum
-import json
 import logging
 import os
 import re
-import socket
 import time
 import uuid
 from dataclasses import dataclass
@@ -45,11 +42,12 @@ from ..files.byteio import fsync_dir
 from ..files.location import Location, bucket_missing, missing_bucket_error
 from ..format.manifest import MANIFEST_FILE, Manifest, parse_manifest
 from ..format.manifest_checks import MAX_BYTES
+from ..format.names import parse_version_dir, version_dir
+from .claims import check_claim, drop_claim
 
 log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest"
-_VERSION_DIR = re.compile(r"v([0-9]{6,})")  # fullmatch: ASCII digits only, no trailing newline
 _SET_ASIDE_DIR = re.compile(r"v([0-9]{6,})\.unreadable-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")
 
 
@@ -74,15 +72,6 @@ class VersionRecord:
 
     def is_unreadable(self) -> bool:
         return self.state is VersionState.UNREADABLE
-
-
-def version_dir(version: int) -> str:
-    return f"v{version:06d}"
-
-
-def parse_version_dir(name: str) -> int | None:
-    match = _VERSION_DIR.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else None
 
 
 def list_dirs(loc: Location) -> dict[int, bool]:
@@ -310,91 +299,3 @@ def clear_leftovers(loc: Location, version: int) -> None:
     if not record.is_writing():
         raise CheckpointError(f"refusing to clear {version_dir(version)}: it is {record.state.value}")
     loc.fs.rm(loc.path(version_dir(version)), recursive=True)
-
-
-# -- claiming a version number ---------------------------------------------------
-
-CLAIM_FILE = ".claim.json"  # inside a version directory while it is written; removed by the commit
-
-
-@dataclass(frozen=True)
-class Claim:
-    """Who is writing a version: made exclusively before its first shard, removed when it commits."""
-
-    token: str
-    host: str
-    pid: int
-    created: float  # seconds since the epoch, the claimer's clock
-
-    def describe(self) -> str:
-        return f"host {self.host}, pid {self.pid}, {time.time() - self.created:.0f}s ago"
-
-
-def new_claim(token: str) -> Claim:
-    return Claim(token, socket.gethostname(), os.getpid(), time.time())
-
-
-def claim_version(loc: Location, version: int, claim: Claim) -> bool:
-    """Claim ``version`` for a writer: True if it is now this claim's, False if another holds it.
-
-    An exclusive create of the claim file (a hard link locally, ``If-None-Match: *`` on S3): two
-    writers that picked the same number never both write its shards.
-    """
-    vdir = version_dir(version)
-    data = json.dumps(dataclasses.asdict(claim), sort_keys=True).encode()
-    try:
-        if loc.is_local:
-            os.makedirs(loc.path(vdir), exist_ok=True)
-            exclusive_local_write(loc.path(vdir), CLAIM_FILE, data)
-        else:
-            loc.fs.pipe_file(loc.path(vdir, CLAIM_FILE), data, mode="create")
-        return True
-    except FileExistsError:
-        found = read_claim(loc, version)
-        return found is not None and found.token == claim.token  # our create, retried by the client
-
-
-def read_claim(loc: Location, version: int) -> Claim | None:
-    """The claim of a version being written (None: none, or unreadable)."""
-    path = loc.path(version_dir(version), CLAIM_FILE)
-    try:
-        raw = json.loads(loc.fs.cat_file(path))
-        return Claim(str(raw["token"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]))
-    except (FileNotFoundError, ValueError, KeyError, TypeError, RecursionError, ManifestError):
-        return None
-
-
-def check_claim(loc: Location, version: int, token: str) -> None:
-    """Raise VersionTakenError unless ``version`` is still claimed with ``token``."""
-    found = read_claim(loc, version)
-    if found is None or found.token != token:
-        who = f"claimed by another writer ({found.describe()})" if found else "its claim was removed"
-        raise VersionTakenError(
-            f"not committing {loc.display(version_dir(version))}: {who} while this writer was saving it, "
-            "so its shard files may not be this writer's. Only one writer may use a store at a time; "
-            "the store's other versions are intact: save again"
-        )
-
-
-def drop_claim(loc: Location, version: int) -> None:
-    """Remove the claim of a committed version (what a kill leaves here, ``gc`` removes)."""
-    try:
-        loc.fs.rm_file(loc.path(version_dir(version), CLAIM_FILE))
-    except FileNotFoundError:
-        pass
-    except OSError as exc:  # the commit stands
-        log.warning("could not remove %s: %s", loc.display(version_dir(version), CLAIM_FILE), exc)
-
-
-def stray_claims(loc: Location) -> list[int]:
-    """Committed versions whose claim file is still there (a writer killed right after its commit)."""
-    loc.fs.invalidate_cache()
-    if not loc.fs.exists(loc.root):
-        return []
-    names: dict[int, set[str]] = {}
-    for path in loc.fs.find(loc.root, maxdepth=2, detail=False):
-        rel = path[len(loc.root) :].strip("/").split("/")
-        version = parse_version_dir(rel[0])
-        if version is not None and len(rel) == 2:
-            names.setdefault(version, set()).add(rel[1])
-    return sorted(v for v, files in names.items() if {CLAIM_FILE, MANIFEST_FILE} <= files)

@@ -27,9 +27,9 @@ from ..archive.tarindex import TarIndex
 from ..errors import CheckpointError, VersionNotFoundError
 from ..files.atomic import stale_temp_files
 from ..files.location import Location
-from . import catalog
+from ..format.names import version_dir
+from . import catalog, claims
 from . import commit as protocol
-from .commit import version_dir
 from .retention import PrunePlan, RetentionPolicy, plan_prune
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,8 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> list[int]:
         if settled(loc, aloc.path(tar), min_age):
             log.info("removing %s: a tarball without an index (archiving was interrupted)", tar)
             remove_tarball(loc, tar)
-    for v in protocol.stray_claims(loc):  # a writer killed between its commit and removing its claim
-        protocol.drop_claim(loc, v)
+    for v in claims.stray_claims(loc):  # a writer killed between its commit and removing its claim
+        claims.drop_claim(loc, v)
     for path in stale_temp_files(loc):
         if settled(loc, path, min_age):
             os.remove(path)

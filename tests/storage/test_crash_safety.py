@@ -44,7 +44,7 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore, StoreOptions
-from ckptflow.storage.versions.commit import CLAIM_FILE
+from ckptflow.storage.versions.claims import CLAIM_FILE
 
 from .crash_child import KILL_POINTS, make_state
 

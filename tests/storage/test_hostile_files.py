@@ -365,7 +365,7 @@ class TestMoreHostileFiles:
 
     @pytest.mark.parametrize("name", ["v000004\n", "v\u0660\u0660\u0660\u0660\u0660\u0664", "v00004"])
     def test_only_ascii_six_digit_names_are_versions(self, name: str) -> None:
-        from ckptflow.storage.versions.commit import parse_version_dir
+        from ckptflow.storage.format.names import parse_version_dir
 
         assert parse_version_dir(name) is None
         assert parse_version_dir("v000004") == 4 and parse_version_dir("v1000000") == 1000000

@@ -38,6 +38,7 @@ from ckptflow.storage import (
     VersionTakenError,
     read_lease,
 )
+from ckptflow.storage.versions import claims
 from ckptflow.storage.versions import commit as protocol
 from ckptflow.storage.versions import lease as lease_module
 from ckptflow.storage.versions.lease import LEASE_FILE
@@ -147,7 +148,7 @@ class TestConcurrentSaves:
             assert reported[tag - 1][v] == i, f"version {v} holds writer {tag}'s save {i}: {outputs}"
             assert_same_state(store.load(v), make_state(tag, i))
         assert sorted(protocol.list_dirs(store.loc)) == sorted(listed)  # nothing left half-written
-        assert protocol.stray_claims(store.loc) == []
+        assert claims.stray_claims(store.loc) == []
 
     def test_a_version_being_written_is_refused_to_a_second_writer(self, store_url: StoreTarget):
         """Bug fixed: a second writer of the same explicit version removed the first one's shards."""
@@ -162,7 +163,7 @@ class TestConcurrentSaves:
         info = first._writer.write(job, lambda b: memoryview(b.source.numpy()).cast("B"))
         assert info.version == 5
         assert_same_state(store_url.open().load(5), state)
-        assert protocol.read_claim(first.loc, 5) is None  # the commit removed the claim
+        assert claims.read_claim(first.loc, 5) is None  # the commit removed the claim
 
     def test_a_commit_never_replaces_another_writers_manifest(self, store_url: StoreTarget):
         """Bug fixed: the manifest was renamed (locally) or PUT (S3) over one already committed."""
@@ -175,12 +176,21 @@ class TestConcurrentSaves:
         assert store_url.raw_read("v000002/manifest.json") == before
         assert store_url.open().info(2) == mine
 
+    def test_a_number_committed_since_it_was_picked_is_not_claimed(self, store_url: StoreTarget):
+        """Bug fixed: a writer that picked version 2 just before another committed it (and removed
+        its claim) claimed it all the same, wrote its shards there and failed at its commit."""
+        store = store_url.open()
+        store.save({"x": torch.ones(10)}, version=2)  # committed; its claim is gone
+        assert not claims.claim_version(store.loc, 2, claims.new_claim("e" * 32))
+        assert not store_url.raw_exists("v000002/.claim.json")  # and no claim of its own left there
+        assert store.save({"x": torch.zeros(10)}).version == 3
+
     def test_a_writer_whose_claim_was_taken_does_not_commit(self, store_url: StoreTarget):
         """A writer judged gone whose version was claimed by another fails its commit and exposes nothing."""
         store = store_url.open()
         state = {"x": torch.arange(100, dtype=torch.float32)}
         job = store._writer.prepare(state, 3, None, None, 3, None)
-        claim = protocol.read_claim(store.loc, 3)
+        claim = claims.read_claim(store.loc, 3)
         assert claim is not None
         taken = replace(claim, token="0" * 32)
 
@@ -192,13 +202,13 @@ class TestConcurrentSaves:
             store._writer.write(job, bytes_while_taken)
         assert store_url.open().find(3) is None
         assert not store_url.raw_exists("v000003/manifest.json")
-        assert protocol.read_claim(store.loc, 3) == taken  # the other writer's claim stays
+        assert claims.read_claim(store.loc, 3) == taken  # the other writer's claim stays
 
     def test_leftovers_of_a_writer_that_is_gone_are_cleared(self, store_url: StoreTarget):
         """A retried save of a version whose writer died (same host, process gone) writes it again."""
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
-        claim = protocol.Claim("d" * 32, socket.gethostname(), dead.pid, time.time())
+        claim = claims.Claim("d" * 32, socket.gethostname(), dead.pid, time.time())
         store_url.raw_write("v000004/.claim.json", json.dumps(claim.__dict__).encode())
         store_url.raw_write("v000004/shard-r0-00.h5", b"half a shard")
         state = {"x": torch.full((64,), 4.0)}
@@ -208,7 +218,7 @@ class TestConcurrentSaves:
     def test_gc_removes_the_claim_a_writer_killed_after_its_commit_left(self, store_url: StoreTarget):
         store = store_url.open()
         store.save({"x": torch.ones(4)}, version=1)
-        claim = protocol.Claim("c" * 32, "other-host", 1, time.time())
+        claim = claims.Claim("c" * 32, "other-host", 1, time.time())
         store_url.raw_write("v000001/.claim.json", json.dumps(claim.__dict__).encode())
         assert store.gc() == []
         assert not store_url.raw_exists("v000001/.claim.json")

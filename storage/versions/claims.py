@@ -1,0 +1,116 @@
+"""Claiming a version number before writing it: one writer per version, whatever the race.
+
+A writer creates ``.claim.json`` in the version's directory exclusively (a hard
+link locally, ``If-None-Match: *`` on S3) before its first shard; its commit
+checks the claim is still its own, creates the manifest and then removes the
+claim (:mod:`.commit`). What a writer killed after its commit leaves, ``gc``
+removes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+
+from ..errors import ManifestError, VersionTakenError
+from ..files.atomic import exclusive_local_write
+from ..files.location import Location
+from ..format.manifest import MANIFEST_FILE
+from ..format.names import parse_version_dir, version_dir
+
+log = logging.getLogger(__name__)
+
+CLAIM_FILE = ".claim.json"  # inside a version directory while it is written; removed by the commit
+
+
+@dataclass(frozen=True)
+class Claim:
+    """Who is writing a version: made exclusively before its first shard, removed when it commits."""
+
+    token: str
+    host: str
+    pid: int
+    created: float  # seconds since the epoch, the claimer's clock
+
+    def describe(self) -> str:
+        return f"host {self.host}, pid {self.pid}, {time.time() - self.created:.0f}s ago"
+
+
+def new_claim(token: str) -> Claim:
+    return Claim(token, socket.gethostname(), os.getpid(), time.time())
+
+
+def claim_version(loc: Location, version: int, claim: Claim) -> bool:
+    """Claim ``version`` for a writer: True if it is now this claim's, False if another holds it.
+
+    An exclusive create of the claim file (a hard link locally, ``If-None-Match: *`` on S3): two
+    writers that picked the same number never both write its shards; nor does one that picked
+    it just before the other committed it and removed its claim (the manifest is checked after).
+    """
+    vdir = version_dir(version)
+    data = json.dumps(dataclasses.asdict(claim), sort_keys=True).encode()
+    try:
+        if loc.is_local:
+            os.makedirs(loc.path(vdir), exist_ok=True)
+            exclusive_local_write(loc.path(vdir), CLAIM_FILE, data)
+        else:
+            loc.fs.pipe_file(loc.path(vdir, CLAIM_FILE), data, mode="create")
+    except FileExistsError:
+        found = read_claim(loc, version)
+        return found is not None and found.token == claim.token  # our create, retried by the client
+    loc.fs.invalidate_cache(loc.path(vdir))
+    if loc.fs.exists(loc.path(vdir, MANIFEST_FILE)):
+        drop_claim(loc, version)
+        return False
+    return True
+
+
+def read_claim(loc: Location, version: int) -> Claim | None:
+    """The claim of a version being written (None: none, or unreadable)."""
+    path = loc.path(version_dir(version), CLAIM_FILE)
+    try:
+        raw = json.loads(loc.fs.cat_file(path))
+        return Claim(str(raw["token"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]))
+    except (FileNotFoundError, ValueError, KeyError, TypeError, RecursionError, ManifestError):
+        return None
+
+
+def check_claim(loc: Location, version: int, token: str) -> None:
+    """Raise VersionTakenError unless ``version`` is still claimed with ``token``."""
+    found = read_claim(loc, version)
+    if found is None or found.token != token:
+        who = f"claimed by another writer ({found.describe()})" if found else "its claim was removed"
+        raise VersionTakenError(
+            f"not committing {loc.display(version_dir(version))}: {who} while this writer was saving it, "
+            "so its shard files may not be this writer's. Only one writer may use a store at a time; "
+            "the store's other versions are intact: save again"
+        )
+
+
+def drop_claim(loc: Location, version: int) -> None:
+    """Remove the claim of a committed version (what a kill leaves here, ``gc`` removes)."""
+    try:
+        loc.fs.rm_file(loc.path(version_dir(version), CLAIM_FILE))
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # the commit stands
+        log.warning("could not remove %s: %s", loc.display(version_dir(version), CLAIM_FILE), exc)
+
+
+def stray_claims(loc: Location) -> list[int]:
+    """Committed versions whose claim file is still there (a writer killed right after its commit)."""
+    loc.fs.invalidate_cache()
+    if not loc.fs.exists(loc.root):
+        return []
+    names: dict[int, set[str]] = {}
+    for path in loc.fs.find(loc.root, maxdepth=2, detail=False):
+        rel = path[len(loc.root) :].strip("/").split("/")
+        version = parse_version_dir(rel[0])
+        if version is not None and len(rel) == 2:
+            names.setdefault(version, set()).add(rel[1])
+    return sorted(v for v, files in names.items() if {CLAIM_FILE, MANIFEST_FILE} <= files)
