@@ -359,11 +359,11 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
             _warm_up_torch()  # while a temporary API server starts in its own process
         from .preflight import wait_for_spec
 
-        _before_prefect(verbose, wait_for_spec)  # no flow run for a spec that failed to import
         if warmup is not None:
             warmup.join()  # before Prefect is imported: it reads PREFECT_API_URL then
-        from ckptflow.flows.train import train_pipeline
+        from ckptflow.flows.train import train_pipeline  # Prefect, while the trainers import the spec
 
+        _before_prefect(verbose, wait_for_spec)  # no flow run for a spec that failed to import
         if not verbose:
             _hide_tracebacks()
 

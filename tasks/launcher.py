@@ -3,9 +3,9 @@
 The flow starts it early (before Prefect is imported, see :mod:`.trainer`): it
 imports torch and the training code while it waits for its job on stdin, then
 starts the run's ranks on this machine with torch's elastic launcher
-(``elastic_launch``, the engine under ``torchrun``): c10d rendezvous (on a
-port the store binds itself, or the endpoint the job names when other
-machines join), one agent per machine, failure records. The ranks are forked
+(``elastic_launch``, the engine under ``torchrun``): c10d rendezvous on the
+endpoint the job names when other machines join (else a rendezvous of this
+machine alone, :mod:`.one_machine`), one agent per machine, failure records. The ranks are forked
 from this warmed-up process, so none imports torch again, and the flow's first
 epoch starts as soon as they have met (:mod:`.rank_worker`).
 
@@ -55,6 +55,8 @@ def launch(job: dict[str, Any], fd: int, log_dir: str) -> None:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from . import one_machine
+
     world = job["world"]
     nnodes = int(world.get("nnodes", 1))
     endpoint = world.get("rdzv_endpoint") or "127.0.0.1:0"
@@ -63,7 +65,7 @@ def launch(job: dict[str, Any], fd: int, log_dir: str) -> None:
         max_nodes=nnodes,
         nproc_per_node=int(world.get("nproc", 1)),
         run_id=world.get("rdzv_id") or uuid.uuid4().hex,
-        rdzv_backend="c10d",
+        rdzv_backend="c10d" if nnodes > 1 or world.get("rdzv_endpoint") else one_machine.BACKEND,
         rdzv_endpoint=endpoint,
         rdzv_configs={"timeout": int(world.get("rdzv_timeout", 900))},
         max_restarts=0,  # a failed rank fails the flow's task; its retry starts a new world
