@@ -39,34 +39,18 @@ sys.path.insert(0, str(ROOT))
 from bench.common import machine, markdown_table  # noqa: E402
 from tests.prefect_server import prefect_env, start_prefect_server  # noqa: E402
 
+# The plain loop, in one process or (``RANKS = True``) as one rank of a torch.distributed program:
+# the same spec and store calls the pipeline makes, no Prefect.
 PLAIN = r"""
-import json, os, sys, time
-from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.training_state import capture, seed_everything
-from bench.timing_spec import TimedDigits
-store = CheckpointStore(sys.argv[1])
-spec = TimedDigits({}, seed=0)
-seed_everything(0)
-t = spec.build()
-handle = None
-for epoch in range(1, int(sys.argv[2]) + 1):
-    m = spec.train_epoch(t, epoch); m.update(spec.evaluate(t, epoch)); m.pop("steps")
-    if handle is not None:
-        handle.wait()
-    handle = store.save_async(capture(t, spec, epoch=epoch, step=0), epoch=epoch, metrics=m, version=epoch)
-handle.wait()
-TimedDigits.mark("end")
-assert "prefect" not in sys.modules, "the plain loop imported Prefect"
-"""
-
-PLAIN_RANKS = r"""
 import sys
-import torch.distributed as dist
 from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.training_state import capture, seed_everything, split_ranked
 from bench.timing_spec import TimedDigits
-dist.init_process_group("gloo")
-store = CheckpointStore(sys.argv[1], distributed=True)
+RANKS = "--ranks" in sys.argv
+if RANKS:
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+store = CheckpointStore(sys.argv[1], distributed=RANKS)
 spec = TimedDigits({}, seed=0)
 seed_everything(0)
 t = spec.build()
@@ -75,12 +59,17 @@ for epoch in range(1, int(sys.argv[2]) + 1):
     m = spec.train_epoch(t, epoch); m.update(spec.evaluate(t, epoch)); m.pop("steps")
     if handle is not None:
         handle.wait()
-    shared, own = split_ranked(capture(t, spec, epoch=epoch, step=0))
+    state = capture(t, spec, epoch=epoch, step=0)
+    shared, own = split_ranked(state) if RANKS else (state, None)
     handle = store.save_async(shared, rank_state=own, epoch=epoch, metrics=m, version=epoch)
 handle.wait()
 store.close()
-dist.barrier()
-dist.destroy_process_group()
+if RANKS:
+    dist.barrier()
+    dist.destroy_process_group()
+else:
+    TimedDigits.mark("end")
+assert "prefect" not in sys.modules, "the plain loop imported Prefect"
 """
 
 FLOOR = r"""
@@ -136,8 +125,9 @@ def main() -> None:
         runs: dict[str, list[dict[str, float]]] = {name: [] for name in KINDS}
         run_cmd = [ckptflow, "run", "--spec", spec, "--epochs", str(args.epochs)]
         plain_ranks = tmp / "plain_ranks.py"
-        plain_ranks.write_text(PLAIN_RANKS)
+        plain_ranks.write_text(PLAIN)
         torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        torchrun.append(str(plain_ranks))
         # warm the ephemeral database once (first start creates and migrates it), as a user's second run would
         run_child([py, "-c", FLOOR], base, times)
         server = start_prefect_server(tmp / "server-home")
@@ -160,7 +150,7 @@ def main() -> None:
                     run_child([*run_cmd, "--in-process", "--storage", str(store / "inp")], env, times)
                 )
                 runs["plain loop, 2 ranks (torchrun)"].append(
-                    run_child([*torchrun, str(plain_ranks), str(store / "p2"), str(args.epochs)], base, times)
+                    run_child([*torchrun, str(store / "p2"), str(args.epochs), "--ranks"], base, times)
                 )
                 runs["ckptflow run --nproc 2, server"].append(
                     run_child([*run_cmd, "--nproc", "2", "--storage", str(store / "srv2")], env, times)

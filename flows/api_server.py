@@ -49,7 +49,6 @@ _CHECK = (
 NO_EPHEMERAL = "no-ephemeral"  # no API configured, and the user turned temporary servers off
 # What Prefect's SubprocessASGIServer sets for its server process.
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
-PORT_IN_USE = 3  # uvicorn's exit code when it cannot bind
 
 
 class ApiServerError(RuntimeError):
@@ -70,7 +69,11 @@ def configured_api_url() -> str | None:
 
 
 class TemporaryApiServer:
-    """``uvicorn --factory prefect.server.api.server:create_app`` on a free port of 127.0.0.1."""
+    """``uvicorn --factory prefect.server.api.server:create_app`` on a free port of 127.0.0.1.
+
+    The port is bound here and the listening socket handed to uvicorn (``--fd``): no port is
+    picked, released and bound again, so no other process can take it in between.
+    """
 
     def __init__(self) -> None:
         self.port = 0
@@ -84,14 +87,9 @@ class TemporaryApiServer:
     def start(self, timeout: float) -> None:
         """Start it and wait until ``/api/health`` answers; stop it and raise ApiServerError if not."""
         atexit.register(self.stop)
-        deadline = time.monotonic() + timeout
-        for _ in range(3):
-            self._spawn()
-            if self._wait_healthy(deadline):
-                return
-            assert self.process is not None
-            if self.process.poll() != PORT_IN_USE:
-                break
+        self._spawn()
+        if self._wait_healthy(time.monotonic() + timeout):
+            return
         self.stop()
         raise ApiServerError(
             f"the temporary Prefect API server did not answer within {timeout:g}s "
@@ -108,21 +106,25 @@ class TemporaryApiServer:
                 self.process.wait(10)
 
     def _spawn(self) -> None:
-        self.port = _free_port()
-        self.process = subprocess.Popen(
-            command(  # the kernel sends SIGTERM when this process dies (PR_SET_PDEATHSIG)
-                signal.SIGTERM,
-                "uvicorn",
-                *("--app-dir", _prefect_parent()),
-                *("--factory", "prefect.server.api.server:create_app"),
-                *("--host", "127.0.0.1", "--port", str(self.port)),
-                *("--log-level", "error", "--lifespan", "on"),
-            ),
-            env={k: v for k, v in {**os.environ, **SERVER_ENV}.items() if k != "PREFECT_API_URL"},
-            stdin=subprocess.DEVNULL,
-            stdout=self._output,
-            stderr=subprocess.STDOUT,
-        )
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listening:
+            listening.bind(("127.0.0.1", 0))
+            listening.listen(128)
+            self.port = int(listening.getsockname()[1])
+            self.process = subprocess.Popen(
+                command(  # the kernel sends SIGTERM when this process dies (PR_SET_PDEATHSIG)
+                    signal.SIGTERM,
+                    "uvicorn",
+                    *("--app-dir", _prefect_parent()),
+                    *("--factory", "prefect.server.api.server:create_app"),
+                    *("--fd", str(listening.fileno())),
+                    *("--log-level", "error", "--lifespan", "on"),
+                ),
+                env={k: v for k, v in {**os.environ, **SERVER_ENV}.items() if k != "PREFECT_API_URL"},
+                stdin=subprocess.DEVNULL,
+                stdout=self._output,
+                stderr=subprocess.STDOUT,
+                pass_fds=(listening.fileno(),),
+            )
 
     def _wait_healthy(self, deadline: float) -> bool:
         assert self.process is not None
@@ -147,12 +149,6 @@ def _prefect_parent() -> str:
     if spec is None or not spec.submodule_search_locations:
         raise ApiServerError("prefect is not installed")
     return str(Path(next(iter(spec.submodule_search_locations))).parent)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def start_for_cli() -> TemporaryApiServer | None:

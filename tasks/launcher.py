@@ -47,6 +47,28 @@ def _warm_up() -> None:
     from . import rank_worker, run_state  # noqa: F401
 
 
+def _import_spec(job: dict[str, Any], fd: int) -> None:
+    """Import the run's spec now, before the ranks are forked (they inherit it), and tell the flow
+    that it imports: the flow creates its run while the ranks start, not after.
+
+    A spec that fails to import is left to the ranks' build, which reports its error as always.
+    Only with a CPU build of torch: with CUDA, a spec's module may touch the GPU when imported,
+    and ranks forked after that could not use it.
+    """
+    import torch
+
+    if torch.version.cuda is not None or torch.version.hip is not None:
+        return
+    from .spec import load_spec_class
+
+    try:
+        load_spec_class(job["config"]["spec"])
+    except Exception:
+        return
+    with Connection(os.dup(fd)) as conn:  # the ranks keep the channel: write on a copy
+        conn.send_bytes(json.dumps({"spec": "ok"}).encode())
+
+
 def launch(job: dict[str, Any], fd: int, log_dir: str) -> None:
     """Start this machine's ranks of the job's world and wait until they have all ended.
 
@@ -94,10 +116,11 @@ def failure_text(error: BaseException) -> str:
         return f"{type(error).__name__}: {error}"
     lines = []
     for rank, failure in sorted(failures.items()):
-        code = failure.exitcode
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        if failure.signal_name() not in ("", "<N/A>"):
-            how = f"was killed by {failure.signal_name()}"
+        code, signal_name = failure.exitcode, failure.signal_name()
+        if signal_name not in ("", "<N/A>"):
+            how = f"was killed by {signal_name}"
+        else:
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         message = failure.message
         if isinstance(message, dict):
             message = str(message.get("message", ""))
@@ -118,6 +141,7 @@ def main() -> int:
     if not received[0]:
         return 0  # discarded before it got a job
     job = json.loads(received[0])
+    _import_spec(job, fd)
     log_dir = tempfile.mkdtemp(prefix="ckptflow-ranks-")
     try:
         launch(job, fd, log_dir)

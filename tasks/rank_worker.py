@@ -51,11 +51,6 @@ log = logging.getLogger("ckptflow.rank")
 STORE_PREFIX = "ckptflow"
 
 
-def rank_seed(seed: int, epoch: int, rank: int) -> int:
-    """The RNG seed of a rank whose own state was not saved (the number of ranks changed)."""
-    return (seed * 1_000_003 + epoch) * 1_009 + rank
-
-
 class _Interrupted(BaseException):
     """SIGTERM: stop the epoch in progress."""
 

@@ -139,7 +139,7 @@ def build_run(
     same model and restores the replicated state, then its own state (see :mod:`.rank_worker`).
     """
     from .spec import RunFacts, load_spec_class, make_spec
-    from .training_state import capture, restore, rng_state, seed_everything
+    from .training_state import capture, rank_seed, restore, rng_state, seed_everything
 
     load_spec_class(config.spec)
     identity = check_run_identity(store, config, warn)
@@ -181,8 +181,6 @@ def build_run(
     else:
         info(f"starting a new run in {store.url}")
     if reseed_epoch is not None and rank > 0:  # this rank's own RNG state was not saved
-        from .rank_worker import rank_seed
-
         seed_everything(rank_seed(config.seed, reseed_epoch, rank))
     run.rng = rng_state()
     run.identity = identity

@@ -30,6 +30,11 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
 
 
+def rank_seed(seed: int, epoch: int, rank: int) -> int:
+    """The RNG seed of a rank whose own state was not saved (the number of ranks changed)."""
+    return (seed * 1_000_003 + epoch) * 1_009 + rank
+
+
 def rng_state() -> dict[str, Any]:
     state: dict[str, Any] = {
         "torch": torch.get_rng_state(),

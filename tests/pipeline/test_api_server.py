@@ -145,3 +145,31 @@ def configured_api_url_in(env: dict[str, str]) -> str | None:
     finally:
         os.environ.clear()
         os.environ.update(saved)
+
+
+def test_the_server_command_is_the_one_prefect_runs():
+    """flows/api_server.py copies the command of Prefect's own temporary server (its
+    ``SubprocessASGIServer``) without importing the server application: if an upgrade of Prefect
+    changes that command, this fails, so the copy is brought up to date rather than drifting."""
+    import ast
+    import inspect
+
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from ckptflow.flows.api_server import SERVER_ENV
+
+    source = inspect.getsource(SubprocessASGIServer._run_uvicorn_command)
+    tree = ast.parse(source.replace("\n    ", "\n").strip())
+    [env] = [n for n in ast.walk(tree) if isinstance(n, ast.Dict) and n.keys and None not in n.keys]
+    assert ast.literal_eval(env) == SERVER_ENV
+    lists = [
+        [e.value for e in n.elts if isinstance(e, ast.Constant)]
+        for n in ast.walk(tree)
+        if isinstance(n, ast.List)
+    ]
+    [args] = [strings for strings in lists if "uvicorn" in strings]
+    # ours passes the listening socket (--fd) where Prefect's names a host and a port
+    assert args == [
+        "-m", "uvicorn", "--app-dir", "--factory", "prefect.server.api.server:create_app",
+        "--host", "127.0.0.1", "--port", "--log-level", "error", "--lifespan", "on",
+    ]  # fmt: skip
