@@ -127,7 +127,7 @@ def main() -> None:
         plain_ranks = tmp / "plain_ranks.py"
         plain_ranks.write_text(PLAIN)
         torchrun = [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        torchrun.append(str(plain_ranks))
+        torchrun += ["--log-dir", str(tmp / "torchrun-logs"), str(plain_ranks)]
         # warm the ephemeral database once (first start creates and migrates it), as a user's second run would
         run_child([py, "-c", FLOOR], base, times)
         server = start_prefect_server(tmp / "server-home")

@@ -197,6 +197,7 @@ def test_a_second_machine_joins_the_run_through_c10d_rendezvous(prefect_server, 
     )
     other = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
     other += ["--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-nodes"]
+    other += ["--log-dir", str(tmp_path / "other-logs")]  # torchrun's per-rank records (else in /tmp)
     with open(tmp_path / "other.log", "wb") as log:
         machine = subprocess.Popen(
             [*other, "-m", "ckptflow.tasks.rank_worker"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
