@@ -17,8 +17,8 @@ import pytest
 
 from ckptflow.storage import CheckpointStore, VersionNotFoundError
 from ckptflow.tasks.config import PipelineConfig
+from tests.children.run_flow import RESULT_PREFIX
 from tests.conftest import assert_same_state
-from tests.pipeline.run_flow import RESULT_PREFIX
 from tests.pipeline.specs import (
     MARKED_SPEC,
     MARKERS_ENV,
@@ -59,14 +59,14 @@ def run_summary(config: PipelineConfig) -> tuple[dict[str, Any], UUID]:
 
 
 class Child:
-    """``python -m tests.pipeline.run_flow CONFIG`` in its own session, output to a file."""
+    """``python -m tests.children.run_flow CONFIG`` in its own session, output to a file."""
 
     def __init__(self, server: PrefectServer, config: PipelineConfig, out: Path, **env: str) -> None:
         self.out = out
         child_env = {**server.env(), **env}
         with open(out, "wb") as sink:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.pipeline.run_flow", config.model_dump_json()],
+                [sys.executable, "-m", "tests.children.run_flow", config.model_dump_json()],
                 cwd=REPO,
                 env=child_env,
                 stdout=sink,

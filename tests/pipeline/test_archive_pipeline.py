@@ -12,7 +12,7 @@
 - ``ckptflow run``'s archive and upload flags reach the flow's config.
 
 The crash tests plant the hang in the child process's storage library (see
-``tests/pipeline/hang_child.py``): the kill lands at a known point, not at a lucky one.
+``tests/children/hang_child.py``): the kill lands at a known point, not at a lucky one.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from ckptflow.storage.remote.transfer import upload_file
 from ckptflow.tasks.archiving import next_groups
 from ckptflow.tasks.config import ArchiveConfig
 from ckptflow.tasks.formatting import human_size
+from tests.children import hang_child
 from tests.conftest import assert_same_state
-from tests.pipeline import hang_child
 from tests.pipeline.helpers import (
     REPO,
     Child,
@@ -99,13 +99,13 @@ def archive_task_runs(flow_run_id: Any, expected: int) -> list[Any]:
 
 
 class ArchiveChild(Child):
-    """``python -m tests.pipeline.hang_child CONFIG``: a flow run with a hang planted in archiving."""
+    """``python -m tests.children.hang_child CONFIG``: a flow run with a hang planted in archiving."""
 
     def __init__(self, server: Any, config: Any, out: Path, **env: str) -> None:
         self.out = out
         with open(out, "wb") as sink:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.pipeline.hang_child", config.model_dump_json()],
+                [sys.executable, "-m", "tests.children.hang_child", config.model_dump_json()],
                 cwd=REPO,
                 env={**server.env(), **env},
                 stdout=sink,

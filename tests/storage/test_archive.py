@@ -49,12 +49,13 @@ from ckptflow.storage.errors import (
 from ckptflow.storage.files.location import Location, open_location
 from ckptflow.storage.format.checksum import digest
 from ckptflow.storage.format.manifest import seal
+from tests.children import CHILDREN
 from tests.conftest import assert_same_state
 
 VERSIONS = 10
 TAR = "epochs-000000-000009.tar"
 MTIME = 1_700_000_000
-CHILD = Path(__file__).with_name("archive_child.py")
+CHILD = CHILDREN / "archive_child.py"
 
 
 def make_state(version: int) -> dict[str, Any]:

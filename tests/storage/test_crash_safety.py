@@ -45,12 +45,12 @@ import torch
 
 from ckptflow.storage import CheckpointStore, StoreOptions
 from ckptflow.storage.versions.claims import CLAIM_FILE
-
-from .crash_child import KILL_POINTS, make_state
+from tests.children import CHILDREN
+from tests.children.crash_child import KILL_POINTS, make_state
 
 pytestmark = pytest.mark.crash
 
-CHILD = Path(__file__).with_name("crash_child.py")
+CHILD = CHILDREN / "crash_child.py"
 ROOT_DIR = Path(__file__).resolve().parents[2]
 SEED = int(os.environ.get("CKPTFLOW_CRASH_SEED", "20240611"))
 LOCAL_MIB = 128

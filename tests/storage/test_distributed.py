@@ -34,14 +34,14 @@ import torch
 
 from ckptflow.storage import CheckpointStore, RankStateWarning, StoreOptions
 from ckptflow.storage.versions.commit import list_dirs
+from tests.children import CHILDREN
+from tests.children.dist_child import digest, make_rank_state, make_state
 from tests.conftest import assert_same_state, tensor_bits
 from tests.ports import free_port
 
-from .dist_child import digest, make_rank_state, make_state
-
 pytestmark = pytest.mark.timeout(120)
 
-CHILD = Path(__file__).with_name("dist_child.py")
+CHILD = CHILDREN / "dist_child.py"
 ROOT_DIR = Path(__file__).resolve().parents[2]
 SEED = 11
 JOB_TIMEOUT = 60.0

@@ -42,11 +42,11 @@ from ckptflow.storage.versions import claims
 from ckptflow.storage.versions import commit as protocol
 from ckptflow.storage.versions import lease as lease_module
 from ckptflow.storage.versions.lease import LEASE_FILE
+from tests.children import CHILDREN
+from tests.children.writer_child import make_state
 from tests.conftest import StoreTarget, assert_same_state
 
-from .writer_child import make_state
-
-CHILD = Path(__file__).with_name("writer_child.py")
+CHILD = CHILDREN / "writer_child.py"
 ROOT_DIR = Path(__file__).resolve().parents[2]
 SAVES = 6
 

@@ -1,6 +1,6 @@
 """Child-process entry of the pipeline tests: run ``train_pipeline`` on a JSON config.
 
-    python -m tests.pipeline.run_flow '{"storage": "...", "epochs": 6, ...}'
+    python -m tests.children.run_flow '{"storage": "...", "epochs": 6, ...}'
 
 Prints one JSON line prefixed with ``RESULT `` (the final state's type and the
 flow's summary, when it returned one) and exits 0 when the flow run ended

@@ -1,6 +1,6 @@
 """A writer for the single-writer tests: saves COUNT versions into one store, racing another writer.
 
-    python tests/storage/writer_child.py URL TAG COUNT GO_FILE [--lease TIMEOUT] [--hold SECONDS]
+    python tests/children/writer_child.py URL TAG COUNT GO_FILE [--lease TIMEOUT] [--hold SECONDS]
 
 It waits until ``GO_FILE`` exists (so that two writers start together), then
 saves version after version of ``make_state(TAG, i)`` with automatic version

@@ -1,6 +1,6 @@
 """Child-process entry of the archive crash tests: ``run_flow`` with a hang planted in archiving or upload.
 
-    python -m tests.pipeline.hang_child '{"storage": "...", "archive": {...}}'
+    python -m tests.children.hang_child '{"storage": "...", "archive": {...}}'
 
 A test needs the kill to land at a known point of a background job, and the
 jobs are not part of the TrainingSpec, so this entry plants the hang in the
@@ -30,7 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
-from tests.pipeline.run_flow import main
+from tests.children.run_flow import main
 
 HANG_IN_TAR_ENV = "CKPTFLOW_TEST_HANG_IN_TAR"
 HANG_IN_UPLOAD_ENV = "CKPTFLOW_TEST_HANG_IN_UPLOAD"

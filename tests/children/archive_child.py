@@ -1,6 +1,6 @@
 """A process that archives files into a tarball slowly, to be SIGKILLed mid-tar by a test.
 
-    python tests/storage/archive_child.py SRC_DIR DST_DIR TAR_NAME
+    python tests/children/archive_child.py SRC_DIR DST_DIR TAR_NAME
 
 Archives every file of SRC_DIR (members ``v000000/<file>``) with ``write_tar``
 and then commits the index. Once the first bytes are in the tar it prints

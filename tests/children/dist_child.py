@@ -1,7 +1,7 @@
 """One rank of a torch.distributed job for the multi-process storage tests.
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
-        python tests/storage/dist_child.py SCENARIO URL OUTDIR [--seed S] [--timeout SECS] ...
+        python tests/children/dist_child.py SCENARIO URL OUTDIR [--seed S] [--timeout SECS] ...
 
 Every rank joins a gloo job on 127.0.0.1, runs the steps of ``SCENARIO`` (see
 ``SCENARIOS``) against a distributed :class:`CheckpointStore` at ``URL``, and

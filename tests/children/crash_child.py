@@ -1,6 +1,6 @@
 """A training-like process for the crash-safety tests: saves version after version until killed.
 
-    python tests/storage/crash_child.py URL SEED [--mib 160] [--mode sync|async] [--count N]
+    python tests/children/crash_child.py URL SEED [--mib 160] [--mode sync|async] [--count N]
                                                 [--kill-at POINT]
 
 Version ``v`` holds ``make_state(SEED, v, mib)``: a model, an optimizer-like
