@@ -156,14 +156,14 @@ def run_command(
         config = PipelineConfig.model_validate(raw)
     except ValidationError as exc:
         raise typer.BadParameter(_validation_message(exc)) from None
-    spec_defined = _before_prefect(verbose, lambda: preflight.spec_defined(config.spec))
-    _before_prefect(verbose, lambda: preflight.check_store(config))
+    spec_defined = _before_the_flow_run(verbose, lambda: preflight.spec_defined(config.spec))
+    _before_the_flow_run(verbose, lambda: preflight.check_store(config))
     if config.uses_trainers:
         from ckptflow.tasks.trainer import prestart
 
         prestart(config)  # torch, the spec and the model, while this process imports Prefect
     if not spec_defined:  # only importing it can tell
-        _before_prefect(verbose, lambda: preflight.import_spec(config))
+        _before_the_flow_run(verbose, lambda: preflight.import_spec(config))
     warmup = _warm_up_api()
     result = _run_with_progress(config, warmup, verbose=verbose)
     _print_next_steps(config, result)
@@ -280,8 +280,9 @@ def _warm_up_torch() -> None:
     import torch._dynamo  # noqa: F401
 
 
-def _before_prefect(verbose: bool, check: Callable[[], T]) -> T:
-    """``check()``; a bad spec or store ends the command: one ``error:`` line, exit 1."""
+def _before_the_flow_run(verbose: bool, check: Callable[[], T]) -> T:
+    """``check()``; a bad spec or store ends the command before any flow run exists: one ``error:``
+    line, exit 1."""
     from ckptflow.storage import CheckpointError
     from ckptflow.tasks.run_state import ConfigMismatchError
     from ckptflow.tasks.spec import SpecError
@@ -363,7 +364,7 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
             warmup.join()  # before Prefect is imported: it reads PREFECT_API_URL then
         from ckptflow.flows.train import train_pipeline  # Prefect, while the trainers import the spec
 
-        _before_prefect(verbose, wait_for_spec)  # no flow run for a spec that failed to import
+        _before_the_flow_run(verbose, wait_for_spec)  # no flow run for a spec that failed to import
         if not verbose:
             _hide_tracebacks()
 

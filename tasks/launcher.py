@@ -81,14 +81,14 @@ def launch(job: dict[str, Any], fd: int, log_dir: str) -> None:
 
     world = job["world"]
     nnodes = int(world.get("nnodes", 1))
-    endpoint = world.get("rdzv_endpoint") or "127.0.0.1:0"
+    endpoint = world.get("rdzv_endpoint")  # other machines meet this one there
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=int(world.get("nproc", 1)),
         run_id=world.get("rdzv_id") or uuid.uuid4().hex,
-        rdzv_backend="c10d" if nnodes > 1 or world.get("rdzv_endpoint") else one_machine.BACKEND,
-        rdzv_endpoint=endpoint,
+        rdzv_backend="c10d" if nnodes > 1 or endpoint else one_machine.BACKEND,
+        rdzv_endpoint=endpoint or f"{one_machine.HOST}:0",
         rdzv_configs={"timeout": int(world.get("rdzv_timeout", 900))},
         max_restarts=0,  # a failed rank fails the flow's task; its retry starts a new world
         monitor_interval=0.1,

@@ -14,13 +14,14 @@ the CLI parses its options and imports Prefect, and gets its job when the
 options are valid (:func:`prestart`). The first epoch starts when both sides
 are ready instead of after one and then the other.
 
-Protocol: JSON messages on a socket pair that only the launcher's process
-tree holds (nothing is unpickled), each request ``{"id", "op", "args"}``
-answered by ``{"id", "ok"}`` or ``{"id", "error"}``; notes for the run's log
-come as ``{"log", "message"}``, and the launcher's record of a failed rank as
-``{"failure"}``, the last message; ``{"spec": "ok"}`` says that the spec imported,
-the first thing a build does, so ``ckptflow run`` can refuse a bad spec before
-it creates a flow run (:func:`spec_check`). The job (config, resolved storage
+Protocol: JSON messages on a socket pair that only the launcher's process tree
+holds (nothing is unpickled), each request ``{"id", "op", "args"}`` answered
+by ``{"id", "ok"}`` or ``{"id", "error"}``; notes for the run's log come as
+``{"log", "message"}``, and the launcher's record of a failed rank as
+``{"failure"}``, the last message; ``{"spec": "ok"}`` says that the spec
+imported (the launcher imports it before it forks the ranks, else the first
+thing a build does), so ``ckptflow run`` can refuse a bad spec before it
+creates a flow run (:func:`spec_check`). The job (config, resolved storage
 options with credentials, the world's size) goes on the launcher's stdin, so
 it shows in no process listing or environment. Request 0 is the build.
 
