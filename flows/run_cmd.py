@@ -19,6 +19,7 @@ before the flow run is created.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -363,6 +364,8 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
         if warmup is not None:
             warmup.join()  # before Prefect is imported: it reads PREFECT_API_URL then
         from ckptflow.flows.train import train_pipeline  # Prefect, while the trainers import the spec
+
+        gc.freeze()  # what is imported lives as long as the process: the collector no longer walks it
 
         _before_the_flow_run(verbose, wait_for_spec)  # no flow run for a spec that failed to import
         if not verbose:

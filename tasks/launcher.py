@@ -21,6 +21,7 @@ removed when the launch ends).
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -142,6 +143,9 @@ def main() -> int:
         return 0  # discarded before it got a job
     job = json.loads(received[0])
     _import_spec(job, fd)
+    # What is imported stays for the process's life: the collector stops walking it, in the agent's
+    # monitor loop (6 ms of CPU per epoch less at W=2) and in the forked ranks (their pages stay shared).
+    gc.freeze()
     log_dir = tempfile.mkdtemp(prefix="ckptflow-ranks-")
     try:
         launch(job, fd, log_dir)

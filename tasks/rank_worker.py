@@ -7,8 +7,8 @@ flow's machine), holds the flow's end of the channel: JSON requests
 ``{"id", "op", "args"}`` in, ``{"id", "ok"}`` / ``{"id", "error"}`` answers
 and ``{"log", "message", "id"}`` notes out; nothing is unpickled. The leader
 hands each request to the other ranks through the rendezvous store, in order,
-and every rank carries it out: build and restore, begin an epoch, train it,
-save (every rank writes its share, the leader's rank 0 commits), wait for a
+and every rank carries it out: build and restore, train an epoch (a retry
+restores its start state first), save (every rank writes its share, the leader's rank 0 commits), wait for a
 save, close. The leader answers; the others only act. So the flow drives N
 ranks exactly as it drives one.
 
@@ -259,10 +259,8 @@ class Rank:
         """Epochs and the staging of saves run here, in turn; writes and waits in threads of their own."""
         from .childenv import FLOW_RUN_ENV
 
-        if op == "begin_epoch":
-            self.answer(call_id, lambda: self.begin_epoch(bool(args["keep_snapshot"])))
-        elif op == "train":
-            self.answer(call_id, lambda: self.train(args["epoch"], args["attempt"]))
+        if op == "train":
+            self.answer(call_id, lambda: self.train(args["epoch"], bool(args["keep_snapshot"])))
         elif op == "save" and args["async"]:
             self.answer(call_id, lambda: self.save_async(args["epoch"]))
         elif op == "save":
@@ -297,17 +295,18 @@ class Rank:
         self.handles[epoch] = self.run.store.save_async(shared, rank_state=own, **kwargs)
         return epoch
 
-    def begin_epoch(self, keep_snapshot: bool) -> None:
-        from .run_state import EpochAttempts
+    def train(self, epoch: int, keep_snapshot: bool) -> dict[str, Any]:
+        """An attempt at ``epoch``: the first keeps the epoch's start state (``keep_snapshot``), a
+        later one (the flow's retry after an error) restores it first."""
+        from .run_state import EpochAttempts, train_attempt
 
-        self.attempts = EpochAttempts(self.run, keep_snapshot=keep_snapshot)
-
-    def train(self, epoch: int, attempt: int) -> dict[str, Any]:
-        from .run_state import train_attempt
-
-        if self.attempts is None:
-            raise RuntimeError(f"epoch {epoch} was not begun")
-        self.attempts.count = attempt
+        if self.attempts is None or self.attempts.epoch != epoch:
+            if epoch != self.run.epoch + 1:
+                raise RuntimeError(
+                    f"asked to train epoch {epoch}, but these trainers stand at epoch {self.run.epoch}"
+                )
+            self.attempts = EpochAttempts(self.run, keep_snapshot=keep_snapshot)
+        self.attempts.count += 1
         metrics = train_attempt(self.run, epoch, self.attempts, self.log("warning"))
         return {"metrics": metrics, "step": self.run.step}
 

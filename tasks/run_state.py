@@ -212,8 +212,8 @@ class EpochAttempts:
     def __init__(self, run: RunState, *, keep_snapshot: bool) -> None:
         self.snapshot: Snapshot | None = None
         self.keep_snapshot = keep_snapshot
-        self.begun_at = 0  # with trainers: the attempt at which they began the epoch (kept its start)
-        if run.remote is None and keep_snapshot:  # trainers keep their own (train_epoch begins it)
+        self.epoch = run.epoch + 1
+        if run.remote is None and keep_snapshot:  # trainers keep their own, at their first attempt
             from .training_state import Snapshot
 
             spec, trainable = run.local()

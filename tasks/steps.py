@@ -156,8 +156,7 @@ def _live_trainers(run: RunState) -> bool:
         log = _log_to(logger)
         for epoch in range(built["epoch"] + 1, run.epoch + 1):
             logger.info("training epoch %d again: its trainers died before it was committed", epoch)
-            process.call("begin_epoch", keep_snapshot=False).result()
-            process.call("train", log, epoch=epoch, attempt=1).result()
+            process.call("train", log, epoch=epoch, keep_snapshot=False).result()
     except BaseException:
         process.close(interrupted=True)
         raise
@@ -176,12 +175,9 @@ def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str,
     warn = get_run_logger().warning
     if run.remote is None:
         return run_state.train_attempt(run, epoch, attempts, warn)
-    if _live_trainers(run) or not attempts.begun_at:
-        run.remote.call("begin_epoch", keep_snapshot=attempts.keep_snapshot).result()
-        attempts.begun_at = attempts.count
+    _live_trainers(run)  # new trainers count their own attempts: their first keeps the start state
     log = _log_to(get_run_logger())
-    attempt = attempts.count - attempts.begun_at + 1
-    answer = run.remote.call("train", log, epoch=epoch, attempt=attempt).result()
+    answer = run.remote.call("train", log, epoch=epoch, keep_snapshot=attempts.keep_snapshot).result()
     run.epoch, run.step = epoch, answer["step"]
     run.metrics[epoch] = answer["metrics"]
     return cast(dict[str, float], answer["metrics"])
