@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Any
 
 from .archive.tarballs import archive_location, list_archived
 from .errors import (
-    CheckpointError,
-    FormatVersionError,
     ManifestError,
     UnreadableVersionError,
     VersionNotFoundError,
@@ -37,6 +35,7 @@ from .load.restore import rank_manifest, read_state
 from .load.verifying import verify_version
 from .save.async_save import SaveHandle
 from .save.store_saver import SaveRequest, StoreSaver
+from .sharded.api import ShardedStore, holds_sharded
 from .upkeep import Upkeep
 from .versions import catalog, metadata
 from .versions import commit as protocol
@@ -54,7 +53,7 @@ if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, p
 log = logging.getLogger(__name__)
 
 
-class CheckpointStore(Upkeep):
+class CheckpointStore(ShardedStore, Upkeep):
     """Checkpoints of one training run under an fsspec URL (path, file://, s3://, memory://).
 
     ``distributed=True`` (or a :class:`RankGroup`): a store shared by every rank of a
@@ -143,7 +142,10 @@ class CheckpointStore(Upkeep):
         from ``state``; in a distributed store ``state`` is the replicated state, the
         same on every rank, and each rank passes its own ``rank_state``.
         """
-        return self._saves.save(state, SaveRequest(epoch, step, metrics, version, user, rank_state))
+        request = SaveRequest(epoch, step, metrics, version, user, rank_state)
+        if holds_sharded(state):  # DTensors, or objects with state_dict(): DCP plans the save
+            return self._save_sharded(state, request)
+        return self._saves.save(state, request)
 
     def save_async(
         self,
@@ -163,7 +165,10 @@ class CheckpointStore(Upkeep):
         raises its failure, if it failed and nobody called ``wait()``. In a
         distributed store each rank copies only the share it writes.
         """
-        return self._saves.save_async(state, SaveRequest(epoch, step, metrics, version, user, rank_state))
+        request = SaveRequest(epoch, step, metrics, version, user, rank_state)
+        if holds_sharded(state):
+            return self._save_sharded_async(state, request)
+        return self._saves.save_async(state, request)
 
     # -- one writer per store ---------------------------------------------------
 
@@ -246,6 +251,10 @@ class CheckpointStore(Upkeep):
         place and returned as those very tensors. Archived versions are read
         from their tarball by range reads.
         """
+        if into is not None and holds_sharded(into):  # DTensors: every rank reads the parts it holds
+            if keys:
+                raise ValueError("keys cannot select parts of a sharded load: pass only those parts in into")
+            return self._load_sharded(version, into, verify)
         located = self._locate(version)
         return self._read(located, located.manifest, keys, map_location, verify, into)
 
@@ -330,28 +339,6 @@ class CheckpointStore(Upkeep):
         """
         with translate_errors(self.loc, "listing"):
             return list_archived(self.loc)
-
-    def set_aside_unreadable(self) -> list[tuple[int, str, CheckpointError]]:
-        """Move aside the unreadable versions above the newest committed one, so a writer can go on.
-
-        Returns (version, new directory URL, why) for each. Their directories are renamed, never
-        deleted (see :func:`.commit.set_aside`). A version written by a newer ckptflow is not moved:
-        that raises its FormatVersionError (upgrade instead). Nothing is moved while a tarball's
-        index cannot be read: its versions, maybe the newest, are unknown (CheckpointError).
-        """
-        self._saver.wait_previous()
-        with translate_errors(self.loc, "setting aside unreadable versions in"):
-            catalog.archived_for_writing(self.loc)
-            _, above = catalog.newest_and_above(self.loc)
-            moved = []
-            for version, record in sorted(above.items(), reverse=True):
-                error = record.error or ManifestError(f"manifest of version {version} cannot be read")
-                if isinstance(error, FormatVersionError):
-                    raise error
-                name = protocol.set_aside(self.loc, version)
-                log.warning("version %d is unreadable (%s): set aside as %s", version, error, name)
-                moved.append((version, self.loc.display(name), error))
-        return moved
 
     def info_of(self, located: catalog.Located) -> VersionInfo:
         """The listing entry of a version found by :meth:`survey`."""

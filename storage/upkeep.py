@@ -1,4 +1,4 @@
-"""A store's upkeep: delete, prune, archive, collect garbage and mirror its committed versions.
+"""A store's upkeep: delete, prune, archive, collect garbage, mirror and set aside versions.
 
 These are the :class:`~.store.CheckpointStore` methods that change what is
 stored after it was committed; each waits for the store's async save in flight
@@ -9,19 +9,23 @@ and :mod:`.remote.mirror`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .archive.tarindex import TarIndex
+from .errors import CheckpointError, FormatVersionError, ManifestError
 from .files.location import Location, translate_errors
 from .remote import mirror
-from .versions import housekeeping
+from .versions import catalog, housekeeping
+from .versions import commit as protocol
 from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:
     from .format.manifest import Manifest
     from .save.async_save import AsyncSaver
-    from .versions import catalog
+
+log = logging.getLogger("ckptflow.storage.store")
 
 
 class Upkeep:
@@ -131,3 +135,25 @@ class Upkeep:
         """
         mirror.require_local(self.loc)
         return mirror.mirror_archive(self.loc, tar, url, storage_options)
+
+    def set_aside_unreadable(self) -> list[tuple[int, str, CheckpointError]]:
+        """Move aside the unreadable versions above the newest committed one, so a writer can go on.
+
+        Returns (version, new directory URL, why) for each. Their directories are renamed, never
+        deleted (see :func:`.commit.set_aside`). A version written by a newer ckptflow is not moved:
+        that raises its FormatVersionError (upgrade instead). Nothing is moved while a tarball's
+        index cannot be read: its versions, maybe the newest, are unknown (CheckpointError).
+        """
+        self._saver.wait_previous()
+        with translate_errors(self.loc, "setting aside unreadable versions in"):
+            catalog.archived_for_writing(self.loc)
+            _, above = catalog.newest_and_above(self.loc)
+            moved = []
+            for version, record in sorted(above.items(), reverse=True):
+                error = record.error or ManifestError(f"manifest of version {version} cannot be read")
+                if isinstance(error, FormatVersionError):
+                    raise error
+                name = protocol.set_aside(self.loc, version)
+                log.warning("version %d is unreadable (%s): set aside as %s", version, error, name)
+                moved.append((version, self.loc.display(name), error))
+        return moved

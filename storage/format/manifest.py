@@ -26,9 +26,10 @@ from .dtypenames import itemsize
 from .manifest_checks import MAX_BYTES, check_manifest, document_depth_problem
 
 FORMAT_NAME = "ckptflow-checkpoint"
-FORMAT_VERSION = 3  # the newest this code reads, and the one it writes
+FORMAT_VERSION = 4  # the newest this code reads, and the one it writes
 RANKS_FORMAT_VERSION = 2  # added ``world_size`` and ``ranks`` (per-rank state of a multi-process save)
 SEALED_FORMAT_VERSION = 3  # added ``manifest_checksum``, the manifest's checksum of itself
+SHARDED_FORMAT_VERSION = 4  # added ``chunked``: tensors stored as chunks of a global shape (DTensor)
 SEAL_KEY = "manifest_checksum"
 MANIFEST_FILE = "manifest.json"
 
@@ -69,6 +70,30 @@ class TensorEntry(_Model):
         return None if size is None else math.prod(self.shape) * size
 
 
+class ChunkEntry(_Model):
+    """One stored piece of a chunked tensor: the box ``offsets``..``offsets + sizes`` of its global
+    shape, held (contiguous, row-major) by blob ``blob``."""
+
+    offsets: list[int]
+    sizes: list[int]
+    blob: int = Field(ge=0)
+
+
+class ChunkedEntry(_Model):
+    """A tensor stored as chunks of its global shape (a DTensor's shards, written by the ranks
+    that held them); ``path`` names it in messages, the structure places it."""
+
+    path: str
+    dtype: str
+    shape: list[int]
+    requires_grad: bool = False
+    chunks: list[ChunkEntry]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * (itemsize(self.dtype) or 0)
+
+
 class RankPart(_Model):
     """One rank's own state (RNG states, data position) in a checkpoint saved by several processes.
 
@@ -98,6 +123,7 @@ class Manifest(_Model):
     user: dict[str, Any] = Field(default_factory=dict)
     world_size: int = Field(default=1, ge=1)  # processes that saved it
     ranks: list[RankPart] = Field(default_factory=list)  # one per rank, or none
+    chunked: list[ChunkedEntry] = Field(default_factory=list)  # tensors stored as chunks
 
     @property
     def total_size(self) -> int:
@@ -108,6 +134,8 @@ class Manifest(_Model):
         """The manifest as written: sealed with its own checksum (format 3), multi-process fields
         only when it has them."""
         exclude = {"world_size", "ranks"} if self.world_size == 1 and not self.ranks else set()
+        if not self.chunked:
+            exclude.add("chunked")
         raw = self.model_dump(mode="json", exclude=exclude)
         raw["format_version"] = max(self.format_version, SEALED_FORMAT_VERSION)
         return json.dumps(seal(raw, SEAL_KEY), indent=1, allow_nan=False).encode()

@@ -12,6 +12,9 @@ checks what ties the fields together, without recursion and before any I/O:
   dtype's width is its byte count, and a byte range inside its shard;
 - every tensor names a listed blob, a known dtype, and a view (shape, stride,
   offset) that stays inside that blob;
+- every chunked tensor (format 4) has a known dtype and a global shape, and
+  chunks that lie inside it, do not overlap, cover it exactly, and each name a
+  listed blob of the chunk's dtype and size;
 - the structure is at most :data:`MAX_DEPTH` deep, uses only known ``$`` tags
   with payloads of the right kind, and refers only to listed tensors;
 - checksums are 16 hex digits (xxh3-64).
@@ -33,14 +36,15 @@ from .dtypenames import NATIVE, itemsize
 from .names import is_plain_name
 
 if TYPE_CHECKING:
-    from .manifest import BlobEntry, Manifest, ShardEntry, TensorEntry
+    from .manifest import BlobEntry, ChunkedEntry, Manifest, ShardEntry, TensorEntry
 
 MAX_DEPTH = 64  # nesting of the structure; real training states are a few levels deep
 MAX_DOCUMENT_DEPTH = MAX_DEPTH + 16  # nesting of a whole manifest or index (a structure inside)
 MAX_BYTES = 256 << 20  # a manifest (or an index) larger than this is refused before parsing
 MAX_COUNT = 1 << 48  # a size, stride or offset in elements (or bytes) above this is not a real one
 _CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
-_TAGS = {"$tensor", "$ndarray", "$tuple", "$float", "$bytes", "$dtype", "$dict"}
+_TAGS = {"$tensor", "$ndarray", "$chunked", "$tuple", "$float", "$bytes", "$dtype", "$dict"}
+MAX_CHUNKS = 1 << 16  # chunks of one tensor: a mesh of this many ranks is far beyond any job's
 _FLOATS = {"nan", "inf", "-inf"}
 
 
@@ -60,7 +64,10 @@ def check_manifest(m: Manifest, where: str) -> None:
             _check_blob(blob, m.shards, f"{prefix}blobs[{i}]", where)
         for i, tensor in enumerate(tensors):
             _check_tensor(tensor, blobs, f"{prefix}tensors[{i}]", where)
-        _check_structure(structure, [t.dtype for t in tensors], f"{prefix}structure", where)
+        chunked = len(m.chunked) if not prefix else 0
+        _check_structure(structure, [t.dtype for t in tensors], chunked, f"{prefix}structure", where)
+    for i, entry in enumerate(m.chunked):
+        _check_chunked(entry, m.blobs, f"chunked[{i}]", where)
 
 
 def _fail(where: str, field: str, problem: str) -> ManifestError:
@@ -136,6 +143,60 @@ def _check_tensor(tensor: TensorEntry, blobs: list[BlobEntry], field: str, where
         )
 
 
+def _check_chunked(entry: ChunkedEntry, blobs: list[BlobEntry], field: str, where: str) -> None:
+    width = itemsize(entry.dtype)
+    if width is None:
+        raise _fail(where, f"{field}.dtype", f"unknown dtype {entry.dtype!r}")
+    problem = _counts_problem(entry.shape)
+    if problem:
+        raise _fail(where, f"{field}.shape", f"{problem} in {entry.shape}")
+    if len(entry.chunks) > MAX_CHUNKS:
+        raise _fail(where, f"{field}.chunks", f"{len(entry.chunks)} chunks, more than {MAX_CHUNKS}")
+    boxes: list[tuple[list[int], list[int]]] = []
+    for j, chunk in enumerate(entry.chunks):
+        name = f"{field}.chunks[{j}]"
+        dims = len(entry.shape)
+        if len(chunk.offsets) != dims or len(chunk.sizes) != dims:
+            raise _fail(
+                where, name, f"a box of {len(chunk.offsets)}/{len(chunk.sizes)} dims in a {dims}-d tensor"
+            )
+        if any(
+            o < 0 or n < 0 or o + n > d
+            for o, n, d in zip(chunk.offsets, chunk.sizes, entry.shape, strict=True)
+        ):
+            raise _fail(
+                where, name, f"offsets {chunk.offsets} + sizes {chunk.sizes} leave shape {entry.shape}"
+            )
+        if chunk.blob >= len(blobs):
+            raise _fail(where, f"{name}.blob", f"blob {chunk.blob} is not listed ({len(blobs)} blobs)")
+        blob = blobs[chunk.blob]
+        if itemsize(blob.dtype) != width or blob.nbytes != math.prod(chunk.sizes) * width:
+            raise _fail(
+                where,
+                f"{name}.blob",
+                f"blob {chunk.blob} holds {blob.nbytes} bytes of {blob.dtype}, "
+                f"not {chunk.sizes} of {entry.dtype}",
+            )
+        boxes.append((chunk.offsets, chunk.sizes))
+    covered = sum(math.prod(sizes) for _, sizes in boxes)
+    if covered != math.prod(entry.shape) or _overlap(boxes):
+        raise _fail(where, f"{field}.chunks", f"the chunks do not cover shape {entry.shape} once exactly")
+
+
+def _overlap(boxes: list[tuple[list[int], list[int]]]) -> bool:
+    """Whether two non-empty boxes share an element (sorted by their first offset, so mostly linear)."""
+    live = sorted((b for b in boxes if math.prod(b[1])), key=lambda b: b[0])
+    for i, (start, size) in enumerate(live):
+        for other, other_size in live[i + 1 :]:
+            if start and other[0] >= start[0] + size[0]:
+                break
+            if all(
+                a < c + m and c < a + n for a, n, c, m in zip(start, size, other, other_size, strict=True)
+            ):
+                return True
+    return False
+
+
 def _counts_problem(counts: list[int]) -> str | None:
     """Why a shape or stride cannot be a real one (None: it can)."""
     if any(n < 0 for n in counts):
@@ -153,7 +214,7 @@ def _contiguous(shape: list[int]) -> list[int]:
     return stride[::-1]
 
 
-def _check_structure(structure: Any, dtypes: list[str], field: str, where: str) -> None:
+def _check_structure(structure: Any, dtypes: list[str], chunked: int, field: str, where: str) -> None:
     for node, depth in _walk(structure):
         if depth > MAX_DEPTH:
             raise _fail(where, field, f"nested deeper than {MAX_DEPTH} levels")
@@ -162,14 +223,17 @@ def _check_structure(structure: Any, dtypes: list[str], field: str, where: str) 
         ((tag, payload),) = node.items()
         if not tag.startswith("$"):
             continue
-        problem = _tag_problem(tag, payload, dtypes)
+        problem = _tag_problem(tag, payload, dtypes, chunked)
         if problem:
             raise _fail(where, field, problem)
 
 
-def _tag_problem(tag: str, payload: Any, dtypes: list[str]) -> str | None:
+def _tag_problem(tag: str, payload: Any, dtypes: list[str], chunked: int) -> str | None:
     if tag not in _TAGS:
         return f"unknown tag {tag!r}"
+    if tag == "$chunked":
+        ok = isinstance(payload, int) and not isinstance(payload, bool) and 0 <= payload < chunked
+        return None if ok else f"$chunked {payload!r} is not one of the {chunked} chunked tensors"
     if tag in ("$tensor", "$ndarray"):
         ok = isinstance(payload, int) and not isinstance(payload, bool) and 0 <= payload < len(dtypes)
         if not ok:

@@ -10,6 +10,8 @@ JSON cannot say everything Python can, so some nodes are tagged objects with a
 single key starting with ``$``:
 
 - ``{"$tensor": i}`` / ``{"$ndarray": i}``: the i-th array leaf,
+- ``{"$chunked": i}``: the i-th chunked tensor of the manifest (a DTensor saved
+  as the shards its ranks held; :class:`ChunkedRef` marks it when encoding),
 - ``{"$tuple": [...]}``, ``{"$float": "nan" | "inf" | "-inf"}``,
   ``{"$bytes": base64}``, ``{"$dtype": "float32"}``,
 - ``{"$dict": [[key, value], ...]}`` for dicts whose keys are not all strings
@@ -47,6 +49,13 @@ class Leaf:
     is_numpy: bool
 
 
+@dataclass(frozen=True)
+class ChunkedRef:
+    """Stands for the ``index``-th chunked tensor in a state being encoded."""
+
+    index: int
+
+
 def join_path(parent: str, key: object) -> str:
     """Key paths are slash-separated, e.g. ``optimizer/state/0/exp_avg``."""
     return f"{parent}/{key}" if parent else str(key)
@@ -82,6 +91,8 @@ def _encode(value: object, path: str, leaves: list[Leaf], active: set[int]) -> J
         return float(value) if math.isfinite(value) else {"$float": repr(float(value))}
     if isinstance(value, torch.Tensor):
         return {"$tensor": _add_leaf(leaves, path, _check_tensor(value, path), False)}
+    if isinstance(value, ChunkedRef):
+        return {"$chunked": value.index}
     if isinstance(value, np.ndarray):
         return {"$ndarray": _add_leaf(leaves, path, _numpy_to_tensor(value, path), True)}
     if isinstance(value, np.generic):
@@ -101,8 +112,8 @@ def _encode(value: object, path: str, leaves: list[Leaf], active: set[int]) -> J
     raise UnsupportedValueError(
         path,
         f"values of type {type(value).__qualname__} are not supported; store tensors, "
-        "numbers, strings, bytes, None and dicts/lists/tuples of them (call .state_dict() "
-        "on modules, optimizers and schedulers)",
+        "numbers, strings, bytes, None and dicts/lists/tuples of them, or objects with "
+        "state_dict() and load_state_dict() (modules, optimizers, schedulers)",
     )
 
 
@@ -169,10 +180,15 @@ def _numpy_to_tensor(array: np.ndarray, path: str) -> torch.Tensor:
     )  # ascontiguousarray makes 0-d 1-d
 
 
-def decode(structure: Json, resolve: Callable[[int, bool], object]) -> object:
-    """Rebuild a state; ``resolve(index, is_numpy)`` returns the array for a leaf."""
+def decode(
+    structure: Json,
+    resolve: Callable[[int, bool], object],
+    chunked: Callable[[int], object] | None = None,
+) -> object:
+    """Rebuild a state; ``resolve(index, is_numpy)`` returns the array for a leaf, ``chunked(index)``
+    a chunked tensor."""
     if isinstance(structure, list):
-        return [decode(v, resolve) for v in structure]
+        return [decode(v, resolve, chunked) for v in structure]
     if not isinstance(structure, dict):
         return structure
     if len(structure) == 1:
@@ -181,8 +197,12 @@ def decode(structure: Json, resolve: Callable[[int, bool], object]) -> object:
             return resolve(payload, False)
         if tag == "$ndarray":
             return resolve(payload, True)
+        if tag == "$chunked":
+            if chunked is None:
+                raise ValueError("a chunked tensor where none was expected")
+            return chunked(payload)
         if tag == "$tuple":
-            return tuple(decode(v, resolve) for v in payload)
+            return tuple(decode(v, resolve, chunked) for v in payload)
         if tag == "$float":
             return float(payload)
         if tag == "$bytes":
@@ -190,27 +210,29 @@ def decode(structure: Json, resolve: Callable[[int, bool], object]) -> object:
         if tag == "$dtype":
             return dtype_from_name(payload)
         if tag == "$dict":
-            return {_key(decode(k, resolve)): decode(v, resolve) for k, v in payload}
-    return {k: decode(v, resolve) for k, v in structure.items()}
+            return {_key(decode(k, resolve, chunked)): decode(v, resolve, chunked) for k, v in payload}
+    return {k: decode(v, resolve, chunked) for k, v in structure.items()}
 
 
 def _key(key: object) -> object:
     return tuple(key) if isinstance(key, list) else key
 
 
-def leaf_refs(structure: Json) -> Iterator[int]:
-    """Indices of all array leaves referenced below ``structure``."""
+def leaf_refs(structure: Json, tags: tuple[str, ...] = ("$tensor", "$ndarray")) -> Iterator[int]:
+    """Indices of all array leaves (or of the leaves with ``tags``) referenced below ``structure``."""
     if isinstance(structure, list):
         for v in structure:
-            yield from leaf_refs(v)
+            yield from leaf_refs(v, tags)
     elif isinstance(structure, dict):
         if len(structure) == 1:
             ((tag, payload),) = structure.items()
-            if tag in ("$tensor", "$ndarray"):
+            if tag in tags:
                 yield payload
                 return
+            if tag in ("$tensor", "$ndarray", "$chunked"):
+                return
         for v in structure.values():
-            yield from leaf_refs(v)
+            yield from leaf_refs(v, tags)
 
 
 def select(structure: Json, keys: list[str]) -> Json:

@@ -56,15 +56,22 @@ def read_state(
     verify: bool | None,
     into: Any,
 ) -> Any:
-    """The state ``manifest`` (of the version ``located``) describes, or the parts under ``keys``."""
+    """The state ``manifest`` (of the version ``located``) describes, or the parts under ``keys``.
+
+    Chunked tensors (a sharded save) come back whole: their chunks put together.
+    """
     import torch
 
     from ..format.structure import decode, leaf_refs, select
-    from .loader import as_bytes, build_tensors, target_buffers
+    from .loader import as_bytes, build_tensors, target_buffers, tensor_paths
 
     structure = select(manifest.structure, list(keys)) if keys else manifest.structure
     leaf_ids = sorted(set(leaf_refs(structure)))
-    wanted = sorted({manifest.tensors[i].blob for i in leaf_ids})
+    chunked_ids = sorted(set(leaf_refs(structure, ("$chunked",))))
+    wanted = sorted(
+        {manifest.tensors[i].blob for i in leaf_ids}
+        | {c.blob for i in chunked_ids for c in manifest.chunked[i].chunks}
+    )
     check = options.verify_on_load if verify is None else verify
     device = torch.device(map_location)
     targets = {}
@@ -81,4 +88,30 @@ def read_state(
             buffers={blob: as_bytes(t) for blob, t in targets.items()},
         )
     tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
-    return decode(structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i])
+    given = tensor_paths(into) if into is not None and device.type == "cpu" else {}
+    whole = {i: _assemble(manifest, i, raw, given).to(device) for i in chunked_ids}
+    return decode(
+        structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i], whole.__getitem__
+    )
+
+
+def _assemble(
+    manifest: Manifest, index: int, raw: dict[int, torch.Tensor], given: dict[str, torch.Tensor]
+) -> torch.Tensor:
+    """Chunked tensor ``index`` whole, from its chunks' bytes (into the caller's tensor at its path
+    when that is a plain CPU tensor of its dtype and shape)."""
+    import torch
+
+    from ..format.dtypes import dtype_from_name
+
+    entry = manifest.chunked[index]
+    dtype = dtype_from_name(entry.dtype)
+    out = given.get(entry.path)
+    if out is None or type(out) is not torch.Tensor or out.dtype != dtype or list(out.shape) != entry.shape:
+        out = torch.empty(entry.shape, dtype=dtype)
+    for chunk in entry.chunks:
+        part = out
+        for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):
+            part = part.narrow(dim, start, length)
+        part.copy_(raw[chunk.blob].view(dtype).reshape(chunk.sizes))
+    return out

@@ -221,6 +221,29 @@ class VersionWriter:
             raise self._taken(version, claims.read_claim(self.loc, version))
         return version
 
+    # -- for other save paths (a DCP save, :mod:`..sharded.writer`) --
+
+    def claim_number(self, version: int | None, epoch: int | None) -> int:
+        """Claim ``version`` (or the next number) for a save another path writes."""
+        return self._claim_version(version, epoch)
+
+    def ensure_claim(self, version: int) -> None:
+        self._ensure_claim(version)
+
+    def commit(self, manifest: Manifest) -> None:
+        self._commit(manifest)
+
+    def discard(self, version: int) -> None:
+        self._discard(version)
+
+    def sharded_job(self, version: int, request: Any, structure: Any) -> SaveJob:
+        """The :class:`SaveJob` of a save whose blobs another path wrote (its manifest's fields)."""
+        user = dict(request.user or {})
+        empty = SavePlan([], [], [])
+        return SaveJob(
+            version, request.epoch, request.step, clean_metrics(request.metrics), structure, [], empty, user
+        )
+
     def clear_leftovers(self, version: int) -> None:
         """Remove an uncommitted ``version`` before writing it, unless another live writer is writing it."""
         found = claims.read_claim(self.loc, version)

@@ -43,7 +43,7 @@ UNSUPPORTED = {
     "object-array": lambda: np.array([object()]),
     "datetime-array": lambda: np.array(["2024-01-01"], dtype="datetime64[D]"),
     "lone-surrogate": lambda: "bad \ud800",
-    "module": lambda: torch.nn.Linear(2, 2),
+    "generator": lambda: torch.Generator(),  # it has get_state(), not state_dict()
 }
 
 
@@ -71,8 +71,10 @@ class TestUnsupportedValues:
 
     def test_the_message_says_what_to_do(self, tmp_path):
         store = CheckpointStore(tmp_path)
-        with pytest.raises(UnsupportedValueError, match=r"call \.state_dict\(\)"):
-            store.save({"model": torch.nn.Linear(2, 2)})
+        with pytest.raises(
+            UnsupportedValueError, match=r"objects with state_dict\(\) and load_state_dict\(\)"
+        ):
+            store.save({"rng": torch.Generator()})
         with pytest.raises(UnsupportedValueError, match=r"\.to_dense\(\)"):
             store.save({"s": torch.eye(2).to_sparse()})
 

@@ -1,0 +1,261 @@
+"""The store's sharded side: DTensor (FSDP2, tensor-parallel) states, through DCP's planner.
+
+:class:`ShardedStore` is a base class of :class:`~ckptflow.storage.CheckpointStore`:
+
+- ``dcp_writer(epoch=E)`` / ``dcp_reader(version=V)``: the StorageWriter and
+  StorageReader for ``dcp.save`` / ``dcp.async_save`` / ``dcp.load``;
+- ``save`` of a state that holds a DTensor (or a DCP ``Stateful`` object) goes
+  through ``dcp.save`` with that writer, on the store's own gloo group: each rank
+  writes the chunks it holds, every replicated chunk once, rank 0 commits;
+- ``load(into=state)`` of a state that holds one goes through ``dcp.load``:
+  every rank reads the parts of the stored chunks its DTensors cover, whatever
+  the world and mesh that saved them.
+
+A sharded version is an ordinary committed version: listed, verified,
+archived, uploaded and pruned like any other, and ``load()`` in one process
+returns its tensors whole.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointError
+from ..info import VersionInfo
+
+if TYPE_CHECKING:
+    from ..files.location import Location
+    from ..info import StoreOptions
+    from ..save.async_save import SaveHandle
+    from ..save.distributed import RankGroup
+    from ..save.saving import VersionWriter
+    from ..save.store_saver import SaveRequest, StoreSaver
+    from ..versions import catalog
+    from .reader import DcpReader
+    from .writer import DcpWriter
+
+
+class ShardedStore:
+    """What :class:`~ckptflow.storage.CheckpointStore` does with sharded (DTensor) state."""
+
+    loc: Location
+    options: StoreOptions
+    group: RankGroup | None
+    _saves: StoreSaver
+
+    if TYPE_CHECKING:
+
+        @property
+        def _writer(self) -> VersionWriter: ...
+
+        @property
+        def world_size(self) -> int: ...
+
+        def _locate(self, version: int | None) -> catalog.Located: ...
+
+    def dcp_writer(
+        self,
+        *,
+        epoch: int | None = None,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        version: int | None = None,
+        user: dict[str, Any] | None = None,
+    ) -> DcpWriter:
+        """A StorageWriter for one ``dcp.save``/``dcp.async_save``: it becomes a committed version."""
+        from ..save.store_saver import SaveRequest
+        from .writer import DcpWriter
+
+        request = SaveRequest(epoch, step, metrics, version, user)
+        return DcpWriter(self._writer, request, world_size=self.world_size)
+
+    def dcp_reader(self, *, version: int | None = None, verify: bool | None = None) -> DcpReader:
+        """A StorageReader of a committed version (the newest when ``version`` is None) for ``dcp.load``."""
+        from .reader import DcpReader
+
+        return DcpReader(self.loc, self.options, self._locate(version), verify=verify)
+
+    def _save_sharded(self, state: object, request: SaveRequest) -> VersionInfo:
+        import torch.distributed.checkpoint as dcp
+
+        if request.rank_state is not None:
+            raise CheckpointError(
+                "rank_state is not kept with a sharded state yet: put it into the state under a key per rank"
+            )
+        self._saves.saver.wait_previous()
+        writer = self.dcp_writer(
+            epoch=request.epoch,
+            step=request.step,
+            metrics=request.metrics,
+            version=request.version,
+            user=request.user,
+        )
+        _refuse_split_without_group(state, self.group)
+        with _one_process(self.group):
+            dcp.save(
+                _as_dict(state),
+                storage_writer=writer,
+                process_group=self._process_group(),
+                no_dist=self.group is None,
+            )
+        if self.group is None:
+            assert writer.info is not None
+            return writer.info
+        found = self.group.broadcast(_info_json(writer.info) if self.group.rank == 0 else None)
+        return VersionInfo(**found)
+
+    def _save_sharded_async(self, state: object, request: SaveRequest) -> SaveHandle:
+        """Copy this rank's shards to host memory, claim the version, write and commit in the background."""
+        import torch.distributed.checkpoint as dcp
+
+        if request.rank_state is not None:
+            raise CheckpointError(
+                "rank_state is not kept with a sharded state yet: put it into the state under a key per rank"
+            )
+        saver = self._saves.saver
+        saver.wait_previous()
+        _refuse_split_without_group(state, self.group)
+        staged = _as_dict(stage(state))
+        writer = self.dcp_writer(
+            epoch=request.epoch,
+            step=request.step,
+            metrics=request.metrics,
+            version=request.version,
+            user=request.user,
+        )
+        writer.claimed = self._claim_for(writer)
+        group = self._process_group()
+
+        def write() -> VersionInfo:
+            writer.reset()
+            dcp.save(staged, storage_writer=writer, process_group=group, no_dist=self.group is None)
+            if self.group is None:
+                assert writer.info is not None
+                return writer.info
+            return VersionInfo(
+                **self.group.broadcast(_info_json(writer.info) if self.group.rank == 0 else None)
+            )
+
+        return saver.submit(write, writer.claimed)
+
+    def _claim_for(self, writer: DcpWriter) -> int:
+        """The version number, claimed by rank 0 for every rank (a collective in a distributed store)."""
+        claim = writer.claim_now
+        return int(self.group.agree(claim, "claiming a version") if self.group is not None else claim())
+
+    def _load_sharded(self, version: int | None, into: object, verify: bool | None) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        reader = self.dcp_reader(version=version, verify=verify)
+        with _one_process(self.group):
+            dcp.load(
+                _as_dict(into),
+                storage_reader=reader,
+                process_group=self._process_group(),
+                no_dist=self.group is None,
+            )
+        return into
+
+    def _process_group(self) -> Any:
+        return self.group.group if self.group is not None else None
+
+
+def holds_sharded(state: object) -> bool:
+    """Whether ``state`` holds a DTensor or a DCP ``Stateful`` object (anything DCP must plan)."""
+    import torch
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torch.distributed.tensor import DTensor
+
+    for value in _values(state, set()):
+        if type(value) in (torch.Tensor, torch.nn.Parameter):
+            continue
+        if isinstance(value, (DTensor, Stateful)):
+            return True
+    return False
+
+
+def _values(state: object, seen: set[int]) -> Iterator[object]:
+    """The leaves of ``state``'s dicts, lists and tuples (without recursion: any depth)."""
+    stack = [state]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, (dict, list, tuple)):
+            yield node
+        elif id(node) not in seen:
+            seen.add(id(node))
+            stack.extend(node.values() if isinstance(node, dict) else node)
+
+
+def stage(state: object) -> object:
+    """A copy of ``state`` in host memory that no training step changes: this rank's shards of its
+    DTensors (still DTensors of the same mesh and placements), its tensors, its other values;
+    DCP ``Stateful`` objects as their ``state_dict()``."""
+    import copy
+
+    import torch
+    from torch.distributed.checkpoint.stateful import Stateful
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        local = state.to_local().detach().to("cpu", copy=True)
+        return DTensor.from_local(
+            local,
+            state.device_mesh,
+            state.placements,
+            run_check=False,
+            shape=state.shape,
+            stride=state.stride(),
+        )
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: stage(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(stage(v) for v in state) if type(state) in (list, tuple) else copy.deepcopy(state)
+    if isinstance(state, Stateful):
+        return stage(state.state_dict())
+    return copy.deepcopy(state)
+
+
+def _refuse_split_without_group(state: object, group: RankGroup | None) -> None:
+    """A DTensor split over several ranks is saved by all of them: on a distributed store."""
+    from torch.distributed.tensor import DTensor
+
+    if group is not None:
+        return
+    for value in _values(state, set()):
+        if isinstance(value, DTensor) and value.device_mesh.size() > 1:
+            raise CheckpointError(
+                "the state holds DTensors spread over several ranks: open the store with "
+                "CheckpointStore(url, distributed=True) on every rank and save from all of them"
+            )
+
+
+@contextlib.contextmanager
+def _one_process(group: RankGroup | None) -> Iterator[None]:
+    """Without a group DCP runs in this process alone, and says so each time: not worth a warning."""
+    if group is not None:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _as_dict(state: object) -> dict[str, Any]:
+    if not isinstance(state, dict):
+        raise CheckpointError(f"a sharded state must be a dict (as DCP's), got {type(state).__name__}")
+    return state
+
+
+def _info_json(info: VersionInfo | None) -> dict[str, Any]:
+    import dataclasses
+
+    assert info is not None
+    return dataclasses.asdict(info)
+
+
+__all__ = ["ShardedStore", "holds_sharded"]

@@ -1,0 +1,229 @@
+"""torch.distributed.checkpoint's StorageReader over ckptflow's format: any version, any world.
+
+``dcp.load(state, storage_reader=store.dcp_reader())`` fills the tensors of
+``state`` (DTensors of any mesh and placements, plain tensors) from a
+committed version, whether ``dcp.save`` or :meth:`CheckpointStore.save`
+wrote it and whatever the world that saved it: DCP's planner intersects the
+boxes each rank needs with the boxes stored (see :mod:`.layout`), and this
+reader reads the blobs of the boxes it is asked for, verified against their
+checksums, in batches of at most ``BATCH_BYTES``, and copies the asked-for
+part of each into place.
+
+Non-tensor values come from the manifest's JSON. DCP's default load planner
+would ``torch.load`` them from bytes (unpickling); this reader puts the value
+in place itself instead, as that planner would. A planner with its own
+``load_bytes`` gets the value as torch.save'd bytes of the JSON value: only
+data ckptflow decoded from JSON, never bytes read from the store.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+
+from ..errors import CheckpointError
+from ..files.location import translate_errors
+from ..format.dtypes import dtype_from_name
+from ..load.loader import build_tensors
+from ..load.reader import read_blobs
+from .layout import Flat, Source, flatten
+
+if TYPE_CHECKING:
+    from ..files.location import Location
+    from ..format.manifest import Manifest
+    from ..info import StoreOptions
+    from ..versions.catalog import Located
+
+BATCH_BYTES = 1 << 30  # blobs read at once, at most (one blob larger than this is read alone)
+
+
+class DcpReader(StorageReader):
+    """Reads one committed version of a store for ``dcp.load``."""
+
+    def __init__(
+        self, loc: Location, options: StoreOptions, located: Located, *, verify: bool | None = None
+    ) -> None:
+        super().__init__()
+        self.loc, self.options, self.located = loc, options, located
+        self.manifest: Manifest = located.manifest
+        self.verify = options.verify_on_load if verify is None else verify
+        self._flat: Flat | None = None
+        self._sources: dict[MetadataIndex, Source] = {}
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    # -- DCP's calls --------------------------------------------------------------
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        pass
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        flat = self._flatten()
+        entries: dict[str, Any] = {}
+        for fqn, (dtype, shape, boxes) in flat.tensors.items():
+            chunks = [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s, _ in boxes]
+            entries[fqn] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), chunks)
+        for fqn in flat.values:
+            entries[fqn] = BytesStorageMetadata()
+        storage = StorageMeta(checkpoint_id=self.loc.display(), load_id=str(self.version))
+        return Metadata(entries, planner_data=dict(flat.mappings), storage_meta=storage)
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        self._flatten()
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        flat = self._flatten()
+        tensor_items = [item for item in plan.items if item.type != LoadItemType.BYTE_IO]
+        for item in plan.items:
+            if item.type == LoadItemType.BYTE_IO:
+                self._put_value(item, planner, flat)
+        for batch in self._batches(tensor_items):
+            self._read_batch(batch, planner)
+        future: torch.futures.Future[None] = torch.futures.Future()
+        future.set_result(None)
+        return future
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # made by CheckpointStore.dcp_reader, never from a bare id
+
+    # -- reading --------------------------------------------------------------------
+
+    def _flatten(self) -> Flat:
+        if self._flat is None:
+            self._flat = flatten(self.manifest)
+            for fqn, (_, _, boxes) in self._flat.tensors.items():
+                for offsets, _, source in boxes:
+                    self._sources[MetadataIndex(fqn, offsets)] = source
+        return self._flat
+
+    def _source(self, item: ReadItem) -> Source:
+        key = MetadataIndex(item.storage_index.fqn, item.storage_index.offset)
+        if key not in self._sources:
+            raise CheckpointError(
+                f"version {self.version} has no chunk of {key.fqn!r} at {list(key.offset or ())}"
+            )
+        return self._sources[key]
+
+    def _blob_of(self, source: Source) -> int:
+        if source.blob is not None:
+            return source.blob
+        assert source.tensor is not None
+        return self.manifest.tensors[source.tensor].blob
+
+    def _batches(self, items: list[ReadItem]) -> list[list[ReadItem]]:
+        """Items grouped so that each group's blobs add up to at most BATCH_BYTES."""
+        by_blob: dict[int, list[ReadItem]] = {}
+        for item in items:
+            by_blob.setdefault(self._blob_of(self._source(item)), []).append(item)
+        batches: list[list[ReadItem]] = []
+        size = BATCH_BYTES
+        for blob, members in sorted(by_blob.items()):
+            nbytes = self.manifest.blobs[blob].nbytes
+            if size + nbytes > BATCH_BYTES:
+                batches.append([])
+                size = 0
+            batches[-1].extend(members)
+            size += nbytes
+        return batches
+
+    def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
+        sources = [self._source(item) for item in items]
+        wanted = sorted({self._blob_of(s) for s in sources})
+        with translate_errors(self.loc, "loading from"):
+            raw = read_blobs(
+                self.loc,
+                self.located.sources(self.loc),
+                self.manifest,
+                wanted,
+                verify=self.verify,
+                threads=self.options.threads,
+            )
+        plain = sorted({s.tensor for s in sources if s.tensor is not None})
+        whole = build_tensors(self.manifest, raw, plain, torch.device("cpu"), {}) if plain else {}
+        for item, source in zip(items, sources, strict=True):
+            stored = whole[source.tensor] if source.tensor is not None else self._chunk(source, item, raw)
+            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                stored = stored.narrow(dim, start, length)
+            target = planner.resolve_tensor(item).detach()
+            if target.shape != stored.shape:
+                raise CheckpointError(
+                    f"{item.dest_index.fqn}: the planner's target is {list(target.shape)}, the stored part "
+                    f"{list(stored.shape)}"
+                )
+            target.copy_(stored)
+            planner.commit_tensor(item, target)
+
+    def _chunk(self, source: Source, item: ReadItem, raw: dict[int, torch.Tensor]) -> torch.Tensor:
+        assert source.blob is not None
+        entry = self.manifest.blobs[source.blob]
+        return raw[source.blob].view(dtype_from_name(entry.dtype)).reshape(entry.shape)
+
+    def _put_value(self, item: ReadItem, planner: LoadPlanner, flat: Flat) -> None:
+        fqn = item.storage_index.fqn
+        value = flat.values[fqn]
+        if isinstance(value, Source):  # a numpy array stored as a tensor
+            assert value.tensor is not None
+            blob = self.manifest.tensors[value.tensor].blob
+            with translate_errors(self.loc, "loading from"):
+                raw = read_blobs(
+                    self.loc,
+                    self.located.sources(self.loc),
+                    self.manifest,
+                    [blob],
+                    verify=self.verify,
+                    threads=1,
+                )
+            value = build_tensors(self.manifest, raw, [value.tensor], torch.device("cpu"), {})[
+                value.tensor
+            ].numpy()
+        if (
+            isinstance(planner, DefaultLoadPlanner)
+            and type(planner).load_bytes is DefaultLoadPlanner.load_bytes
+        ):
+            _set_like_default(planner, item, value)
+            return
+        data = io.BytesIO()
+        torch.save(value, data)
+        data.seek(0)
+        planner.load_bytes(item, data)
+
+
+def _set_like_default(planner: DefaultLoadPlanner, item: ReadItem, value: Any) -> None:
+    """What DefaultLoadPlanner.load_bytes does with the value it unpickles, without unpickling."""
+    fqn = item.dest_index.fqn
+    if planner.flatten_state_dict:
+        node: Any = planner.original_state_dict
+        path = planner.mappings[fqn]
+        for part in path[:-1]:
+            node = node[part]
+        node[path[-1]] = value
+    else:
+        planner.state_dict[fqn] = value
+
+
+__all__ = ["DcpReader"]

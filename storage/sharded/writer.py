@@ -1,0 +1,233 @@
+"""torch.distributed.checkpoint's StorageWriter over ckptflow's format: DCP plans, ckptflow stores.
+
+``dcp.save(state, storage_writer=store.dcp_writer(epoch=E))`` runs DCP's own
+planner (which flattens the state, cuts DTensors into the chunks each rank
+holds, and gives every replicated chunk to one rank only) and this writer
+stores the result as an ordinary committed version:
+
+1. ``prepare_global_plan`` (the coordinator, rank 0): claims the version number,
+   exclusively, before any rank writes, and hands it to every rank's plan;
+2. ``write_data`` (every rank): its chunks as blobs of HDF5 shards named after
+   its rank, checksummed as they stream out; its non-tensor values as JSON
+   (what DCP would torch.save is taken from the planner's state, never pickled);
+3. ``finish`` (the coordinator, after every rank's write succeeded): one
+   manifest from DCP's metadata and every rank's results, written last: the
+   commit. A rank that failed or died means no manifest, so the previous
+   version stays the latest; the coordinator removes the partial files.
+
+DCP's own collectives carry the plans and results between ranks (in memory,
+as DCP does); nothing written to the store is a pickle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from ..errors import CheckpointError, UnsupportedValueError
+from ..files.byteio import tensor_bytes
+from ..files.location import translate_errors
+from ..format.dtypes import dtype_name
+from ..format.manifest import SHARDED_FORMAT_VERSION, BlobEntry, ChunkedEntry, ShardEntry
+from ..format.manifest_checks import check_manifest
+from ..format.names import version_dir
+from ..format.structure import decode, encode
+from ..info import VersionInfo
+from ..save.planner import Blob, assign_shards, dataset_name
+from ..save.planner import SavePlan as BlobPlan
+from .layout import chunk_entry, path_text, sharded_structure
+
+if TYPE_CHECKING:
+    from ..save.saving import VersionWriter
+    from ..save.store_saver import SaveRequest
+
+log = logging.getLogger(__name__)
+
+
+class DcpWriter(StorageWriter):
+    """Writes one DCP save as one committed version of a store (make a new one for each save)."""
+
+    def __init__(self, versions: VersionWriter, request: SaveRequest, *, world_size: int) -> None:
+        super().__init__()
+        self.versions = versions
+        self.request = request
+        self.world_size = world_size
+        self.is_coordinator = False
+        self.version: int | None = None
+        self.claimed: int | None = None  # claimed before the save started (an async save)
+        self.info: VersionInfo | None = None
+        self.started = time.perf_counter()
+
+    # -- DCP's calls, in the order it makes them ------------------------------
+
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self.version, self.info, self.started = None, None, time.perf_counter()
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """The coordinator claims the version for every rank before anything is written."""
+        number = self.claimed if self.claimed is not None else self.claim_now()
+        self.version = number
+        return [
+            dataclasses.replace(p, storage_data={"version": number, "rank": r}) for r, p in enumerate(plans)
+        ]
+
+    def claim_now(self) -> int:
+        """The coordinator: claim the version number (exclusively, before any rank writes)."""
+        with translate_errors(self.versions.loc, "saving to"):
+            return self.versions.claim_number(self.request.version, self.request.epoch)
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
+        """This rank's chunks as HDF5 shards, its non-tensor values as JSON results."""
+        from ..save.writer import write_shards
+
+        version, rank = int(plan.storage_data["version"]), int(plan.storage_data["rank"])
+        self.version = version
+        results: list[WriteResult] = []
+        blobs: list[Blob] = []
+        names: set[str] = set()
+        items = []
+        for item in plan.items:
+            if item.type == WriteItemType.BYTE_IO:
+                results.append(_value_result(item, planner))
+                continue
+            tensor = planner.resolve_data(item)
+            assert isinstance(tensor, torch.Tensor)
+            tensor = tensor.detach()
+            offsets = item.index.offset or ()
+            name = dataset_name(item.index.fqn + "@" + ",".join(map(str, offsets)), names)
+            blobs.append(Blob(len(blobs), name, tensor.dtype, tuple(tensor.shape), tensor))
+            items.append(item)
+        shards = assign_shards(blobs, shards=self.versions.options.shards, rank=rank) if blobs else []
+        with translate_errors(self.versions.loc, "saving to"):
+            if rank == 0:
+                self.versions.ensure_claim(version)
+            files, written = write_shards(
+                self.versions.loc,
+                version_dir(version),
+                BlobPlan(blobs, [], shards),
+                lambda b: tensor_bytes(b.source),
+                threads=self.versions.options.threads,
+                rank=rank,
+            )
+        for blob, item in zip(blobs, items, strict=True):
+            entry = written[blob.index]
+            shard = files[entry.shard].model_dump(mode="json")
+            data = {"blob": entry.model_dump(mode="json"), "file": shard}
+            results.append(WriteResult(index=item.index, size_in_bytes=blob.nbytes, storage_data=data))
+        future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """The coordinator commits: the manifest, from DCP's metadata and every rank's results."""
+        assert self.version is not None
+        try:
+            manifest = self._manifest(metadata, [r for rank in results for r in rank])
+            check_manifest(
+                manifest, self.versions.loc.display(version_dir(self.version))
+            )  # as a reader would
+            with translate_errors(self.versions.loc, "saving to"):
+                self.versions.commit(manifest)
+        except BaseException:
+            self.versions.discard(self.version)
+            raise
+        vdir = version_dir(self.version)
+        self.info = VersionInfo.from_manifest(manifest, self.versions.loc.display(vdir))
+        log.info("committed %s (%d ranks, sharded)", self.info.url, self.world_size)
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.versions.loc.display())
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False  # made by CheckpointStore.dcp_writer, never from a bare id
+
+    # -- the manifest ------------------------------------------------------------
+
+    def _manifest(self, metadata: Metadata, results: list[WriteResult]) -> Any:
+        files: dict[str, ShardEntry] = {}
+        found: dict[MetadataIndex, Any] = {}
+        for result in results:
+            found[result.index] = result.storage_data
+            if "file" in result.storage_data:
+                shard = ShardEntry.model_validate(result.storage_data["file"])
+                files.setdefault(shard.file, shard)
+        shards = sorted(files.values(), key=lambda s: (s.rank, s.file))
+        number = {s.file: i for i, s in enumerate(shards)}
+        blobs: list[BlobEntry] = []
+        tensors: dict[str, ChunkedEntry] = {}
+        values: dict[str, Any] = {}
+        mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+        for fqn, md in metadata.state_dict_metadata.items():
+            if isinstance(md, BytesStorageMetadata):
+                values[fqn] = decode(_lookup(found, fqn, None)["value"], _no_tensor)
+                continue
+            chunks = []
+            for chunk in md.chunks:
+                data = _lookup(found, fqn, chunk.offsets)
+                entry = BlobEntry.model_validate(data["blob"])
+                blobs.append(entry.model_copy(update={"shard": number[data["file"]["file"]]}))
+                chunks.append(chunk_entry(chunk.offsets, chunk.sizes, len(blobs) - 1))
+            path = path_text(tuple(mappings.get(fqn, (fqn,))))
+            tensors[fqn] = ChunkedEntry(
+                path=path,
+                dtype=dtype_name(md.properties.dtype),
+                shape=list(md.size),
+                requires_grad=bool(md.properties.requires_grad),
+                chunks=chunks,
+            )
+        structure = sharded_structure(values, tensors, mappings)
+        assert self.version is not None
+        job = self.versions.sharded_job(self.version, self.request, structure)
+        return job.manifest(
+            shards,
+            blobs,
+            time.perf_counter() - self.started,
+            format_version=SHARDED_FORMAT_VERSION,
+            nbytes=sum(b.nbytes for b in blobs),
+            world_size=self.world_size,
+            chunked=list(tensors.values()),
+        )
+
+
+def _value_result(item: Any, planner: SavePlanner) -> WriteResult:
+    """A non-tensor value as JSON (DCP would hand it over torch.save'd: it is taken from the state)."""
+    lookup = getattr(planner, "lookup_object", None)
+    if lookup is None:
+        raise CheckpointError(
+            f"the save planner {type(planner).__name__} has no lookup_object(): ckptflow stores non-tensor "
+            "values as JSON, never as torch.save bytes; use DefaultSavePlanner or a subclass of it"
+        )
+    structure, leaves = encode(lookup(item.index))
+    if leaves:
+        raise UnsupportedValueError(
+            f"{item.index.fqn}/{leaves[0].path}", "a tensor inside a non-tensor value"
+        )
+    return WriteResult(index=item.index, size_in_bytes=0, storage_data={"value": structure})
+
+
+def _lookup(found: dict[MetadataIndex, Any], fqn: str, offsets: Any) -> Any:
+    key = MetadataIndex(fqn, offsets)
+    if key not in found:
+        raise CheckpointError(f"no rank wrote {fqn!r} at {list(offsets or ())}: nothing was committed")
+    return found[key]
+
+
+def _no_tensor(index: int, is_numpy: bool) -> object:
+    raise AssertionError("a value's JSON holds no tensor")
+
+
+__all__ = ["DcpWriter"]

@@ -1,0 +1,226 @@
+"""One rank of an FSDP2 job (gloo, CPU) for the sharded-state tests.
+
+    RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
+        python -m tests.children.fsdp_child SCENARIO URL OUTDIR [--mesh 1d|2d] [--version V]
+
+Every rank builds the same small transformer (:func:`build`), shards it with
+``fully_shard`` per block on a 1-D mesh of all ranks (``--mesh 2d``: a 2x2
+mesh, tensor parallel inside each FSDP shard), and runs ``SCENARIO``:
+
+- ``save`` / ``dcp_save``: two Adam steps from seed 0, then the model and
+  optimizer state dicts (DTensors) saved with ``CheckpointStore.save`` on a
+  distributed store / with ``dcp.save`` through ``store.dcp_writer``;
+- ``load`` / ``dcp_load``: a model built from another seed (its values all
+  differ) and trained one step, filled from version ``--version`` (default:
+  the newest) with ``store.load(into=...)`` / ``dcp.load`` through
+  ``store.dcp_reader``; ``fresh``: the same model, not filled;
+- ``save_async``: like ``save`` with ``save_async``, training two more steps
+  before waiting for it (``full.json`` is the state when it was called);
+- ``kill_in_save``: like ``save`` at seed 1, but rank 1 blocks in the middle
+  of writing its shard (after creating ``OUTDIR/blocked``) until the test
+  SIGKILLs it.
+
+Rank 0 then writes ``OUTDIR/full.json``: the digest of the full (gathered)
+model and optimizer state (``full_state_dict=True``): per key path, dtype,
+shape and SHA-256 of the bytes; values as JSON. The test compares digests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+VOCAB, WIDTH, BLOCKS = 64, 32, 3
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def build(seed: int, mesh_kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model (same values on every rank for a seed), sharded, and its Adam optimizer."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = TinyLM()
+    world = dist.get_world_size()
+    if mesh_kind == "2d":
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fsdp_mesh = mesh["dp"]
+    else:
+        fsdp_mesh = init_device_mesh("cpu", (world,))
+    for block in model.blocks:
+        fully_shard(block, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+    gen = torch.Generator().manual_seed(1234)
+    for _ in range(steps):
+        tokens = torch.randint(0, VOCAB, (4, 8), generator=gen)
+        loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), tokens.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def state_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optimizer": osd}
+
+
+def full_digest(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    msd, osd = get_state_dict(model, opt, options=options)
+    return digest({"model": msd, "optimizer": osd})
+
+
+def digest(value: Any) -> Any:
+    """Tensors as [dtype, shape, sha256 of their bytes]; containers and values as JSON."""
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        return ["tensor", str(t.dtype), list(t.shape), hashlib.sha256(raw).hexdigest()]
+    if isinstance(value, dict):
+        return {str(k): digest(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [digest(v) for v in value]
+    return value
+
+
+def block_in_write(marker: Path) -> None:
+    """Rank 1 stops in the middle of writing a shard (after its first bytes) until it is killed."""
+    from ckptflow.storage.save import writer
+
+    original = writer.write_hashed
+
+    def stuck(sink: Any, data: Any, *hashers: Any) -> None:
+        original(sink, data, *hashers)
+        marker.touch()
+        time.sleep(3600)
+
+    writer.write_hashed = stuck  # type: ignore[assignment]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("scenario")
+    parser.add_argument("url")
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--mesh", default="1d")
+    parser.add_argument("--version", type=int, default=None)
+    args = parser.parse_args()
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    import torch.distributed.checkpoint as dcp
+
+    from ckptflow.storage import CheckpointStore
+
+    result: dict[str, Any] = {}
+    store = CheckpointStore(args.url, distributed=True)
+    saving = args.scenario in ("save", "dcp_save", "kill_in_save", "save_async")
+    model, opt = (
+        build(0 if args.scenario != "kill_in_save" else 1, args.mesh) if saving else build(7, args.mesh)
+    )
+    if saving:
+        train(model, opt, 2)
+        state = state_of(model, opt)
+        if args.scenario == "kill_in_save" and rank == 1:
+            block_in_write(args.out / "blocked")
+        start = time.perf_counter()
+        if args.scenario == "save_async":
+            handle = store.save_async(state, epoch=1, metrics={"loss": 1.5})
+            result["stall"] = time.perf_counter() - start
+            full = full_digest(model, opt)  # what was saved: the training steps below must not change it
+            train(model, opt, 2)
+            result["version"] = handle.wait().version
+            if rank == 0:
+                (args.out / "full.json").write_text(json.dumps(full))
+            result["after"] = full_digest(model, opt) != full
+        elif args.scenario == "dcp_save":
+            writer = store.dcp_writer(epoch=1, metrics={"loss": 1.5})
+            dcp.save(state, storage_writer=writer, process_group=store.group.group)
+            result["version"] = writer.info.version if writer.info else None
+        else:
+            info = store.save(state, epoch=1, metrics={"loss": 1.5})
+            result["version"] = info.version
+        result["seconds"] = time.perf_counter() - start
+    elif args.scenario == "fresh":
+        train(model, opt, 1)
+    else:
+        train(model, opt, 1)  # the optimizer has state to be overwritten
+        state = state_of(model, opt)
+        if args.scenario == "dcp_load":
+            dcp.load(
+                state, storage_reader=store.dcp_reader(version=args.version), process_group=store.group.group
+            )
+            loaded = state
+        else:
+            loaded = store.load(args.version, into=state)
+            result["same_object"] = loaded is state
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+    if args.scenario != "save_async":
+        full = full_digest(model, opt)
+        if rank == 0:
+            (args.out / "full.json").write_text(json.dumps(full))
+    (args.out / f"result-r{rank}.json").write_text(json.dumps(result))
+    store.close()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

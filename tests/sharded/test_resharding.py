@@ -1,0 +1,74 @@
+"""Sharded state round trips: FSDP2 saved at one world size loads at any other, bitwise.
+
+The reference is the job's full state (model and Adam state: ``step``, ``exp_avg``,
+``exp_avg_sq``, and the ``param_groups``), gathered with ``full_state_dict=True``: what a load
+puts into a freshly built, differently initialised model must gather to the same bytes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ckptflow.storage import CheckpointStore
+from tests.sharded.conftest import FsdpJob, Saved, digest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_two_rank_save_loads_at_any_world_size(saved_by_store: Saved, tmp_path: Path, world: int) -> None:
+    job = FsdpJob.run("load", world, saved_by_store.url, tmp_path / "load")
+    assert job.full() == saved_by_store.full
+    assert job.result()["same_object"], "load(into=state) returns the state it filled"
+
+
+def test_one_process_without_a_process_group_gets_the_full_state(saved_by_store: Saved) -> None:
+    state = CheckpointStore(saved_by_store.url).load()
+    assert digest(state) == saved_by_store.full
+    groups = state["optimizer"]["param_groups"]
+    assert groups[0]["lr"] == pytest.approx(1e-2) and tuple(groups[0]["betas"]) == (0.9, 0.999)
+    assert "blocks.0.up.weight" in state["model"], "keys with dots stay whole keys"
+
+
+def test_the_unfilled_model_really_differs(saved_by_store: Saved, tmp_path: Path) -> None:
+    """The load tests start from another seed: a load that filled nothing would fail them."""
+    job = FsdpJob.run("fresh", 2, saved_by_store.url, tmp_path / "fresh")
+    assert job.full()["model"] != saved_by_store.full["model"]
+
+
+class TestDcpInterop:
+    def test_dcp_save_writes_a_committed_version(self, saved_by_dcp: Saved) -> None:
+        store = CheckpointStore(saved_by_dcp.url)
+        (info,) = store.versions()
+        assert (info.version, info.epoch, info.metrics) == (saved_by_dcp.version, 1, {"loss": 1.5})
+        store.verify(info.version)
+        assert digest(store.load()) == saved_by_dcp.full
+
+    def test_dcp_load_reads_a_store_save(self, saved_by_store: Saved, tmp_path: Path) -> None:
+        job = FsdpJob.run("dcp_load", 3, saved_by_store.url, tmp_path / "load")
+        assert job.full() == saved_by_store.full
+
+    def test_store_load_reads_a_dcp_save(self, saved_by_dcp: Saved, tmp_path: Path) -> None:
+        job = FsdpJob.run("load", 2, saved_by_dcp.url, tmp_path / "load")
+        assert job.full() == saved_by_dcp.full
+
+
+def test_a_2d_mesh_save_loads_into_a_1d_mesh(tmp_path: Path) -> None:
+    """FSDP x TP on a 2x2 mesh (4 ranks), loaded by FSDP alone on 2 ranks and by one process."""
+    store = tmp_path / "store"
+    saved = FsdpJob.run("save", 4, str(store), tmp_path / "save", "--mesh", "2d")
+    loaded = FsdpJob.run("load", 2, str(store), tmp_path / "load")
+    assert loaded.full() == saved.full()
+    assert digest(CheckpointStore(str(store)).load()) == saved.full()
+
+
+def test_save_async_keeps_the_state_of_its_call(tmp_path: Path) -> None:
+    """Training goes on while the background write runs: the version holds the state at the call."""
+    store = tmp_path / "store"
+    saved = FsdpJob.run("save_async", 2, str(store), tmp_path / "save")
+    assert saved.result()["after"], "the training steps after the call changed the model"
+    loaded = FsdpJob.run("load", 3, str(store), tmp_path / "load")
+    assert loaded.full() == saved.full()
+    assert digest(CheckpointStore(str(store)).load()) == saved.full()

@@ -1,0 +1,146 @@
+"""A sharded version is as safe as any other: no pickle, each byte once, commit or nothing,
+every crafted chunk refused, every byte verified."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptflow.storage import CheckpointStore, CorruptShardError, ManifestError
+from ckptflow.storage.format.manifest import SEAL_KEY, seal
+from tests.sharded.conftest import FsdpJob, Saved, digest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def copy_store(saved: Saved, tmp_path: Path) -> Path:
+    target = tmp_path / "store"
+    shutil.copytree(saved.url, target)
+    return target
+
+
+class TestNothingPickled:
+    @pytest.mark.parametrize("which", ["saved_by_store", "saved_by_dcp"])
+    def test_every_file_is_hdf5_or_json(self, which: str, request: pytest.FixtureRequest) -> None:
+        saved: Saved = request.getfixturevalue(which)
+        files = [p for p in Path(saved.url).rglob("*") if p.is_file()]
+        assert any(p.suffix == ".h5" for p in files)
+        for path in files:
+            head = path.read_bytes()[:8]
+            assert not head.startswith(b"\x80"), f"{path} is a pickle"
+            assert not head.startswith(b"PK"), f"{path} is a zip (a torch.save archive)"
+            if path.suffix == ".h5":
+                assert head == b"\x89HDF\r\n\x1a\n", path
+            elif path.name == "latest":
+                assert re.fullmatch(r"v\d{6}\n", path.read_text()), path
+            else:
+                json.loads(path.read_text())  # the manifest
+
+
+def test_each_rank_writes_its_share_and_each_byte_once(saved_by_store: Saved) -> None:
+    manifest = CheckpointStore(saved_by_store.url).manifest()
+    state_bytes = sum(entry.nbytes for entry in manifest.chunked)
+    by_rank = {0: 0, 1: 0}
+    for blob in manifest.blobs:
+        by_rank[manifest.shards[blob.shard].rank] += blob.nbytes
+    assert sum(by_rank.values()) == state_bytes, "replicated chunks (Adam's step) are written once"
+    assert max(by_rank.values()) <= 0.75 * state_bytes, by_rank
+    assert manifest.world_size == 2
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_version_latest(
+    saved_by_store: Saved, tmp_path: Path
+) -> None:
+    store = copy_store(saved_by_store, tmp_path)
+    job = FsdpJob.start("kill_in_save", 2, str(store), tmp_path / "job")
+    try:
+        job.wait_for("blocked")
+        job.kill(1)
+        job.wait(timeout=120)  # rank 0 hears of it through gloo and fails
+    finally:
+        job.reap()
+    assert job.procs[0].returncode != 0
+    reopened = CheckpointStore(store)
+    assert [v.version for v in reopened.versions()] == [saved_by_store.version]
+    assert digest(reopened.load()) == saved_by_store.full
+
+
+Edit = Callable[[dict[str, Any]], None]
+
+
+def _chunks(m: dict[str, Any]) -> list[dict[str, Any]]:
+    return next(e for e in m["chunked"] if len(e["chunks"]) == 2)["chunks"]
+
+
+def _overlap(m: dict[str, Any]) -> None:
+    first, second = _chunks(m)
+    second["offsets"] = list(first["offsets"])
+
+
+def _outside(m: dict[str, Any]) -> None:
+    _chunks(m)[1]["offsets"][0] += 1
+
+
+def _gap(m: dict[str, Any]) -> None:
+    entry = next(e for e in m["chunked"] if len(e["chunks"]) == 2)
+    entry["chunks"] = entry["chunks"][:1]
+
+
+def _wrong_blob(m: dict[str, Any]) -> None:
+    _chunks(m)[0]["blob"] = len(m["blobs"])
+
+
+def _small_blob(m: dict[str, Any]) -> None:
+    chunk = _chunks(m)[0]
+    other = next(i for i, b in enumerate(m["blobs"]) if b["nbytes"] != m["blobs"][chunk["blob"]]["nbytes"])
+    chunk["blob"] = other
+
+
+def _dangling(m: dict[str, Any]) -> None:
+    m["structure"]["model"]["embed.weight"] = {"$chunked": len(m["chunked"])}
+
+
+CRAFTED: dict[str, tuple[Edit, str]] = {
+    "overlapping chunks": (_overlap, "once exactly"),
+    "a chunk outside the shape": (_outside, "leave shape"),
+    "a part not covered": (_gap, "once exactly"),
+    "a chunk's blob not listed": (_wrong_blob, "is not listed"),
+    "a chunk's blob of another size": (_small_blob, "holds"),
+    "a $chunked reference to nothing": (_dangling, "is not one of the"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRAFTED))
+def test_a_crafted_chunk_is_refused_and_named(saved_by_store: Saved, tmp_path: Path, case: str) -> None:
+    store = copy_store(saved_by_store, tmp_path)
+    path = store / f"v{saved_by_store.version:06d}" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    edit, words = CRAFTED[case]
+    edit(manifest)
+    path.write_text(json.dumps(seal(manifest, SEAL_KEY)))  # sealed again, as a deliberate crafter would
+    with pytest.raises(ManifestError) as caught:
+        CheckpointStore(store).load(saved_by_store.version)
+    assert words in str(caught.value) and "manifest.json" in str(caught.value)
+
+
+def test_verify_checks_every_chunk(saved_by_store: Saved, tmp_path: Path) -> None:
+    store = copy_store(saved_by_store, tmp_path)
+    reopened = CheckpointStore(store)
+    reopened.verify(saved_by_store.version)
+    manifest = reopened.manifest()
+    blob = max(manifest.blobs, key=lambda b: b.nbytes)
+    shard = store / f"v{saved_by_store.version:06d}" / manifest.shards[blob.shard].file
+    data = bytearray(shard.read_bytes())
+    assert blob.offset is not None
+    data[blob.offset + blob.nbytes // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CorruptShardError):
+        reopened.verify(saved_by_store.version)
+    with pytest.raises(CorruptShardError):
+        reopened.load(saved_by_store.version)
