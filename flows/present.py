@@ -106,7 +106,7 @@ def summary_table(manifest: Manifest, url: str) -> Table:
         (
             "size",
             f"{human_size(manifest.total_size)} on storage, {human_size(manifest.nbytes)} of tensors, "
-            f"{len(manifest.tensors)} tensors in {len(manifest.shards)} shards",
+            f"{len(manifest.tensors) + len(manifest.chunked)} tensors in {len(manifest.shards)} shards",
         ),
         ("save time", f"{saved:.2f} s" if isinstance(saved, (int, float)) else "-"),
         ("ranks", _ranks_text(manifest)),
@@ -146,4 +146,8 @@ def tensors_table(manifest: Manifest) -> Table:
         size = tensor.nbytes
         shown = "?" if size is None else human_size(size)
         table.add_row(tensor.path, tensor.dtype, str(tuple(tensor.shape)), shown)
+    for chunked in manifest.chunked:  # a sharded save: each stored as the chunks its ranks held
+        chunks = len(chunked.chunks)
+        shape = f"{tuple(chunked.shape)} in {chunks} chunk{'s' if chunks != 1 else ''}"
+        table.add_row(chunked.path, chunked.dtype, shape, human_size(chunked.nbytes))
     return table

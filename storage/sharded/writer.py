@@ -110,7 +110,8 @@ class DcpWriter(StorageWriter):
             name = dataset_name(item.index.fqn + "@" + ",".join(map(str, offsets)), names)
             blobs.append(Blob(len(blobs), name, tensor.dtype, tuple(tensor.shape), tensor))
             items.append(item)
-        shards = assign_shards(blobs, shards=self.versions.options.shards, rank=rank) if blobs else []
+        per_rank = max(1, -(-self.versions.options.shards // self.world_size))  # `shards` files in all
+        shards = assign_shards(blobs, shards=per_rank, rank=rank) if blobs else []
         with translate_errors(self.versions.loc, "saving to"):
             if rank == 0:
                 self.versions.ensure_claim(version)
