@@ -118,7 +118,8 @@ class ShardedStore:
         saver = self._saves.saver
         saver.wait_previous()
         _refuse_split_without_group(state, self.group)
-        staged = _as_dict(stage(state))
+        staged = _as_dict(stage(state, getattr(self, "_sharded_staging", None)))
+        self._sharded_staging = staged  # reused by the next async save, once this one has ended
         writer = self.dcp_writer(
             epoch=request.epoch,
             step=request.step,
@@ -189,10 +190,11 @@ def _values(state: object, seen: set[int]) -> Iterator[object]:
             stack.extend(node.values() if isinstance(node, dict) else node)
 
 
-def stage(state: object) -> object:
+def stage(state: object, cache: object = None) -> object:
     """A copy of ``state`` in host memory that no training step changes: this rank's shards of its
     DTensors (still DTensors of the same mesh and placements), its tensors, its other values;
-    DCP ``Stateful`` objects as their ``state_dict()``."""
+    DCP ``Stateful`` objects as their ``state_dict()``. The tensors of ``cache`` (the previous
+    save's copy, whose write has ended) are reused where they fit: only a first save allocates."""
     import copy
 
     import torch
@@ -200,9 +202,12 @@ def stage(state: object) -> object:
     from torch.distributed.tensor import DTensor
 
     if isinstance(state, DTensor):
-        local = state.to_local().detach().to("cpu", copy=True)
+        local = state.to_local().detach()
+        if isinstance(cache, DTensor) and _same_layout(cache, state) and _fits(cache.to_local(), local):
+            cache.to_local().copy_(local)
+            return cache
         return DTensor.from_local(
-            local,
+            local.to("cpu", copy=True),
             state.device_mesh,
             state.placements,
             run_check=False,
@@ -210,14 +215,37 @@ def stage(state: object) -> object:
             stride=state.stride(),
         )
     if isinstance(state, torch.Tensor):
+        if type(cache) is torch.Tensor and _fits(cache, state):
+            return cache.copy_(state.detach())
         return state.detach().to("cpu", copy=True)
     if isinstance(state, dict):
-        return {k: stage(v) for k, v in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(stage(v) for v in state) if type(state) in (list, tuple) else copy.deepcopy(state)
+        old = cache if isinstance(cache, dict) else {}
+        return {k: stage(v, old.get(k)) for k, v in state.items()}
+    if type(state) in (list, tuple):
+        assert isinstance(state, (list, tuple))
+        old_items = (
+            list(cache)
+            if isinstance(cache, (list, tuple)) and len(cache) == len(state)
+            else [None] * len(state)
+        )
+        return type(state)(stage(v, c) for v, c in zip(state, old_items, strict=True))
     if isinstance(state, Stateful):
-        return stage(state.state_dict())
+        return stage(state.state_dict(), cache)
     return copy.deepcopy(state)
+
+
+def _same_layout(a: Any, b: Any) -> bool:
+    return bool(a.device_mesh == b.device_mesh and a.placements == b.placements and a.shape == b.shape)
+
+
+def _fits(buffer: Any, tensor: Any) -> bool:
+    """Whether ``buffer`` (a CPU copy) can take ``tensor``'s values in place."""
+    return bool(
+        buffer.device.type == "cpu"
+        and buffer.shape == tensor.shape
+        and buffer.dtype == tensor.dtype
+        and buffer.is_contiguous()
+    )
 
 
 def _refuse_split_without_group(state: object, group: RankGroup | None) -> None:

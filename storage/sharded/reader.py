@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ..errors import CheckpointError
 from ..files.location import translate_errors
 from ..format.dtypes import dtype_from_name
-from ..load.loader import build_tensors
+from ..load.loader import as_bytes, build_tensors
 from ..load.reader import read_blobs
 from .layout import Flat, Source, flatten
 
@@ -152,8 +152,13 @@ class DcpReader(StorageReader):
         return batches
 
     def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
+        """Read the batch's blobs, then put each item's part into place. A chunk that one item takes
+        whole, into a contiguous CPU tensor of its dtype (the same layout saved and loaded), is read
+        straight into that tensor: no second buffer, no copy."""
         sources = [self._source(item) for item in items]
+        targets = [planner.resolve_tensor(item).detach() for item in items]
         wanted = sorted({self._blob_of(s) for s in sources})
+        direct = self._direct(items, sources, targets)
         with translate_errors(self.loc, "loading from"):
             raw = read_blobs(
                 self.loc,
@@ -162,21 +167,47 @@ class DcpReader(StorageReader):
                 wanted,
                 verify=self.verify,
                 threads=self.options.threads,
+                buffers={blob: as_bytes(targets[i]) for blob, i in direct.items()},
             )
         plain = sorted({s.tensor for s in sources if s.tensor is not None})
         whole = build_tensors(self.manifest, raw, plain, torch.device("cpu"), {}) if plain else {}
-        for item, source in zip(items, sources, strict=True):
-            stored = whole[source.tensor] if source.tensor is not None else self._chunk(source, item, raw)
-            for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-                stored = stored.narrow(dim, start, length)
-            target = planner.resolve_tensor(item).detach()
-            if target.shape != stored.shape:
-                raise CheckpointError(
-                    f"{item.dest_index.fqn}: the planner's target is {list(target.shape)}, the stored part "
-                    f"{list(stored.shape)}"
-                )
-            target.copy_(stored)
+        filled = set(direct.values())
+        for i, (item, source, target) in enumerate(zip(items, sources, targets, strict=True)):
+            if i not in filled:
+                stored = whole[source.tensor] if source.tensor is not None else self._chunk(source, item, raw)
+                for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                    stored = stored.narrow(dim, start, length)
+                if target.shape != stored.shape:
+                    raise CheckpointError(
+                        f"{item.dest_index.fqn}: the planner's target is {list(target.shape)}, the stored "
+                        f"part {list(stored.shape)}"
+                    )
+                target.copy_(stored)
             planner.commit_tensor(item, target)
+
+    def _direct(
+        self, items: list[ReadItem], sources: list[Source], targets: list[torch.Tensor]
+    ) -> dict[int, int]:
+        """Blob -> the item whose target takes the whole chunk as it is stored."""
+        users: dict[int, int] = {}
+        for source in sources:
+            if source.blob is not None:
+                users[source.blob] = users.get(source.blob, 0) + 1
+        direct: dict[int, int] = {}
+        for i, (item, source, target) in enumerate(zip(items, sources, targets, strict=True)):
+            if source.blob is None or users[source.blob] != 1:
+                continue
+            blob = self.manifest.blobs[source.blob]
+            whole = any(item.storage_offsets) is False and list(item.lengths) == blob.shape
+            if (
+                whole
+                and target.device.type == "cpu"
+                and target.is_contiguous()
+                and target.dtype == dtype_from_name(blob.dtype)
+                and list(target.shape) == blob.shape
+            ):
+                direct[source.blob] = i
+        return direct
 
     def _chunk(self, source: Source, item: ReadItem, raw: dict[int, torch.Tensor]) -> torch.Tensor:
         assert source.blob is not None

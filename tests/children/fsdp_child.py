@@ -15,7 +15,8 @@ mesh, tensor parallel inside each FSDP shard), and runs ``SCENARIO``:
   the newest) with ``store.load(into=...)`` / ``dcp.load`` through
   ``store.dcp_reader``; ``fresh``: the same model, not filled;
 - ``save_async``: like ``save`` with ``save_async``, training two more steps
-  before waiting for it (``full.json`` is the state when it was called);
+  before waiting for it (``full.json`` is the state when it was called), then
+  again as version 2 (``second.json``);
 - ``kill_in_save``: like ``save`` at seed 1, but rank 1 blocks in the middle
   of writing its shard (after creating ``OUTDIR/blocked``) until the test
   SIGKILLs it.
@@ -23,6 +24,7 @@ mesh, tensor parallel inside each FSDP shard), and runs ``SCENARIO``:
 Rank 0 then writes ``OUTDIR/full.json``: the digest of the full (gathered)
 model and optimizer state (``full_state_dict=True``): per key path, dtype,
 shape and SHA-256 of the bytes; values as JSON. The test compares digests.
+``storage_options`` (for S3) come as JSON in ``CKPTFLOW_STORAGE_OPTIONS``.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def main() -> None:
     from ckptflow.storage import CheckpointStore
 
     result: dict[str, Any] = {}
-    store = CheckpointStore(args.url, distributed=True)
+    options = json.loads(os.environ.get("CKPTFLOW_STORAGE_OPTIONS") or "null")  # s3fs's, for S3
+    store = CheckpointStore(args.url, distributed=True, storage_options=options)
     saving = args.scenario in ("save", "dcp_save", "kill_in_save", "save_async")
     model, opt = (
         build(0 if args.scenario != "kill_in_save" else 1, args.mesh) if saving else build(7, args.mesh)
@@ -170,15 +173,19 @@ def main() -> None:
         if args.scenario == "kill_in_save" and rank == 1:
             block_in_write(args.out / "blocked")
         start = time.perf_counter()
-        if args.scenario == "save_async":
+        if args.scenario == "save_async":  # twice: the second reuses the first one's host copy
             handle = store.save_async(state, epoch=1, metrics={"loss": 1.5})
-            result["stall"] = time.perf_counter() - start
             full = full_digest(model, opt)  # what was saved: the training steps below must not change it
             train(model, opt, 2)
             result["version"] = handle.wait().version
+            second = full_digest(model, opt)
+            handle = store.save_async(state_of(model, opt), epoch=2)
+            train(model, opt, 2)
+            result["second"] = handle.wait().version
             if rank == 0:
                 (args.out / "full.json").write_text(json.dumps(full))
-            result["after"] = full_digest(model, opt) != full
+                (args.out / "second.json").write_text(json.dumps(second))
+            result["after"] = full_digest(model, opt) not in (full, second)
         elif args.scenario == "dcp_save":
             writer = store.dcp_writer(epoch=1, metrics={"loss": 1.5})
             dcp.save(state, storage_writer=writer, process_group=store.group.group)

@@ -31,7 +31,9 @@ class FsdpJob:
     out: Path
 
     @classmethod
-    def start(cls, scenario: str, world: int, url: str, out: Path, *args: str) -> FsdpJob:
+    def start(
+        cls, scenario: str, world: int, url: str, out: Path, *args: str, storage_options: Any = None
+    ) -> FsdpJob:
         out.mkdir(parents=True, exist_ok=True)
         port = free_port()
         procs = []
@@ -46,6 +48,7 @@ class FsdpJob:
                 "MASTER_PORT": str(port),
                 "GLOO_SOCKET_IFNAME": "lo",
                 "OMP_NUM_THREADS": "1",
+                "CKPTFLOW_STORAGE_OPTIONS": json.dumps(storage_options),
                 "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             }
             cmd = [sys.executable, "-m", "tests.children.fsdp_child", scenario, url, str(out), *args]
@@ -54,8 +57,10 @@ class FsdpJob:
         return cls(procs, out)
 
     @classmethod
-    def run(cls, scenario: str, world: int, url: str, out: Path, *args: str) -> FsdpJob:
-        job = cls.start(scenario, world, url, out, *args)
+    def run(
+        cls, scenario: str, world: int, url: str, out: Path, *args: str, storage_options: Any = None
+    ) -> FsdpJob:
+        job = cls.start(scenario, world, url, out, *args, storage_options=storage_options)
         try:
             codes = job.wait()
         finally:

@@ -7,6 +7,7 @@ puts into a freshly built, differently initialised model must gather to the same
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -69,6 +70,25 @@ def test_save_async_keeps_the_state_of_its_call(tmp_path: Path) -> None:
     store = tmp_path / "store"
     saved = FsdpJob.run("save_async", 2, str(store), tmp_path / "save")
     assert saved.result()["after"], "the training steps after the call changed the model"
-    loaded = FsdpJob.run("load", 3, str(store), tmp_path / "load")
+    loaded = FsdpJob.run("load", 3, str(store), tmp_path / "load", "--version", "1")
     assert loaded.full() == saved.full()
-    assert digest(CheckpointStore(str(store)).load()) == saved.full()
+    assert digest(CheckpointStore(str(store)).load(1)) == saved.full()
+    second = json.loads((tmp_path / "save" / "second.json").read_text())
+    assert second != saved.full()
+    assert digest(CheckpointStore(str(store)).load(2)) == second, (
+        "the reused host copy holds the second state"
+    )
+
+
+@pytest.mark.s3
+def test_on_s3_a_two_rank_save_loads_at_three_ranks_and_in_one_process(
+    s3_bucket: tuple[str, dict], tmp_path: Path
+) -> None:
+    bucket, options = s3_bucket
+    url = f"s3://{bucket}/fsdp"
+    saved = FsdpJob.run("save", 2, url, tmp_path / "save", storage_options=options)
+    loaded = FsdpJob.run("load", 3, url, tmp_path / "load", storage_options=options)
+    assert loaded.full() == saved.full()
+    store = CheckpointStore(url, storage_options=options)
+    store.verify()
+    assert digest(store.load()) == saved.full()

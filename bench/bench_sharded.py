@@ -1,0 +1,280 @@
+"""Sharded state (FSDP2 + Adam) benchmark: ckptflow against torch.distributed.checkpoint's own files.
+
+W processes (gloo on 127.0.0.1) hold an FSDP2 model of ``--size-mib`` of model
+and Adam state together (DTensors sharded over the ranks on dim 0), from
+``get_state_dict``. Each timed span runs from a barrier to a barrier after the
+call (the job's time, as its slowest rank sees it); dirty pages are flushed
+(``os.sync``) before each timed save; both methods fsync their files
+(``FileSystemWriter(sync_files=True)``, DCP's default); each method first
+saves and loads a small model untimed; methods alternate; medians of R.
+
+- save: ``store.save(state)`` on a distributed store / ``dcp.save`` to a
+  ``FileSystemWriter``;
+- async stall: how long ``store.save_async(state)`` / ``dcp.async_save``
+  block the training loop, at the first call of the process (against the
+  process's first copy of this rank's shards, into fresh memory) and at a
+  later one (against a copy into memory already mapped);
+- load: ``store.load(into=state)`` / ``dcp.load`` with a
+  ``FileSystemReader``, at the world size that saved (W=1 and W=2), and
+  resharded: the W=2 save loaded at W=1 and W=3.
+
+Run: ``.venv/bin/python bench/bench_sharded.py [--size-mib 1024] [--repeats 3]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file or with -m
+
+METHODS = ("ckptflow", "dcp")
+WIDTH = 1024
+
+
+def build(size_mib: int, world: int) -> tuple[Any, Any]:
+    """An FSDP2 MLP of about ``size_mib`` of parameters and Adam state (3x the parameters)."""
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    layers = max(1, size_mib * (1 << 20) // 3 // (WIDTH * WIDTH * 4))
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, WIDTH)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def state_of(model: Any, opt: Any) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, opt)
+    return {"model": msd, "optimizer": osd}
+
+
+def local_bytes(state: Any) -> int:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return local_bytes(state.to_local())
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(local_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(local_bytes(v) for v in state)
+    return 0
+
+
+def clone_local(state: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        return state.to_local().clone()
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: clone_local(v) for k, v in state.items()}
+    return state
+
+
+def timed(call: Any, *args: Any) -> float:
+    """Seconds of ``call(*args)`` from a barrier to a barrier: the job's time, as its slowest rank sees it."""
+    dist.barrier()
+    start = time.perf_counter()
+    call(*args)
+    dist.barrier()
+    return time.perf_counter() - start
+
+
+def save(method: str, state: dict[str, Any], path: Path, store: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if method == "ckptflow":
+        store.save(state)
+    else:
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path), sync_files=True))
+
+
+def load(method: str, state: dict[str, Any], path: Path, store: Any) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    if method == "ckptflow":
+        store.load(into=state)
+    else:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)))
+
+
+def start_async(method: str, state: dict[str, Any], path: Path, store: Any, pending: list[Any]) -> None:
+    """Start an async save. DCP's runs its collectives on a gloo group of its own, as its docs advise
+    (ckptflow's store has one), so that they never meet the training loop's."""
+    import torch.distributed.checkpoint as dcp
+
+    if method == "ckptflow":
+        pending.append(store.save_async(state))
+    else:
+        writer = dcp.FileSystemWriter(str(path), sync_files=True)
+        pending.append(dcp.async_save(state, storage_writer=writer, process_group=ASYNC_GROUP[0]))
+
+
+ASYNC_GROUP: list[Any] = []
+
+
+def saver(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    """Save, async stalls and load at ``world`` ranks; leaves the last saves under ``args.dir/w<W>``."""
+    from ckptflow.storage import CheckpointStore
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    root = Path(args.dir) / f"w{world}"
+    ASYNC_GROUP.append(dist.new_group(backend="gloo"))
+    warm_model, warm_opt = build(8, world)
+    model, opt = build(args.size_mib, world)
+    state, warm = state_of(model, opt), state_of(warm_model, warm_opt)
+    results: dict[str, list[float]] = {}
+
+    def fresh(name: str) -> Path:
+        path = root / name
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
+            path.mkdir(parents=True)
+        os.sync()
+        dist.barrier()
+        return path
+
+    results["copy fresh"] = [timed(clone_local, state)]  # the process's first copy: into fresh pages
+    results["copy"] = [timed(clone_local, state) for _ in range(args.repeats)]  # pages already mapped
+    for method in METHODS:  # imports, thread pools, the store's group
+        path = fresh(f"warm-{method}")
+        save(method, warm, path, CheckpointStore(path, distributed=True) if method == "ckptflow" else None)
+        load(method, warm, path, CheckpointStore(path, distributed=True) if method == "ckptflow" else None)
+    results.update({f"async first {m}": [] for m in METHODS})
+    for r in range(args.repeats):
+        order = METHODS if r % 2 == 0 else tuple(reversed(METHODS))
+        for method in order:
+            path = fresh(method)
+            store = CheckpointStore(path, distributed=True) if method == "ckptflow" else None
+            results.setdefault(f"save {method}", []).append(timed(save, method, state, path, store))
+            results.setdefault(f"load {method}", []).append(timed(load, method, state, path, store))
+    for method in METHODS:  # async: a first call in this process, then a later one (same store)
+        base = fresh(f"async-{method}")
+        store = CheckpointStore(base, distributed=True) if method == "ckptflow" else None
+        for label in ("first", "later"):
+            path = fresh(f"async-{method}/{label}") if store is None else base
+            pending: list[Any] = []
+            results.setdefault(f"async {label} {method}", []).append(
+                timed(start_async, method, state, path, store, pending)
+            )
+            for handle in pending:
+                handle.wait() if store is not None else handle.result()
+        if store is not None:
+            store.close()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": results, "local_bytes": local_bytes(state)}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def loader(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
+    """The W=2 saves (``args.dir/w2``), loaded at ``world`` ranks."""
+    from ckptflow.storage import CheckpointStore
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    model, opt = build(args.size_mib, world)
+    state = state_of(model, opt)
+    root = Path(args.dir) / "w2"
+    store = CheckpointStore(root / "ckptflow", distributed=True)
+    results: dict[str, list[float]] = {}
+    for r in range(args.repeats):
+        order = METHODS if r % 2 == 0 else tuple(reversed(METHODS))
+        for method in order:
+            os.sync()
+            results.setdefault(f"load {method}", []).append(timed(load, method, state, root / method, store))
+    if rank == 0:
+        Path(out).write_text(json.dumps({"times": results}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=1024)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under the repo)")
+    args = parser.parse_args()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="bench-sharded-", dir=Path(__file__).resolve().parent))
+    args.dir = str(base)
+    found: dict[str, dict[str, float]] = {}
+    try:
+        for world in (1, 2):
+            out = base / f"save-{world}.json"
+            mp.spawn(saver, args=(world, free_port(), args, str(out)), nprocs=world, join=True)
+            result = json.loads(out.read_text())
+            found[f"W={world}"] = {k: statistics.median(v) for k, v in result["times"].items()}
+        for world in (1, 3):
+            out = base / f"load-{world}.json"
+            mp.spawn(loader, args=(world, free_port(), args, str(out)), nprocs=world, join=True)
+            result = json.loads(out.read_text())
+            found[f"W=2 -> {world}"] = {k: statistics.median(v) for k, v in result["times"].items()}
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print_table(found, args)
+
+
+def print_table(found: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
+    from bench.common import machine, markdown_table
+
+    rows = []
+    for world in ("W=1", "W=2"):
+        r = found[world]
+        for what in ("save", "load"):
+            ours, theirs = r[f"{what} ckptflow"], r[f"{what} dcp"]
+            rows.append([f"{what}, {world}", f"{ours:.3f}", f"{theirs:.3f}", f"{theirs / ours:.2f}x"])
+        for label in ("first", "later"):
+            ours, theirs = r[f"async {label} ckptflow"], r[f"async {label} dcp"]
+            copy = r["copy fresh"] if label == "first" else r["copy"]
+            into = "fresh memory" if label == "first" else "mapped memory"
+            rows.append(
+                [
+                    f"save_async stall, {label} call, {world} (a copy into {into}: {copy:.3f} s)",
+                    f"{ours:.3f} ({ours / copy:.2f}x copy)",
+                    f"{theirs:.3f}",
+                    f"{theirs / ours:.2f}x",
+                ]
+            )
+    for world in ("W=2 -> 1", "W=2 -> 3"):
+        r = found[world]
+        ours, theirs = r["load ckptflow"], r["load dcp"]
+        rows.append([f"resharded load, {world}", f"{ours:.3f}", f"{theirs:.3f}", f"{theirs / ours:.2f}x"])
+    print(f"\nFSDP2 model + Adam, {args.size_mib} MiB in all, median of {args.repeats}, {machine()}\n")
+    print(markdown_table(["", "ckptflow (s)", "DCP (s)", "DCP's time / ours"], "lrrr", rows))
+
+
+if __name__ == "__main__":
+    main()
