@@ -281,6 +281,17 @@ def _warm_up_torch() -> None:
     import torch._dynamo  # noqa: F401
 
 
+def _server_unless_the_spec_failed(warmup: _ApiWarmup, verbose: bool) -> None:
+    """Wait for the temporary API server, but report a spec that failed to import at once (a first
+    start of the server creates its database: seconds a broken spec need not wait)."""
+    from ckptflow.tasks.trainer import spec_check
+
+    pending = spec_check()
+    while not warmup.ready.wait(0.05):
+        if pending is not None and pending.done() and pending.exception() is not None:
+            _before_the_flow_run(verbose, pending.result)
+
+
 def _before_the_flow_run(verbose: bool, check: Callable[[], T]) -> T:
     """``check()``; a bad spec or store ends the command before any flow run exists: one ``error:``
     line, exit 1."""
@@ -362,6 +373,7 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
         from .preflight import wait_for_spec
 
         if warmup is not None:
+            _server_unless_the_spec_failed(warmup, verbose)
             warmup.join()  # before Prefect is imported: it reads PREFECT_API_URL then
         from ckptflow.flows.train import train_pipeline  # Prefect, while the trainers import the spec
 
