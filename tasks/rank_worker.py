@@ -281,12 +281,12 @@ class Rank:
     def capture(self, epoch: int) -> tuple[tuple[dict[str, Any], dict[str, Any] | None], dict[str, Any]]:
         """The state to save (shared, this rank's own), and the save's arguments."""
         from .run_state import capture_run
-        from .training_state import split_ranked
+        from .training_state import is_sharded, split_ranked
 
         run = self.run
         kwargs = {"epoch": epoch, "step": run.step, "version": epoch, "metrics": run.metrics.get(epoch)}
         state = capture_run(run)
-        if self.world.size == 1:
+        if self.world.size == 1 and not is_sharded(run.local()[1].model):  # sharded: RNGs stay apart
             return (state, None), kwargs
         return split_ranked(state), kwargs
 

@@ -139,7 +139,15 @@ def build_run(
     same model and restores the replicated state, then its own state (see :mod:`.rank_worker`).
     """
     from .spec import RunFacts, load_spec_class, make_spec
-    from .training_state import capture, rank_seed, restore, rng_state, seed_everything
+    from .training_state import (
+        capture,
+        is_sharded,
+        rank_seed,
+        restore,
+        rng_state,
+        seed_everything,
+        split_ranked,
+    )
 
     load_spec_class(config.spec)
     identity = check_run_identity(store, config, warn)
@@ -160,9 +168,12 @@ def build_run(
     if latest is not None:
         spec, trainable = run.local()
         into = capture(trainable, spec, epoch=0, step=0)  # read the model straight into its tensors
+        sharded = is_sharded(trainable.model)
+        if sharded:  # DCP fills what the target holds: the shared part (the ranks' own come apart)
+            into, _ = split_ranked(into)
         state = store.load(latest.version, into=into)
         saved_by = len(store.manifest(latest.version).ranks) or 1
-        if world_size > 1:
+        if world_size > 1 or sharded:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RankStateWarning)
                 own = store.load_rank_state(latest.version)

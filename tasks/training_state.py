@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,8 +68,19 @@ def capture(
 
     ``rng``: the RNG states to save (default: the process's current ones).
     """
-    state: dict[str, Any] = {"model": trainable.model.state_dict()}
-    for name in ("optimizer", "scheduler", "scaler"):
+    state: dict[str, Any] = {}
+    if is_sharded(trainable.model):  # FSDP2 / DTensor: torch's own state dicts, keyed by name
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        optimizers: Any = trainable.optimizer if trainable.optimizer is not None else []
+        state["model"], optimizer = get_state_dict(trainable.model, optimizers)
+        if trainable.optimizer is not None:
+            state["optimizer"] = optimizer
+    else:
+        state["model"] = trainable.model.state_dict()
+        if trainable.optimizer is not None:
+            state["optimizer"] = trainable.optimizer.state_dict()
+    for name in ("scheduler", "scaler"):
         obj = getattr(trainable, name)
         if obj is not None:
             state[name] = obj.state_dict()
@@ -82,8 +94,21 @@ def capture(
 
 def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) -> tuple[int, int]:
     """Put a captured state back; return its (epoch, step)."""
-    trainable.model.load_state_dict(state["model"])
-    for name in ("optimizer", "scheduler", "scaler"):
+    if is_sharded(trainable.model) or _keyed_by_name(state.get("optimizer")):
+        from torch.distributed.checkpoint.state_dict import set_state_dict  # names, DTensors: torch's own
+
+        optimizers: Any = trainable.optimizer if trainable.optimizer is not None else []
+        set_state_dict(
+            trainable.model,
+            optimizers,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optimizer", {}),
+        )
+    else:
+        trainable.model.load_state_dict(state["model"])
+        if trainable.optimizer is not None and "optimizer" in state:
+            trainable.optimizer.load_state_dict(state["optimizer"])
+    for name in ("scheduler", "scaler"):
         obj = getattr(trainable, name)
         if obj is not None and name in state:
             obj.load_state_dict(state[name])
@@ -92,6 +117,18 @@ def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) 
     spec.load_state_dict(state.get("spec", {}))
     set_rng_state(state["rng"])
     return int(state["progress"]["epoch"]), int(state["progress"]["step"])
+
+
+def _keyed_by_name(optimizer: Any) -> bool:
+    """Whether an optimizer state is keyed by parameter names (a sharded save's), not numbers."""
+    per_param = optimizer.get("state") if isinstance(optimizer, Mapping) else None
+    return isinstance(per_param, Mapping) and bool(per_param) and all(isinstance(k, str) for k in per_param)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether ``model`` holds DTensors (FSDP2, tensor parallel): saved through DCP, shard by shard."""
+    tensor = sys.modules.get("torch.distributed.tensor")  # not imported: no DTensor exists
+    return tensor is not None and any(isinstance(p, tensor.DTensor) for p in model.parameters())
 
 
 RANK_KEYS = ("rng", "spec")  # what differs between the ranks of a multi-process run

@@ -81,10 +81,6 @@ class ShardedStore:
     def _save_sharded(self, state: object, request: SaveRequest) -> VersionInfo:
         import torch.distributed.checkpoint as dcp
 
-        if request.rank_state is not None:
-            raise CheckpointError(
-                "rank_state is not kept with a sharded state yet: put it into the state under a key per rank"
-            )
         self._saves.saver.wait_previous()
         writer = self.dcp_writer(
             epoch=request.epoch,
@@ -94,6 +90,7 @@ class ShardedStore:
             user=request.user,
         )
         _refuse_split_without_group(state, self.group)
+        writer.keep_own(request.rank_state)
         with _one_process(self.group):
             dcp.save(
                 _as_dict(state),
@@ -111,10 +108,6 @@ class ShardedStore:
         """Copy this rank's shards to host memory, claim the version, write and commit in the background."""
         import torch.distributed.checkpoint as dcp
 
-        if request.rank_state is not None:
-            raise CheckpointError(
-                "rank_state is not kept with a sharded state yet: put it into the state under a key per rank"
-            )
         saver = self._saves.saver
         saver.wait_previous()
         _refuse_split_without_group(state, self.group)
@@ -127,6 +120,7 @@ class ShardedStore:
             version=request.version,
             user=request.user,
         )
+        writer.keep_own(stage(request.rank_state) if request.rank_state is not None else None)
         writer.claimed = self._claim_for(writer)
         group = self._process_group()
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,7 +36,14 @@ from ..errors import CheckpointError, UnsupportedValueError
 from ..files.byteio import tensor_bytes
 from ..files.location import translate_errors
 from ..format.dtypes import dtype_name
-from ..format.manifest import SHARDED_FORMAT_VERSION, BlobEntry, ChunkedEntry, ShardEntry
+from ..format.manifest import (
+    SHARDED_FORMAT_VERSION,
+    BlobEntry,
+    ChunkedEntry,
+    RankPart,
+    ShardEntry,
+    TensorEntry,
+)
 from ..format.manifest_checks import check_manifest
 from ..format.names import version_dir
 from ..format.structure import decode, encode
@@ -64,6 +72,12 @@ class DcpWriter(StorageWriter):
         self.claimed: int | None = None  # claimed before the save started (an async save)
         self.info: VersionInfo | None = None
         self.started = time.perf_counter()
+        self.own: OwnState | None = None  # this rank's own state (RNGs, data position), if any
+
+    def keep_own(self, rank_state: object) -> None:
+        """Write ``rank_state`` (this rank's own, not sharded) beside the chunks, as ``state-r<rank>.h5``;
+        planned now, so that a value that cannot be stored is refused before anything is written."""
+        self.own = OwnState.of(rank_state) if rank_state is not None else None
 
     # -- DCP's calls, in the order it makes them ------------------------------
 
@@ -123,6 +137,8 @@ class DcpWriter(StorageWriter):
                 threads=self.versions.options.threads,
                 rank=rank,
             )
+        if self.own is not None:
+            results.append(self.own.write(self.versions, version, rank))
         for blob, item in zip(blobs, items, strict=True):
             entry = written[blob.index]
             shard = files[entry.shard].model_dump(mode="json")
@@ -161,7 +177,11 @@ class DcpWriter(StorageWriter):
     def _manifest(self, metadata: Metadata, results: list[WriteResult]) -> Any:
         files: dict[str, ShardEntry] = {}
         found: dict[MetadataIndex, Any] = {}
+        owns: dict[int, Any] = {}
         for result in results:
+            if result.index.fqn.startswith(OWN_KEY):
+                owns[int(result.storage_data["rank"])] = result.storage_data
+                continue
             found[result.index] = result.storage_data
             if "file" in result.storage_data:
                 shard = ShardEntry.model_validate(result.storage_data["file"])
@@ -190,6 +210,15 @@ class DcpWriter(StorageWriter):
                 requires_grad=bool(md.properties.requires_grad),
                 chunks=chunks,
             )
+        ranks = []
+        if owns:
+            if sorted(owns) != list(range(self.world_size)):
+                raise CheckpointError(
+                    f"ranks {sorted(owns)} of {self.world_size} passed rank_state: all or none must"
+                )
+            for rank in range(self.world_size):
+                shards.append(ShardEntry.model_validate(owns[rank]["shard"]))
+                ranks.append(OwnState.part(owns[rank], len(shards) - 1))
         structure = sharded_structure(values, tensors, mappings)
         assert self.version is not None
         job = self.versions.sharded_job(self.version, self.request, structure)
@@ -198,10 +227,65 @@ class DcpWriter(StorageWriter):
             blobs,
             time.perf_counter() - self.started,
             format_version=SHARDED_FORMAT_VERSION,
-            nbytes=sum(b.nbytes for b in blobs),
+            nbytes=sum(b.nbytes for b in blobs) + sum(int(o["nbytes"]) for o in owns.values()),
             world_size=self.world_size,
             chunked=list(tensors.values()),
+            ranks=ranks,
         )
+
+
+OWN_KEY = "ckptflow.rank_state/"  # the write results of the ranks' own states (no DCP item has it)
+
+
+@dataclass(frozen=True)
+class OwnState:
+    """A rank's own state, planned: its JSON structure, its tensors' blobs in one file."""
+
+    structure: Any
+    plan: BlobPlan
+    entries: list[Any]
+
+    @classmethod
+    def of(cls, rank_state: object) -> OwnState:
+        from ..save.distributed import tensor_entries
+        from ..save.planner import ShardPlan, plan_blobs
+
+        structure, leaves = encode(rank_state)
+        blobs, refs = plan_blobs(leaves)
+        one = ShardPlan(0, "state-r{rank}.h5", [b.index for b in blobs], sum(b.nbytes for b in blobs))
+        return cls(structure, BlobPlan(blobs, refs, [one]), tensor_entries(leaves, refs))
+
+    def write(self, versions: VersionWriter, version: int, rank: int) -> WriteResult:
+        from ..save.writer import write_shards
+
+        file = dataclasses.replace(self.plan.shards[0], file=f"state-r{rank}.h5")
+        plan = dataclasses.replace(self.plan, shards=[file])
+        with translate_errors(versions.loc, "saving to"):
+            files, written = write_shards(
+                versions.loc,
+                version_dir(version),
+                plan,
+                lambda b: tensor_bytes(b.source),
+                threads=1,
+                rank=rank,
+            )
+        data = {
+            "rank": rank,
+            "shard": files[0].model_dump(mode="json"),
+            "blobs": [written[i].model_dump(mode="json") for i in range(len(plan.blobs))],
+            "structure": self.structure,
+            "tensors": [t.model_dump(mode="json") for t in self.entries],
+            "nbytes": plan.nbytes,
+        }
+        return WriteResult(
+            index=MetadataIndex(f"{OWN_KEY}{rank}"), size_in_bytes=plan.nbytes, storage_data=data
+        )
+
+    @staticmethod
+    def part(data: dict[str, Any], shard: int) -> RankPart:
+        blobs = [BlobEntry.model_validate(b).model_copy(update={"shard": shard}) for b in data["blobs"]]
+        tensors = [TensorEntry.model_validate(t) for t in data["tensors"]]
+        return RankPart(structure=data["structure"], blobs=blobs, tensors=tensors)
 
 
 def _value_result(item: Any, planner: SavePlanner) -> WriteResult:

@@ -9,7 +9,8 @@ mesh, tensor parallel inside each FSDP shard), and runs ``SCENARIO``:
 
 - ``save`` / ``dcp_save``: two Adam steps from seed 0, then the model and
   optimizer state dicts (DTensors) saved with ``CheckpointStore.save`` on a
-  distributed store / with ``dcp.save`` through ``store.dcp_writer``;
+  distributed store (with each rank's :func:`own_state` as ``rank_state``) /
+  with ``dcp.save`` through ``store.dcp_writer``;
 - ``load`` / ``dcp_load``: a model built from another seed (its values all
   differ) and trained one step, filled from version ``--version`` (default:
   the newest) with ``store.load(into=...)`` / ``dcp.load`` through
@@ -132,6 +133,11 @@ def digest(value: Any) -> Any:
     return value
 
 
+def own_state(rank: int) -> dict[str, Any]:
+    """What rank ``rank`` keeps for itself (``rank_state``): different on every rank."""
+    return {"rank": rank, "cursor": 100 + rank, "perm": torch.arange(5) + rank}
+
+
 def block_in_write(marker: Path) -> None:
     """Rank 1 stops in the middle of writing a shard (after its first bytes) until it is killed."""
     from ckptflow.storage.save import writer
@@ -174,7 +180,7 @@ def main() -> None:
             block_in_write(args.out / "blocked")
         start = time.perf_counter()
         if args.scenario == "save_async":  # twice: the second reuses the first one's host copy
-            handle = store.save_async(state, epoch=1, metrics={"loss": 1.5})
+            handle = store.save_async(state, epoch=1, metrics={"loss": 1.5}, rank_state=own_state(rank))
             full = full_digest(model, opt)  # what was saved: the training steps below must not change it
             train(model, opt, 2)
             result["version"] = handle.wait().version
@@ -191,7 +197,7 @@ def main() -> None:
             dcp.save(state, storage_writer=writer, process_group=store.group.group)
             result["version"] = writer.info.version if writer.info else None
         else:
-            info = store.save(state, epoch=1, metrics={"loss": 1.5})
+            info = store.save(state, epoch=1, metrics={"loss": 1.5}, rank_state=own_state(rank))
             result["version"] = info.version
         result["seconds"] = time.perf_counter() - start
     elif args.scenario == "fresh":

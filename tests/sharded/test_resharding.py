@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from ckptflow.storage import CheckpointStore
 from tests.sharded.conftest import FsdpJob, Saved, digest
@@ -92,3 +93,16 @@ def test_on_s3_a_two_rank_save_loads_at_three_ranks_and_in_one_process(
     store = CheckpointStore(url, storage_options=options)
     store.verify()
     assert digest(store.load()) == saved.full()
+
+
+def test_each_rank_gets_its_own_rank_state_back(saved_by_store: Saved) -> None:
+    from tests.children.fsdp_child import own_state
+
+    store = CheckpointStore(saved_by_store.url)
+    assert store.manifest().world_size == 2
+    for rank in (0, 1):
+        got = store.load_rank_state(rank=rank, world_size=2)
+        want = own_state(rank)
+        assert (got["rank"], got["cursor"]) == (want["rank"], want["cursor"])
+        assert torch.equal(got["perm"], want["perm"])
+    assert "rank" not in store.load(), "the ranks' own states stay apart from the state"
