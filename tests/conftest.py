@@ -297,17 +297,17 @@ def assert_same_state(got: object, want: object, path: str = "") -> None:
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """pytest-xdist (``make test`` runs 3 workers) hands out every test on its own, except the
-    packages in ``TOGETHER``, each of which goes to one worker whole: the deployment tests' Prefect
-    server, work pool and deployments, and the sharded-state tests' saved FSDP2 jobs, are set up
-    once. (xdist's own ``--dist loadgroup`` cannot be used: it renames test ids through an
-    attribute pytest 9.2 no longer reads.)"""
+    packages and modules in ``TOGETHER``, each of which goes to one worker whole: the deployment
+    tests' Prefect server, work pool and deployments, and the sharded-state tests' saved FSDP2 jobs
+    and runs, are set up once. (xdist's own ``--dist loadgroup`` cannot be used: it renames test
+    ids through an attribute pytest 9.2 no longer reads.)"""
     from xdist.scheduler import LoadScopeScheduling
 
     class PackagesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return next((p for p in TOGETHER if nodeid.startswith(p + "/")), nodeid)
+            return next((p for p in TOGETHER if nodeid.startswith((p + "/", p + "::"))), nodeid)
 
     return PackagesTogether(config, log)
 
 
-TOGETHER = ("tests/deploy", "tests/sharded")
+TOGETHER = ("tests/deploy", "tests/sharded", "tests/pipeline/test_sharded_pipeline.py")
