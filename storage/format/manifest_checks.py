@@ -84,12 +84,7 @@ def _check_shard(shard: ShardEntry, field: str, where: str) -> None:
 def _check_blob(blob: BlobEntry, shards: list[ShardEntry], field: str, where: str) -> None:
     if blob.shard >= len(shards):
         raise _fail(where, f"{field}.shard", f"shard {blob.shard} is not listed ({len(shards)} shards)")
-    width = itemsize(blob.dtype)
-    if width is None:
-        raise _fail(where, f"{field}.dtype", f"unknown dtype {blob.dtype!r}")
-    problem = _counts_problem(blob.shape)
-    if problem:
-        raise _fail(where, f"{field}.shape", f"{problem} in {blob.shape}")
+    width = _width_of(blob.dtype, blob.shape, field, where)
     if math.prod(blob.shape) * width != blob.nbytes:
         raise _fail(
             where,
@@ -144,12 +139,7 @@ def _check_tensor(tensor: TensorEntry, blobs: list[BlobEntry], field: str, where
 
 
 def _check_chunked(entry: ChunkedEntry, blobs: list[BlobEntry], field: str, where: str) -> None:
-    width = itemsize(entry.dtype)
-    if width is None:
-        raise _fail(where, f"{field}.dtype", f"unknown dtype {entry.dtype!r}")
-    problem = _counts_problem(entry.shape)
-    if problem:
-        raise _fail(where, f"{field}.shape", f"{problem} in {entry.shape}")
+    width = _width_of(entry.dtype, entry.shape, field, where)
     if len(entry.chunks) > MAX_CHUNKS:
         raise _fail(where, f"{field}.chunks", f"{len(entry.chunks)} chunks, more than {MAX_CHUNKS}")
     boxes: list[tuple[list[int], list[int]]] = []
@@ -181,6 +171,17 @@ def _check_chunked(entry: ChunkedEntry, blobs: list[BlobEntry], field: str, wher
     covered = sum(math.prod(sizes) for _, sizes in boxes)
     if covered != math.prod(entry.shape) or _overlap(boxes):
         raise _fail(where, f"{field}.chunks", f"the chunks do not cover shape {entry.shape} once exactly")
+
+
+def _width_of(dtype: str, shape: list[int], field: str, where: str) -> int:
+    """The byte width of a known ``dtype``, once ``shape`` is checked to be a real one."""
+    width = itemsize(dtype)
+    if width is None:
+        raise _fail(where, f"{field}.dtype", f"unknown dtype {dtype!r}")
+    problem = _counts_problem(shape)
+    if problem:
+        raise _fail(where, f"{field}.shape", f"{problem} in {shape}")
+    return width
 
 
 def _overlap(boxes: list[tuple[list[int], list[int]]]) -> bool:

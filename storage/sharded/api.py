@@ -19,6 +19,8 @@ returns its tensors whole.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -67,9 +69,12 @@ class ShardedStore:
     ) -> DcpWriter:
         """A StorageWriter for one ``dcp.save``/``dcp.async_save``: it becomes a committed version."""
         from ..save.store_saver import SaveRequest
+
+        return self._writer_for(SaveRequest(epoch, step, metrics, version, user))
+
+    def _writer_for(self, request: SaveRequest) -> DcpWriter:
         from .writer import DcpWriter
 
-        request = SaveRequest(epoch, step, metrics, version, user)
         return DcpWriter(self._writer, request, world_size=self.world_size)
 
     def dcp_reader(self, *, version: int | None = None, verify: bool | None = None) -> DcpReader:
@@ -82,13 +87,7 @@ class ShardedStore:
         import torch.distributed.checkpoint as dcp
 
         self._saves.saver.wait_previous()
-        writer = self.dcp_writer(
-            epoch=request.epoch,
-            step=request.step,
-            metrics=request.metrics,
-            version=request.version,
-            user=request.user,
-        )
+        writer = self._writer_for(request)
         _refuse_split_without_group(state, self.group)
         writer.keep_own(request.rank_state)
         with _one_process(self.group):
@@ -98,11 +97,7 @@ class ShardedStore:
                 process_group=self._process_group(),
                 no_dist=self.group is None,
             )
-        if self.group is None:
-            assert writer.info is not None
-            return writer.info
-        found = self.group.broadcast(_info_json(writer.info) if self.group.rank == 0 else None)
-        return VersionInfo(**found)
+        return self._version_committed(writer)
 
     def _save_sharded_async(self, state: object, request: SaveRequest) -> SaveHandle:
         """Copy this rank's shards to host memory, claim the version, write and commit in the background."""
@@ -113,13 +108,7 @@ class ShardedStore:
         _refuse_split_without_group(state, self.group)
         staged = _as_dict(stage(state, getattr(self, "_sharded_staging", None)))
         self._sharded_staging = staged  # reused by the next async save, once this one has ended
-        writer = self.dcp_writer(
-            epoch=request.epoch,
-            step=request.step,
-            metrics=request.metrics,
-            version=request.version,
-            user=request.user,
-        )
+        writer = self._writer_for(request)
         writer.keep_own(stage(request.rank_state) if request.rank_state is not None else None)
         writer.claimed = self._claim_for(writer)
         group = self._process_group()
@@ -127,14 +116,17 @@ class ShardedStore:
         def write() -> VersionInfo:
             writer.reset()
             dcp.save(staged, storage_writer=writer, process_group=group, no_dist=self.group is None)
-            if self.group is None:
-                assert writer.info is not None
-                return writer.info
-            return VersionInfo(
-                **self.group.broadcast(_info_json(writer.info) if self.group.rank == 0 else None)
-            )
+            return self._version_committed(writer)
 
         return saver.submit(write, writer.claimed)
+
+    def _version_committed(self, writer: DcpWriter) -> VersionInfo:
+        """The version the writer's rank 0 committed, on every rank."""
+        if self.group is None:
+            assert writer.info is not None
+            return writer.info
+        info = dataclasses.asdict(writer.info) if writer.info is not None else None
+        return VersionInfo(**self.group.broadcast(info))
 
     def _claim_for(self, writer: DcpWriter) -> int:
         """The version number, claimed by rank 0 for every rank (a collective in a distributed store)."""
@@ -159,17 +151,22 @@ class ShardedStore:
 
 
 def holds_sharded(state: object) -> bool:
-    """Whether ``state`` holds a DTensor or a DCP ``Stateful`` object (anything DCP must plan)."""
-    import torch
-    from torch.distributed.checkpoint.stateful import Stateful
-    from torch.distributed.tensor import DTensor
+    """Whether ``state`` holds a DTensor or a DCP ``Stateful`` object (anything DCP must plan).
 
+    Imports nothing: a process that never imported ``torch.distributed.tensor`` has no DTensor,
+    and a plain save must not pay for importing torch.distributed.checkpoint (0.7 s here).
+    """
+    tensor = sys.modules.get("torch.distributed.tensor")
+    dtensor = tensor.DTensor if tensor is not None else None
     for value in _values(state, set()):
-        if type(value) in (torch.Tensor, torch.nn.Parameter):
-            continue
-        if isinstance(value, (DTensor, Stateful)):
+        if (dtensor is not None and isinstance(value, dtensor)) or _is_stateful(value):
             return True
     return False
+
+
+def _is_stateful(value: object) -> bool:
+    """What DCP's ``Stateful`` protocol checks: ``state_dict()`` and ``load_state_dict()``."""
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 def _values(state: object, seen: set[int]) -> Iterator[object]:
@@ -192,7 +189,6 @@ def stage(state: object, cache: object = None) -> object:
     import copy
 
     import torch
-    from torch.distributed.checkpoint.stateful import Stateful
     from torch.distributed.tensor import DTensor
 
     if isinstance(state, DTensor):
@@ -223,8 +219,8 @@ def stage(state: object, cache: object = None) -> object:
             else [None] * len(state)
         )
         return type(state)(stage(v, c) for v, c in zip(state, old_items, strict=True))
-    if isinstance(state, Stateful):
-        return stage(state.state_dict(), cache)
+    if _is_stateful(state):
+        return stage(state.state_dict(), cache)  # type: ignore[attr-defined]
     return copy.deepcopy(state)
 
 
@@ -271,13 +267,6 @@ def _as_dict(state: object) -> dict[str, Any]:
     if not isinstance(state, dict):
         raise CheckpointError(f"a sharded state must be a dict (as DCP's), got {type(state).__name__}")
     return state
-
-
-def _info_json(info: VersionInfo | None) -> dict[str, Any]:
-    import dataclasses
-
-    assert info is not None
-    return dataclasses.asdict(info)
 
 
 __all__ = ["ShardedStore", "holds_sharded"]

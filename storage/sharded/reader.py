@@ -174,7 +174,7 @@ class DcpReader(StorageReader):
         filled = set(direct.values())
         for i, (item, source, target) in enumerate(zip(items, sources, targets, strict=True)):
             if i not in filled:
-                stored = whole[source.tensor] if source.tensor is not None else self._chunk(source, item, raw)
+                stored = whole[source.tensor] if source.tensor is not None else self._chunk(source, raw)
                 for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
                     stored = stored.narrow(dim, start, length)
                 if target.shape != stored.shape:
@@ -198,7 +198,7 @@ class DcpReader(StorageReader):
             if source.blob is None or users[source.blob] != 1:
                 continue
             blob = self.manifest.blobs[source.blob]
-            whole = any(item.storage_offsets) is False and list(item.lengths) == blob.shape
+            whole = not any(item.storage_offsets) and list(item.lengths) == blob.shape
             if (
                 whole
                 and target.device.type == "cpu"
@@ -209,7 +209,7 @@ class DcpReader(StorageReader):
                 direct[source.blob] = i
         return direct
 
-    def _chunk(self, source: Source, item: ReadItem, raw: dict[int, torch.Tensor]) -> torch.Tensor:
+    def _chunk(self, source: Source, raw: dict[int, torch.Tensor]) -> torch.Tensor:
         assert source.blob is not None
         entry = self.manifest.blobs[source.blob]
         return raw[source.blob].view(dtype_from_name(entry.dtype)).reshape(entry.shape)
