@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -38,6 +37,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file or with -m
+
+from tests.ports import free_port
 
 METHODS = ("ckptflow", "dcp")
 TENSOR_MIB = 4
@@ -123,12 +124,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     if rank == 0:
         Path(out).write_text(json.dumps({"times": times, "bytes": nbytes(state)}))
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

@@ -27,7 +27,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file or with -m
+
+from tests.ports import free_port
 
 METHODS = ("ckptflow", "dcp")
 WIDTH = 1024
@@ -214,12 +215,6 @@ def loader(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
         Path(out).write_text(json.dumps({"times": results}))
     dist.barrier()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

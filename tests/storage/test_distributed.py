@@ -19,13 +19,8 @@ plain (non-distributed) store. What must hold:
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,25 +32,19 @@ from ckptflow.storage.versions.commit import list_dirs
 from tests.children import CHILDREN
 from tests.children.dist_child import digest, make_rank_state, make_state
 from tests.conftest import assert_same_state, tensor_bits
-from tests.ports import free_port
+from tests.jobs import RankJob
 
 pytestmark = pytest.mark.timeout(120)
 
 CHILD = CHILDREN / "dist_child.py"
-ROOT_DIR = Path(__file__).resolve().parents[2]
 SEED = 11
-JOB_TIMEOUT = 60.0
 
 
 # -- running a job -------------------------------------------------------------------------------
 
 
-@dataclass
-class Job:
+class Job(RankJob):
     """``world`` processes of dist_child.py running one scenario; each writes result-r{rank}.json."""
-
-    procs: list[subprocess.Popen]
-    out: Path
 
     @classmethod
     def start(
@@ -67,27 +56,9 @@ class Job:
         *args: str,
         storage_options: dict[str, Any] | None = None,
     ) -> Job:
-        out.mkdir(parents=True, exist_ok=True)
-        port = free_port()
-        procs = []
-        for rank in range(world):
-            env = {
-                **os.environ,
-                "RANK": str(rank),
-                "WORLD_SIZE": str(world),
-                "MASTER_ADDR": "127.0.0.1",
-                "MASTER_PORT": str(port),
-                "GLOO_SOCKET_IFNAME": "lo",
-                "OMP_NUM_THREADS": "1",
-                "CKPTFLOW_STORAGE_OPTIONS": json.dumps(storage_options),
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT_DIR), os.environ.get("PYTHONPATH")])),
-            }
-            cmd = [sys.executable, str(CHILD), scenario, url, str(out), "--seed", str(SEED), *args]
-            with open(out / f"log-r{rank}.txt", "wb") as log:
-                procs.append(
-                    subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT_DIR)
-                )
-        return cls(procs, out)
+        cmd = [sys.executable, str(CHILD), scenario, url, str(out), "--seed", str(SEED), *args]
+        env = {"CKPTFLOW_STORAGE_OPTIONS": json.dumps(storage_options)}
+        return cls(cls.launch(cmd, world, out, env), out)
 
     @classmethod
     def run(cls, scenario: str, world: int, url: str, out: Path, *args: str, **kwargs: Any) -> list[dict]:
@@ -99,35 +70,6 @@ class Job:
         finally:
             job.reap()
 
-    def wait(self, timeout: float = JOB_TIMEOUT) -> list[int]:
-        """Every rank's exit code; fail (and kill them all) if one is still running after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                self.reap()
-                pytest.fail(f"the job did not finish within {timeout:.0f}s (a hang){self.logs()}")
-        return [p.returncode for p in self.procs]
-
-    def wait_for(self, name: str, timeout: float = JOB_TIMEOUT) -> None:
-        deadline = time.monotonic() + timeout
-        while not (self.out / name).exists():
-            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
-                self.reap()
-                pytest.fail(f"no {name} within {timeout:.0f}s, or a rank exited early{self.logs()}")
-            time.sleep(0.02)
-
-    def kill(self, rank: int) -> None:
-        os.kill(self.procs[rank].pid, signal.SIGKILL)
-        self.procs[rank].wait(timeout=30)
-
-    def reap(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=30)
-
     def results(self, *, require_done: bool = False) -> list[dict]:
         found = []
         for rank in range(len(self.procs)):
@@ -137,14 +79,6 @@ class Job:
                 pytest.fail(f"rank {rank} did not finish its scenario{self.logs()}")
             found.append(result)
         return found
-
-    def logs(self) -> str:
-        parts = []
-        for rank in range(len(self.procs)):
-            path = self.out / f"log-r{rank}.txt"
-            text = path.read_text(errors="replace")[-3000:] if path.exists() else ""
-            parts.append(f"\n--- rank {rank} (exit {self.procs[rank].poll()}):\n{text}")
-        return "".join(parts)
 
 
 def ok(result: dict, step: str) -> Any:
