@@ -19,7 +19,7 @@ import fsspec
 from fsspec.spec import AbstractBufferedFile
 
 from ..errors import CheckpointError
-from ..format.checksum import new_hasher
+from ..format.checksum import digest, new_hasher
 from .localfs import open_regular
 
 if TYPE_CHECKING:
@@ -114,13 +114,21 @@ def open_sink(fs: fsspec.AbstractFileSystem, path: str, *, local: bool) -> Sink:
     return LocalSink(path) if local else FsspecSink(fs, path)
 
 
-def write_hashed(sink: Sink, data: memoryview | bytes, *hashers) -> None:
-    """Write ``data`` in chunks, feeding every hasher as it goes."""
+def write_hashed(
+    sink: Sink, data: memoryview | bytes, *hashers, pieces: tuple[int, list[str]] | None = None
+) -> None:
+    """Write ``data`` in chunks, feeding every hasher as it goes; ``pieces`` (size, list): append
+    the checksum of each piece of that size (a divisor of CHUNK) while the bytes are in cache."""
     view = memoryview(data)
+    size, sums = pieces if pieces is not None else (CHUNK, None)
+    if CHUNK % size:
+        raise ValueError(f"pieces of {size} bytes do not divide the write chunk ({CHUNK} bytes)")
     for start in range(0, len(view), CHUNK):
         chunk = view[start : start + CHUNK]
         for h in hashers:
             h.update(chunk)
+        if sums is not None:
+            sums.extend(digest(chunk[p : p + size]) for p in range(0, len(chunk), size))
         sink.write(chunk)
 
 

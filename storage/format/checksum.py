@@ -9,6 +9,9 @@ cryptographic hash: it detects corruption, not tampering.
 The shard checksum is the plain xxh3-64 of the file's bytes (``xxhsum -H3``
 prints the same), so a file can be checked without ckptflow. Blob checksums
 cover the bytes of one dataset, so a partial load verifies what it reads.
+The chunks of sharded saves also have a checksum per piece of
+``PIECE_BYTES``, so a resharded load that needs part of a chunk verifies
+just the pieces it reads.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import xxhash
 
 ALGORITHM = "xxh3_64"
+PIECE_BYTES = 1 << 20  # piece checksums: reads round out to this; 16 hex digits per MiB in the manifest
 
 
 def new_hasher() -> xxhash.xxh3_64:

@@ -26,10 +26,11 @@ from .dtypenames import itemsize
 from .manifest_checks import MAX_BYTES, check_manifest, document_depth_problem
 
 FORMAT_NAME = "ckptflow-checkpoint"
-FORMAT_VERSION = 4  # the newest this code reads, and the one it writes
+FORMAT_VERSION = 5  # the newest this code reads, and the one it writes
 RANKS_FORMAT_VERSION = 2  # added ``world_size`` and ``ranks`` (per-rank state of a multi-process save)
 SEALED_FORMAT_VERSION = 3  # added ``manifest_checksum``, the manifest's checksum of itself
 SHARDED_FORMAT_VERSION = 4  # added ``chunked``: tensors stored as chunks of a global shape (DTensor)
+PIECES_FORMAT_VERSION = 5  # added blobs' ``piece_bytes`` and ``pieces``: checksums of fixed-size pieces
 SEAL_KEY = "manifest_checksum"
 MANIFEST_FILE = "manifest.json"
 
@@ -53,6 +54,11 @@ class BlobEntry(_Model):
     dtype: str
     shape: list[int]
     checksum: str
+    # The blob's bytes cut into pieces of ``piece_bytes`` (the last one shorter), each with its
+    # own checksum: a load that needs part of the blob (a resharded load) reads and verifies
+    # only the pieces it overlaps. Chunks of sharded saves have them; other blobs do not.
+    piece_bytes: int | None = Field(default=None, ge=1)
+    pieces: list[str] | None = None
 
 
 class TensorEntry(_Model):
@@ -137,6 +143,9 @@ class Manifest(_Model):
         if not self.chunked:
             exclude.add("chunked")
         raw = self.model_dump(mode="json", exclude=exclude)
+        for blob in [*raw["blobs"], *(b for part in raw.get("ranks", []) for b in part["blobs"])]:
+            if blob["pieces"] is None:  # a blob without pieces reads as formats 1-4 wrote it
+                del blob["piece_bytes"], blob["pieces"]
         raw["format_version"] = max(self.format_version, SEALED_FORMAT_VERSION)
         return json.dumps(seal(raw, SEAL_KEY), indent=1, allow_nan=False).encode()
 

@@ -9,7 +9,8 @@ checks what ties the fields together, without recursion and before any I/O:
 - every shard name is one plain path component (:mod:`.names`): a shard is a
   file *inside* its version;
 - every blob names a listed shard, a known dtype, a shape whose size times the
-  dtype's width is its byte count, and a byte range inside its shard;
+  dtype's width is its byte count, and a byte range inside its shard; piece
+  checksums (format 5), if any, one per piece of its size;
 - every tensor names a listed blob, a known dtype, and a view (shape, stride,
   offset) that stays inside that blob;
 - every chunked tensor (format 4) has a known dtype and a global shape, and
@@ -93,6 +94,7 @@ def _check_blob(blob: BlobEntry, shards: list[ShardEntry], field: str, where: st
         )
     if not _CHECKSUM.match(blob.checksum):
         raise _fail(where, f"{field}.checksum", f"{blob.checksum!r} is not an xxh3-64 checksum")
+    _check_pieces(blob, field, where)
     if blob.offset is None:
         if blob.nbytes:
             raise _fail(where, f"{field}.offset", "missing for a blob of non-zero size")
@@ -104,6 +106,24 @@ def _check_blob(blob: BlobEntry, shards: list[ShardEntry], field: str, where: st
             f"{field}.offset",
             f"bytes {blob.offset}..{blob.offset + blob.nbytes} lie outside shard {blob.shard} ({size} bytes)",
         )
+
+
+def _check_pieces(blob: BlobEntry, field: str, where: str) -> None:
+    """Piece checksums come with their size, one per piece of the blob."""
+    if (blob.piece_bytes is None) != (blob.pieces is None):
+        raise _fail(where, f"{field}.pieces", "piece_bytes and pieces come together")
+    if blob.piece_bytes is None or blob.pieces is None:
+        return
+    count = -(-blob.nbytes // blob.piece_bytes)
+    if len(blob.pieces) != count:
+        raise _fail(
+            where,
+            f"{field}.pieces",
+            f"{len(blob.pieces)} checksums for {count} pieces of {blob.piece_bytes} bytes",
+        )
+    for k, checksum in enumerate(blob.pieces):
+        if not _CHECKSUM.match(checksum):
+            raise _fail(where, f"{field}.pieces[{k}]", f"{checksum!r} is not an xxh3-64 checksum")
 
 
 def _check_tensor(tensor: TensorEntry, blobs: list[BlobEntry], field: str, where: str) -> None:

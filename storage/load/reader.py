@@ -93,6 +93,95 @@ def read_blobs(
     return out
 
 
+@dataclass(frozen=True)
+class Span:
+    """Bytes ``start``..``end`` of blob ``blob``: the part of a chunk that a load needs."""
+
+    blob: int
+    start: int
+    end: int
+
+
+def read_spans(
+    loc: Location,
+    sources: list[ShardSource],
+    manifest: Manifest,
+    spans: list[Span],
+    *,
+    verify: bool,
+    threads: int,
+) -> list[torch.Tensor]:
+    """uint8 tensors holding the bytes of each span. Verified, a span is read out to the edges
+    of the blob's pieces and each piece checked (the whole blob, for a blob without pieces);
+    unverified, exactly the span is read."""
+    windows = [_window(manifest, span, verify) for span in spans]
+    buffers = [empty_bytes(hi - lo) for lo, hi in windows]
+    jobs: list[Callable[[], None]] = []
+    for shard_index in sorted({manifest.blobs[s.blob].shard for s in spans}):
+        source = sources[shard_index]
+        if verify:
+            check_size(loc, source)
+        ranges = [
+            r
+            for span, (lo, _), buf in zip(spans, windows, buffers, strict=True)
+            if manifest.blobs[span.blob].shard == shard_index
+            for r in _ranges(_offset(source, _start(manifest, span.blob, lo)), buf)
+        ]
+        jobs.extend(partial(_read_job, loc, source, batch) for batch in _batches(ranges, loc.is_local))
+    _parallel(threads, jobs)
+    if verify:
+        checks: list[Callable[[], None]] = [
+            partial(_check_window, sources, manifest, span.blob, lo, buf)
+            for span, (lo, _), buf in zip(spans, windows, buffers, strict=True)
+        ]
+        _parallel(threads, checks)
+    return [
+        buf[span.start - lo : span.end - lo]
+        for span, (lo, _), buf in zip(spans, windows, buffers, strict=True)
+    ]
+
+
+def _window(manifest: Manifest, span: Span, verify: bool) -> tuple[int, int]:
+    """The bytes of the blob to read for ``span``: whole pieces when verified."""
+    blob = manifest.blobs[span.blob]
+    if not (0 <= span.start <= span.end <= blob.nbytes):
+        raise ValueError(
+            f"bytes {span.start}..{span.end} are not inside blob {span.blob} ({blob.nbytes} bytes)"
+        )
+    if not verify:
+        return span.start, span.end
+    if blob.piece_bytes is None:
+        return 0, blob.nbytes
+    size = blob.piece_bytes
+    return span.start // size * size, min(-(-span.end // size) * size, blob.nbytes)
+
+
+def _start(manifest: Manifest, blob: int, at: int) -> int | None:
+    offset = manifest.blobs[blob].offset
+    return None if offset is None else offset + at
+
+
+def _check_window(
+    sources: list[ShardSource], manifest: Manifest, i: int, lo: int, data: torch.Tensor
+) -> None:
+    """Check the pieces that ``data`` (the blob's bytes from ``lo`` on) holds, or the whole blob."""
+    blob = manifest.blobs[i]
+    if blob.piece_bytes is None or blob.pieces is None:
+        _check_blob(sources, manifest, i, data)
+        return
+    view = data.numpy().data if data.numel() else memoryview(b"")
+    size = blob.piece_bytes
+    for at in range(0, len(view), size):
+        k = (lo + at) // size
+        actual = digest(view[at : at + size])
+        if actual != blob.pieces[k]:
+            raise CorruptShardError(
+                f"{sources[blob.shard].name} (dataset {blob.dataset}, piece {k})",
+                expected=blob.pieces[k],
+                actual=actual,
+            )
+
+
 def _spread(blobs: list[int], manifest: Manifest, bins: int) -> list[list[int]]:
     """Blob indices in ``bins`` groups of about equal bytes (largest first into the lightest)."""
     groups: list[list[int]] = [[] for _ in range(max(1, bins))]

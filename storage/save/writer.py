@@ -28,19 +28,27 @@ BlobBytes = Callable[[Blob], memoryview]
 
 
 def write_shards(
-    loc: Location, version_dir: str, plan: SavePlan, blob_bytes: BlobBytes, *, threads: int, rank: int = 0
+    loc: Location,
+    version_dir: str,
+    plan: SavePlan,
+    blob_bytes: BlobBytes,
+    *,
+    threads: int,
+    rank: int = 0,
+    piece_bytes: int | None = None,
 ) -> tuple[list[ShardEntry], dict[int, BlobEntry]]:
     """Write every shard of ``plan`` under ``version_dir``; return their manifest entries.
 
     The blob entries are keyed by blob index: those of the blobs in ``plan.shards``, which
-    in a multi-process save are this rank's share of ``plan.blobs``.
+    in a multi-process save are this rank's share of ``plan.blobs``. With ``piece_bytes``,
+    each blob also gets a checksum per piece of that size.
     """
     if loc.is_local:  # object stores need no directories, and s3fs's makedirs would create a bucket
         loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
     blob_entries: dict[int, BlobEntry] = {}
 
     def one(shard: ShardPlan) -> ShardEntry:
-        entry, blobs = _write_shard(loc, version_dir, shard, plan.blobs, blob_bytes, rank)
+        entry, blobs = _write_shard(loc, version_dir, shard, plan.blobs, blob_bytes, rank, piece_bytes)
         blob_entries.update(blobs)
         return entry
 
@@ -54,13 +62,20 @@ def write_shards(
 
 
 def _write_shard(
-    loc: Location, version_dir: str, shard: ShardPlan, blobs: list[Blob], blob_bytes: BlobBytes, rank: int
+    loc: Location,
+    version_dir: str,
+    shard: ShardPlan,
+    blobs: list[Blob],
+    blob_bytes: BlobBytes,
+    rank: int,
+    piece_bytes: int | None,
 ) -> tuple[ShardEntry, dict[int, BlobEntry]]:
     members = [blobs[i] for i in shard.blobs]
     image = build_shard_image(members)
     path = loc.path(version_dir, shard.file)
     file_hash = new_hasher()
     sums: dict[int, str] = {}
+    piece_sums: dict[int, list[str]] = {}
     sink = open_sink(loc.fs, path, local=loc.is_local)
     try:
         for seg in image.segments:
@@ -73,7 +88,8 @@ def _write_shard(
                     f"blob {blobs[seg.blob].name}: {len(data)} bytes, layout has {seg.length}"
                 )
             blob_hash = new_hasher()
-            write_hashed(sink, data, file_hash, blob_hash)
+            pieces = (piece_bytes, piece_sums.setdefault(seg.blob, [])) if piece_bytes else None
+            write_hashed(sink, data, file_hash, blob_hash, pieces=pieces)
             sums[seg.blob] = blob_hash.hexdigest()
         sink.commit()
     except BaseException:
@@ -89,6 +105,8 @@ def _write_shard(
             dtype=dtype_name(b.dtype),
             shape=list(b.shape),
             checksum=sums.get(b.index, empty),
+            piece_bytes=piece_bytes,
+            pieces=piece_sums.get(b.index, []) if piece_bytes else None,
         )
         for b in members
     }

@@ -5,9 +5,11 @@
 committed version, whether ``dcp.save`` or :meth:`CheckpointStore.save`
 wrote it and whatever the world that saved it: DCP's planner intersects the
 boxes each rank needs with the boxes stored (see :mod:`.layout`), and this
-reader reads the blobs of the boxes it is asked for, verified against their
-checksums, in batches of at most ``BATCH_BYTES``, and copies the asked-for
-part of each into place.
+reader reads what it is asked for, in batches of at most ``BATCH_BYTES``: a
+stored chunk that a target takes whole straight into the target, verified
+against the chunk's checksum; part of a chunk (a load at another world size)
+as the rows it needs, out to the edges of the chunk's 1 MiB pieces, each
+verified against its own checksum, then copied into place.
 
 Non-tensor values come from the manifest's JSON. DCP's default load planner
 would ``torch.load`` them from bytes (unpickling); this reader puts the value
@@ -39,7 +41,7 @@ from ..errors import CheckpointError
 from ..files.location import translate_errors
 from ..format.dtypes import dtype_from_name
 from ..load.loader import as_bytes, build_tensors
-from ..load.reader import read_blobs
+from ..load.reader import Span, read_blobs, read_spans
 from .layout import Flat, Source, flatten
 
 if TYPE_CHECKING:
@@ -152,31 +154,59 @@ class DcpReader(StorageReader):
         return batches
 
     def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
-        """Read the batch's blobs, then put each item's part into place. A chunk that one item takes
-        whole, into a contiguous CPU tensor of its dtype (the same layout saved and loaded), is read
-        straight into that tensor: no second buffer, no copy."""
+        """Read what the batch's items need, then put each item's part into place.
+
+        A chunk that one item takes whole, into a contiguous CPU tensor of its dtype (the same
+        layout saved and loaded), is read straight into that tensor: no second buffer, no copy.
+        An item that needs part of a chunk (a load at another world size) reads the rows it
+        needs, out to the edges of the chunk's checksummed pieces. A tensor saved by
+        ``store.save`` (not chunked) is read whole.
+        """
         sources = [self._source(item) for item in items]
         targets = [planner.resolve_tensor(item).detach() for item in items]
-        wanted = sorted({self._blob_of(s) for s in sources})
         direct = self._direct(items, sources, targets)
+        filled = set(direct.values())
+        spans = {
+            i: self._span(item, source)
+            for i, (item, source) in enumerate(zip(items, sources, strict=True))
+            if i not in filled and source.blob is not None
+        }
+        whole_blobs = sorted({self._blob_of(s) for s in sources if s.tensor is not None} | set(direct))
         with translate_errors(self.loc, "loading from"):
             raw = read_blobs(
                 self.loc,
                 self.located.sources(self.loc),
                 self.manifest,
-                wanted,
+                whole_blobs,
                 verify=self.verify,
                 threads=self.options.threads,
                 buffers={blob: as_bytes(targets[i]) for blob, i in direct.items()},
             )
+            parts = dict(
+                zip(
+                    spans,
+                    read_spans(
+                        self.loc,
+                        self.located.sources(self.loc),
+                        self.manifest,
+                        list(spans.values()),
+                        verify=self.verify,
+                        threads=self.options.threads,
+                    ),
+                    strict=True,
+                )
+            )
         plain = sorted({s.tensor for s in sources if s.tensor is not None})
         whole = build_tensors(self.manifest, raw, plain, torch.device("cpu"), {}) if plain else {}
-        filled = set(direct.values())
         for i, (item, source, target) in enumerate(zip(items, sources, targets, strict=True)):
             if i not in filled:
-                stored = whole[source.tensor] if source.tensor is not None else self._chunk(source, raw)
+                if source.tensor is not None:
+                    stored, first = whole[source.tensor], 0
+                else:
+                    stored, first = self._rows(source, item, parts[i]), 1
                 for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
-                    stored = stored.narrow(dim, start, length)
+                    if dim >= first:
+                        stored = stored.narrow(dim, start, length)
                 if target.shape != stored.shape:
                     raise CheckpointError(
                         f"{item.dest_index.fqn}: the planner's target is {list(target.shape)}, the stored "
@@ -184,6 +214,23 @@ class DcpReader(StorageReader):
                     )
                 target.copy_(stored)
             planner.commit_tensor(item, target)
+
+    def _span(self, item: ReadItem, source: Source) -> Span:
+        """The bytes of the item's chunk that hold the rows (dim 0) the item needs."""
+        assert source.blob is not None
+        blob = self.manifest.blobs[source.blob]
+        if not blob.shape:
+            return Span(source.blob, 0, blob.nbytes)
+        row = blob.nbytes // blob.shape[0] if blob.shape[0] else 0
+        first, count = item.storage_offsets[0], item.lengths[0]
+        return Span(source.blob, first * row, (first + count) * row)
+
+    def _rows(self, source: Source, item: ReadItem, data: torch.Tensor) -> torch.Tensor:
+        """The rows ``_span`` read, as a tensor of the chunk's dtype (all of its other dims)."""
+        assert source.blob is not None
+        blob = self.manifest.blobs[source.blob]
+        values = data.view(dtype_from_name(blob.dtype))
+        return values.reshape([item.lengths[0], *blob.shape[1:]] if blob.shape else [])
 
     def _direct(
         self, items: list[ReadItem], sources: list[Source], targets: list[torch.Tensor]
@@ -208,11 +255,6 @@ class DcpReader(StorageReader):
             ):
                 direct[source.blob] = i
         return direct
-
-    def _chunk(self, source: Source, raw: dict[int, torch.Tensor]) -> torch.Tensor:
-        assert source.blob is not None
-        entry = self.manifest.blobs[source.blob]
-        return raw[source.blob].view(dtype_from_name(entry.dtype)).reshape(entry.shape)
 
     def _put_value(self, item: ReadItem, planner: LoadPlanner, flat: Flat) -> None:
         fqn = item.storage_index.fqn

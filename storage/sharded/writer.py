@@ -35,9 +35,10 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from ..errors import CheckpointError, UnsupportedValueError
 from ..files.byteio import tensor_bytes
 from ..files.location import translate_errors
+from ..format.checksum import PIECE_BYTES
 from ..format.dtypes import dtype_name
 from ..format.manifest import (
-    SHARDED_FORMAT_VERSION,
+    PIECES_FORMAT_VERSION,
     BlobEntry,
     ChunkedEntry,
     RankPart,
@@ -136,6 +137,7 @@ class DcpWriter(StorageWriter):
                 lambda b: tensor_bytes(b.source),
                 threads=self.versions.options.threads,
                 rank=rank,
+                piece_bytes=PIECE_BYTES,
             )
         if self.own is not None:
             results.append(self.own.write(self.versions, version, rank))
@@ -226,7 +228,7 @@ class DcpWriter(StorageWriter):
             shards,
             blobs,
             time.perf_counter() - self.started,
-            format_version=SHARDED_FORMAT_VERSION,
+            format_version=PIECES_FORMAT_VERSION,
             nbytes=sum(b.nbytes for b in blobs) + sum(int(o["nbytes"]) for o in owns.values()),
             world_size=self.world_size,
             chunked=list(tensors.values()),

@@ -166,8 +166,8 @@ def block_after_first_shard(out: Path, rank: int, version: int) -> None:
     original = writer._write_shard
     parent = os.getppid()
 
-    def write_shard(loc, version_dir, shard, blobs, blob_bytes, rank_):  # type: ignore[no-untyped-def]
-        result = original(loc, version_dir, shard, blobs, blob_bytes, rank_)
+    def write_shard(loc, version_dir, shard, *rest):  # type: ignore[no-untyped-def]
+        result = original(loc, version_dir, shard, *rest)
         if version_dir == f"v{version:06d}" and shard.file.startswith("shard-"):
             (out / f"blocked-r{rank}").touch()
             while os.getppid() == parent:  # the test kills us here; if it died instead, leave
@@ -184,10 +184,10 @@ def fail_writes(version: int) -> Any:
 
     original = writer._write_shard
 
-    def write_shard(loc, version_dir, shard, blobs, blob_bytes, rank_):  # type: ignore[no-untyped-def]
+    def write_shard(loc, version_dir, *rest):  # type: ignore[no-untyped-def]
         if version_dir == f"v{version:06d}":
             raise OSError(errno.EIO, "injected I/O error on this rank")
-        return original(loc, version_dir, shard, blobs, blob_bytes, rank_)
+        return original(loc, version_dir, *rest)
 
     writer._write_shard = write_shard  # type: ignore[assignment]
     return lambda: setattr(writer, "_write_shard", original)

@@ -102,6 +102,15 @@ def _small_blob(m: dict[str, Any]) -> None:
     chunk["blob"] = other
 
 
+def _pieces_miscounted(m: dict[str, Any]) -> None:
+    blob = m["blobs"][_chunks(m)[0]["blob"]]
+    blob["pieces"] = blob["pieces"] + blob["pieces"][:1]
+
+
+def _pieces_without_size(m: dict[str, Any]) -> None:
+    del m["blobs"][_chunks(m)[0]["blob"]]["piece_bytes"]
+
+
 def _dangling(m: dict[str, Any]) -> None:
     m["structure"]["model"]["embed.weight"] = {"$chunked": len(m["chunked"])}
 
@@ -113,6 +122,8 @@ CRAFTED: dict[str, tuple[Edit, str]] = {
     "a chunk's blob not listed": (_wrong_blob, "is not listed"),
     "a chunk's blob of another size": (_small_blob, "holds"),
     "a $chunked reference to nothing": (_dangling, "is not one of the"),
+    "a chunk's piece checksums miscounted": (_pieces_miscounted, "checksums for"),
+    "piece checksums without their size": (_pieces_without_size, "come together"),
 }
 
 

@@ -1,0 +1,89 @@
+"""A load that needs part of a stored chunk (a load at another world size) reads the rows it needs,
+out to the edges of the chunk's checksummed pieces, and verifies just those pieces.
+
+One process, no process group: ``dcp.save`` through ``store.dcp_writer`` stores a 4 MiB tensor as
+one chunk of four 1 MiB pieces, and DCP's own ``DefaultLoadPlanner`` asks the reader for rows
+600..699 (bytes 2.3-2.7 MiB: piece 2), as it would for a rank whose shard holds those rows.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+from ckptflow.storage import CheckpointStore, CorruptShardError
+from ckptflow.storage.format.checksum import PIECE_BYTES
+
+ROWS, COLS = 1024, 1024  # float32: 4 MiB, 4 pieces of 1 MiB
+FIRST, COUNT = 600, 100  # bytes 2,457,600..2,867,200: inside piece 2
+
+
+@pytest.fixture
+def saved(tmp_path: Path) -> tuple[CheckpointStore, torch.Tensor, Path]:
+    weights = torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(3))
+    store = CheckpointStore(tmp_path / "store")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"w": weights}, storage_writer=store.dcp_writer(epoch=1), no_dist=True)
+    manifest = store.manifest()
+    (blob,) = manifest.blobs
+    assert blob.piece_bytes == PIECE_BYTES == 1 << 20 and len(blob.pieces or []) == 4
+    return store, weights, tmp_path / "store" / "v000001" / manifest.shards[blob.shard].file
+
+
+def read_rows(store: CheckpointStore, verify: bool = True) -> torch.Tensor:
+    """Rows FIRST..FIRST+COUNT of ``w``, through the reader, as DCP's planner asks for them."""
+    reader = store.dcp_reader(verify=verify)
+    target = torch.zeros(COUNT, COLS)
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner({"w": target}, reader.read_metadata(), True)
+    item = ReadItem(
+        type=LoadItemType.TENSOR,
+        dest_index=MetadataIndex("w", torch.Size([0, 0])),
+        dest_offsets=torch.Size([0, 0]),
+        storage_index=MetadataIndex("w", torch.Size([0, 0])),
+        storage_offsets=torch.Size([FIRST, 0]),
+        lengths=torch.Size([COUNT, COLS]),
+    )
+    reader.read_data(LoadPlan([item]), planner).wait()
+    return target
+
+
+def damage(shard: Path, store: CheckpointStore, at: list[int]) -> None:
+    """Flip a byte of ``w`` at each of the positions ``at`` (bytes into the tensor)."""
+    (blob,) = store.manifest().blobs
+    assert blob.offset is not None
+    data = bytearray(shard.read_bytes())
+    for position in at:
+        data[blob.offset + position] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
+def test_part_of_a_chunk_verifies_only_the_pieces_it_reads(
+    saved: tuple[CheckpointStore, torch.Tensor, Path],
+) -> None:
+    store, weights, shard = saved
+    assert torch.equal(read_rows(store), weights[FIRST : FIRST + COUNT])
+    damage(shard, store, [1000, PIECE_BYTES + 1000, 3 * PIECE_BYTES + 1000])  # pieces 0, 1, 3
+    assert torch.equal(read_rows(store), weights[FIRST : FIRST + COUNT])
+    with pytest.raises(CorruptShardError):  # a whole load still reads and checks every byte
+        store.load()
+    with pytest.raises(CorruptShardError):
+        store.verify()
+
+
+def test_a_damaged_piece_that_is_read_is_named(saved: tuple[CheckpointStore, torch.Tensor, Path]) -> None:
+    store, weights, shard = saved
+    damage(shard, store, [(FIRST + 1) * COLS * 4])  # row 601: piece 2, among the rows read
+    with pytest.raises(CorruptShardError, match="piece 2"):
+        read_rows(store)
+    with pytest.raises(CorruptShardError):
+        store.verify()
+    assert not torch.equal(read_rows(store, verify=False), weights[FIRST : FIRST + COUNT])
