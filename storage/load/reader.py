@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..errors import CorruptShardError
 from ..files.byteio import MAX_REQUEST, ReadRange, coalesce, empty_bytes, read_hashed_local, read_ranges
 from ..files.location import Location
-from ..format.checksum import digest
+from ..format.checksum import digest, new_hasher
 from ..format.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -102,6 +102,15 @@ class Span:
     end: int
 
 
+@dataclass(frozen=True)
+class _Window:
+    """What is read for a span: bytes ``lo``..``hi`` of its blob, as consecutive parts."""
+
+    lo: int
+    parts: list[tuple[int, torch.Tensor]]  # (where in the blob, uint8 buffer), in order, lo..hi
+    result: torch.Tensor  # the span's own bytes
+
+
 def read_spans(
     loc: Location,
     sources: list[ShardSource],
@@ -110,12 +119,16 @@ def read_spans(
     *,
     verify: bool,
     threads: int,
+    into: dict[int, torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """uint8 tensors holding the bytes of each span. Verified, a span is read out to the edges
-    of the blob's pieces and each piece checked (the whole blob, for a blob without pieces);
-    unverified, exactly the span is read."""
-    windows = [_window(manifest, span, verify) for span in spans]
-    buffers = [empty_bytes(hi - lo) for lo, hi in windows]
+    """uint8 tensors holding the bytes of each span (``into``: span index -> where to put them).
+
+    Verified, a span is read out to the edges of its blob's pieces and each piece is checked
+    (the whole blob, for a blob without pieces): the bytes around the span go to buffers of
+    their own, the span's straight where it belongs. Unverified, exactly the span is read.
+    """
+    given = into or {}
+    windows = [_window(manifest, span, verify, given.get(i)) for i, span in enumerate(spans)]
     jobs: list[Callable[[], None]] = []
     for shard_index in sorted({manifest.blobs[s.blob].shard for s in spans}):
         source = sources[shard_index]
@@ -123,37 +136,44 @@ def read_spans(
             check_size(loc, source)
         ranges = [
             r
-            for span, (lo, _), buf in zip(spans, windows, buffers, strict=True)
+            for span, window in zip(spans, windows, strict=True)
             if manifest.blobs[span.blob].shard == shard_index
-            for r in _ranges(_offset(source, _start(manifest, span.blob, lo)), buf)
+            for at, buf in window.parts
+            for r in _ranges(_offset(source, _start(manifest, span.blob, at)), buf)
         ]
         jobs.extend(partial(_read_job, loc, source, batch) for batch in _batches(ranges, loc.is_local))
     _parallel(threads, jobs)
     if verify:
         checks: list[Callable[[], None]] = [
-            partial(_check_window, sources, manifest, span.blob, lo, buf)
-            for span, (lo, _), buf in zip(spans, windows, buffers, strict=True)
+            partial(_check_window, sources, manifest, span.blob, window)
+            for span, window in zip(spans, windows, strict=True)
         ]
         _parallel(threads, checks)
-    return [
-        buf[span.start - lo : span.end - lo]
-        for span, (lo, _), buf in zip(spans, windows, buffers, strict=True)
-    ]
+    return [window.result for window in windows]
 
 
-def _window(manifest: Manifest, span: Span, verify: bool) -> tuple[int, int]:
-    """The bytes of the blob to read for ``span``: whole pieces when verified."""
+def _window(manifest: Manifest, span: Span, verify: bool, into: torch.Tensor | None) -> _Window:
+    """The bytes of the blob to read for ``span`` (whole pieces when verified), and where to."""
     blob = manifest.blobs[span.blob]
-    if not (0 <= span.start <= span.end <= blob.nbytes):
-        raise ValueError(
-            f"bytes {span.start}..{span.end} are not inside blob {span.blob} ({blob.nbytes} bytes)"
-        )
-    if not verify:
-        return span.start, span.end
-    if blob.piece_bytes is None:
-        return 0, blob.nbytes
+    start, end = span.start, span.end
+    if not (0 <= start <= end <= blob.nbytes):
+        raise ValueError(f"bytes {start}..{end} are not inside blob {span.blob} ({blob.nbytes} bytes)")
+    if into is not None and into.numel() != end - start:
+        raise ValueError(f"a buffer of {into.numel()} bytes for a span of {end - start}")
+    lo, hi = start, end
     size = blob.piece_bytes
-    return span.start // size * size, min(-(-span.end // size) * size, blob.nbytes)
+    if verify and size is None:
+        lo, hi = 0, blob.nbytes
+    elif verify and size is not None:
+        lo, hi = start // size * size, min(-(-end // size) * size, blob.nbytes)
+    if into is None:
+        buf = empty_bytes(hi - lo)
+        return _Window(lo, [(lo, buf)], buf[start - lo : end - lo])
+    parts = [(lo, empty_bytes(start - lo))] if lo < start else []
+    parts.append((start, into))
+    if end < hi:
+        parts.append((end, empty_bytes(hi - end)))
+    return _Window(lo, parts, into)
 
 
 def _start(manifest: Manifest, blob: int, at: int) -> int | None:
@@ -161,25 +181,27 @@ def _start(manifest: Manifest, blob: int, at: int) -> int | None:
     return None if offset is None else offset + at
 
 
-def _check_window(
-    sources: list[ShardSource], manifest: Manifest, i: int, lo: int, data: torch.Tensor
-) -> None:
-    """Check the pieces that ``data`` (the blob's bytes from ``lo`` on) holds, or the whole blob."""
+def _check_window(sources: list[ShardSource], manifest: Manifest, i: int, window: _Window) -> None:
+    """Check each piece the window covers (or the whole blob, for a blob without pieces)."""
     blob = manifest.blobs[i]
+    end = window.parts[-1][0] + window.parts[-1][1].numel()
     if blob.piece_bytes is None or blob.pieces is None:
-        _check_blob(sources, manifest, i, data)
-        return
-    view = data.numpy().data if data.numel() else memoryview(b"")
-    size = blob.piece_bytes
-    for at in range(0, len(view), size):
-        k = (lo + at) // size
-        actual = digest(view[at : at + size])
-        if actual != blob.pieces[k]:
-            raise CorruptShardError(
-                f"{sources[blob.shard].name} (dataset {blob.dataset}, piece {k})",
-                expected=blob.pieces[k],
-                actual=actual,
-            )
+        pieces = [(0, blob.nbytes, blob.checksum, f"dataset {blob.dataset}")]
+    else:
+        size = blob.piece_bytes
+        pieces = [
+            (k * size, min((k + 1) * size, blob.nbytes), blob.pieces[k], f"dataset {blob.dataset}, piece {k}")
+            for k in range(window.lo // size, -(-end // size))
+        ]
+    for lo, hi, expected, what in pieces:
+        hasher = new_hasher()
+        for at, buf in window.parts:
+            a, b = max(lo, at), min(hi, at + buf.numel())
+            if b > a:
+                hasher.update(buf[a - at : b - at].numpy().data)
+        actual = hasher.hexdigest()
+        if actual != expected:
+            raise CorruptShardError(f"{sources[blob.shard].name} ({what})", expected=expected, actual=actual)
 
 
 def _spread(blobs: list[int], manifest: Manifest, bins: int) -> list[list[int]]:

@@ -159,7 +159,8 @@ class DcpReader(StorageReader):
         A chunk that one item takes whole, into a contiguous CPU tensor of its dtype (the same
         layout saved and loaded), is read straight into that tensor: no second buffer, no copy.
         An item that needs part of a chunk (a load at another world size) reads the rows it
-        needs, out to the edges of the chunk's checksummed pieces. A tensor saved by
+        needs, out to the edges of the chunk's checksummed pieces: whole rows of a contiguous
+        target straight into it, anything else into a buffer and copied. A tensor saved by
         ``store.save`` (not chunked) is read whole.
         """
         sources = [self._source(item) for item in items]
@@ -182,20 +183,26 @@ class DcpReader(StorageReader):
                 threads=self.options.threads,
                 buffers={blob: as_bytes(targets[i]) for blob, i in direct.items()},
             )
+            order = list(spans)
+            straight = {
+                n: i for n, i in enumerate(order) if self._rows_fill(items[i], sources[i], targets[i])
+            }
             parts = dict(
                 zip(
-                    spans,
+                    order,
                     read_spans(
                         self.loc,
                         self.located.sources(self.loc),
                         self.manifest,
-                        list(spans.values()),
+                        [spans[i] for i in order],
                         verify=self.verify,
                         threads=self.options.threads,
+                        into={n: as_bytes(targets[i]) for n, i in straight.items()},
                     ),
                     strict=True,
                 )
             )
+        filled |= set(straight.values())
         plain = sorted({s.tensor for s in sources if s.tensor is not None})
         whole = build_tensors(self.manifest, raw, plain, torch.device("cpu"), {}) if plain else {}
         for i, (item, source, target) in enumerate(zip(items, sources, targets, strict=True)):
@@ -224,6 +231,21 @@ class DcpReader(StorageReader):
         row = blob.nbytes // blob.shape[0] if blob.shape[0] else 0
         first, count = item.storage_offsets[0], item.lengths[0]
         return Span(source.blob, first * row, (first + count) * row)
+
+    def _rows_fill(self, item: ReadItem, source: Source, target: torch.Tensor) -> bool:
+        """Whether the item's rows are all of its target, laid out as stored: whole rows (no
+        narrowing past dim 0) into a contiguous CPU tensor of the chunk's dtype."""
+        assert source.blob is not None
+        blob = self.manifest.blobs[source.blob]
+        return bool(
+            blob.shape
+            and not any(item.storage_offsets[1:])
+            and list(item.lengths[1:]) == blob.shape[1:]
+            and target.device.type == "cpu"
+            and target.is_contiguous()
+            and target.dtype == dtype_from_name(blob.dtype)
+            and list(target.shape) == [item.lengths[0], *blob.shape[1:]]
+        )
 
     def _rows(self, source: Source, item: ReadItem, data: torch.Tensor) -> torch.Tensor:
         """The rows ``_span`` read, as a tensor of the chunk's dtype (all of its other dims)."""

@@ -38,10 +38,12 @@ def saved(tmp_path: Path) -> tuple[CheckpointStore, torch.Tensor, Path]:
     return store, weights, tmp_path / "store" / "v000001" / manifest.shards[blob.shard].file
 
 
-def read_rows(store: CheckpointStore, verify: bool = True) -> torch.Tensor:
-    """Rows FIRST..FIRST+COUNT of ``w``, through the reader, as DCP's planner asks for them."""
+def read_rows(store: CheckpointStore, verify: bool = True, cols: tuple[int, int] = (0, COLS)) -> torch.Tensor:
+    """Rows FIRST..FIRST+COUNT of ``w`` (columns ``cols``: first, count), through the reader, as
+    DCP's planner asks for them. Whole rows land straight in their target; a block of columns
+    (a tensor-parallel shard's) goes through a buffer."""
     reader = store.dcp_reader(verify=verify)
-    target = torch.zeros(COUNT, COLS)
+    target = torch.zeros(COUNT, cols[1])
     planner = DefaultLoadPlanner()
     planner.set_up_planner({"w": target}, reader.read_metadata(), True)
     item = ReadItem(
@@ -49,8 +51,8 @@ def read_rows(store: CheckpointStore, verify: bool = True) -> torch.Tensor:
         dest_index=MetadataIndex("w", torch.Size([0, 0])),
         dest_offsets=torch.Size([0, 0]),
         storage_index=MetadataIndex("w", torch.Size([0, 0])),
-        storage_offsets=torch.Size([FIRST, 0]),
-        lengths=torch.Size([COUNT, COLS]),
+        storage_offsets=torch.Size([FIRST, cols[0]]),
+        lengths=torch.Size([COUNT, cols[1]]),
     )
     reader.read_data(LoadPlan([item]), planner).wait()
     return target
@@ -66,24 +68,29 @@ def damage(shard: Path, store: CheckpointStore, at: list[int]) -> None:
     shard.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("cols", [(0, COLS), (256, 256)], ids=["whole rows", "a block of columns"])
 def test_part_of_a_chunk_verifies_only_the_pieces_it_reads(
-    saved: tuple[CheckpointStore, torch.Tensor, Path],
+    saved: tuple[CheckpointStore, torch.Tensor, Path], cols: tuple[int, int]
 ) -> None:
     store, weights, shard = saved
-    assert torch.equal(read_rows(store), weights[FIRST : FIRST + COUNT])
+    expected = weights[FIRST : FIRST + COUNT, cols[0] : cols[0] + cols[1]]
+    assert torch.equal(read_rows(store, cols=cols), expected)
     damage(shard, store, [1000, PIECE_BYTES + 1000, 3 * PIECE_BYTES + 1000])  # pieces 0, 1, 3
-    assert torch.equal(read_rows(store), weights[FIRST : FIRST + COUNT])
+    assert torch.equal(read_rows(store, cols=cols), expected)
     with pytest.raises(CorruptShardError):  # a whole load still reads and checks every byte
         store.load()
     with pytest.raises(CorruptShardError):
         store.verify()
 
 
-def test_a_damaged_piece_that_is_read_is_named(saved: tuple[CheckpointStore, torch.Tensor, Path]) -> None:
+@pytest.mark.parametrize("cols", [(0, COLS), (256, 256)], ids=["whole rows", "a block of columns"])
+def test_a_damaged_piece_that_is_read_is_named(
+    saved: tuple[CheckpointStore, torch.Tensor, Path], cols: tuple[int, int]
+) -> None:
     store, weights, shard = saved
     damage(shard, store, [(FIRST + 1) * COLS * 4])  # row 601: piece 2, among the rows read
     with pytest.raises(CorruptShardError, match="piece 2"):
-        read_rows(store)
+        read_rows(store, cols=cols)
     with pytest.raises(CorruptShardError):
         store.verify()
     assert not torch.equal(read_rows(store, verify=False), weights[FIRST : FIRST + COUNT])
