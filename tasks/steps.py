@@ -135,7 +135,8 @@ def _live_trainers(run: RunState) -> bool:
     Trainers that died (a rank failed or was killed) are replaced by new ones, which resume from
     the last commit; the epochs trained since then are trained again, so that the new trainers
     stand where the flow's run stands (``run.epoch``). Training is deterministic from a commit
-    (its RNG states are saved), so they stand exactly there.
+    (its RNG states are saved), so they stand exactly there. An epoch among them whose save
+    died with the old trainers (an async save in flight) is saved again, as the same version.
     """
     from .trainer import relaunch
 
@@ -157,6 +158,10 @@ def _live_trainers(run: RunState) -> bool:
         for epoch in range(built["epoch"] + 1, run.epoch + 1):
             logger.info("training epoch %d again: its trainers died before it was committed", epoch)
             process.call("train", log, epoch=epoch, keep_snapshot=False).result()
+            if epoch % run.config.save_every == 0 and run.store.find(epoch) is None:
+                # its save died with the old trainers: the flow's wait for it finds this commit
+                logger.info("saving epoch %d again: its save died with the trainers", epoch)
+                process.call("save", epoch=epoch, **{"async": False}).result()
     except BaseException:
         process.close(interrupted=True)
         raise

@@ -8,7 +8,10 @@ identity, so a slowed-down or failing run and a clean reference run must share i
   writes ``epoch-<n>-started`` there (its content: the flow run id) at the start
   of every epoch, and sleeps ``CKPTFLOW_TEST_SLOW_SECONDS`` in epochs >=
   ``CKPTFLOW_TEST_SLOW_FROM``: a test can see an epoch begin and kill or cancel
-  the run while it lasts.
+  the run while it lasts. With ``CKPTFLOW_TEST_SLOW_SAVE`` = ``<version>:<seconds>``,
+  each rank's first write of that version's shards first sleeps that long (once
+  per rank and marker directory: trainers started again write at full speed), so
+  a test can kill the trainers while an async save is in flight.
 - :class:`FlakyDigitsSpec`: fails the first attempts of chosen epochs *after*
   training them fully (model, optimizer, scheduler and RNGs all moved on), so
   a retry that did not restore the epoch's start state would end elsewhere.
@@ -29,6 +32,7 @@ from ckptflow.tasks.spec import Trainable
 MARKERS_ENV = "CKPTFLOW_TEST_MARKERS"
 SLOW_FROM_ENV = "CKPTFLOW_TEST_SLOW_FROM"
 SLOW_SECONDS_ENV = "CKPTFLOW_TEST_SLOW_SECONDS"
+SLOW_SAVE_ENV = "CKPTFLOW_TEST_SLOW_SAVE"
 
 MARKED_SPEC = "tests.pipeline.specs:MarkedDigitsSpec"
 FLAKY_SPEC = "tests.pipeline.specs:FlakyDigitsSpec"
@@ -49,10 +53,33 @@ class MarkedDigitsSpec(DigitsSpec):
     def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
         directory = os.environ.get(MARKERS_ENV)
         if directory:
+            _slow_save_once(Path(directory))
             marker(Path(directory), epoch).write_text(_flow_run_id())
             if epoch >= int(os.environ.get(SLOW_FROM_ENV, "1")):
                 time.sleep(float(os.environ.get(SLOW_SECONDS_ENV, "0")))
         return super().train_epoch(trainable, epoch)
+
+
+def _slow_save_once(directory: Path) -> None:
+    """Make this rank's first write of version V's shards sleep first (``CKPTFLOW_TEST_SLOW_SAVE``)."""
+    from ckptflow.storage.save import writer
+
+    wanted = os.environ.get(SLOW_SAVE_ENV)
+    if not wanted or getattr(writer, "_slowed_for_test", False):
+        return
+    version, seconds = wanted.split(":")
+    rank = os.environ.get("RANK", "0")
+    original = writer._write_shard
+
+    def write_shard(loc, version_dir, *rest):  # type: ignore[no-untyped-def]
+        done = directory / f"save-{version}-slowed-r{rank}"
+        if version_dir == f"v{int(version):06d}" and not done.exists():
+            done.touch()
+            time.sleep(float(seconds))
+        return original(loc, version_dir, *rest)
+
+    writer._write_shard = write_shard  # type: ignore[assignment]
+    writer._slowed_for_test = True  # type: ignore[attr-defined]
 
 
 def _flow_run_id() -> str:

@@ -6,8 +6,10 @@ child process; while both ranks train epoch 4, only the flow process is
 SIGKILLed: its launcher and ranks must go with it. B is run again and must end
 bit for bit where A ended: the replicated state and each rank's own state (RNGs
 of torch, NumPy and Python, the spec's state) of every version. Run C loses
-rank 1 to SIGKILL mid-epoch: the ``train_epoch`` task fails, its retry starts
-new ranks from the last commit, and C too ends where A ended. Then the number
+rank 1 to SIGKILL mid-epoch 4 while epoch 3's async save is still being
+written: the ``train_epoch`` task fails, its retry starts new ranks from the
+last commit (epoch 2), trains epoch 3 again and saves it again as version 3,
+and C too ends where A ended, with every version. Then the number
 of ranks changes under a store (2 -> 1 -> 3), and a second "machine" (a
 torchrun agent of its own) joins a run through c10d rendezvous on 127.0.0.1.
 """
@@ -34,7 +36,7 @@ from tests.pipeline.helpers import (
     start_slowed,
     wait_until,
 )
-from tests.pipeline.specs import MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV, marker
+from tests.pipeline.specs import MARKERS_ENV, SLOW_FROM_ENV, SLOW_SAVE_ENV, SLOW_SECONDS_ENV, marker
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.prefect, pytest.mark.timeout(600)]
@@ -126,7 +128,8 @@ def test_a_killed_rank_fails_the_task_and_its_retry_resumes_from_the_last_commit
     config = make_config(tmp_path / "C", epochs=EPOCHS, nproc=WORLD, epoch_retries=1)
     markers = tmp_path / "markers"
     markers.mkdir()
-    os.environ.update({MARKERS_ENV: str(markers), SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "3"})
+    slowed = {SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "3", SLOW_SAVE_ENV: f"{KILLED_IN - 1}:60"}
+    os.environ.update({MARKERS_ENV: str(markers), **slowed})
     killed: list[int] = []
 
     def kill_rank_1_in_epoch_4() -> None:
@@ -144,7 +147,7 @@ def test_a_killed_rank_fails_the_task_and_its_retry_resumes_from_the_last_commit
     try:
         state, run_id = run_flow(config)
     finally:
-        for key in (MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV):
+        for key in (MARKERS_ENV, *slowed):
             os.environ.pop(key)
     killer.join(5)
     assert killed, "rank 1 was not found to be killed"
