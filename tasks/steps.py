@@ -161,7 +161,7 @@ def _live_trainers(run: RunState) -> bool:
             if epoch % run.config.save_every == 0 and run.store.find(epoch) is None:
                 # its save died with the old trainers: the flow's wait for it finds this commit
                 logger.info("saving epoch %d again: its save died with the trainers", epoch)
-                process.call("save", epoch=epoch, **{"async": False}).result()
+                process.call("save", log, epoch=epoch, **{"async": False}).result()
     except BaseException:
         process.close(interrupted=True)
         raise
