@@ -1,9 +1,11 @@
 """Fixtures shared by the whole suite: a real S3 protocol server and one store per backend.
 
-``s3_server`` runs moto's S3 server as a subprocess on a free port of
-127.0.0.1 for the whole session; ``s3_bucket`` makes a fresh bucket per test.
+``s3_server`` runs a real S3 server, SeaweedFS (tests/seaweed.py), on free
+ports of 127.0.0.1 for the whole session; ``s3_bucket`` makes a fresh bucket
+per test. ``moto_server``/``moto_bucket`` are moto's, for the few tests whose
+point is a mock (AWS behaviour SeaweedFS does not have; each says so).
 ``store_url`` runs a test once per backend: a plain local path, a ``file://``
-URL, ``memory://`` and S3 (moto). Every backend also offers a *raw*
+URL, ``memory://`` and S3 (SeaweedFS). Every backend also offers a *raw*
 filesystem, separate from any store's, to tamper with files the way another
 process (or a failing disk) would.
 """
@@ -67,8 +69,21 @@ def _wait_until_up(url: str, proc: subprocess.Popen, timeout: float = 60.0) -> N
 
 
 @pytest.fixture(scope="session")
-def s3_server() -> Iterator[str]:
-    """A moto S3 server in a subprocess on a free local port; yields its endpoint URL."""
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real S3 server for the session: SeaweedFS on free 127.0.0.1 ports; yields its endpoint URL."""
+    from tests.seaweed import start_seaweed
+
+    server = start_seaweed(tmp_path_factory.mktemp("seaweedfs"))
+    try:
+        yield server.endpoint
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[str]:
+    """moto's S3 server in a subprocess on a free local port, for the tests whose point is a mock
+    (AWS-only behaviour a real server here does not have); yields its endpoint URL."""
     port = free_port()
     env = {**os.environ, **AWS_ENV}
     proc = subprocess.Popen(
@@ -91,7 +106,7 @@ def s3_server() -> Iterator[str]:
 
 
 def s3_storage_options(endpoint: str) -> dict[str, Any]:
-    """s3fs options for the moto server (a fresh filesystem instance per store)."""
+    """s3fs options for a test S3 server (a fresh filesystem instance per store)."""
     return {
         "key": S3_KEY,
         "secret": S3_SECRET,
@@ -102,20 +117,30 @@ def s3_storage_options(endpoint: str) -> dict[str, Any]:
 
 @pytest.fixture
 def s3_bucket(s3_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """A fresh, empty bucket; yields (bucket name, storage_options for s3fs)."""
+    """A fresh, empty bucket on the real S3 server; yields (bucket name, storage_options for s3fs)."""
+    yield from _bucket(s3_server)
+
+
+@pytest.fixture
+def moto_bucket(moto_server: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """A fresh, empty bucket on moto, for tests whose point is a mock; as ``s3_bucket``."""
+    yield from _bucket(moto_server)
+
+
+def _bucket(endpoint: str) -> Iterator[tuple[str, dict[str, Any]]]:
     import boto3
 
     bucket = f"ckpt-{uuid.uuid4().hex[:16]}"
     client = boto3.client(
         "s3",
-        endpoint_url=s3_server,
+        endpoint_url=endpoint,
         aws_access_key_id=S3_KEY,
         aws_secret_access_key=S3_SECRET,
         region_name="us-east-1",
     )
     client.create_bucket(Bucket=bucket)
-    yield bucket, s3_storage_options(s3_server)
-    # moto keeps everything in memory: drop the bucket's objects so the server stays small.
+    yield bucket, s3_storage_options(endpoint)
+    # drop the bucket's objects so the server stays small (moto keeps everything in memory)
     paginator = client.get_paginator("list_objects_v2")
     for page in paginator.paginate(Bucket=bucket):
         objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]

@@ -342,6 +342,13 @@ def _reset(sock: socket.socket) -> None:
 
 @pytest.fixture
 def fault_proxy(s3_server: str) -> Iterator[FaultProxy]:
-    """A proxy in front of the moto server, no faults until the test sets ``rate``."""
+    """A proxy in front of the S3 server (SeaweedFS), no faults until the test sets ``rate``."""
     with FaultProxy(s3_server) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def moto_fault_proxy(moto_server: str) -> Iterator[FaultProxy]:
+    """A proxy in front of moto, for the tests whose point is a mock."""
+    with FaultProxy(moto_server) as proxy:
         yield proxy

@@ -161,4 +161,4 @@ def remove_tarball(loc: Location, tar: str) -> None:
     aloc = archive_location(loc)
     for name in (index_name(tar), tar):
         if aloc.fs.exists(aloc.path(name)):
-            aloc.fs.rm_file(aloc.path(name))
+            aloc.remove_file(aloc.path(name))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from typing import Any
 
 from .byteio import fsync_dir
 from .location import Location
@@ -22,6 +23,32 @@ def atomic_local_write(directory: str, name: str, data: bytes) -> None:
     """Replace ``name`` with ``data``, complete and fsynced: a rename of a durable temporary file."""
     os.replace(durable_temp(directory, name, data), os.path.join(directory, name))
     fsync_dir(directory)
+
+
+def exclusive_remote_write(fs: Any, path: str, data: bytes) -> Any:
+    """Create ``path`` with ``data`` in one PUT with ``If-None-Match: *`` (fsspec's ``mode="create"``),
+    or raise FileExistsError; returns what ``pipe_file`` returns (on S3, the response: its ETag).
+
+    AWS names the failed condition in its 412 answer, and s3fs raises FileExistsError from it;
+    other servers (SeaweedFS) answer a bare 412 PreconditionFailed, which s3fs raises as an
+    OSError. With no other condition on the PUT, either means the object exists.
+    """
+    try:
+        return fs.pipe_file(path, data, mode="create")
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        if _precondition_failed(exc):
+            raise FileExistsError(f"{path} exists") from exc
+        raise
+
+
+def _precondition_failed(exc: BaseException) -> bool:
+    cause = exc.__cause__
+    response = getattr(cause, "response", None) or {}
+    code = response.get("Error", {}).get("Code")
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code == "PreconditionFailed" or status == 412
 
 
 def exclusive_local_write(directory: str, name: str, data: bytes) -> None:

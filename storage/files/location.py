@@ -61,6 +61,33 @@ class Location:
         base = redact(self.url).rstrip("/")
         return "/".join([base, *parts]) if parts else base
 
+    @property
+    def is_s3(self) -> bool:
+        protocol = self.fs.protocol
+        return bool({"s3", "s3a"} & ({protocol} if isinstance(protocol, str) else set(protocol)))
+
+    def remove_tree(self, path: str) -> None:
+        """Remove ``path`` and everything under it (FileNotFoundError if there is nothing).
+
+        On S3 also the key ``path/``: AWS has none (deleting it does nothing), but a server with
+        real folders (SeaweedFS) keeps listing an emptied prefix until that key is deleted, and
+        an emptied version directory would read as an interrupted save. Such a server deletes a
+        folder that way only when it is empty.
+        """
+        self.fs.rm(path, recursive=True)
+        self._drop_folder(path)
+
+    def remove_file(self, path: str) -> None:
+        """Remove the file ``path``; on S3 also its folder's key if the folder is left empty (see
+        :meth:`remove_tree`: a server with real folders deletes only an empty one)."""
+        self.fs.rm_file(path)
+        self._drop_folder(path.rsplit("/", 1)[0])
+
+    def _drop_folder(self, path: str) -> None:
+        if self.is_s3 and "/" in path:
+            bucket, _, key = path.partition("/")
+            self.fs.call_s3("delete_object", Bucket=bucket, Key=key.rstrip("/") + "/")
+
 
 def open_location(url: str | os.PathLike[str], storage_options: dict[str, Any] | None = None) -> Location:
     """Resolve ``url`` into a :class:`Location`; raise a clear error for unknown schemes."""

@@ -152,7 +152,7 @@ def upload_file(
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):
             raise StorageUnavailableError(f"{local_path} is not a regular file: upload files one by one")
-        if _is_s3(loc):
+        if loc.is_s3:
             etag, skipped = _upload_s3(loc, fd, before.st_size, options)
         else:
             etag, skipped = _upload_fsspec(loc, local_path, before.st_size)
@@ -180,7 +180,7 @@ def download_file(
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(local_path)}.", suffix=".part")
     try:
         try:
-            size, etag = _download_s3(loc, fd, options) if _is_s3(loc) else _download_fsspec(loc, tmp)
+            size, etag = _download_s3(loc, fd, options) if loc.is_s3 else _download_fsspec(loc, tmp)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -323,11 +323,6 @@ def _open(url: str, storage_options: dict[str, Any] | None, options: TransferOpt
     if urlsplit(url).scheme in S3_SCHEMES:
         storage_options = s3_storage_options(storage_options, options)
     return open_location(url, storage_options)
-
-
-def _is_s3(loc: Location) -> bool:
-    protocol = loc.fs.protocol
-    return bool(set(protocol if isinstance(protocol, (tuple, list)) else [protocol]) & set(S3_SCHEMES))
 
 
 @contextlib.contextmanager

@@ -302,7 +302,7 @@ class VersionWriter:
             found = claims.read_claim(self.loc, version)
             record = protocol.read_record(self.loc, version)
             if found is not None and found.token == self.claim.token and record and record.is_writing():
-                self.loc.fs.rm(self.loc.path(version_dir(version)), recursive=True)
+                self.loc.remove_tree(self.loc.path(version_dir(version)))
                 log.info("removed the partial files of the failed save of version %d", version)
                 return
         self._abandon(version)

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 
 from ..errors import ManifestError, VersionTakenError
-from ..files.atomic import exclusive_local_write
+from ..files.atomic import exclusive_local_write, exclusive_remote_write
 from ..files.location import Location
 from ..format.manifest import MANIFEST_FILE
 from ..format.names import parse_version_dir, version_dir
@@ -59,7 +59,7 @@ def claim_version(loc: Location, version: int, claim: Claim) -> bool:
             os.makedirs(loc.path(vdir), exist_ok=True)
             exclusive_local_write(loc.path(vdir), CLAIM_FILE, data)
         else:
-            loc.fs.pipe_file(loc.path(vdir, CLAIM_FILE), data, mode="create")
+            exclusive_remote_write(loc.fs, loc.path(vdir, CLAIM_FILE), data)
     except FileExistsError:
         found = read_claim(loc, version)
         return found is not None and found.token == claim.token  # our create, retried by the client

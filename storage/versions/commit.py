@@ -37,7 +37,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, FormatVersionError, ManifestError, VersionTakenError
-from ..files.atomic import exclusive_local_write, write_file_atomic
+from ..files.atomic import exclusive_local_write, exclusive_remote_write, write_file_atomic
 from ..files.byteio import fsync_dir
 from ..files.location import Location, bucket_missing, missing_bucket_error
 from ..format.manifest import MANIFEST_FILE, Manifest, parse_manifest
@@ -184,7 +184,7 @@ def create_manifest(loc: Location, manifest: Manifest) -> None:
         if loc.is_local:
             exclusive_local_write(loc.path(vdir), MANIFEST_FILE, data)
         else:
-            loc.fs.pipe_file(loc.path(vdir, MANIFEST_FILE), data, mode="create")
+            exclusive_remote_write(loc.fs, loc.path(vdir, MANIFEST_FILE), data)
         return
     except FileExistsError:
         pass
@@ -260,7 +260,7 @@ def remove_version(loc: Location, version: int) -> None:
         if loc.is_local:
             fsync_dir(vdir)
     if loc.fs.exists(vdir):
-        loc.fs.rm(vdir, recursive=True)
+        loc.remove_tree(vdir)
 
 
 def set_aside(loc: Location, version: int) -> str:
@@ -298,4 +298,4 @@ def clear_leftovers(loc: Location, version: int) -> None:
         return
     if not record.is_writing():
         raise CheckpointError(f"refusing to clear {version_dir(version)}: it is {record.state.value}")
-    loc.fs.rm(loc.path(version_dir(version)), recursive=True)
+    loc.remove_tree(loc.path(version_dir(version)))

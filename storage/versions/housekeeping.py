@@ -114,7 +114,7 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> list[int]:
     """
     garbage = garbage_versions(loc, min_age)
     for v in garbage:
-        loc.fs.rm(loc.path(version_dir(v)), recursive=True)
+        loc.remove_tree(loc.path(version_dir(v)))
     _, partial = list_tarballs(loc)
     aloc = archive_location(loc)
     for tar in partial:

