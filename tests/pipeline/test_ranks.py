@@ -128,7 +128,7 @@ def test_a_killed_rank_fails_the_task_and_its_retry_resumes_from_the_last_commit
     config = make_config(tmp_path / "C", epochs=EPOCHS, nproc=WORLD, epoch_retries=1)
     markers = tmp_path / "markers"
     markers.mkdir()
-    slowed = {SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "3", SLOW_SAVE_ENV: f"{KILLED_IN - 1}:60"}
+    slowed = {SLOW_FROM_ENV: str(KILLED_IN), SLOW_SECONDS_ENV: "3", SLOW_SAVE_ENV: f"{KILLED_IN - 1}:8"}
     os.environ.update({MARKERS_ENV: str(markers), **slowed})
     killed: list[int] = []
 
