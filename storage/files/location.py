@@ -64,7 +64,7 @@ class Location:
     @property
     def is_s3(self) -> bool:
         protocol = self.fs.protocol
-        return bool({"s3", "s3a"} & ({protocol} if isinstance(protocol, str) else set(protocol)))
+        return bool(set(S3_SCHEMES) & ({protocol} if isinstance(protocol, str) else set(protocol)))
 
     def remove_tree(self, path: str) -> None:
         """Remove ``path`` and everything under it (FileNotFoundError if there is nothing).

@@ -43,13 +43,12 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointError, CorruptShardError, StorageUnavailableError
 from ..files.byteio import fsync_dir, hash_file
-from ..files.location import Location, open_location, translate_errors
+from ..files.location import S3_SCHEMES, Location, open_location, translate_errors
 from .etag import MAX_PART, MIN_PART, MiB, plan_parts
 from .multipart import S3Transfer, VerifyFailed
 from .s3client import merge_storage_options, translate_s3_errors
 
 log = logging.getLogger(__name__)
-S3_SCHEMES = ("s3", "s3a")
 T = TypeVar("T")
 
 

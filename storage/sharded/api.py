@@ -138,9 +138,8 @@ class ShardedStore:
     def _load_sharded(self, version: int | None, into: object, verify: bool | None) -> Any:
         import torch.distributed.checkpoint as dcp
 
-        with _collector_paused():
-            reader = self.dcp_reader(version=version, verify=verify)
         with _one_process(self.group), _collector_paused():
+            reader = self.dcp_reader(version=version, verify=verify)
             dcp.load(
                 _as_dict(into),
                 storage_reader=reader,

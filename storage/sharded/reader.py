@@ -241,10 +241,7 @@ class DcpReader(StorageReader):
             blob.shape
             and not any(item.storage_offsets[1:])
             and list(item.lengths[1:]) == blob.shape[1:]
-            and target.device.type == "cpu"
-            and target.is_contiguous()
-            and target.dtype == dtype_from_name(blob.dtype)
-            and list(target.shape) == [item.lengths[0], *blob.shape[1:]]
+            and _takes_bytes(target, blob.dtype, [item.lengths[0], *blob.shape[1:]])
         )
 
     def _rows(self, source: Source, item: ReadItem, data: torch.Tensor) -> torch.Tensor:
@@ -268,13 +265,7 @@ class DcpReader(StorageReader):
                 continue
             blob = self.manifest.blobs[source.blob]
             whole = not any(item.storage_offsets) and list(item.lengths) == blob.shape
-            if (
-                whole
-                and target.device.type == "cpu"
-                and target.is_contiguous()
-                and target.dtype == dtype_from_name(blob.dtype)
-                and list(target.shape) == blob.shape
-            ):
+            if whole and _takes_bytes(target, blob.dtype, blob.shape):
                 direct[source.blob] = i
         return direct
 
@@ -306,6 +297,16 @@ class DcpReader(StorageReader):
         torch.save(value, data)
         data.seek(0)
         planner.load_bytes(item, data)
+
+
+def _takes_bytes(target: torch.Tensor, dtype: str, shape: list[int]) -> bool:
+    """Whether stored bytes of ``dtype`` and ``shape`` can be read straight into ``target``."""
+    return bool(
+        target.device.type == "cpu"
+        and target.is_contiguous()
+        and target.dtype == dtype_from_name(dtype)
+        and list(target.shape) == shape
+    )
 
 
 def _set_like_default(planner: DefaultLoadPlanner, item: ReadItem, value: Any) -> None:
