@@ -1,13 +1,14 @@
 """Reading one epoch out of a 10-epoch tarball on S3, against downloading the tarball.
 
 A local store saves 10 epochs (``--epoch-mib`` each), archives them into one
-tarball and uploads it (with its index) to a moto S3 server started on a free
-127.0.0.1 port; then, from a store opened on the S3 mirror, it times
-``load(5)`` (range reads through the index) against ``download_file`` of the
-whole tarball (parallel ranged GETs, the fastest full download we have).
+tarball and uploads it (with its index) to a local S3 server (SeaweedFS by
+default, moto with ``--server moto``) on free 127.0.0.1 ports; then, from a
+store opened on the S3 mirror, it times ``load(5)`` (range reads through
+the index) against ``download_file`` of the whole tarball (parallel ranged
+GETs, the fastest full download we have).
 One run, one table; the ratio is the point.
 
-    .venv/bin/python bench/bench_epoch_read.py [--epoch-mib 64] [--repeats 3]
+    .venv/bin/python bench/bench_epoch_read.py [--epoch-mib 64] [--repeats 3] [--server seaweedfs|moto]
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_transfer import KEY, SECRET, start_moto
+from bench.bench_transfer import KEY, SECRET, s3_server
 from bench.common import MiB, markdown_table, median_seconds
 from ckptflow.storage import CheckpointStore
 from ckptflow.storage.remote.transfer import download_file, upload_file
@@ -34,15 +35,11 @@ def main() -> None:
     )
     parser.add_argument("--epoch-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--server", choices=["seaweedfs", "moto"], default="seaweedfs")
     args = parser.parse_args()
     os.environ.update(AWS_ACCESS_KEY_ID=KEY, AWS_SECRET_ACCESS_KEY=SECRET, AWS_DEFAULT_REGION="us-east-1")
-    proc, endpoint = start_moto()
-    try:
-        with tempfile.TemporaryDirectory(prefix="ckptflow-bench-", dir="/work") as tmp:
-            run(Path(tmp), endpoint, args)
-    finally:
-        proc.kill()
-        proc.wait()
+    with s3_server(args.server) as (_, endpoint), tempfile.TemporaryDirectory(prefix="ckptflow-") as tmp:
+        run(Path(tmp), endpoint, args)
 
 
 def run(tmp: Path, endpoint: str, args: argparse.Namespace) -> None:
@@ -75,7 +72,8 @@ def run(tmp: Path, endpoint: str, args: argparse.Namespace) -> None:
     mib = index.size / MiB
     rate = args.epoch_mib * MiB / one / 1e6
     print(
-        f"10 epochs of {args.epoch_mib} MiB, one {mib:.0f} MiB tarball on moto S3, median of {args.repeats}"
+        f"10 epochs of {args.epoch_mib} MiB, one {mib:.0f} MiB tarball on {args.server} S3, "
+        f"median of {args.repeats}"
     )
     rows = [
         [

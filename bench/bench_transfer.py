@@ -1,35 +1,34 @@
 """Transfer benchmark: ckptflow's upload_file / download_file against boto3 and s3fs on a local S3 server.
 
-Starts moto's S3 server as a subprocess on a free port of 127.0.0.1 (as the
-tests do), writes a file of ``--size-mib`` random bytes (default 1 GiB), and
-measures in one run, with the methods interleaved in each repeat (their order
-rotating from one repeat to the next):
+Starts a real S3 server, SeaweedFS (``--server seaweedfs``, the default; the
+``weed`` binary of the test extras), or moto's mock (``--server moto``), on
+free ports of 127.0.0.1, writes a file of ``--size-mib`` random bytes (default
+1 GiB), and measures in one run, with the methods interleaved in each repeat
+(their order rotating from one repeat to the next):
 
-- upload: ckptflow ``upload_file`` (default options: 8 MiB parts, 10 in
-  flight, CRC32s verified; and with 64 MiB parts, 8 in flight), boto3
-  ``upload_file`` (default TransferConfig: 8 MiB parts, 10 threads), s3fs
+- upload: ckptflow ``upload_file`` (boto3's transfer engine, default options:
+  8 MiB parts, 10 in flight, the file's CRC32 checked by the server and by a
+  HEAD after), boto3 ``upload_file`` (default TransferConfig), s3fs
   ``put_file``;
 - download (of one object uploaded by ckptflow): ckptflow ``download_file``
-  (64 MiB ranges, 8 in flight, CRC32s verified; and with the size check only),
-  boto3 tuned (TransferConfig with 8 threads and 64 MiB parts), boto3 default,
-  s3fs ``get_file``.
+  (CRC32 checked; and with the size check only), boto3 ``download_file``
+  (default TransferConfig), s3fs ``get_file``.
 
 Fairness: every download ends with the file fsynced (ckptflow's download does
 it itself; the others get an ``os.fsync`` inside the timing), the remote copy
 of an upload is deleted before the next repeat (so ckptflow cannot skip it),
-and the local file is in the page cache for every upload. moto's server, a
-single Python process, is the bottleneck; the numbers say how close each
-client gets to it, not what AWS would do. The table shows the median of the
-repeats, MB/s (10^6 bytes/s), the client's and the moto server's CPU seconds
-(on a 2-core machine their sum bounds the time), and the time ratio against the
-boto3 anchor of its direction (>1: faster than boto3).
+and the local file is in the page cache for every upload. The server runs on
+the same cores as the client: the table shows the median of the repeats, MB/s
+(10^6 bytes/s), the client's and the server's CPU seconds, and the time ratio
+against boto3 in its direction (>1: faster than boto3).
 
-Run: ``.venv/bin/python bench/bench_transfer.py [--size-mib 1024] [--repeats 1] [--only NAME ...]``.
+Run: ``.venv/bin/python bench/bench_transfer.py [--size-mib 1024] [--repeats 1] [--server seaweedfs|moto]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import socket
@@ -40,14 +39,13 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import boto3
 import fsspec
-from boto3.s3.transfer import TransferConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file or with -m
 
@@ -56,7 +54,7 @@ from ckptflow.storage.remote.transfer import TransferOptions, download_file, upl
 
 BUCKET = "bench"
 KEY, SECRET = "bench-key", "bench-secret"
-UP_ANCHOR, DOWN_ANCHOR = "boto3 upload_file (default)", "boto3 download (8 threads, 64 MiB)"
+UP_ANCHOR, DOWN_ANCHOR = "boto3 upload_file (default)", "boto3 download_file (default)"
 
 
 @dataclass
@@ -80,14 +78,6 @@ def up_ckptflow(env: Env) -> None:
     assert not r.skipped
 
 
-def up_ckptflow_large_parts(env: Env) -> None:
-    options = TransferOptions(part_size=64 * MiB, concurrency=8)
-    r = upload_file(
-        env.src, f"s3://{BUCKET}/up-ckptflow", storage_options=env.storage_options, options=options
-    )
-    assert not r.skipped
-
-
 def up_boto3(env: Env) -> None:
     env.client.upload_file(str(env.src), BUCKET, "up-boto3")
 
@@ -105,13 +95,7 @@ def down_ckptflow_size_only(env: Env) -> None:
     download_file(f"s3://{BUCKET}/src", env.out, storage_options=env.storage_options, options=options)
 
 
-def down_boto3_tuned(env: Env) -> None:
-    config = TransferConfig(max_concurrency=8, multipart_chunksize=64 * MiB, multipart_threshold=64 * MiB)
-    env.client.download_file(BUCKET, "src", str(env.out), Config=config)
-    fsync_path(env.out)
-
-
-def down_boto3_default(env: Env) -> None:
+def down_boto3(env: Env) -> None:
     env.client.download_file(BUCKET, "src", str(env.out))
     fsync_path(env.out)
 
@@ -123,13 +107,11 @@ def down_s3fs(env: Env) -> None:
 
 METHODS: dict[str, tuple[str, Callable[[Env], None]]] = {
     "ckptflow upload_file": ("upload", up_ckptflow),
-    "ckptflow upload_file (64 MiB parts; 8 in flight)": ("upload", up_ckptflow_large_parts),
     UP_ANCHOR: ("upload", up_boto3),
     "s3fs put_file": ("upload", up_s3fs),
     "ckptflow download_file": ("download", down_ckptflow),
     "ckptflow download_file (size check only)": ("download", down_ckptflow_size_only),
-    DOWN_ANCHOR: ("download", down_boto3_tuned),
-    "boto3 download (default)": ("download", down_boto3_default),
+    DOWN_ANCHOR: ("download", down_boto3),
     "s3fs get_file": ("download", down_s3fs),
 }
 
@@ -141,7 +123,7 @@ def cleanup(env: Env) -> None:
 
 
 def server_cpu(pid: int) -> float:
-    """CPU seconds (user + system) the moto server has used so far."""
+    """CPU seconds (user + system) the server has used so far."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -164,6 +146,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def s3_server(kind: str) -> Iterator[tuple[int, str]]:
+    """(pid, endpoint) of a fresh S3 server of ``kind`` ("seaweedfs" or "moto"), stopped at the end."""
+    if kind == "moto":
+        proc, endpoint = start_moto()
+        try:
+            yield proc.pid, endpoint
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        return
+    from tests.seaweed import start_seaweed
+
+    with tempfile.TemporaryDirectory(prefix="ckptflow-bench-weed-") as root:
+        server = start_seaweed(Path(root))
+        try:
+            yield server.process.pid, server.endpoint
+        finally:
+            server.stop()
 
 
 def start_moto() -> tuple[subprocess.Popen, str]:
@@ -229,13 +232,13 @@ def render(results: dict[str, list[tuple[float, float, float]]], size: int, args
     header = ["direction", "method", "seconds", "MB/s", "client CPU s", "server CPU s", "vs boto3"]
     return "\n".join(
         [
-            f"Transfers of {size / MiB:.0f} MiB on a local moto S3 server; "
+            f"Transfers of {size / MiB:.0f} MiB on a local {args.server} S3 server; "
             f"median of {args.repeats} repeat(s).",
             "",
             markdown_table(header, "llrrrrr", rows),
             "",
             f"Machine: {machine()}, Python {platform.python_version()}; "
-            "the moto server shares these cores with the client. ckptflow options: "
+            "the server shares these cores with the client. ckptflow options: "
             f"{TransferOptions()}.",
         ]
     )
@@ -249,6 +252,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--only", action="append", default=None, help="a method to run (repeatable): " + "; ".join(METHODS)
     )
     p.add_argument("--dir", type=Path, default=None, help="where the local files go (default: a temp dir)")
+    p.add_argument("--server", choices=["seaweedfs", "moto"], default="seaweedfs", help="the S3 server")
     p.add_argument("--markdown-out", type=Path, default=None, help="also write the table to this file")
     return p.parse_args(argv)
 
@@ -260,21 +264,19 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"unknown methods: {unknown}; choose from {list(METHODS)}")
     size = args.size_mib * MiB
-    proc, endpoint = start_moto()
-    try:
-        with tempfile.TemporaryDirectory(dir=args.dir, prefix="ckptflow-bench-xfer-") as work:
-            env = make_env(endpoint, proc.pid, Path(work), size)
-            results: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
-            for rep in range(args.repeats):
-                # the order rotates each repeat: the first transfer of a round tends to be the slow one
-                for name in names[rep % len(names) :] + names[: rep % len(names)]:
-                    seconds, cpu, server = measure(env, METHODS[name][1])
-                    results[name].append((seconds, cpu, server))
-                    print(f"[{rep + 1}/{args.repeats}] {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
-            cleanup(env)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    with (
+        s3_server(args.server) as (pid, endpoint),
+        tempfile.TemporaryDirectory(dir=args.dir, prefix="ckptflow-bench-xfer-") as work,
+    ):
+        env = make_env(endpoint, pid, Path(work), size)
+        results: dict[str, list[tuple[float, float, float]]] = {n: [] for n in names}
+        for rep in range(args.repeats):
+            # the order rotates each repeat: the first transfer of a round tends to be the slow one
+            for name in names[rep % len(names) :] + names[: rep % len(names)]:
+                seconds, cpu, server = measure(env, METHODS[name][1])
+                results[name].append((seconds, cpu, server))
+                print(f"[{rep + 1}/{args.repeats}] {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
+        cleanup(env)
     report = render(results, size, args)
     emit(report, args.markdown_out)
     return 0

@@ -4,24 +4,21 @@
 copy is already complete and verified, and redoes anything else. "Verified"
 means checked end to end without downloading:
 
-- on S3, each part goes with its CRC32, which S3 checks on arrival, and the
-  object's size and CRC32 (a HEAD with ``ChecksumMode``; see :mod:`.etag`)
-  must match what the local file yields; a server without flexible checksums
-  gets the ETag test instead (MD5s of the file, computed only then). An
-  unfinished multipart upload is never an object, and stale ones are aborted
-  before a new upload of the same key;
+- on S3, through boto3's transfer engine (:mod:`.s3`): the server checks each
+  part's CRC32 and the whole file's, and a HEAD must then show the file's size
+  and CRC32 (from a server without flexible checksums: the MD5s behind its
+  ETag). Unfinished multipart uploads of the key are aborted first;
 - on other filesystems (local disks, ``memory://``, ...), which are cheap to
   read, the size and the xxh3-64 checksum of the remote copy read back.
 
 A copy that fails verification is deleted and :class:`TransferVerifyError`
 raised. ``download_file`` writes to a temporary file beside the target and
-renames it only after the size and, on S3, the object's CRC32 (from a server
-without CRC32s: the MD5s behind its ETag) match.
+renames it only after the size and, on S3, the object's checksum match.
 
-Retries: the S3 client retries each request (``max_attempts``, with connect
-and read timeouts, see :mod:`.s3client`); callers such as a Prefect task
-retry whole transfers. Credentials come the usual AWS ways and never appear
-in results, messages or logs: URLs are shown redacted.
+Retries: each S3 request is retried (``max_attempts``, with connect and read
+timeouts); callers such as a Prefect task retry whole transfers. Credentials
+come the usual AWS ways and never appear in results, messages or logs: URLs
+are shown redacted.
 """
 
 from __future__ import annotations
@@ -31,43 +28,38 @@ import dataclasses
 import logging
 import os
 import stat
+import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 from urllib.parse import urlsplit
 
-from fsspec.asyn import sync
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointError, CorruptShardError, StorageUnavailableError
 from ..files.byteio import fsync_dir, hash_file
-from ..files.location import S3_SCHEMES, Location, open_location, translate_errors
-from .etag import MAX_PART, MIN_PART, MiB, plan_parts
-from .multipart import S3Transfer, VerifyFailed
-from .s3client import merge_storage_options, translate_s3_errors
+from ..files.location import S3_SCHEMES, Location, open_location, redact, translate_errors
+from .etag import MAX_PART, MIN_PART, MiB
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class TransferOptions:
     """How to move bytes: part size, parallelism, and the S3 client's timeouts and retries."""
 
-    # Uploads: many small parts in flight (as boto3 does: 8 MiB, 10 at once; grown to stay within
-    # S3's 10,000 parts). Downloads: large ranges, since some servers (moto) read the whole object
-    # for each ranged GET. Measured on moto: 64 MiB upload parts 0.66x boto3, 8 MiB 0.97x.
+    # boto3's defaults: 8 MiB parts, 10 at once (grown to stay within S3's 10,000 parts).
     part_size: int = 8 * MiB  # bytes per multipart upload part (files up to this size: one PUT)
-    range_size: int = 64 * MiB  # bytes per ranged GET of a download
+    range_size: int = 8 * MiB  # bytes per ranged GET of a download
     concurrency: int = 10  # parts or ranges in flight
     connect_timeout: float = 10.0  # seconds to open a connection
     read_timeout: float = 30.0  # seconds without a byte moving (either way) before a request fails
     max_attempts: int = 5  # tries per request (botocore "standard" retries), and per download range
-    # Downloads from S3: check the bytes against the object's CRC32 (~0.2 s of CPU per GiB), or,
-    # from a server without CRC32s, against the MD5s behind its ETag (~1.3 s per GiB); a multipart
-    # object only when its part size can be told. False: the size only. Uploads always check.
+    # Downloads from S3: check the bytes against the object's CRC32 (~0.25 s of CPU per GiB), or,
+    # from a server without CRC32s, against the MD5s behind its ETag (~1.3 s per GiB); a composite
+    # checksum only when the part size can be told. False: the size only. Uploads always check.
     download_checksums: bool = True
 
     def __post_init__(self) -> None:
@@ -123,17 +115,22 @@ class TransferVerifyError(CorruptShardError):
 def s3_storage_options(
     storage_options: dict[str, Any] | None = None, options: TransferOptions = TransferOptions()
 ) -> dict[str, Any]:
-    """s3fs ``storage_options`` with ``options``' timeouts and retries merged in (others kept).
-
-    Use the result for both a CheckpointStore and the transfers on an ``s3://`` URL.
-    """
-    return merge_storage_options(
-        storage_options,
+    """s3fs ``storage_options`` with ``options``' timeouts, attempts and pool size merged in (others
+    kept; the user's retry ``mode`` too). For a store on the same target as the transfers."""
+    merged = dict(storage_options or {})
+    config = dict(merged.get("config_kwargs") or {})
+    retries = {k: v for k, v in (config.get("retries") or {}).items() if k != "max_attempts"}
+    retries.setdefault("mode", "standard")
+    retries["total_max_attempts"] = options.max_attempts
+    pool = max(int(config.get("max_pool_connections") or 10), options.concurrency)
+    config.update(
         connect_timeout=options.connect_timeout,
         read_timeout=options.read_timeout,
-        max_attempts=options.max_attempts,
-        concurrency=options.concurrency,
+        retries=retries,
+        max_pool_connections=pool,
     )
+    merged["config_kwargs"] = config
+    return merged
 
 
 def upload_file(
@@ -146,17 +143,21 @@ def upload_file(
     """Upload one local file to ``url`` and verify it; skip it if an identical copy is already there."""
     local_path = os.fspath(local_path)
     start = time.monotonic()
-    loc = _open(url, storage_options, options)
     with open_local(local_path, os.O_RDONLY) as fd:
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):
             raise StorageUnavailableError(f"{local_path} is not a regular file: upload files one by one")
-        if loc.is_s3:
-            etag, skipped = _upload_s3(loc, fd, before.st_size, options)
+        if _is_s3(url):
+            from . import s3
+
+            obj = _object(url, storage_options, options)
+            config = _config(options, options.part_size)
+            etag, skipped = _run_s3(obj, options, "uploading to", s3.upload, local_path, fd, config)
+            _forget_listing(url, storage_options)
         else:
-            etag, skipped = _upload_fsspec(loc, local_path, before.st_size)
+            etag, skipped = _upload_fsspec(open_location(url, storage_options), local_path, before.st_size)
         _check_unchanged(local_path, before, os.fstat(fd))
-    result = TransferResult(loc.display(), before.st_size, time.monotonic() - start, skipped, etag)
+    result = TransferResult(redact(url), before.st_size, time.monotonic() - start, skipped, etag)
     log.info(
         "%s %s (%d bytes)", "skipped, already verified:" if skipped else "uploaded", result.url, result.size
     )
@@ -173,13 +174,15 @@ def download_file(
     """Download ``url`` to ``local_path`` (atomically: temp file, fsync, rename) and verify it."""
     local_path = os.path.abspath(os.fspath(local_path))
     start = time.monotonic()
-    loc = _open(url, storage_options, options)
     directory = os.path.dirname(local_path)
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(local_path)}.", suffix=".part")
     try:
         try:
-            size, etag = _download_s3(loc, fd, options) if loc.is_s3 else _download_fsspec(loc, tmp)
+            if _is_s3(url):
+                size, etag = _download_s3(url, storage_options, options, fd)
+            else:
+                size, etag = _download_fsspec(open_location(url, storage_options), tmp)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -189,63 +192,89 @@ def download_file(
             os.unlink(tmp)
         raise
     fsync_dir(directory)
-    return TransferResult(loc.display(), size, time.monotonic() - start, False, etag)
+    return TransferResult(redact(url), size, time.monotonic() - start, False, etag)
 
 
 # -- S3 ----------------------------------------------------------------------------------------
 
 
-def _upload_s3(loc: Location, fd: int, size: int, options: TransferOptions) -> tuple[str, bool]:
-    async def run(xfer: S3Transfer) -> tuple[str, bool]:
-        done = await xfer.already_uploaded(fd, size, options.part_size)
-        if done is not None:
-            return done, True
-        aborted = await xfer.abort_stale()
-        if aborted:
-            log.info("aborted %d unfinished multipart upload(s) of %s", aborted, loc.display())
-        plan = plan_parts(size, options.part_size)
-        sent = await xfer.upload(fd, plan)
-        return await xfer.verify(fd, plan, sent), False
-
-    return _run_s3(loc, options, "uploading to", run, on_mismatch="the remote copy was removed")
+def _is_s3(url: str) -> bool:
+    return urlsplit(url).scheme in S3_SCHEMES
 
 
-def _download_s3(loc: Location, fd: int, options: TransferOptions) -> tuple[int, str]:
-    async def run(xfer: S3Transfer) -> tuple[int, str]:
-        head = await xfer.head(checksums=options.download_checksums)
-        if head is None:
-            raise StorageUnavailableError(f"no object at {loc.display()}: nothing to download")
-        _preallocate(fd, head.size)
-        await xfer.download(fd, head, options.range_size, verify=options.download_checksums)
-        return head.size, head.etag
+def _object(url: str, storage_options: dict[str, Any] | None, options: TransferOptions) -> Any:
+    from . import s3
 
-    return _run_s3(loc, options, "downloading", run, on_mismatch="nothing was written")
-
-
-def _run_s3(
-    loc: Location,
-    options: TransferOptions,
-    action: str,
-    body: Callable[[S3Transfer], Awaitable[T]],
-    *,
-    on_mismatch: str,
-) -> T:
-    """Run ``body`` on s3fs's loop with a transfer of ``loc``'s object; translate its errors."""
-    bucket, key, _ = loc.fs.split_path(loc.root)
+    parts = urlsplit(url)
+    key = parts.path.lstrip("/")
     if not key:
-        raise StorageUnavailableError(f"{loc.display()} names a bucket, not an object: add a key")
-    xfer = S3Transfer(loc.fs, bucket, key, concurrency=options.concurrency, max_attempts=options.max_attempts)
+        raise StorageUnavailableError(f"{redact(url)} names a bucket, not an object: add a key")
+    storage_options = dict(storage_options or {})
+    client = s3.client_for(
+        storage_options,
+        connect_timeout=options.connect_timeout,
+        read_timeout=options.read_timeout,
+        max_attempts=options.max_attempts,
+        concurrency=options.concurrency,
+    )
+    extra = dict(storage_options.get("s3_additional_kwargs") or {})
+    if storage_options.get("requester_pays"):
+        extra.setdefault("RequestPayer", "requester")
+    return s3.Object(client, parts.netloc, key, extra, redact(url))
+
+
+def _config(options: TransferOptions, chunk: int) -> Any:
+    from s3transfer.manager import TransferConfig
+
+    return TransferConfig(
+        multipart_threshold=chunk + 1,  # a file of exactly one part goes in one PUT (or GET)
+        multipart_chunksize=chunk,
+        max_request_concurrency=options.concurrency,
+        num_download_attempts=options.max_attempts,
+    )
+
+
+def _download_s3(
+    url: str, storage_options: dict[str, Any] | None, options: TransferOptions, fd: int
+) -> tuple[int, str]:
+    from . import s3
+
+    obj = _object(url, storage_options, options)
+    config = _config(options, options.range_size)
+    found = _run_s3(
+        obj,
+        options,
+        "downloading",
+        s3.download,
+        fd,
+        config,
+        options.part_size,
+        verify=options.download_checksums,
+    )
+    return found.size, found.etag
+
+
+def _run_s3(obj: Any, options: TransferOptions, action: str, body: Any, *args: Any, **kwargs: Any) -> Any:
+    """``body(obj, *args)`` with its errors translated; a verification failure names what differed."""
+    from . import s3
+
     try:
-        with translate_s3_errors(loc.display(), action, options.max_attempts):
-            return sync(loc.fs.loop, body, xfer)
-    except VerifyFailed as exc:
+        with s3.translate_s3_errors(obj.url, action, options.max_attempts):
+            return body(obj, *args, **kwargs)
+    except s3.VerifyFailed as exc:
         what, expected, actual = exc.args
+        deleted = "the remote copy was removed" if action.startswith("upload") else "nothing was written"
         raise TransferVerifyError(
-            loc.display(), what=what, expected=expected, actual=actual, deleted=on_mismatch
+            obj.url, what=what, expected=expected, actual=actual, deleted=deleted
         ) from None
-    finally:
-        xfer.close()
-        loc.fs.invalidate_cache(loc.root)  # s3fs's listings cache must not hide the new object
+
+
+def _forget_listing(url: str, storage_options: dict[str, Any] | None) -> None:
+    """An s3fs instance of these options must not hide the new object behind a cached listing."""
+    if "s3fs" in sys.modules:
+        with contextlib.suppress(Exception):
+            loc = open_location(url, storage_options)
+            loc.fs.invalidate_cache(loc.root)
 
 
 # -- other filesystems ---------------------------------------------------------------------------
@@ -318,12 +347,6 @@ def _download_fsspec(loc: Location, tmp: str) -> tuple[int, str]:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _open(url: str, storage_options: dict[str, Any] | None, options: TransferOptions) -> Location:
-    if urlsplit(url).scheme in S3_SCHEMES:
-        storage_options = s3_storage_options(storage_options, options)
-    return open_location(url, storage_options)
-
-
 @contextlib.contextmanager
 def open_local(path: str, flags: int) -> Iterator[int]:
     fd = os.open(path, flags)
@@ -331,13 +354,6 @@ def open_local(path: str, flags: int) -> Iterator[int]:
         yield fd
     finally:
         os.close(fd)
-
-
-def _preallocate(fd: int, size: int) -> None:
-    os.ftruncate(fd, size)
-    if size and hasattr(os, "posix_fallocate"):
-        with contextlib.suppress(OSError):  # not every filesystem supports it; ftruncate did the job
-            os.posix_fallocate(fd, 0, size)
 
 
 def _check_unchanged(path: str, before: os.stat_result, after: os.stat_result) -> None:

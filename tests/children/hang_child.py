@@ -21,7 +21,6 @@ the test SIGKILLs it:
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import os
@@ -72,7 +71,9 @@ def hang_in_tar(directory: Path) -> None:
 
 
 def hang_in_upload(directory: Path) -> None:
-    from ckptflow.storage.remote import multipart, transfer
+    from s3transfer.upload import UploadPartTask
+
+    from ckptflow.storage.remote import transfer
     from ckptflow.storage.remote.etag import MiB
 
     whole_file = transfer.upload_file
@@ -82,16 +83,16 @@ def hang_in_upload(directory: Path) -> None:
         return whole_file(*args, options=options, **kwargs)
 
     transfer.upload_file = upload_file  # storage.remote.mirror imports it at each upload
-    original = multipart.S3Transfer.put_part
+    original = UploadPartTask._main
 
-    async def put_part(self, fd, upload_id, part):
-        if part.number > 1:
-            await asyncio.sleep(HANG_SECONDS)
-        md5 = await original(self, fd, upload_id, part)
-        announce(directory / UPLOAD_MARKER, f"{self.bucket}/{self.key}")
-        return md5
+    def send_part(self, client, fileobj, bucket, key, upload_id, part_number, extra_args):
+        if part_number > 1:
+            time.sleep(HANG_SECONDS)
+        sent = original(self, client, fileobj, bucket, key, upload_id, part_number, extra_args)
+        announce(directory / UPLOAD_MARKER, f"{bucket}/{key}")
+        return sent
 
-    multipart.S3Transfer.put_part = put_part
+    UploadPartTask._main = send_part
 
 
 def hang_in_version_upload(directory: Path) -> None:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 # the S3 client stack: 0.2 s of imports that only uploads and s3:// stores need
-S3_CLIENT = ("aiohttp", "aiobotocore", "s3fs")
+S3_CLIENT = ("aiohttp", "aiobotocore", "s3fs", "boto3", "s3transfer")
 
 
 def imported_after(statement: str) -> set[str]:

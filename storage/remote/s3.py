@@ -1,0 +1,425 @@
+"""Uploads and downloads of one S3 object through boto3's transfer engine, verified end to end.
+
+boto3's ``TransferManager`` moves the bytes (parallel parts and ranges, retries
+of each request, resumed ranges). This module adds what it does not do:
+
+- **Verification.** An upload carries the file's full-object CRC32
+  (``ChecksumType=FULL_OBJECT``): the server checks each part's CRC32 as it
+  arrives and the whole one when it completes the upload. One HEAD with
+  ``ChecksumMode=ENABLED`` then decides: the object's size and checksum must be
+  the file's (:func:`mismatch`; servers without flexible checksums: the MD5s
+  behind the ETag). A mismatch deletes the object. A download is hashed as its
+  bytes land (:class:`HashingSink`) and checked the same way.
+- **Idempotence.** An object that already holds the file's bytes (by the same
+  test) is not sent again; unfinished multipart uploads of the key are aborted
+  before a new one.
+- **Corrupt parts.** A part the server refuses for its checksum (corrupted on
+  the way) is sent again, like a dropped one (:func:`_resend_corrupt`).
+- **Bounded stalls.** botocore's connections are blocking sockets with
+  timeouts: a peer that stops reading, answering or sending fails the request
+  within ``connect_timeout``/``read_timeout``, and it is retried.
+- **Errors** name the object by a redacted URL and never hold credentials.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import logging
+import os
+import threading
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import boto3
+import botocore
+import botocore.config
+import botocore.exceptions as bex
+from s3transfer.exceptions import RetriesExceededError
+from s3transfer.manager import TransferConfig, TransferManager
+from s3transfer.subscribers import BaseSubscriber
+
+from ..errors import StorageUnavailableError
+from .etag import (
+    PartPlan,
+    b64,
+    clean_etag,
+    crc32_of,
+    crc32_range,
+    etag_of,
+    etag_parts,
+    md5_range,
+    plan_for_etag,
+    plan_parts,
+    same_checksum,
+)
+
+log = logging.getLogger(__name__)
+
+TRANSIENT = (
+    bex.HTTPClientError,  # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError, ...
+    bex.ConnectionError,  # EndpointConnectionError, ConnectTimeoutError
+    bex.IncompleteReadError,
+    RetriesExceededError,  # a download range that failed every attempt
+    ConnectionError,
+    TimeoutError,
+)
+_NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
+_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "Forbidden", "403"}
+_DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"}
+_KMS = {"aws:kms", "aws:kms:dsse"}
+_HEAD_ARGS = {
+    "SSECustomerAlgorithm",
+    "SSECustomerKey",
+    "SSECustomerKeyMD5",
+    "RequestPayer",
+    "ExpectedBucketOwner",
+}
+_CONFIG_KEYS = set(botocore.config.Config.OPTION_DEFAULTS)
+
+
+class VerifyFailed(Exception):
+    """Internal: the remote bytes are not the expected ones (what, expected, actual)."""
+
+
+@dataclass(frozen=True)
+class Object:
+    """One S3 object and the client and settings to move it."""
+
+    client: Any
+    bucket: str
+    key: str
+    extra: dict[str, Any]  # s3_additional_kwargs (SSE, requester pays, ...)
+    url: str  # redacted, for messages
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        return getattr(self.client, method)(Bucket=self.bucket, Key=self.key, **kwargs)
+
+
+@dataclass(frozen=True)
+class Head:
+    """What a HEAD says about an object's bytes."""
+
+    size: int
+    etag: str  # without quotes
+    md5_etag: bool  # False for SSE-KMS / SSE-C objects, whose ETag is no MD5
+    crc: str | None  # ChecksumCRC32 ("<base64>" or composite "<base64>-N"); None: none
+    full_object: bool  # the CRC32 is of the whole object even if it is multipart
+
+
+def client_for(storage_options: dict[str, Any] | None, **settings: Any) -> Any:
+    """A boto3 S3 client from s3fs-style ``storage_options`` (key/secret/token, profile, anon,
+    endpoint_url, client_kwargs, config_kwargs) with ``settings`` (timeouts, retries, pool) on top.
+    One per distinct set of options and settings in a process: boto3 clients are thread-safe and
+    credentials from a profile or a role refresh themselves."""
+    return _cached_client(json.dumps([storage_options or {}, settings], sort_keys=True, default=repr))
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_client(frozen: str) -> Any:
+    options, settings = json.loads(frozen)
+    client_kwargs = dict(options.get("client_kwargs") or {})
+    config = {k: v for k, v in (options.get("config_kwargs") or {}).items() if k in _CONFIG_KEYS}
+    retries = {"mode": (config.get("retries") or {}).get("mode", "standard")}
+    retries["total_max_attempts"] = settings["max_attempts"]
+    # Every body carries its CRC32, which the server checks: a SHA-256 of it for the signature
+    # (botocore's default on http endpoints) would only cost CPU. {"s3": {...: True}} signs anyway.
+    config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
+    config.update(
+        connect_timeout=settings["connect_timeout"],
+        read_timeout=settings["read_timeout"],
+        retries=retries,
+        max_pool_connections=max(int(config.get("max_pool_connections") or 10), settings["concurrency"]),
+    )
+    if options.get("anon"):
+        config["signature_version"] = botocore.UNSIGNED
+    if "endpoint_url" in options:
+        client_kwargs.setdefault("endpoint_url", options["endpoint_url"])
+    if options.get("use_ssl") is False:
+        client_kwargs.setdefault("use_ssl", False)
+    session = boto3.session.Session(
+        aws_access_key_id=options.get("key"),
+        aws_secret_access_key=options.get("secret"),
+        aws_session_token=options.get("token"),
+        profile_name=options.get("profile"),
+    )
+    client = session.client("s3", config=botocore.config.Config(**config), **client_kwargs)
+    attempts = settings["max_attempts"]
+    for op in ("UploadPart", "PutObject"):
+        client.meta.events.register_first(
+            f"needs-retry.s3.{op}", functools.partial(_resend_corrupt, max_attempts=attempts)
+        )
+    return client
+
+
+def _resend_corrupt(response: Any, attempts: int, max_attempts: int, **_: Any) -> float | None:
+    """botocore retry hook: a body the server refused for its checksum is sent again."""
+    code = (response[1].get("Error") or {}).get("Code") if response else None
+    if code in _DIGEST and attempts < max_attempts:
+        log.warning("a part arrived corrupt (%s): sending it again", code)
+        return 0.05 * attempts
+    return None
+
+
+def head(obj: Object) -> Head | None:
+    """The object's size, ETag and CRC32; None if there is no object."""
+    extra = {k: v for k, v in obj.extra.items() if k in _HEAD_ARGS}
+    try:
+        try:
+            resp = obj.call("head_object", ChecksumMode="ENABLED", **extra)
+        except bex.ClientError as exc:
+            if error_code(exc) not in _DENIED:
+                raise
+            # Asking for an SSE-KMS object's checksums needs kms:Decrypt: without them, ETags decide.
+            log.debug("%s: checksums refused, HEAD without them", obj.url)
+            resp = obj.call("head_object", **extra)
+    except bex.ClientError as exc:
+        if error_code(exc) in _NOT_FOUND:
+            return None
+        raise
+    md5_etag = resp.get("ServerSideEncryption") not in _KMS and not resp.get("SSECustomerAlgorithm")
+    full = resp.get("ChecksumType") == "FULL_OBJECT"
+    crc = resp.get("ChecksumCRC32") or None
+    return Head(int(resp["ContentLength"]), clean_etag(resp.get("ETag")), md5_etag, crc, full)
+
+
+def mismatch(
+    obj: Object, fd: int, found: Head, whole: str, part_size: int, *, ours: bool
+) -> tuple[str, str, str] | None:
+    """What differs between the object ``found`` and the file ``fd`` (whose CRC32 is ``whole``);
+    None if nothing. An object whose bytes cannot be checked (no CRC32, an ETag that is no MD5, a
+    part plan that cannot be told) counts as different, unless it is ``ours`` (just uploaded and
+    checked by the server): then its size decides, with a warning."""
+    size = os.fstat(fd).st_size
+    if found.size != size:
+        return ("size", str(size), str(found.size))
+    plan = plan_for_etag(size, found.etag, part_size)
+    if found.crc is not None and (found.full_object or not etag_parts(found.etag)):
+        expected = whole
+    elif found.crc is not None and plan is not None:
+        expected = crc32_of(plan, [crc32_range(fd, p.offset, p.length) for p in plan.parts])
+    elif found.crc is None and found.md5_etag and plan is not None:
+        log.debug("%s has no CRC32: checking its ETags by MD5s", obj.url)
+        expected = etag_of(plan, [md5_range(fd, p.offset, p.length) for p in plan.parts])
+        return None if expected == found.etag else ("ETag", expected, found.etag)
+    elif ours:
+        log.warning("%s has no CRC32 and a KMS/SSE-C ETag (no MD5): size checked only", obj.url)
+        return None
+    else:
+        return ("checksum", "a CRC32 or an MD5 ETag", "neither")
+    return None if same_checksum(found.crc, expected) else ("CRC32", expected, found.crc)
+
+
+def upload(obj: Object, path: str, fd: int, config: TransferConfig) -> tuple[str, bool]:
+    """Upload the file unless the object already holds its bytes; return (ETag, skipped)."""
+    whole = crc32_range(fd, 0, os.fstat(fd).st_size)
+    found = head(obj)
+    if found is not None and mismatch(obj, fd, found, whole, config.multipart_chunksize, ours=False) is None:
+        return found.etag, True
+    aborted = abort_stale(obj)
+    if aborted:
+        log.info("aborted %d unfinished multipart upload(s) of %s", aborted, obj.url)
+    args = {k: v for k, v in obj.extra.items() if k in TransferManager.ALLOWED_UPLOAD_ARGS}
+    try:
+        with TransferManager(obj.client, config) as manager:
+            manager.upload(path, obj.bucket, obj.key, extra_args={**args, "ChecksumCRC32": whole}).result()
+    except bex.ClientError as exc:
+        if error_code(exc) not in _DIGEST:
+            raise
+        raise VerifyFailed("CRC32", whole, f"other bytes ({error_code(exc)} from the server)") from None
+    done = head(obj)
+    if done is None:
+        raise VerifyFailed("object", "an object", "none after the upload")
+    problem = mismatch(obj, fd, done, whole, config.multipart_chunksize, ours=True)
+    if problem:
+        obj.call("delete_object")
+        raise VerifyFailed(*problem)
+    return done.etag, False
+
+
+def abort_stale(obj: Object) -> int:
+    """Abort every unfinished multipart upload of this key; return how many."""
+    aborted = 0
+    pages = obj.client.get_paginator("list_multipart_uploads").paginate(Bucket=obj.bucket, Prefix=obj.key)
+    for page in pages:
+        for stale in page.get("Uploads", []):
+            if stale.get("Key") == obj.key:
+                with contextlib.suppress(bex.ClientError):  # gone already: fine
+                    obj.call("abort_multipart_upload", UploadId=stale["UploadId"])
+                aborted += 1
+    return aborted
+
+
+def download(obj: Object, fd: int, config: TransferConfig, part_size: int, *, verify: bool) -> Head:
+    """Fill ``fd`` with the object's bytes; with ``verify``, check them as the HEAD allows (by
+    ``part_size``, the likeliest part size of a multipart object)."""
+    found = head(obj)
+    if found is None:
+        raise StorageUnavailableError(f"no object at {obj.url}: nothing to download")
+    os.ftruncate(fd, found.size)
+    sink = HashingSink(fd, *_check_for(found, part_size) if verify else (None, ""))
+    extra = {k: v for k, v in obj.extra.items() if k in TransferManager.ALLOWED_DOWNLOAD_ARGS}
+    with TransferManager(obj.client, config) as manager:
+        future = manager.download(obj.bucket, obj.key, sink, extra_args=extra, subscribers=[_Known(found)])
+        future.result()
+    if sink.plan is not None:
+        actual = sink.result()
+        expected = found.crc if sink.kind == "CRC32" else found.etag
+        if not (same_checksum(expected, actual) if sink.kind == "CRC32" else expected == actual):
+            raise VerifyFailed(sink.kind, expected, actual)
+    return found
+
+
+def _check_for(found: Head, part_size: int) -> tuple[PartPlan | None, str]:
+    """How a download of ``found`` is checked: (the part plan to hash by, "CRC32" or "ETag")."""
+    if found.crc is not None and (found.full_object or not etag_parts(found.etag)):
+        return plan_parts(found.size, max(found.size, 1)), "CRC32"
+    plan = plan_for_etag(found.size, found.etag, part_size)
+    if found.crc is not None:
+        return plan, "CRC32"
+    return (plan, "ETag") if found.md5_etag else (None, "")
+
+
+class _Known(BaseSubscriber):
+    """Tells the transfer the size and ETag from our HEAD, so it sends none of its own."""
+
+    def __init__(self, found: Head) -> None:
+        self.found = found
+
+    def on_queued(self, future: Any, **kwargs: Any) -> None:
+        future.meta.provide_transfer_size(self.found.size)
+        future.meta.provide_object_etag(f'"{self.found.etag}"')
+
+
+class HashingSink:
+    """The file a download writes into, hashing its bytes per part as they become contiguous.
+
+    Ranges arrive in parallel; each write is recorded, and the bytes from the
+    hashed frontier up to the first gap are read back (from the page cache) and
+    fed to the parts' hashers. A write behind the frontier (a retried range)
+    makes the whole file be hashed again at the end.
+    """
+
+    def __init__(self, fd: int, plan: PartPlan | None, kind: str) -> None:
+        self.fd, self.plan, self.kind = fd, plan, kind
+        self.pos = 0
+        self.frontier, self.ahead, self.rehash = 0, {}, False
+        self.lock = threading.Lock()
+        self.digests: list[Any] = []
+        self.current: Any = None
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self.pos = pos
+        return pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def write(self, data: bytes) -> int:
+        view, start = memoryview(data), self.pos
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], start + done)
+        self.pos += done
+        if self.plan is not None:
+            with self.lock:
+                self._advance(start, start + done)
+        return done
+
+    def _advance(self, start: int, end: int) -> None:
+        if start < self.frontier:
+            self.rehash = True
+        if self.rehash:
+            return
+        self.ahead[start] = end
+        while self.frontier in self.ahead:
+            stop = self.ahead.pop(self.frontier)
+            self._hash(self.frontier, stop)
+            self.frontier = stop
+
+    def _hash(self, start: int, stop: int) -> None:
+        assert self.plan is not None
+        while start < stop:
+            part = self.plan.parts[len(self.digests)]
+            if self.current is None:
+                self.current = _hasher(self.kind)
+            cut = min(stop, part.offset + part.length)
+            self.current.update(os.pread(self.fd, cut - start, start))
+            start = cut
+            if cut == part.offset + part.length:
+                self.digests.append(self.current.digest())
+                self.current = None
+
+    def result(self) -> str:
+        """The object's checksum as the server reports it, from the bytes written."""
+        assert self.plan is not None
+        if self.rehash or self.frontier < self.plan.size:
+            self.digests, self.current, self.rehash, self.ahead = [], None, False, {}
+            self._hash(0, self.plan.size)
+        if self.plan.size == 0:
+            self.digests = [_hasher(self.kind).digest()]
+        if self.kind == "ETag":
+            return etag_of(self.plan, self.digests)
+        return crc32_of(self.plan, [base64_of(d) for d in self.digests])
+
+
+def base64_of(digest: bytes) -> str:
+    return b64(int.from_bytes(digest, "big"))
+
+
+def _hasher(kind: str) -> Any:
+    return hashlib.md5() if kind == "ETag" else _Crc32()
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: bytes) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def digest(self) -> bytes:
+        return self.value.to_bytes(4, "big")
+
+
+def error_code(exc: BaseException) -> str:
+    return str(exc.response.get("Error", {}).get("Code", "")) if isinstance(exc, bex.ClientError) else ""
+
+
+@contextlib.contextmanager
+def translate_s3_errors(display_url: str, action: str, attempts: int) -> Iterator[None]:
+    """Turn botocore errors into :class:`StorageUnavailableError` naming ``display_url`` (no credentials)."""
+    try:
+        yield
+    except bex.ClientError as exc:
+        code = error_code(exc)
+        if code == "NoSuchBucket":
+            raise StorageUnavailableError(
+                f"the bucket of {display_url} does not exist (or is not visible with these credentials): "
+                "create it first"
+            ) from None
+        if code in _DENIED:
+            raise StorageUnavailableError(
+                f"permission denied while {action} {display_url} ({code}): check the credentials "
+                "(environment, profile or storage_options) and the bucket policy"
+            ) from None
+        raise StorageUnavailableError(
+            f"S3 refused {action} {display_url}: {code or type(exc).__name__}"
+        ) from exc
+    except bex.NoCredentialsError:
+        raise StorageUnavailableError(
+            f"no AWS credentials found for {display_url}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
+            "a profile, or key/secret in storage_options"
+        ) from None
+    except TRANSIENT as exc:
+        raise StorageUnavailableError(
+            f"cannot reach S3 while {action} {display_url} after {attempts} attempts "
+            f"({type(exc).__name__}); the transfer can be re-run: finished work is kept"
+        ) from exc
