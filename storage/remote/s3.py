@@ -29,7 +29,6 @@ import hashlib
 import json
 import logging
 import os
-import threading
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -296,73 +295,45 @@ class _Known(BaseSubscriber):
 
 
 class HashingSink:
-    """The file a download writes into, hashing its bytes per part as they become contiguous.
+    """The file a download writes into, hashing each part's bytes on their way to it.
 
-    Ranges arrive in parallel; each write is recorded, and the bytes from the
-    hashed frontier up to the first gap are read back (from the page cache) and
-    fed to the parts' hashers. A write behind the frontier (a retried range)
-    makes the whole file be hashed again at the end.
+    It is not seekable, so boto3 hands it the bytes in order (holding back, in a
+    bounded queue, the ranges that arrive early, and passing each byte once even
+    when a range is retried): each piece is hashed from memory as it is written.
     """
 
     def __init__(self, fd: int, plan: PartPlan | None, kind: str) -> None:
         self.fd, self.plan, self.kind = fd, plan, kind
         self.pos = 0
-        self.frontier, self.ahead, self.rehash = 0, {}, False
-        self.lock = threading.Lock()
-        self.digests: list[Any] = []
+        self.digests: list[bytes] = []
         self.current: Any = None
 
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self.pos = pos
-        return pos
-
-    def tell(self) -> int:
-        return self.pos
-
     def write(self, data: bytes) -> int:
-        view, start = memoryview(data), self.pos
+        view = memoryview(data)
         done = 0
         while done < len(view):
-            done += os.pwrite(self.fd, view[done:], start + done)
-        self.pos += done
+            done += os.pwrite(self.fd, view[done:], self.pos + done)
         if self.plan is not None:
-            with self.lock:
-                self._advance(start, start + done)
+            self._hash(view)
+        self.pos += done
         return done
 
-    def _advance(self, start: int, end: int) -> None:
-        if start < self.frontier:
-            self.rehash = True
-        if self.rehash:
-            return
-        self.ahead[start] = end
-        while self.frontier in self.ahead:
-            stop = self.ahead.pop(self.frontier)
-            self._hash(self.frontier, stop)
-            self.frontier = stop
-
-    def _hash(self, start: int, stop: int) -> None:
+    def _hash(self, view: memoryview) -> None:
         assert self.plan is not None
-        while start < stop:
+        at = self.pos
+        while view:
             part = self.plan.parts[len(self.digests)]
-            if self.current is None:
-                self.current = _hasher(self.kind)
-            cut = min(stop, part.offset + part.length)
-            self.current.update(os.pread(self.fd, cut - start, start))
-            start = cut
-            if cut == part.offset + part.length:
+            self.current = self.current or _hasher(self.kind)
+            take = part.offset + part.length - at
+            self.current.update(view[:take])
+            view, at = view[take:], at + min(take, len(view))
+            if at == part.offset + part.length:
                 self.digests.append(self.current.digest())
                 self.current = None
 
     def result(self) -> str:
         """The object's checksum as the server reports it, from the bytes written."""
         assert self.plan is not None
-        if self.rehash or self.frontier < self.plan.size:
-            self.digests, self.current, self.rehash, self.ahead = [], None, False, {}
-            self._hash(0, self.plan.size)
         if self.plan.size == 0:
             self.digests = [_hasher(self.kind).digest()]
         if self.kind == "ETag":
