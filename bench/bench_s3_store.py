@@ -5,16 +5,16 @@ Starts SeaweedFS (a real S3 server; ``--server moto`` for the mock) on free
 ``--size-mib`` (default 1024) float32 tensors of 64 MiB each:
 
 - ckptflow: ``CheckpointStore("s3://bench/ckptflow").save(state, epoch=1)``
-  and ``.load()``, through fsspec (s3fs), nothing staged on a local disk;
+  and ``.load(into=state)``, through fsspec (s3fs), nothing staged on a local disk;
 - DCP: ``dcp.save(state, storage_writer=FsspecWriter(url))`` and
   ``dcp.load(state, storage_reader=FsspecReader(url))`` (torch's own fsspec
   backend, its default settings);
 - boto3, the network's limit: ``torch.save`` to a local file then boto3's
   ``upload_file``; ``download_file`` then ``torch.load(weights_only=True)``.
 
-Each method runs in a fresh process, so its peak RSS (``ru_maxrss``) is its
-own: the table gives it above the process's RSS once the state is built, as a
-fraction of the state's size. A run's remote objects are deleted before the
+Each method runs in a fresh process; its peak RSS (``VmHWM``, reset once the
+state is built) is given above the RSS at that point, as a fraction of the
+state's size. A run's remote objects are deleted before the
 next. The server shares the cores with the client.
 
 Run: ``.venv/bin/python bench/bench_s3_store.py [--size-mib 1024] [--repeats 3]``.
@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -60,9 +59,13 @@ def make_state(size: int) -> dict:
     return {f"layer{i}.weight": torch.rand(numel, generator=gen) for i in range(max(1, size // (64 * MiB)))}
 
 
-def rss_kib() -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) for line in f if line.startswith(f"{field}:"))
+
+
+def rss_kib() -> int:
+    return status_kib("VmRSS")
 
 
 def child(method: str, direction: str, endpoint: str, size: int, work: str) -> dict:
@@ -75,9 +78,12 @@ def child(method: str, direction: str, endpoint: str, size: int, work: str) -> d
     from ckptflow.storage import CheckpointStore
 
     state = make_state(size)
-    if direction == "load":  # the load fills (or replaces) a state of the same shapes
-        state = {k: torch.empty_like(v) for k, v in state.items()}
+    if direction == "load":  # the load fills a state of the same shapes (its pages touched)
+        for t in state.values():
+            t.zero_()
     so = options(endpoint)
+    with open("/proc/self/clear_refs", "w") as f:  # VmHWM, the peak RSS, starts again from here
+        f.write("5")
     before = rss_kib()
     start = time.perf_counter()
     if method == "ckptflow":
@@ -85,7 +91,7 @@ def child(method: str, direction: str, endpoint: str, size: int, work: str) -> d
         if direction == "save":
             store.save(state, epoch=1, version=1)
         else:
-            loaded = store.load(1)
+            loaded = store.load(1, into=state)  # in place, as DCP loads
             assert loaded.keys() == state.keys()
     elif method.startswith("DCP"):
         url = f"s3://{BUCKET}/dcp"
@@ -111,7 +117,7 @@ def child(method: str, direction: str, endpoint: str, size: int, work: str) -> d
             assert loaded.keys() == state.keys()
         os.unlink(local)
     seconds = time.perf_counter() - start
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak = status_kib("VmHWM")
     return {"seconds": seconds, "extra_rss": max(0, peak - before) * 1024}
 
 
@@ -147,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--server", choices=["seaweedfs", "moto"], default="seaweedfs")
     p.add_argument("--markdown-out", type=Path, default=None)
+    p.add_argument("--only", action="append", default=None, help="a method to run (repeatable)")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -165,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
             region_name="us-east-1",
         ).create_bucket(Bucket=BUCKET)
         for rep in range(args.repeats):
-            order = METHODS[rep % 3 :] + METHODS[: rep % 3]
+            methods = tuple(m for m in METHODS if not args.only or m in args.only)
+            order = methods[rep % len(methods) :] + methods[: rep % len(methods)]
             for method in order:
                 for direction in ("save", "load"):
                     r = run_child(method, direction, endpoint, size, work)
@@ -176,22 +184,15 @@ def main(argv: list[str] | None = None) -> int:
                     )
             clean(endpoint)
     rows = []
+    results = {k: v for k, v in results.items() if v}
     med = {k: statistics.median(r["seconds"] for r in v) for k, v in results.items()}
     for (method, direction), runs in results.items():
         rss = statistics.median(r["extra_rss"] for r in runs) / size
-        vs_dcp = med[("DCP FsspecWriter/Reader", direction)] / med[(method, direction)]
-        vs_boto = med[("torch.save + boto3", direction)] / med[(method, direction)]
-        rows.append(
-            [
-                direction,
-                method,
-                f"{med[(method, direction)]:.2f}",
-                f"{size / med[(method, direction)] / 1e6:.0f}",
-                f"{rss:.2f}x",
-                f"{vs_dcp:.2f}x",
-                f"{vs_boto:.2f}x",
-            ]
-        )
+        mine = med[(method, direction)]
+        ratios = [
+            f"{med[(a, direction)] / mine:.2f}x" if (a, direction) in med else "n/a" for a in METHODS[1:]
+        ]
+        rows.append([direction, method, f"{mine:.2f}", f"{size / mine / 1e6:.0f}", f"{rss:.2f}x", *ratios])
     rows.sort(key=lambda r: (r[0] != "save",))
     header = ["", "method", "seconds", "MB/s", "peak RSS above the state", "vs DCP", "vs boto3"]
     report = "\n".join(

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import fsspec
 from fsspec.spec import AbstractBufferedFile
+from fsspec.utils import merge_offset_ranges
 
 from ..errors import CheckpointError
 from ..format.checksum import digest, new_hasher
@@ -27,7 +28,8 @@ if TYPE_CHECKING:
 
 CHUNK = 8 << 20  # bytes per write/hash step: small enough to pipeline, big enough for syscalls
 COALESCE_GAP = 1 << 20  # remote reads merge ranges separated by less than this
-MAX_REQUEST = 64 << 20  # ... into requests of at most this many bytes
+MAX_REQUEST = 64 << 20  # ... into requests of at most this many bytes (local reads)
+REMOTE_REQUEST = 16 << 20  # remote reads: requests in flight hold this much each
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -90,7 +92,7 @@ class LocalSink:
 class FsspecSink:
     """Streaming writes through fsspec (multipart upload on object stores)."""
 
-    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, block_size: int = 64 << 20) -> None:
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, block_size: int = 8 << 20) -> None:
         self.file = fs.open(path, "wb", block_size=block_size)
 
     def write(self, data: memoryview | bytes) -> None:
@@ -207,20 +209,24 @@ def _read_remote(fs: fsspec.AbstractFileSystem, path: str, ranges: list[ReadRang
             r.out[:] = view[r.offset - start : r.offset - start + len(r.out)]
 
 
-def coalesce(ranges: list[ReadRange]) -> list[list[ReadRange]]:
-    """Ranges grouped so that each group is one request of nearby bytes."""
+def coalesce(ranges: list[ReadRange], max_request: int = REMOTE_REQUEST) -> list[list[ReadRange]]:
+    """Ranges grouped (by fsspec's ``merge_offset_ranges``) so that each group is one request of
+    nearby bytes, at most ``max_request`` long unless one range is longer."""
     ranges = sorted(ranges, key=lambda r: r.offset)
-    groups: list[list[ReadRange]] = []
-    end = -1
-    for r in ranges:
-        r_end = r.offset + len(r.out)
-        if groups and r.offset - end <= COALESCE_GAP and r_end - groups[-1][0].offset <= MAX_REQUEST:
-            groups[-1].append(r)
-            end = max(end, r_end)
-        else:
-            groups.append([r])
-            end = r_end
-    return groups
+    if not ranges:
+        return []
+    starts = [r.offset for r in ranges]
+    ends = [r.offset + len(r.out) for r in ranges]
+    _, _, group_ends = merge_offset_ranges(
+        [""] * len(ranges), starts, ends, max_gap=COALESCE_GAP, max_block=max_request, sort=False
+    )
+    groups: list[list[ReadRange]] = [[] for _ in group_ends]
+    g = 0
+    for r, end in zip(ranges, ends, strict=True):
+        while end > group_ends[g]:
+            g += 1
+        groups[g].append(r)
+    return [group for group in groups if group]
 
 
 def hash_range(fs: fsspec.AbstractFileSystem, path: str, offset: int, size: int, *, local: bool) -> str:

@@ -271,6 +271,9 @@ def bounded_s3_options(
     config.setdefault("connect_timeout", connect_timeout)
     config.setdefault("read_timeout", read_timeout)
     config.setdefault("retries", {"total_max_attempts": attempts, "mode": "standard"})
+    # Bodies carry a CRC32 that the server checks (and shards their own checksums): a SHA-256 of
+    # every body for the signature, botocore's default on http endpoints, would only cost CPU.
+    config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
     options["config_kwargs"] = config
     return options
 
