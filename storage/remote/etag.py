@@ -22,7 +22,9 @@ import base64
 import hashlib
 import os
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 MiB = 1 << 20
 MIN_PART = 5 * MiB  # S3's smallest part (except the last)
@@ -131,7 +133,7 @@ def md5_range(fd: int, offset: int, length: int) -> bytes:
     return h.digest()
 
 
-def _fold(fd, offset, length, step, acc):  # type: ignore[no-untyped-def]
+def _fold(fd: int, offset: int, length: int, step: Callable[[bytes, Any], Any], acc: Any) -> Any:
     for pos in range(offset, offset + length, 8 * MiB):
         data = os.pread(fd, min(8 * MiB, offset + length - pos), pos)
         if not data:

@@ -8,9 +8,8 @@ not all there. Uploading again after a crash skips what is already there and
 verified (:func:`.transfer.upload_file`). Uploads copy from a local store
 (:func:`require_local`).
 
-:mod:`.transfer` is imported at the first upload: its S3 client (aiohttp,
-aiobotocore) takes 0.2 s to import, which a process that never uploads would
-otherwise wait for.
+:mod:`.transfer` is imported at the first upload, and boto3 at the first
+S3 transfer: a process that never uploads does not wait for their imports.
 """
 
 from __future__ import annotations

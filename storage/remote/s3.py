@@ -267,7 +267,7 @@ def download(obj: Object, fd: int, config: TransferConfig, part_size: int, *, ve
         future.result()
     if sink.plan is not None:
         actual = sink.result()
-        expected = found.crc if sink.kind == "CRC32" else found.etag
+        expected = (found.crc if sink.kind == "CRC32" else None) or found.etag
         if not (same_checksum(expected, actual) if sink.kind == "CRC32" else expected == actual):
             raise VerifyFailed(sink.kind, expected, actual)
     return found
