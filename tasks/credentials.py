@@ -9,10 +9,13 @@ named by ``storage_secret`` / ``archive.upload_secret``:
 - ``NAME`` or ``secret/NAME``: a Secret block whose value is a JSON object of
   fsspec options, merged into the options (``client_kwargs`` merged key by key);
 - ``aws-credentials/NAME``: a prefect-aws ``AwsCredentials`` block (install
-  ``prefect-aws``). Its boto3 session resolves the keys (static keys, a
-  profile, or an assumed role) and they become s3fs options, with the block's
-  region and endpoint. Temporary keys are frozen when the options are built
-  (when a run opens its store, when an archive job starts) and not refreshed.
+  ``prefect-aws``), with its region and endpoint. A block that names only a
+  profile passes the profile on: s3fs and boto3 resolve it themselves and
+  refresh the temporary credentials it yields (an assumed role, SSO, a
+  ``credential_process``) before they expire. Keys (static ones, or those of
+  the block's ``assume_role_arn``) are resolved by the block's boto3 session
+  and frozen when the options are built (when a run opens its store, when an
+  archive job starts).
 
 The block is loaded inside the run, on the machine that runs it; what it holds
 is never logged, put in an artifact or written to a manifest.
@@ -121,10 +124,14 @@ def aws_credentials_options(block: Any, name: str) -> dict[str, Any]:
             f"the AwsCredentials block {name!r} resolves to no credentials: set its keys, a profile "
             "that exists on this machine, or a role to assume"
         )
-    frozen = credentials.get_frozen_credentials()
-    options: dict[str, Any] = {"key": frozen.access_key, "secret": frozen.secret_key}
-    if frozen.token:
-        options["token"] = frozen.token
+    options: dict[str, Any]
+    if block.profile_name and not block.aws_access_key_id and not block.assume_role_arn:
+        options = {"profile": block.profile_name}  # resolved, and refreshed, where it is used
+    else:
+        frozen = credentials.get_frozen_credentials()
+        options = {"key": frozen.access_key, "secret": frozen.secret_key}
+        if frozen.token:
+            options["token"] = frozen.token
     client_kwargs: dict[str, Any] = {}
     if session.region_name:
         client_kwargs["region_name"] = session.region_name

@@ -59,14 +59,23 @@ class TestBlockToOptions:
             "client_kwargs": {"region_name": "eu-west-1", "verify": False},
         }
 
-    def test_a_profile_is_resolved_to_its_keys(self, no_aws_environment, tmp_path, monkeypatch):
+    def test_a_profile_is_passed_on_so_its_credentials_refresh(
+        self, no_aws_environment, tmp_path, monkeypatch
+    ):
+        """Not its keys, which would be frozen (tests/storage/test_s3_credentials.py shows a profile's
+        expiring credentials fetched again)."""
         credentials = tmp_path / "credentials"
         credentials.write_text(
             "[training]\naws_access_key_id = AKIDPROFILE\naws_secret_access_key = from-file\n"
         )
         monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(credentials))
         options = aws_credentials_options(AwsCredentials(profile_name="training"), "b")
-        assert options == {"key": "AKIDPROFILE", "secret": "from-file"}
+        assert options == {"profile": "training"}
+        keyed = AwsCredentials(profile_name="training", aws_access_key_id="AKID", aws_secret_access_key="s")
+        assert aws_credentials_options(keyed, "b") == {
+            "key": "AKID",
+            "secret": "s",
+        }  # the block's own keys win
 
     def test_a_block_that_resolves_to_no_keys_is_a_clear_error(self, no_aws_environment):
         with pytest.raises(ValueError, match="the AwsCredentials block 'empty' resolves to no credentials"):

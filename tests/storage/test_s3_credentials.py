@@ -7,7 +7,9 @@ the one tested here.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore, StorageUnavailableError
+from ckptflow.storage.remote.transfer import download_file, upload_file
 from tests.seaweed import start_seaweed
 
 pytestmark = pytest.mark.s3
@@ -69,3 +72,43 @@ def test_wrong_credentials_are_refused_with_a_clear_error(keyed_server: str, key
     assert "a-wrong-secret-77" not in message
     right = CheckpointStore(url, storage_options=options(keyed_server, KEY, SECRET))
     assert right.versions() == []  # nothing was written with the wrong keys
+
+
+_CREDENTIAL_PROCESS = """
+import datetime, json, pathlib, sys
+calls = pathlib.Path(sys.argv[1])
+calls.write_text(calls.read_text() + "x" if calls.exists() else "x")
+expires = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=5)
+print(json.dumps({"Version": 1, "AccessKeyId": sys.argv[2], "SecretAccessKey": sys.argv[3],
+                  "Expiration": expires.isoformat()}))
+"""
+
+
+def test_expiring_credentials_of_a_profile_are_fetched_again(
+    keyed_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile (what an AwsCredentials block naming one passes on) whose credentials expire in
+    5 minutes, within botocore's refresh window: each transfer, and the store, get fresh ones
+    instead of keys frozen when the options were built."""
+    calls, script, config = tmp_path / "calls", tmp_path / "creds.py", tmp_path / "config"
+    script.write_text(_CREDENTIAL_PROCESS)
+    config.write_text(
+        f"[profile job]\ncredential_process = {sys.executable} {script} {calls} {KEY} {SECRET}\n"
+    )
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    so = {"profile": "job", "client_kwargs": {"endpoint_url": keyed_server, "region_name": "us-east-1"}}
+    src = tmp_path / "src"
+    src.write_bytes(b"ckpt" * 1000)
+    upload_file(src, f"s3://{BUCKET}/profile/a", storage_options=so)
+    fetched = len(calls.read_text())
+    download_file(f"s3://{BUCKET}/profile/a", tmp_path / "back", storage_options=so)
+    assert (tmp_path / "back").read_bytes() == src.read_bytes()
+    assert len(calls.read_text()) > fetched  # asked again: the keys were about to expire
+    store = CheckpointStore(
+        f"s3://{BUCKET}/profile/store", storage_options={**so, "skip_instance_cache": True}
+    )
+    store.save({"w": torch.arange(3.0)}, epoch=1)
+    assert torch.equal(store.load()["w"], torch.arange(3.0))
