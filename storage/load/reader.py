@@ -18,7 +18,15 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CorruptShardError
-from ..files.byteio import MAX_REQUEST, ReadRange, coalesce, empty_bytes, read_hashed_local, read_ranges
+from ..files.byteio import (
+    MAX_REQUEST,
+    REMOTE_REQUEST,
+    ReadRange,
+    coalesce,
+    empty_bytes,
+    read_hashed_local,
+    read_ranges,
+)
 from ..files.location import Location
 from ..format.checksum import digest, new_hasher
 from ..format.manifest import Manifest
@@ -82,7 +90,7 @@ def read_blobs(
             r
             for i in rest
             if manifest.blobs[i].shard == shard_index
-            for r in _ranges(_offset(source, manifest.blobs[i].offset), out[i])
+            for r in _ranges(_offset(source, manifest.blobs[i].offset), out[i], loc.is_local)
         ]
         jobs.extend(partial(_read_job, loc, source, batch) for batch in _batches(ranges, loc.is_local))
     for group in _spread(fused, manifest, threads):
@@ -139,7 +147,7 @@ def read_spans(
             for span, window in zip(spans, windows, strict=True)
             if manifest.blobs[span.blob].shard == shard_index
             for at, buf in window.parts
-            for r in _ranges(_offset(source, _start(manifest, span.blob, at)), buf)
+            for r in _ranges(_offset(source, _start(manifest, span.blob, at)), buf, loc.is_local)
         ]
         jobs.extend(partial(_read_job, loc, source, batch) for batch in _batches(ranges, loc.is_local))
     _parallel(threads, jobs)
@@ -250,11 +258,14 @@ def check_size(loc: Location, source: ShardSource) -> None:
         )
 
 
-def _ranges(offset: int | None, buf: torch.Tensor) -> list[ReadRange]:
+def _ranges(offset: int | None, buf: torch.Tensor, local: bool) -> list[ReadRange]:
+    """``buf``'s bytes as ranges to read in parallel: SPLIT long from a local file, REMOTE_REQUEST
+    from an object store (each remote request in flight holds its bytes twice)."""
     if offset is None or buf.numel() == 0:
         return []
     view = buf.numpy().data
-    return [ReadRange(offset + s, view[s : s + SPLIT]) for s in range(0, len(view), SPLIT)]
+    split = SPLIT if local else REMOTE_REQUEST
+    return [ReadRange(offset + s, view[s : s + split]) for s in range(0, len(view), split)]
 
 
 def _batches(ranges: list[ReadRange], local: bool) -> list[list[ReadRange]]:
