@@ -29,10 +29,12 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import boto3
 import botocore
@@ -43,6 +45,7 @@ from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
 from ..errors import StorageUnavailableError
+from ..files.location import open_location, redact
 from .etag import (
     PartPlan,
     b64,
@@ -56,6 +59,7 @@ from .etag import (
     plan_parts,
     same_checksum,
 )
+from .transfer import TransferOptions, TransferVerifyError
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +112,72 @@ class Head:
     md5_etag: bool  # False for SSE-KMS / SSE-C objects, whose ETag is no MD5
     crc: str | None  # ChecksumCRC32 ("<base64>" or composite "<base64>-N"); None: none
     full_object: bool  # the CRC32 is of the whole object even if it is multipart
+
+
+def upload_file(
+    url: str, storage_options: dict[str, Any] | None, options: TransferOptions, path: str, fd: int
+) -> tuple[str, bool]:
+    """:func:`upload` of the file ``fd`` (at ``path``) to ``url``; (ETag, skipped)."""
+    obj = _object(url, storage_options, options)
+    with _errors(obj, options, "uploading to", deleted="the remote copy was removed"):
+        done = upload(obj, path, fd, _config(options, options.part_size))
+    if "s3fs" in sys.modules:  # an s3fs instance of these options must not hide the new object
+        with contextlib.suppress(Exception):
+            loc = open_location(url, storage_options)
+            loc.fs.invalidate_cache(loc.root)
+    return done
+
+
+def download_file(
+    url: str, storage_options: dict[str, Any] | None, options: TransferOptions, fd: int
+) -> tuple[int, str]:
+    """:func:`download` of ``url`` into ``fd``; (size, ETag)."""
+    obj = _object(url, storage_options, options)
+    with _errors(obj, options, "downloading", deleted="nothing was written"):
+        config = _config(options, options.range_size)
+        found = download(obj, fd, config, options.part_size, verify=options.download_checksums)
+    return found.size, found.etag
+
+
+def _object(url: str, storage_options: dict[str, Any] | None, options: TransferOptions) -> Object:
+    parts = urlsplit(url)
+    key = parts.path.lstrip("/")
+    if not key:
+        raise StorageUnavailableError(f"{redact(url)} names a bucket, not an object: add a key")
+    so = dict(storage_options or {})
+    client = client_for(
+        so,
+        connect_timeout=options.connect_timeout,
+        read_timeout=options.read_timeout,
+        max_attempts=options.max_attempts,
+        concurrency=options.concurrency,
+    )
+    extra = dict(so.get("s3_additional_kwargs") or {})
+    if so.get("requester_pays"):
+        extra.setdefault("RequestPayer", "requester")
+    return Object(client, parts.netloc, key, extra, redact(url))
+
+
+def _config(options: TransferOptions, chunk: int) -> TransferConfig:
+    return TransferConfig(
+        multipart_threshold=chunk + 1,  # a file of exactly one part goes in one PUT (or GET)
+        multipart_chunksize=chunk,
+        max_request_concurrency=options.concurrency,
+        num_download_attempts=options.max_attempts,
+    )
+
+
+@contextlib.contextmanager
+def _errors(obj: Object, options: TransferOptions, action: str, *, deleted: str) -> Iterator[None]:
+    """botocore's errors translated; a verification failure names what differed."""
+    try:
+        with translate_s3_errors(obj.url, action, options.max_attempts):
+            yield
+    except VerifyFailed as exc:
+        what, expected, actual = exc.args
+        raise TransferVerifyError(
+            obj.url, what=what, expected=expected, actual=actual, deleted=deleted
+        ) from None
 
 
 def client_for(storage_options: dict[str, Any] | None, **settings: Any) -> Any:
@@ -338,11 +408,7 @@ class HashingSink:
             self.digests = [_hasher(self.kind).digest()]
         if self.kind == "ETag":
             return etag_of(self.plan, self.digests)
-        return crc32_of(self.plan, [base64_of(d) for d in self.digests])
-
-
-def base64_of(digest: bytes) -> str:
-    return b64(int.from_bytes(digest, "big"))
+        return crc32_of(self.plan, [b64(int.from_bytes(d, "big")) for d in self.digests])
 
 
 def _hasher(kind: str) -> Any:

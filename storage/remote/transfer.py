@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import os
 import stat
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -150,10 +149,7 @@ def upload_file(
         if _is_s3(url):
             from . import s3
 
-            obj = _object(url, storage_options, options)
-            config = _config(options, options.part_size)
-            etag, skipped = _run_s3(obj, options, "uploading to", s3.upload, local_path, fd, config)
-            _forget_listing(url, storage_options)
+            etag, skipped = s3.upload_file(url, storage_options, options, local_path, fd)
         else:
             etag, skipped = _upload_fsspec(open_location(url, storage_options), local_path, before.st_size)
         _check_unchanged(local_path, before, os.fstat(fd))
@@ -180,7 +176,9 @@ def download_file(
     try:
         try:
             if _is_s3(url):
-                size, etag = _download_s3(url, storage_options, options, fd)
+                from . import s3
+
+                size, etag = s3.download_file(url, storage_options, options, fd)
             else:
                 size, etag = _download_fsspec(open_location(url, storage_options), tmp)
             os.fsync(fd)
@@ -200,81 +198,6 @@ def download_file(
 
 def _is_s3(url: str) -> bool:
     return urlsplit(url).scheme in S3_SCHEMES
-
-
-def _object(url: str, storage_options: dict[str, Any] | None, options: TransferOptions) -> Any:
-    from . import s3
-
-    parts = urlsplit(url)
-    key = parts.path.lstrip("/")
-    if not key:
-        raise StorageUnavailableError(f"{redact(url)} names a bucket, not an object: add a key")
-    storage_options = dict(storage_options or {})
-    client = s3.client_for(
-        storage_options,
-        connect_timeout=options.connect_timeout,
-        read_timeout=options.read_timeout,
-        max_attempts=options.max_attempts,
-        concurrency=options.concurrency,
-    )
-    extra = dict(storage_options.get("s3_additional_kwargs") or {})
-    if storage_options.get("requester_pays"):
-        extra.setdefault("RequestPayer", "requester")
-    return s3.Object(client, parts.netloc, key, extra, redact(url))
-
-
-def _config(options: TransferOptions, chunk: int) -> Any:
-    from s3transfer.manager import TransferConfig
-
-    return TransferConfig(
-        multipart_threshold=chunk + 1,  # a file of exactly one part goes in one PUT (or GET)
-        multipart_chunksize=chunk,
-        max_request_concurrency=options.concurrency,
-        num_download_attempts=options.max_attempts,
-    )
-
-
-def _download_s3(
-    url: str, storage_options: dict[str, Any] | None, options: TransferOptions, fd: int
-) -> tuple[int, str]:
-    from . import s3
-
-    obj = _object(url, storage_options, options)
-    config = _config(options, options.range_size)
-    found = _run_s3(
-        obj,
-        options,
-        "downloading",
-        s3.download,
-        fd,
-        config,
-        options.part_size,
-        verify=options.download_checksums,
-    )
-    return found.size, found.etag
-
-
-def _run_s3(obj: Any, options: TransferOptions, action: str, body: Any, *args: Any, **kwargs: Any) -> Any:
-    """``body(obj, *args)`` with its errors translated; a verification failure names what differed."""
-    from . import s3
-
-    try:
-        with s3.translate_s3_errors(obj.url, action, options.max_attempts):
-            return body(obj, *args, **kwargs)
-    except s3.VerifyFailed as exc:
-        what, expected, actual = exc.args
-        deleted = "the remote copy was removed" if action.startswith("upload") else "nothing was written"
-        raise TransferVerifyError(
-            obj.url, what=what, expected=expected, actual=actual, deleted=deleted
-        ) from None
-
-
-def _forget_listing(url: str, storage_options: dict[str, Any] | None) -> None:
-    """An s3fs instance of these options must not hide the new object behind a cached listing."""
-    if "s3fs" in sys.modules:
-        with contextlib.suppress(Exception):
-            loc = open_location(url, storage_options)
-            loc.fs.invalidate_cache(loc.root)
 
 
 # -- other filesystems ---------------------------------------------------------------------------
