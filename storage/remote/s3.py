@@ -14,19 +14,14 @@ of each request, resumed ranges). This module adds what it does not do:
   test) is not sent again; unfinished multipart uploads of the key are aborted
   before a new one.
 - **Corrupt parts.** A part the server refuses for its checksum (corrupted on
-  the way) is sent again, like a dropped one (:func:`_resend_corrupt`).
-- **Bounded stalls.** botocore's connections are blocking sockets with
-  timeouts: a peer that stops reading, answering or sending fails the request
-  within ``connect_timeout``/``read_timeout``, and it is retried.
-- **Errors** name the object by a redacted URL and never hold credentials.
+  the way) is sent again, like a dropped one; bounded stalls and one-line
+  errors come from the client (:mod:`.s3client`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import json
 import logging
 import os
 import sys
@@ -36,11 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import boto3
-import botocore
-import botocore.config
 import botocore.exceptions as bex
-from s3transfer.exceptions import RetriesExceededError
 from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
@@ -59,21 +50,12 @@ from .etag import (
     plan_parts,
     same_checksum,
 )
+from .s3client import DENIED, DIGEST_ERRORS, client_for, error_code, translate_s3_errors
 from .transfer import TransferOptions, TransferVerifyError
 
 log = logging.getLogger(__name__)
 
-TRANSIENT = (
-    bex.HTTPClientError,  # ReadTimeoutError, ConnectionClosedError, ResponseStreamingError, ...
-    bex.ConnectionError,  # EndpointConnectionError, ConnectTimeoutError
-    bex.IncompleteReadError,
-    RetriesExceededError,  # a download range that failed every attempt
-    ConnectionError,
-    TimeoutError,
-)
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
-_DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "Forbidden", "403"}
-_DIGEST = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"}
 _KMS = {"aws:kms", "aws:kms:dsse"}
 _HEAD_ARGS = {
     "SSECustomerAlgorithm",
@@ -82,7 +64,6 @@ _HEAD_ARGS = {
     "RequestPayer",
     "ExpectedBucketOwner",
 }
-_CONFIG_KEYS = set(botocore.config.Config.OPTION_DEFAULTS)
 
 
 class VerifyFailed(Exception):
@@ -180,60 +161,6 @@ def _errors(obj: Object, options: TransferOptions, action: str, *, deleted: str)
         ) from None
 
 
-def client_for(storage_options: dict[str, Any] | None, **settings: Any) -> Any:
-    """A boto3 S3 client from s3fs-style ``storage_options`` (key/secret/token, profile, anon,
-    endpoint_url, client_kwargs, config_kwargs) with ``settings`` (timeouts, retries, pool) on top.
-    One per distinct set of options and settings in a process: boto3 clients are thread-safe and
-    credentials from a profile or a role refresh themselves."""
-    return _cached_client(json.dumps([storage_options or {}, settings], sort_keys=True, default=repr))
-
-
-@functools.lru_cache(maxsize=8)
-def _cached_client(frozen: str) -> Any:
-    options, settings = json.loads(frozen)
-    client_kwargs = dict(options.get("client_kwargs") or {})
-    config = {k: v for k, v in (options.get("config_kwargs") or {}).items() if k in _CONFIG_KEYS}
-    retries = {"mode": (config.get("retries") or {}).get("mode", "standard")}
-    retries["total_max_attempts"] = settings["max_attempts"]
-    # Every body carries its CRC32, which the server checks: a SHA-256 of it for the signature
-    # (botocore's default on http endpoints) would only cost CPU. {"s3": {...: True}} signs anyway.
-    config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
-    config.update(
-        connect_timeout=settings["connect_timeout"],
-        read_timeout=settings["read_timeout"],
-        retries=retries,
-        max_pool_connections=max(int(config.get("max_pool_connections") or 10), settings["concurrency"]),
-    )
-    if options.get("anon"):
-        config["signature_version"] = botocore.UNSIGNED
-    if "endpoint_url" in options:
-        client_kwargs.setdefault("endpoint_url", options["endpoint_url"])
-    if options.get("use_ssl") is False:
-        client_kwargs.setdefault("use_ssl", False)
-    session = boto3.session.Session(
-        aws_access_key_id=options.get("key"),
-        aws_secret_access_key=options.get("secret"),
-        aws_session_token=options.get("token"),
-        profile_name=options.get("profile"),
-    )
-    client = session.client("s3", config=botocore.config.Config(**config), **client_kwargs)
-    attempts = settings["max_attempts"]
-    for op in ("UploadPart", "PutObject"):
-        client.meta.events.register_first(
-            f"needs-retry.s3.{op}", functools.partial(_resend_corrupt, max_attempts=attempts)
-        )
-    return client
-
-
-def _resend_corrupt(response: Any, attempts: int, max_attempts: int, **_: Any) -> float | None:
-    """botocore retry hook: a body the server refused for its checksum is sent again."""
-    code = (response[1].get("Error") or {}).get("Code") if response else None
-    if code in _DIGEST and attempts < max_attempts:
-        log.warning("a part arrived corrupt (%s): sending it again", code)
-        return 0.05 * attempts
-    return None
-
-
 def head(obj: Object) -> Head | None:
     """The object's size, ETag and CRC32; None if there is no object."""
     extra = {k: v for k, v in obj.extra.items() if k in _HEAD_ARGS}
@@ -241,7 +168,7 @@ def head(obj: Object) -> Head | None:
         try:
             resp = obj.call("head_object", ChecksumMode="ENABLED", **extra)
         except bex.ClientError as exc:
-            if error_code(exc) not in _DENIED:
+            if error_code(exc) not in DENIED:
                 raise
             # Asking for an SSE-KMS object's checksums needs kms:Decrypt: without them, ETags decide.
             log.debug("%s: checksums refused, HEAD without them", obj.url)
@@ -297,7 +224,7 @@ def upload(obj: Object, path: str, fd: int, config: TransferConfig) -> tuple[str
         with TransferManager(obj.client, config) as manager:
             manager.upload(path, obj.bucket, obj.key, extra_args={**args, "ChecksumCRC32": whole}).result()
     except bex.ClientError as exc:
-        if error_code(exc) not in _DIGEST:
+        if error_code(exc) not in DIGEST_ERRORS:
             raise
         raise VerifyFailed("CRC32", whole, f"other bytes ({error_code(exc)} from the server)") from None
     done = head(obj)
@@ -424,39 +351,3 @@ class _Crc32:
 
     def digest(self) -> bytes:
         return self.value.to_bytes(4, "big")
-
-
-def error_code(exc: BaseException) -> str:
-    return str(exc.response.get("Error", {}).get("Code", "")) if isinstance(exc, bex.ClientError) else ""
-
-
-@contextlib.contextmanager
-def translate_s3_errors(display_url: str, action: str, attempts: int) -> Iterator[None]:
-    """Turn botocore errors into :class:`StorageUnavailableError` naming ``display_url`` (no credentials)."""
-    try:
-        yield
-    except bex.ClientError as exc:
-        code = error_code(exc)
-        if code == "NoSuchBucket":
-            raise StorageUnavailableError(
-                f"the bucket of {display_url} does not exist (or is not visible with these credentials): "
-                "create it first"
-            ) from None
-        if code in _DENIED:
-            raise StorageUnavailableError(
-                f"permission denied while {action} {display_url} ({code}): check the credentials "
-                "(environment, profile or storage_options) and the bucket policy"
-            ) from None
-        raise StorageUnavailableError(
-            f"S3 refused {action} {display_url}: {code or type(exc).__name__}"
-        ) from exc
-    except bex.NoCredentialsError:
-        raise StorageUnavailableError(
-            f"no AWS credentials found for {display_url}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            "a profile, or key/secret in storage_options"
-        ) from None
-    except TRANSIENT as exc:
-        raise StorageUnavailableError(
-            f"cannot reach S3 while {action} {display_url} after {attempts} attempts "
-            f"({type(exc).__name__}); the transfer can be re-run: finished work is kept"
-        ) from exc

@@ -34,6 +34,7 @@ from botocore.config import Config
 
 from ckptflow.storage import StorageUnavailableError
 from ckptflow.storage.remote import s3 as s3_module
+from ckptflow.storage.remote import s3client
 from ckptflow.storage.remote import transfer as transfer_module
 from ckptflow.storage.remote.etag import (
     MAX_PARTS,
@@ -518,7 +519,7 @@ class TestStalls:
         bucket, options = s3_bucket
         fault_proxy.stall_seconds = 60.0
         fault_proxy.force("late-continue", 2, offset=1)  # both attempts
-        client = s3_module.client_for(
+        client = s3client.client_for(
             via(fault_proxy.url, options), connect_timeout=1, read_timeout=1, max_attempts=2, concurrency=1
         )
         kwargs = {"Body": b"x" * MiB} if method == "put_object" else {}
@@ -799,7 +800,7 @@ class TestS3Download:
         write(tmp_path / "out" / "old", b"old")
         proxy.force("corrupt", 100, offset=2 * MiB)
         for key in ("c", "c2"):  # one PUT, and multipart
-            s3_module._cached_client.cache_clear()  # new connections: the proxy faults each once
+            s3client.forget_clients()  # new connections: the proxy faults each once
             with pytest.raises(TransferVerifyError, match=f"s3://{bucket}/{key} failed verification: {what}"):
                 download_file(
                     f"s3://{bucket}/{key}", tmp_path / "out" / "old", storage_options=options, options=FAST
