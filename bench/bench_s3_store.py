@@ -36,20 +36,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a file or with -m
 
-from bench.bench_transfer import KEY, SECRET, s3_server
+from bench.bench_transfer import s3_client, s3_server, storage_options
 from bench.common import MiB, emit, machine, markdown_table
 
 BUCKET = "bench"
 METHODS = ("ckptflow", "DCP FsspecWriter/Reader", "boto3 upload_file/download_file")
-
-
-def options(endpoint: str) -> dict:
-    return {
-        "key": KEY,
-        "secret": SECRET,
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-        "skip_instance_cache": True,
-    }
 
 
 def make_state(size: int) -> dict:
@@ -71,7 +62,6 @@ def rss_kib() -> int:
 
 def child(method: str, direction: str, endpoint: str, size: int, work: str) -> dict:
     """One save or load in this process: its seconds and its peak RSS above the built state."""
-    import boto3
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
@@ -82,7 +72,7 @@ def child(method: str, direction: str, endpoint: str, size: int, work: str) -> d
     if direction == "load":  # the load fills a state of the same shapes (its pages touched)
         for t in state.values():
             t.zero_()
-    so = options(endpoint)
+    so = storage_options(endpoint)
     with open("/proc/self/clear_refs", "w") as f:  # VmHWM, the peak RSS, starts again from here
         f.write("5")
     before = rss_kib()
@@ -101,13 +91,7 @@ def child(method: str, direction: str, endpoint: str, size: int, work: str) -> d
         else:
             dcp.load(state, storage_reader=FsspecReader(url, **so), no_dist=True)
     else:
-        client = boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id=KEY,
-            aws_secret_access_key=SECRET,
-            region_name="us-east-1",
-        )
+        client = s3_client(endpoint)
         # the network's limit: the file's bytes only (torch.save before, torch.load after, untimed)
         local = os.path.join(work, "state.pt")
         if direction == "save":
@@ -137,15 +121,7 @@ def run_child(method: str, direction: str, endpoint: str, size: int, work: str) 
 
 
 def clean(endpoint: str) -> None:
-    import boto3
-
-    client = boto3.client(
-        "s3",
-        endpoint_url=endpoint,
-        aws_access_key_id=KEY,
-        aws_secret_access_key=SECRET,
-        region_name="us-east-1",
-    )
+    client = s3_client(endpoint)
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
         keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
         if keys:
@@ -167,15 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size_mib * MiB
     results: dict[tuple[str, str], list[dict]] = {(m, d): [] for m in METHODS for d in ("save", "load")}
     with s3_server(args.server) as (_, endpoint), tempfile.TemporaryDirectory(prefix="ckptflow-") as work:
-        import boto3
-
-        boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            aws_access_key_id=KEY,
-            aws_secret_access_key=SECRET,
-            region_name="us-east-1",
-        ).create_bucket(Bucket=BUCKET)
+        s3_client(endpoint).create_bucket(Bucket=BUCKET)
         for rep in range(args.repeats):
             methods = tuple(m for m in METHODS if not args.only or m in args.only)
             order = methods[rep % len(methods) :] + methods[: rep % len(methods)]

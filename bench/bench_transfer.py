@@ -192,24 +192,30 @@ def start_moto() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("moto server did not start")
 
 
-def make_env(endpoint: str, server_pid: int, work: Path, size: int) -> Env:
-    src = work / "src.bin"
-    with open(src, "wb") as f:
-        for off in range(0, size, 64 * MiB):
-            f.write(os.urandom(min(64 * MiB, size - off)))
-    client = boto3.client(
+def s3_client(endpoint: str) -> Any:
+    """A boto3 client of the bench server, with the bench's keys."""
+    return boto3.client(
         "s3",
         endpoint_url=endpoint,
         aws_access_key_id=KEY,
         aws_secret_access_key=SECRET,
         region_name="us-east-1",
     )
+
+
+def storage_options(endpoint: str) -> dict[str, Any]:
+    """s3fs options for the bench server."""
+    return {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+
+
+def make_env(endpoint: str, server_pid: int, work: Path, size: int) -> Env:
+    src = work / "src.bin"
+    with open(src, "wb") as f:
+        for off in range(0, size, 64 * MiB):
+            f.write(os.urandom(min(64 * MiB, size - off)))
+    client = s3_client(endpoint)
     client.create_bucket(Bucket=BUCKET)
-    options = {
-        "key": KEY,
-        "secret": SECRET,
-        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
-    }
+    options = storage_options(endpoint)
     env = Env(endpoint, src, work / "download.bin", client, options, server_pid)
     upload_file(src, f"s3://{BUCKET}/src", storage_options=options)  # the object every download reads
     return env

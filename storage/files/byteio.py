@@ -27,9 +27,9 @@ if TYPE_CHECKING:
     import torch
 
 CHUNK = 8 << 20  # bytes per write/hash step: small enough to pipeline, big enough for syscalls
+MAX_REQUEST = 64 << 20  # local reads: a job reads at most this many bytes
 COALESCE_GAP = 1 << 20  # remote reads merge ranges separated by less than this
-MAX_REQUEST = 64 << 20  # ... into requests of at most this many bytes (local reads)
-REMOTE_REQUEST = 16 << 20  # remote reads: requests in flight hold this much each
+REMOTE_REQUEST = 16 << 20  # ... into requests of at most this many bytes (each held twice in flight)
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -209,16 +209,16 @@ def _read_remote(fs: fsspec.AbstractFileSystem, path: str, ranges: list[ReadRang
             r.out[:] = view[r.offset - start : r.offset - start + len(r.out)]
 
 
-def coalesce(ranges: list[ReadRange], max_request: int = REMOTE_REQUEST) -> list[list[ReadRange]]:
+def coalesce(ranges: list[ReadRange]) -> list[list[ReadRange]]:
     """Ranges grouped (by fsspec's ``merge_offset_ranges``) so that each group is one request of
-    nearby bytes, at most ``max_request`` long unless one range is longer."""
+    nearby bytes, at most REMOTE_REQUEST long unless one range is longer."""
     ranges = sorted(ranges, key=lambda r: r.offset)
     if not ranges:
         return []
     starts = [r.offset for r in ranges]
     ends = [r.offset + len(r.out) for r in ranges]
     _, _, group_ends = merge_offset_ranges(
-        [""] * len(ranges), starts, ends, max_gap=COALESCE_GAP, max_block=max_request, sort=False
+        [""] * len(ranges), starts, ends, max_gap=COALESCE_GAP, max_block=REMOTE_REQUEST, sort=False
     )
     groups: list[list[ReadRange]] = [[] for _ in group_ends]
     g = 0

@@ -193,20 +193,21 @@ def mismatch(
     size = os.fstat(fd).st_size
     if found.size != size:
         return ("size", str(size), str(found.size))
-    plan = plan_for_etag(size, found.etag, part_size)
-    if found.crc is not None and (found.full_object or not etag_parts(found.etag)):
-        expected = whole
-    elif found.crc is not None and plan is not None:
-        expected = crc32_of(plan, [crc32_range(fd, p.offset, p.length) for p in plan.parts])
-    elif found.crc is None and found.md5_etag and plan is not None:
+    plan, kind = _check_for(found, part_size)
+    if plan is None:
+        if not ours:
+            return ("checksum", "a CRC32 or an MD5 ETag", "neither")
+        log.warning("%s has no checksum this can compare (SSE-KMS/SSE-C): size checked only", obj.url)
+        return None
+    if kind == "ETag":
         log.debug("%s has no CRC32: checking its ETags by MD5s", obj.url)
         expected = etag_of(plan, [md5_range(fd, p.offset, p.length) for p in plan.parts])
         return None if expected == found.etag else ("ETag", expected, found.etag)
-    elif ours:
-        log.warning("%s has no CRC32 and a KMS/SSE-C ETag (no MD5): size checked only", obj.url)
-        return None
+    if plan.multipart:
+        expected = crc32_of(plan, [crc32_range(fd, p.offset, p.length) for p in plan.parts])
     else:
-        return ("checksum", "a CRC32 or an MD5 ETag", "neither")
+        expected = whole  # one CRC32 of the whole file: computed already
+    assert found.crc is not None
     return None if same_checksum(found.crc, expected) else ("CRC32", expected, found.crc)
 
 
