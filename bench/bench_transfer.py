@@ -205,7 +205,11 @@ def s3_client(endpoint: str) -> Any:
 
 def storage_options(endpoint: str) -> dict[str, Any]:
     """s3fs options for the bench server."""
-    return {"key": KEY, "secret": SECRET, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+    return {
+        "key": KEY,
+        "secret": SECRET,
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
 
 
 def make_env(endpoint: str, server_pid: int, work: Path, size: int) -> Env:
