@@ -32,6 +32,7 @@ from ckptflow.tasks.maintenance import (
     collect_garbage,
     open_maintained_store,
     publish_checkpoints,
+    summarize_crashed_runs,
 )
 
 
@@ -50,6 +51,9 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
         pruned = apply_retention(store, config.retention) if config.retention.enabled() and not busy else []
         removed = collect_garbage(store) if config.gc and not busy else []
         artifacts = publish_checkpoints(store, source=source) if config.publish else {}
+        summarized = summarize_crashed_runs(store) if config.publish else []
+        if summarized:
+            logger.info("%s: wrote the summaries of crashed runs %s", store.url, ", ".join(summarized))
         report.append(
             {
                 "storage": store.url,
@@ -60,6 +64,7 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
                 "gc": removed,
                 "versions": [v.version for v in store.versions()],
                 "artifacts": sorted(artifacts),
+                "crashed_runs_summarized": summarized,
             }
         )
         logger.info("%s: pruned %s, removed leftovers %s", store.url, pruned or "none", removed or "none")

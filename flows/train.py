@@ -56,7 +56,7 @@ from ckptflow.storage import CheckpointStore, SaveHandle, StoreLease, VersionInf
 from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.crashed import record_this_run
-from ckptflow.tasks.formatting import human_size, metrics_text
+from ckptflow.tasks.formatting import metrics_text
 from ckptflow.tasks.monitoring import RunMonitor
 from ckptflow.tasks.run_state import EpochAttempts
 from ckptflow.tasks.steps import (
@@ -141,18 +141,20 @@ def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, An
                     _committed(result.previous, monitor, archiver)
                 if isinstance(result.saved, VersionInfo):
                     _committed(result.saved, monitor, archiver)
-                else:  # an async save in flight
+                else:  # an async save in flight: reported the moment it commits
                     pending = result.saved
+                    pending.on_commit(monitor.committed)
         lease.check()
         _commit(pending, monitor, config, archiver)
         run.close()
-    except BaseException:
+    except BaseException as exc:
         archiver.abandon()
         if pending is not None:
             pending.join()  # an interrupted run still commits the save in flight...
         run.close(interrupted=True)
         monitor.catch_up(run.store.versions)  # ...and reports what committed (a worker's SIGTERM)
-        monitor.flush()
+        state, why = _how_it_ended(exc)
+        monitor.ended(state, why, _latest(run.store), rows=[("epochs", _epochs(first_epoch, run.epoch))])
         raise
     finally:
         watch.close()
@@ -172,19 +174,52 @@ def _finish(
     removed: list[int],
     archiver: ArchiveQueue,
 ) -> dict[str, Any] | State:
-    summary = _summary(store, first_epoch, last_epoch, resumed_from, reason, removed)
+    latest = _latest(store)
+    summary = _summary(store.url, latest, first_epoch, last_epoch, resumed_from, reason, removed)
     mirror = archiver.mirror_status()
     if mirror is not None:  # every run with an upload target says what the mirror lacks
         summary.update(mirror.as_dict())
         get_run_logger().info(mirror.line())
         monitor.note(mirror.line())
-    monitor.summary(_summary_markdown(summary), removed=removed)
     get_run_logger().info("stopped: %s; latest checkpoint: %s", reason, summary["latest_url"])
+    ending: dict[str, Any] | State = summary
+    state, why = "Completed", f"{reason}"
     if reason in (CANCELLED, SIGTERM_STOP):
-        return Cancelled(message=f"cancelled after committing epoch {last_epoch}")
-    if archiver.failures:
-        return Failed(message=f"training ended at epoch {last_epoch}, but {archiver.failures[0]}")
-    return summary
+        why = f"cancelled after committing epoch {last_epoch}"
+        state, ending = "Cancelled", Cancelled(message=why)
+    elif archiver.failures:
+        why = f"training ended at epoch {last_epoch}, but {archiver.failures[0]}"
+        state, ending = "Failed", Failed(message=why)
+    resumed = f"resumed from version {resumed_from}" if resumed_from is not None else "a new run"
+    rows = [
+        ("epochs", f"{_epochs(first_epoch, last_epoch)} ({resumed})"),
+        ("pruned versions", ", ".join(map(str, removed)) or "none"),
+    ]
+    monitor.ended(state, why, latest, rows=rows, removed=removed)
+    return ending
+
+
+def _latest(store: CheckpointStore) -> VersionInfo | None:
+    try:
+        return store.latest()
+    except Exception as exc:  # the summary says "none" rather than hide how the run ended
+        get_run_logger().warning("could not read the latest checkpoint of %s: %s", store.url, exc)
+        return None
+
+
+def _epochs(first_epoch: int, last_epoch: int) -> str:
+    return f"{first_epoch}..{last_epoch}" if last_epoch >= first_epoch else "none trained"
+
+
+def _how_it_ended(exc: BaseException) -> tuple[str, str]:
+    """The state an exception ends the flow run in, and why, for the run's summary."""
+    from prefect.exceptions import TerminationSignal
+
+    if isinstance(exc, TerminationSignal):
+        return "Cancelled", "stopped by a signal (a worker's cancellation); the save in flight committed"
+    if isinstance(exc, KeyboardInterrupt):
+        return "Cancelled", "interrupted (Ctrl-C); the save in flight committed"
+    return "Failed", f"{type(exc).__name__}: {exc}"
 
 
 def _opaque(value: Any) -> Any:
@@ -254,16 +289,16 @@ class CancelWatch:
 
 
 def _summary(
-    store: CheckpointStore,
+    url: str,
+    latest: VersionInfo | None,
     first_epoch: int,
     last_epoch: int,
     resumed_from: int | None,
     reason: str | None,
     removed: list[int],
 ) -> dict[str, Any]:
-    latest: VersionInfo | None = store.latest()
     return {
-        "storage": store.url,
+        "storage": url,
         "first_epoch": first_epoch,
         "last_epoch": last_epoch,
         "resumed_from": resumed_from,
@@ -274,23 +309,3 @@ def _summary(
         "latest_size": latest.size if latest else 0,
         "pruned": removed,
     }
-
-
-def _summary_markdown(s: dict[str, Any]) -> str:
-    resumed = f"resumed from version {s['resumed_from']}" if s["resumed_from"] is not None else "new run"
-    return "\n".join(
-        [
-            "# ckptflow run summary",
-            "",
-            "| | |",
-            "|---|---|",
-            f"| storage | `{s['storage']}` |",
-            f"| epochs | {s['first_epoch']}..{s['last_epoch']} ({resumed}) |",
-            f"| stopped because | {s['stop_reason']} |",
-            f"| latest checkpoint | `{s['latest_url']}` ({human_size(s['latest_size'])}) |",
-            f"| latest metrics | {metrics_text(s['latest_metrics'])} |",
-            f"| pruned versions | {', '.join(map(str, s['pruned'])) or 'none'} |",
-            "",
-            f"Restore it: `ckptflow restore {s['storage']} --out model.pt`",
-        ]
-    )

@@ -14,7 +14,11 @@ it starts:
 2. looks for ``ckptflow-train`` flow runs in Pending, Running or Cancelling
    whose record names this host and pid space and whose process is gone (no
    such pid, or one started at another time), and sets them Crashed with a
-   message saying so.
+   message saying so; their task runs still Running (the epoch the kill cut
+   short) are set Crashed too, and each gets the run summary its process
+   could not write (:func:`summarize_crashed`: the last committed epoch, where
+   it is, how to resume). The maintenance flow writes it for Crashed runs
+   that have none (marked by the heartbeat automation, on another host).
 
 What must hold: a run is marked only on proof that its process is gone. Runs
 of other hosts or pid spaces (another machine, container or boot), runs
@@ -130,7 +134,42 @@ def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[str]
         )
         client.set_flow_run_state(run.id, Crashed(message=message), force=True)
         crashed.append(run.name)
+        latest = _latest_of(run.parameters)
+        if latest is not False:
+            summarize_crashed(client, run, latest, message)
     return crashed
+
+
+def summarize_crashed(client: Any, run: Any, latest: Any, why: str) -> None:
+    """What a Crashed training run's process could not do: end its task runs still Running, and
+    write its summary (``latest``: the newest committed version of its store, or None)."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.states import Crashed
+
+    from .artifacts import ArtifactSet, ending_markdown, slug
+    from .maintenance import _store_url_of
+
+    flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
+    for task_run in client.read_task_runs(flow_run_filter=flow_run):
+        if task_run.state is not None and not task_run.state.is_final():
+            client.set_task_run_state(task_run.id, Crashed(message="its flow run crashed"), force=True)
+    url = _store_url_of(run.parameters or {}) or "unknown"
+    text = ending_markdown(state="Crashed", why=why, store_url=url, latest=latest)
+    key = f"ckptflow-{slug(run.name)}-summary"
+    ArtifactSet(flow_run_id=run.id).markdown(key, text, "ckptflow run summary: Crashed")
+
+
+def _latest_of(parameters: dict[str, Any]) -> Any:
+    """The newest committed version of a run's store (None if none); False if it cannot be read."""
+    from ckptflow.storage import CheckpointStore
+
+    from .config import PipelineConfig
+
+    try:
+        config = PipelineConfig.model_validate(parameters["config"])
+        return CheckpointStore(config.storage, storage_options=config.resolved_storage_options()).latest()
+    except Exception:
+        return False  # the maintenance flow, which opens the store with its options, writes it
 
 
 def _start_ticks(pid: int) -> str | None:

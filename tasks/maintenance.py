@@ -132,6 +132,48 @@ def read_active_train_runs(client: Any) -> list[Any]:
     )
 
 
+def summarize_crashed_runs(store: CheckpointStore, *, limit: int = 200) -> list[str]:
+    """Write the summary of each Crashed training run on ``store`` that has none (a run marked
+    Crashed by the heartbeat automation: its process could not write one); returns their names."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterFlowRunId,
+        FlowFilter,
+        FlowFilterName,
+        FlowRunFilter,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
+    from prefect.client.schemas.sorting import FlowRunSort
+
+    from .crashed import summarize_crashed
+
+    with get_client(sync_client=True) as client:
+        crashed = client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[TRAIN_FLOW])),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CRASHED]))
+            ),
+            sort=FlowRunSort.START_TIME_DESC,
+            limit=limit,
+        )
+        runs = [run for run in crashed if _store_url_of(run.parameters) == store.url]
+        if not runs:
+            return []
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[r.id for r in runs]))
+        )
+        summarized = {a.flow_run_id for a in artifacts if (a.key or "").endswith("-summary")}
+        missing = [run for run in runs if run.id not in summarized]
+        latest = store.latest() if missing else None
+        for run in missing:
+            why = (run.state.message if run.state else None) or "its process ended without a final state"
+            summarize_crashed(client, run, latest, why)
+    return [run.name for run in missing]
+
+
 def _store_url_of(parameters: dict[str, Any]) -> str | None:
     config = parameters.get("config")
     storage = config.get("storage") if isinstance(config, dict) else None
@@ -176,4 +218,5 @@ __all__ = [
     "open_maintained_store",
     "private_storage_options",
     "publish_checkpoints",
+    "summarize_crashed_runs",
 ]

@@ -1,49 +1,75 @@
 """What a run reports to Prefect, so a long job can be watched from the UI.
 
-Per run: a table artifact of the committed checkpoints (updated at every
-commit), a progress artifact for the epochs, a markdown summary at exit, a
-link artifact per uploaded archive, and one ``ckptflow.checkpoint.committed``
-event per commit. These keys are derived from the flow run's name (lowercase
-letters, digits and dashes, as Prefect requires) so that runs never overwrite
-each other's artifacts. A run creates each keyed artifact once and then
-updates it in place, so its Artifacts tab shows one card per key, not one
-per commit.
+Per run (keys ``ckptflow-<flow run name>-...``):
 
-Per store: ``ckptflow-store-<url tail>-<hash>-latest`` (markdown: the newest
-committed checkpoint and how to restore it) and ``...-checkpoints`` (the table
-of every committed version). Every run that writes to the store, the
-maintenance flow and ``ckptflow publish`` update them, so the Artifacts page
-has one always-current entry per store, whichever run wrote last, and every
-run of a deployment links to it from its Artifacts tab. The short hash of the
-(redacted) URL keeps two stores whose URLs slug alike apart.
+- ``-checkpoints``: a table of the committed checkpoints, one numeric column
+  per metric (sortable), updated at every commit;
+- ``-progress``: the epochs done, its description "epoch k/N, s/epoch, ETA";
+- ``-curve``: the training curve, a chart of every metric per epoch (an SVG in
+  a markdown artifact), redrawn as epochs finish;
+- ``-latest``: a link to the newest committed checkpoint;
+- ``-summary``: how the run ended, whatever the ending (Completed, Cancelled,
+  Failed; Crashed ones get theirs from the next run, :mod:`.crashed`);
+- ``-upload``: a link to each uploaded archive.
 
-Reporting must never break training: a failed API call is logged and skipped.
-Nothing reported contains storage credentials: URLs are shown redacted.
+Per store (``ckptflow-<alias>-<hash>-latest`` and ``-checkpoints``, see
+:mod:`.artifacts`): the newest checkpoint and how to restore it, and the table
+of every committed version, whichever run, maintenance flow or ``ckptflow
+publish`` wrote last.
+
+One ``ckptflow.checkpoint.committed`` event per commit, sent the moment the
+commit lands (an async save's completion, not the next save), in commit
+order, exactly once: its id is derived from the store, version and commit
+time, so the server keeps one even if it is sent twice. A run starting on a
+store reports the commits its predecessor made but never reported (a SIGKILL
+right after a commit): it asks the server which of the store's newest
+versions have no event yet.
+
+Reporting never stalls or breaks training: one thread of the run makes every
+API call in order (epochs' updates at most every ``min_interval`` s, commits
+at once), and a failed call is logged and skipped. Nothing reported contains
+storage credentials: URLs are shown redacted.
 
 In-process listeners (the CLI's progress display) get the same notifications.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextvars
 import logging
-import re
+import queue
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 from uuid import UUID
 
 from ckptflow.storage import VersionInfo, redact
 
-from .formatting import human_size, metrics_text
+from .artifacts import (
+    ArtifactSet,
+    _safe,
+    ending_markdown,
+    latest_markdown,
+    slug,
+    store_alias,
+    store_key,
+    table_rows,
+)
+from .chart import curve_markdown
+from .formatting import human_size, metric_value
 
 log = logging.getLogger(__name__)
 
 COMMITTED_EVENT = "ckptflow.checkpoint.committed"
+CATCH_UP_VERSIONS = 50  # how many of a store's newest versions a starting run checks for events
 Listener = Callable[[str, dict[str, Any]], None]
 _listeners: list[Listener] = []
+
+__all__ = ["COMMITTED_EVENT", "RunMonitor", "add_listener", "notify", "publish_store", "slug", "store_key"]
 
 
 def add_listener(listener: Listener) -> Callable[[], None]:
@@ -54,10 +80,6 @@ def add_listener(listener: Listener) -> Callable[[], None]:
 
 def notify(kind: str, data: dict[str, Any]) -> None:
     """Tell the listeners (the CLI's progress display) about ``kind``; never raises."""
-    _notify(kind, data)
-
-
-def _notify(kind: str, data: dict[str, Any]) -> None:
     for listener in list(_listeners):
         try:
             listener(kind, data)
@@ -65,68 +87,70 @@ def _notify(kind: str, data: dict[str, Any]) -> None:
             log.exception("progress listener failed")
 
 
-def slug(text: str, *, limit: int = 60) -> str:
-    """A Prefect artifact key part: lowercase letters, digits and single dashes."""
-    out = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-    return out[:limit].rstrip("-") or "run"
+class _Reporter:
+    """One thread that makes a run's API calls in order, so training never waits on Prefect.
 
-
-def store_key(store_url: str) -> str:
-    """The artifact key of a store: ``ckptflow-store-`` + the tail of its URL + 8 hex digits of its hash."""
-    digest = hashlib.sha256(store_url.encode()).hexdigest()[:8]
-    tail = slug(store_url, limit=len(store_url) + 1)[-40:].strip("-") or "store"
-    return f"ckptflow-store-{tail}-{digest}"
-
-
-def checkpoint_row(info: VersionInfo) -> dict[str, Any]:
-    seconds = info.save_seconds
-    throughput = f"{info.size / seconds / 1e6:.0f} MB/s" if seconds else ""
-    return {
-        "epoch": info.epoch,
-        "version": info.version,
-        "size": human_size(info.size),
-        "save seconds": round(seconds, 3) if seconds is not None else None,
-        "throughput": throughput,
-        "metrics": metrics_text(info.metrics),
-        "created": info.created,
-        "url": info.url,
-    }
-
-
-class ArtifactSet:
-    """The keyed artifacts of one flow run: each is created once, then updated in place.
-
-    One card per key in the run's Artifacts tab however many commits it makes;
-    on a key's page in the UI, one version per run.
+    It runs in the context of the thread that made it (the flow run's: its API URL, and the
+    flow run its artifacts and events belong to).
     """
 
-    def __init__(self) -> None:
-        self.ids: dict[str, UUID] = {}
+    _STOP = object()
 
-    def table(self, key: str, rows: list[dict[str, Any]], description: str) -> UUID | None:
-        return self._put(
-            key,
-            description,
-            json.dumps(rows),
-            lambda: _artifacts().create_table_artifact(table=rows, key=key, description=description),
+    def __init__(self, periodic: Callable[[], None], min_interval: float) -> None:
+        self._jobs: queue.Queue[Any] = queue.Queue()
+        self._periodic = periodic
+        self._min_interval = min_interval
+        self._due = False  # the periodic job has something to publish
+        self._last = -1e9
+        self._lock = threading.Lock()
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(
+            target=context.run, args=(self._loop,), name="ckptflow-reporter", daemon=True
         )
+        self._thread.start()
 
-    def markdown(self, key: str, text: str, description: str) -> UUID | None:
-        return self._put(
-            key,
-            description,
-            text,
-            lambda: _artifacts().create_markdown_artifact(markdown=text, key=key, description=description),
-        )
+    def put(self, job: Callable[[], object]) -> None:
+        self._jobs.put(job)
 
-    def _put(self, key: str, description: str, data: str, create: Callable[[], UUID]) -> UUID | None:
-        known = self.ids.get(key)
-        if known is None:
-            created = _safe(f"artifact {key}", create)
-            if created is not None:
-                self.ids[key] = created
-            return created
-        return known if _safe(f"artifact {key}", lambda: _update(known, data, description)) else None
+    def soon(self) -> None:
+        """Run the periodic job within ``min_interval`` s (once, however often this is called)."""
+        with self._lock:
+            wake, self._due = not self._due, True
+        if wake:
+            self._jobs.put(None)
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Run the periodic job now and wait until every job so far has run; False on timeout."""
+        if not self._thread.is_alive():
+            return False
+        done = threading.Event()
+        with self._lock:
+            self._due = True
+        self._last = -1e9
+        self._jobs.put(done.set)
+        return done.wait(timeout)
+
+    def close(self) -> None:
+        self._jobs.put(self._STOP)
+
+    def _loop(self) -> None:
+        while True:
+            wait = None
+            if self._due:
+                wait = max(0.0, self._last + self._min_interval - time.monotonic())
+            try:
+                job = self._jobs.get(timeout=wait)
+            except queue.Empty:
+                job = None
+            if self._due and time.monotonic() - self._last >= self._min_interval:
+                with self._lock:
+                    self._due = False
+                self._last = time.monotonic()
+                _safe("progress", self._periodic)
+            if job is self._STOP:
+                return
+            if job is not None:
+                _safe("report", job)
 
 
 @dataclass
@@ -136,63 +160,55 @@ class RunMonitor:
     run_name: str
     store_url: str
     total_epochs: int
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    artifacts: ArtifactSet = field(default_factory=ArtifactSet)
-    min_interval: float = 2.0  # seconds between artifact updates; events and listeners are never delayed
-    _progress_id: UUID | None = None
-    _last_publish: float = -1e9
-    _unpublished: VersionInfo | None = None  # newest commit whose tables are not published yet
-    _unpublished_epoch: int | None = None  # newest epoch whose progress is not published yet
+    min_interval: float = 2.0  # seconds between epoch updates; commits are reported at once
+    versions: dict[int, VersionInfo] = field(default_factory=dict)  # the committed ones, by version
+    history: dict[int, dict[str, float]] = field(default_factory=dict)  # metrics by epoch
     notes: list[str] = field(default_factory=list)  # end-of-run lines, e.g. what the mirror lacks
+    artifacts: ArtifactSet = field(default_factory=ArtifactSet)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reported: set[int] = set()
+        self._epoch_times: list[tuple[int, float]] = []  # (epoch, monotonic time it finished)
+        self._first_epoch = 1
+        self._reporter = _Reporter(self._publish_epochs, self.min_interval)
 
     @property
     def key_prefix(self) -> str:
         return f"ckptflow-{slug(self.run_name)}"
 
     def start(self, existing: list[VersionInfo], first_epoch: int) -> None:
-        self.rows = [checkpoint_row(v) for v in existing]
-        done = first_epoch - 1
-        self._progress_id = _safe(
-            "progress artifact",
-            lambda: _artifacts().create_progress_artifact(
-                progress=self._percent(done),
-                key=f"{self.key_prefix}-progress",
-                description=f"Epochs of {self.store_url}",
-            ),
-        )
-        if self.rows:
-            self._publish_tables()
-        _notify("start", {"first_epoch": first_epoch, "total": self.total_epochs, "url": self.store_url})
+        """The run begins after ``existing`` commits: show them, and report those never reported."""
+        self._first_epoch = first_epoch
+        self._epoch_times = [(first_epoch - 1, time.monotonic())]
+        with self._lock:
+            self.versions = {v.version: v for v in existing}
+            self.history = {v.epoch: dict(v.metrics) for v in existing if v.epoch is not None and v.metrics}
+            self._reported = set(self.versions)
+        self._reporter.put(lambda: self._report_unreported(existing))
+        self._reporter.put(self._publish_tables if existing else lambda: None)
+        self._reporter.soon()
+        notify("start", {"first_epoch": first_epoch, "total": self.total_epochs, "url": self.store_url})
 
     def epoch_done(self, epoch: int, metrics: dict[str, float]) -> None:
-        self._unpublished_epoch = epoch
-        self._maybe_publish()
-        _notify("epoch", {"epoch": epoch, "total": self.total_epochs, "metrics": metrics})
+        with self._lock:
+            self.history[epoch] = dict(metrics)
+            self._epoch_times.append((epoch, time.monotonic()))
+        self._reporter.soon()
+        notify("epoch", {"epoch": epoch, "total": self.total_epochs, "metrics": metrics})
 
     def committed(self, info: VersionInfo) -> None:
-        self.rows = [r for r in self.rows if r["version"] != info.version] + [checkpoint_row(info)]
-        self._unpublished = info
-        self._maybe_publish()
-        _safe("event", lambda: _emit_committed(info, self.store_url))
-        _notify("committed", {"info": info})
+        """A version committed: report it now, once (a second call for it does nothing).
 
-    def _maybe_publish(self) -> None:
-        """Artifact updates at most every ``min_interval`` s: a fast loop must not wait on the API."""
-        if time.monotonic() - self._last_publish >= self.min_interval:
-            self.flush()
-
-    def flush(self) -> None:
-        """Publish what is pending now (the progress, the tables and the latest checkpoint card)."""
-        self._last_publish = time.monotonic()
-        epoch, self._unpublished_epoch = self._unpublished_epoch, None
-        if epoch is not None and self._progress_id is not None:
-            pid = self._progress_id
-            _safe("progress update", lambda: _artifacts().update_progress_artifact(pid, self._percent(epoch)))
-        info, self._unpublished = self._unpublished, None
-        if info is not None:
-            self._publish_tables()
-            source = f"flow run `{self.run_name}`"
-            publish_latest(self.artifacts, self.store_url, info, count=len(self.rows), source=source)
+        Safe from any thread (an async save's completion calls it from the writer thread).
+        """
+        with self._lock:
+            if info.version in self._reported:
+                return
+            self._reported.add(info.version)
+            self.versions[info.version] = info
+        self._reporter.put(lambda: self._publish_commit(info))
+        notify("committed", {"info": info})
 
     def catch_up(self, list_versions: Callable[[], list[VersionInfo]]) -> None:
         """Report versions committed but not reported yet: a save that finished while the run was stopping."""
@@ -201,14 +217,17 @@ class RunMonitor:
         except Exception as exc:
             log.warning("could not list the committed versions of %s: %s", self.store_url, exc)
             return
-        known = {r["version"] for r in self.rows}
         for info in sorted(versions, key=lambda v: v.version):
-            if info.version not in known:
-                self.committed(info)
+            self.committed(info)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Publish what is pending now and wait for it (up to ``timeout`` s)."""
+        if not self._reporter.drain(timeout):
+            log.warning("reporting to Prefect did not finish within %gs", timeout)
 
     def archived(self, result: Any) -> None:
         """An archive job finished (an ``ArchiveResult``): link its upload, tell listeners."""
-        _notify("archived", {"tar": result.tar, "versions": result.versions, "size": result.size})
+        notify("archived", {"tar": result.tar, "versions": result.versions, "size": result.size})
         if result.uploaded:
             self.uploaded(result.uploaded, result.size)
 
@@ -216,48 +235,130 @@ class RunMonitor:
         """A link artifact to an uploaded archive (its URL without credentials, and its size)."""
         shown = redact(url)
         name = shown.rstrip("/").rsplit("/", 1)[-1] or shown
-        link = _safe(
-            "upload link",
-            lambda: _artifacts().create_link_artifact(
-                link=shown,
-                link_text=f"{name} ({human_size(size)})",
-                key=f"{self.key_prefix}-upload",
-                description=f"Archive of {self.store_url} uploaded to {shown} ({human_size(size)})",
-            ),
+        link = self.artifacts.link(
+            f"{self.key_prefix}-upload",
+            shown,
+            f"{name} ({human_size(size)})",
+            f"Archive of {self.store_url} uploaded to {shown} ({human_size(size)})",
         )
-        _notify("uploaded", {"url": shown, "size": size})
+        notify("uploaded", {"url": shown, "size": size})
         return link
 
     def note(self, line: str) -> None:
         """An end-of-run line: listeners get it now, the run summary ends with it."""
         self.notes.append(line)
-        _notify("note", {"line": line})
+        notify("note", {"line": line})
 
-    def summary(self, markdown: str, *, removed: list[int] | tuple[int, ...] = ()) -> None:
-        """Publish the run summary and notes; drop the versions retention ``removed`` from the tables."""
-        self.flush()
+    def ended(
+        self,
+        state: str,
+        why: str,
+        latest: VersionInfo | None,
+        *,
+        rows: list[tuple[str, str]] = (),  # type: ignore[assignment]
+        removed: list[int] | tuple[int, ...] = (),
+    ) -> None:
+        """Publish the run's summary (however it ended) and drop the versions retention ``removed``."""
+        with self._lock:
+            for version in removed:
+                self.versions.pop(version, None)
         if removed:
-            self.rows = [r for r in self.rows if r["version"] not in removed]
-            self._publish_tables()
-        text = "\n\n".join([markdown, *(f"**{n}**" for n in self.notes)])
-        self.artifacts.markdown(f"{self.key_prefix}-summary", text, "ckptflow run summary")
+            self._reporter.put(self._publish_tables)
+        text = ending_markdown(state=state, why=why, store_url=self.store_url, latest=latest, rows=rows)
+        text = "\n\n".join([text, *(f"**{n}**" for n in self.notes)])
+        self._reporter.put(lambda: self._publish_progress(ended=f"{state}: {why}"))
+        key = f"{self.key_prefix}-summary"
+        self._reporter.put(lambda: self.artifacts.markdown(key, text, f"ckptflow run summary: {state}"))
+        self.flush()
+        self._reporter.close()
+
+    # -- in the reporter's thread --
+
+    def _publish_commit(self, info: VersionInfo) -> None:
+        _safe("event", lambda: emit_committed(info, self.store_url))
+        self._publish_tables()
+        source = f"flow run `{self.run_name}`"
+        count = len(self.versions)
+        publish_latest(self.artifacts, self.store_url, info, count=count, source=source)
+        self.artifacts.link(
+            f"{self.key_prefix}-latest",
+            info.url,
+            f"v{info.version} (epoch {info.epoch}, {human_size(info.size)})",
+            f"The newest checkpoint this run committed, in {self.store_url}",
+        )
 
     def _publish_tables(self) -> None:
-        rows = sorted(self.rows, key=lambda r: r["version"])
-        description = f"Committed checkpoints in {self.store_url} (newest last)"
+        with self._lock:
+            rows = table_rows(list(self.versions.values()))
+        description = f"Committed checkpoints in {self.store_url} (oldest first)"
         self.artifacts.table(f"{self.key_prefix}-checkpoints", rows, description)
         self.artifacts.table(f"{store_key(self.store_url)}-checkpoints", rows, description)
 
-    def _percent(self, epochs_done: int) -> float:
-        return round(100.0 * max(0, epochs_done) / max(1, self.total_epochs), 2)
+    def _publish_epochs(self) -> None:
+        self._publish_progress()
+        with self._lock:
+            history = dict(self.history)
+        if history:
+            self.artifacts.markdown(
+                f"{self.key_prefix}-curve",
+                curve_markdown(history, title=f"Training curve of {store_alias(self.store_url)}"),
+                f"Metrics per epoch of flow run {self.run_name}, in {self.store_url}",
+            )
+
+    def _publish_progress(self, ended: str | None = None) -> None:
+        with self._lock:
+            times = list(self._epoch_times)
+        done = times[-1][0]
+        percent = round(100.0 * max(0, done) / max(1, self.total_epochs), 2)
+        text = f"epoch {done}/{self.total_epochs}"
+        if len(times) > 1:
+            per_epoch = (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
+            text += f", {per_epoch:.3g} s per epoch"
+            left = self.total_epochs - done
+            if ended is None and left > 0:
+                eta = datetime.now(timezone.utc).timestamp() + left * per_epoch
+                finish = datetime.fromtimestamp(eta, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+                text += f", ETA {finish} (in {_duration(left * per_epoch)})"
+        if ended is not None:
+            text += f"; {ended}"
+        self.artifacts.progress(f"{self.key_prefix}-progress", percent, f"{text} ({self.store_url})")
+
+    def _report_unreported(self, existing: list[VersionInfo]) -> None:
+        """Send the committed events that the store's previous runs never sent (a SIGKILL after a commit)."""
+        newest = sorted(existing, key=lambda v: v.version)[-CATCH_UP_VERSIONS:]
+        if not newest:
+            return
+        seen = reported_versions(self.store_url, [v.version for v in newest])
+        for info in newest:
+            if info.version not in seen:
+                _run_log().info("reporting version %d (committed, never reported)", info.version)
+                emit_committed(info, self.store_url)
+
+
+def _run_log() -> Any:
+    """The flow run's logger (its lines show in the UI), else this module's."""
+    from prefect import get_run_logger
+    from prefect.exceptions import MissingContextError
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return log
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds + 0.5), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min" if hours else f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
 def publish_store(store_url: str, versions: list[VersionInfo], *, source: str) -> dict[str, UUID | None]:
     """Both per-store artifacts, from a listing of the store; returns their ids by key."""
     artifacts = ArtifactSet()
-    rows = [checkpoint_row(v) for v in sorted(versions, key=lambda v: v.version)]
     key = store_key(store_url)
-    table = artifacts.table(f"{key}-checkpoints", rows, f"Committed checkpoints in {store_url} (newest last)")
+    rows = table_rows(versions)
+    description = f"Committed checkpoints in {store_url} (oldest first)"
+    table = artifacts.table(f"{key}-checkpoints", rows, description)
     latest = max(versions, key=lambda v: v.version, default=None)
     card = publish_latest(artifacts, store_url, latest, count=len(rows), source=source)
     return {f"{key}-checkpoints": table, f"{key}-latest": card}
@@ -273,55 +374,38 @@ def publish_latest(
     )
 
 
-def latest_markdown(store_url: str, info: VersionInfo | None, *, count: int, source: str) -> str:
-    """The per-store "latest checkpoint" card."""
-    title = f"# Latest checkpoint of `{store_url}`"
-    if info is None:
-        return f"{title}\n\nNo committed checkpoint yet (seen by {source})."
-    return "\n".join(
-        [
-            title,
-            "",
-            "| | |",
-            "|---|---|",
-            f"| version | {info.version} (epoch {info.epoch}) |",
-            f"| size | {human_size(info.size)} |",
-            f"| created | {info.created} |",
-            f"| metrics | {metrics_text(info.metrics) or 'none'} |",
-            f"| URL | `{info.url}` |",
-            f"| committed checkpoints in the store | {count} |",
-            f"| reported by | {source} |",
-            "",
-            f"Restore it: `ckptflow restore {store_url} --out model.pt`",
-        ]
-    )
+# -- events --
 
 
-def _artifacts() -> Any:
-    import prefect.artifacts
-
-    return prefect.artifacts
+def resource_id(store_url: str, version: int) -> str:
+    return f"ckptflow.checkpoint.{store_url}/v{version:06d}"
 
 
-def _update(artifact_id: UUID, data: str, description: str) -> bool:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import ArtifactUpdate
-
-    with get_client(sync_client=True) as client:
-        client.update_artifact(artifact_id, ArtifactUpdate(data=data, description=description))
-    return True
+def event_id(store_url: str, info: VersionInfo) -> UUID:
+    """The same for every report of one commit, so the server keeps one event per commit."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"ckptflow:{store_url}:v{info.version}:{info.created}")
 
 
-def _emit_committed(info: VersionInfo, store_url: str) -> None:
+def emit_committed(info: VersionInfo, store_url: str) -> None:
+    """The ``ckptflow.checkpoint.committed`` event of ``info``: epoch and headline metrics in the
+    resource's labels (the event feed shows them), everything in the payload."""
     from prefect.events import emit_event
 
+    headline = ", ".join(f"{k}={metric_value(v)}" for k, v in list(info.metrics.items())[:3])
+    name = f"{store_alias(store_url)} v{info.version} epoch {info.epoch} {headline}".rstrip()
+    resource = {
+        "prefect.resource.id": resource_id(store_url, info.version),
+        "prefect.resource.name": name,
+        "ckptflow.store": store_url,
+        "ckptflow.version": str(info.version),
+        "ckptflow.epoch": str(info.epoch),
+        "ckptflow.size": human_size(info.size),
+        **{f"ckptflow.metric.{k}": metric_value(v) for k, v in info.metrics.items()},
+    }
     emit_event(
         event=COMMITTED_EVENT,
-        resource={
-            "prefect.resource.id": f"ckptflow.checkpoint.{store_url}/v{info.version:06d}",
-            "prefect.resource.name": f"{store_url} v{info.version:06d}",
-            "ckptflow.store": store_url,
-        },
+        resource=resource,
+        id=event_id(store_url, info),
         payload={
             "version": info.version,
             "epoch": info.epoch,
@@ -329,14 +413,31 @@ def _emit_committed(info: VersionInfo, store_url: str) -> None:
             "size": info.size,
             "save_seconds": info.save_seconds,
             "metrics": info.metrics,
+            "created": info.created,
             "url": info.url,
         },
     )
 
 
-def _safe(what: str, call: Callable[[], Any]) -> Any:
+def reported_versions(store_url: str, versions: list[int]) -> set[int]:
+    """Which of ``versions`` of the store have a committed event on the server (all of them if
+    the server cannot say: better no report than a second one)."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    ids = {resource_id(store_url, v): v for v in versions}
+    query = EventFilter(
+        event=EventNameFilter(name=[COMMITTED_EVENT]),
+        resource=EventResourceFilter(id=list(ids)),
+    )
     try:
-        return call()
+        with get_client(sync_client=True) as client:
+            page = client.read_events(query, limit=50)  # the most the API gives per page
+            found = {ids[e.resource.id] for e in page.events if e.resource.id in ids}
+            while page.next_page is not None:
+                page = client.read_events_page(str(page.next_page))
+                found |= {ids[e.resource.id] for e in page.events if e.resource.id in ids}
     except Exception as exc:
-        log.warning("could not publish the %s: %s", what, exc)
-        return None
+        log.warning("could not ask which versions of %s were reported: %s", store_url, exc)
+        return set(versions)
+    return found

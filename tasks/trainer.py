@@ -263,6 +263,7 @@ class RemoteSave:
         self.trainer = trainer
         self.version = version
         self.store = store  # where to look for it if the trainers die while it is written
+        self._callbacks: list[Callable[[Any], None]] = []
 
     def wait(self, timeout: float | None = None) -> Any:
         """The committed version; None if the trainers that wrote it died before it committed."""
@@ -273,9 +274,26 @@ class RemoteSave:
         except TrainerDiedError:
             return self.store.find(self.version)  # it may have committed just before they died
 
+    def on_commit(self, callback: Callable[[Any], None]) -> None:
+        """Call ``callback(info)`` the moment rank 0 has committed the version (in the reader
+        thread: it must be quick); nothing if the write fails or the trainers die first."""
+        self._callbacks.append(callback)
+        self._watch(callback)
+
+    def _watch(self, callback: Callable[[Any], None]) -> None:
+        from ckptflow.storage import VersionInfo
+
+        def done(answer: Future[Any]) -> None:
+            if answer.exception() is None:
+                callback(VersionInfo(**answer.result()))
+
+        self.trainer.call("wait", version=self.version).add_done_callback(done)
+
     def resubmit(self) -> None:
         if not self.trainer.dead():
             self.trainer.call("resubmit", version=self.version).result()
+            for callback in self._callbacks:  # the failed write's wait ended with its error
+                self._watch(callback)
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait until the save has ended; the process stops its epoch and exits to get there."""

@@ -6,12 +6,14 @@ and is stopped (SIGTERM, then SIGKILL) by whoever started it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +100,38 @@ def start_prefect_server(home: Path) -> PrefectServer:
             time.sleep(0.5)
     server.stop()
     raise RuntimeError(f"prefect server did not answer within {STARTUP_TIMEOUT}s:\n{log.read_text()[-3000:]}")
+
+
+@contextlib.contextmanager
+def talking_to(server: PrefectServer) -> Iterator[None]:
+    """This process's Prefect client talks to ``server``, in every thread.
+
+    Prefect read its settings when it was imported: a thread without the test's context (a
+    reader thread that logs, say) would use those and start a temporary server of its own,
+    which also stalls Prefect's shared event loop while it starts. Refreshing the global
+    settings makes every thread see the environment set here, as in a process started with it.
+    """
+    import prefect.context
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    names = ("PREFECT_API_URL", "PREFECT_HOME", "PREFECT_SERVER_ANALYTICS_ENABLED")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(
+        PREFECT_API_URL=server.api_url,
+        PREFECT_HOME=str(server.home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+    prefect.context.refresh_global_settings_context()
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_HOME: server.home}):
+            yield
+    finally:
+        from prefect.logging.handlers import APILogHandler
+
+        APILogHandler().flush()  # ship buffered run logs while the server is still up
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        prefect.context.refresh_global_settings_context()

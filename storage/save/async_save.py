@@ -8,6 +8,7 @@ it instead, so a failed checkpoint is never silently skipped.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,6 +32,17 @@ class SaveHandle:
         self.version = version
         self._reported = False
         self.attempts = 1
+        self._on_commit: list[Callable[[VersionInfo], None]] = []
+
+    def on_commit(self, callback: Callable[[VersionInfo], None]) -> None:
+        """Call ``callback(info)`` once the version is committed (at once if it is already).
+
+        It runs in the writer thread, the moment the commit lands, also for a write that
+        :meth:`resubmit` started again; a failed write calls nothing. It must be quick and must
+        not raise (an error is logged): hand anything slow to a thread of your own.
+        """
+        self._on_commit.append(callback)
+        self._future.add_done_callback(functools.partial(_when_done, callback=callback))
 
     def resubmit(self) -> None:
         """Write the same staged state again after a failure (the staging is kept until the next save)."""
@@ -39,6 +51,8 @@ class SaveHandle:
         if self._future.exception() is None:
             return
         self._future = self._saver._start(self._job)
+        for callback in self._on_commit:
+            self._future.add_done_callback(functools.partial(_when_done, callback=callback))
         self._reported = False
         self.attempts += 1
         self._saver._inflight = self
@@ -66,6 +80,15 @@ class SaveHandle:
                 f"the background save of version {self.version} failed: {exc}; "
                 "the previous committed version is intact"
             ) from exc
+
+
+def _when_done(future: Future[Any], callback: Callable[[VersionInfo], None]) -> None:
+    if future.cancelled() or future.exception() is not None:
+        return
+    try:
+        callback(future.result())
+    except Exception:
+        log.exception("an on_commit callback failed")
 
 
 class AsyncSaver:

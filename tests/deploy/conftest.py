@@ -13,7 +13,6 @@ for the end-to-end and browser tests.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from uuid import UUID
 import pytest
 
 from tests.deploy.helpers import MAINTENANCE, TRAIN, Stack, Worker, checked, start_run, wait_for_state
-from tests.prefect_server import start_prefect_server
+from tests.prefect_server import start_prefect_server, talking_to
 
 TRAINED_EPOCHS = 3
 
@@ -31,12 +30,8 @@ TRAINED_EPOCHS = 3
 @pytest.fixture(scope="package")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     server = start_prefect_server(tmp_path_factory.mktemp("deploy-prefect-home"))
-    saved = {k: os.environ.get(k) for k in ("PREFECT_API_URL", "PREFECT_HOME")}
-    os.environ.update(PREFECT_API_URL=server.api_url, PREFECT_HOME=str(server.home))
-    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
-
     try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url, PREFECT_HOME: server.home}):
+        with talking_to(server):
             probe = Stack(server, "", "")
             setup = checked(probe, "ckptflow", "setup-server")
             deploy = checked(
@@ -52,14 +47,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             _switch_off_schedules(MAINTENANCE)
             yield stack
     finally:
-        from prefect.logging.handlers import APILogHandler
-
-        APILogHandler().flush()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         server.stop()
 
 

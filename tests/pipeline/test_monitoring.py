@@ -9,7 +9,9 @@ commit, and the secret nowhere in the run's parameters, artifacts, logs or event
 
 from __future__ import annotations
 
+import base64
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -27,8 +29,8 @@ from prefect.client.schemas.filters import (
 from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.formatting import human_size
-from ckptflow.tasks.monitoring import COMMITTED_EVENT, slug, store_key
+from ckptflow.tasks.formatting import human_size, metric_value
+from ckptflow.tasks.monitoring import COMMITTED_EVENT, event_id, slug, store_key
 from tests.pipeline.helpers import make_config, poll, run_summary
 
 pytestmark = pytest.mark.prefect
@@ -108,6 +110,14 @@ class TestArtifacts:
         assert [r["size"] for r in rows] == [human_size(v.size) for v in versions]
         assert [r["url"] for r in rows] == [v.url for v in versions]
         assert all(r["url"].endswith(f"/v{v.version:06d}") for r, v in zip(rows, versions, strict=True))
+        # each metric is a numeric column of its own (sortable in the UI), in four significant digits
+        for row, info in zip(rows, versions, strict=True):
+            assert set(info.metrics) == {"loss", "val_loss", "val_acc"}
+            for name, value in info.metrics.items():
+                assert isinstance(row[name], float)
+                assert row[name] == float(metric_value(value))
+            assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC", row["committed"])
+            assert list(row)[:5] == ["epoch", "version", "loss", "val_loss", "val_acc"]
         # Every commit updated the run's table in place: one artifact (one card in the UI) per run.
         tables = [a for a in run_artifacts(run.run_id) if a.key == f"{run.key_prefix}-checkpoints"]
         assert [t.id for t in tables] == [table.latest_id]
@@ -116,18 +126,45 @@ class TestArtifacts:
         progress = latest_artifact(f"{run.key_prefix}-progress")
         assert progress.type == "progress"
         assert float(progress.data) == 100.0
+        assert re.match(rf"epoch {EPOCHS}/{EPOCHS}, [0-9.e-]+ s per epoch; Completed", progress.description)
+
+    def test_training_curve_shows_every_epoch_of_every_metric(self, run):
+        curve = latest_artifact(f"{run.key_prefix}-curve")
+        assert curve.type == "markdown"
+        found = re.search(r"!\[training curve\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)", curve.data)
+        assert found, curve.data[:300]
+        svg = base64.b64decode(found.group(1)).decode()
+        versions = run.store.versions()
+        names = list(versions[0].metrics)
+        lines = re.findall(r'<polyline points="([^"]+)"', svg)
+        assert len(lines) == len(names)  # one panel, one line per metric
+        assert all(len(points.split()) == EPOCHS for points in lines)
+        for name in names:
+            assert f">{name}</text>" in svg
+        # the table under the chart: the store's metrics, epoch by epoch
+        for info in versions:
+            cells = " | ".join(metric_value(info.metrics[n]) for n in names)
+            assert f"| {info.epoch} | {cells} |" in curve.data
+
+    def test_latest_link_names_the_newest_checkpoint(self, run):
+        link = latest_artifact(f"{run.key_prefix}-latest")
+        newest = run.store.versions()[-1]
+        text = f"v{newest.version} (epoch {newest.epoch}, {human_size(newest.size)})"
+        assert link.data == f"[{text}]({newest.url})"
 
     def test_markdown_summary(self, run):
         summary = latest_artifact(f"{run.key_prefix}-summary")
         assert summary.type == "markdown"
-        assert "# ckptflow run summary" in summary.data
-        assert f"| epochs | 1..{EPOCHS} (new run) |" in summary.data
+        assert "# ckptflow run summary: Completed" in summary.data
+        assert f"| epochs | 1..{EPOCHS} (a new run) |" in summary.data
+        assert f"| ended | Completed: reached epoch {EPOCHS} |" in summary.data
         assert run.summary["latest_url"] in summary.data
 
     def test_artifacts_belong_to_the_flow_run(self, run):
         keys = sorted(a.key for a in run_artifacts(run.run_id))
         store = store_key(run.store.url)
-        run_keys = [f"{run.key_prefix}-{part}" for part in ("checkpoints", "progress", "summary")]
+        parts = ("checkpoints", "progress", "summary", "curve", "latest")
+        run_keys = [f"{run.key_prefix}-{part}" for part in parts]
         assert keys == sorted([*run_keys, f"{store}-checkpoints", f"{store}-latest"])
 
 
@@ -143,6 +180,12 @@ class TestEvents:
         assert sorted(e.resource.id for e in events) == [
             f"ckptflow.checkpoint.{run.store.url}/v{v:06d}" for v in (1, 2, 3)
         ]
+        # the feed shows epoch and metrics: they are labels of the resource
+        for event, info in zip(sorted(events, key=lambda e: e.payload["version"]), infos, strict=True):
+            assert event.id == event_id(run.store.url, info)  # one id per commit: sent twice, kept once
+            assert event.resource["ckptflow.epoch"] == str(info.epoch)
+            assert event.resource["ckptflow.metric.loss"] == metric_value(info.metrics["loss"])
+            assert event.resource.name.startswith(f"store v{info.version} epoch {info.epoch} loss=")
 
 
 class TestSecrets:
