@@ -116,7 +116,10 @@ class ArtifactSet:
     def markdown(self, key: str, text: str, description: str) -> UUID | None:
         return self.put(key, "markdown", text, description)
 
-    def link(self, key: str, link: str, text: str, description: str) -> UUID | None:
+    def link(self, key: str, link: str, text: str, description: str, *, each: bool = False) -> UUID | None:
+        """A link; with ``each``, a new one every time (one per uploaded archive), not an update."""
+        if each:
+            self.ids.pop(key, None)
         return self.put(key, "markdown", f"[{text}]({link})", description)
 
     def progress(self, key: str, percent: float, description: str) -> UUID | None:

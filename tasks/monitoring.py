@@ -240,6 +240,7 @@ class RunMonitor:
             shown,
             f"{name} ({human_size(size)})",
             f"Archive of {self.store_url} uploaded to {shown} ({human_size(size)})",
+            each=True,
         )
         notify("uploaded", {"url": shown, "size": size})
         return link

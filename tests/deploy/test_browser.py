@@ -11,12 +11,14 @@ is kept as a screenshot in tests/output/.
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.formatting import human_size
+from ckptflow.tasks.chart import PANEL, WIDTH
+from ckptflow.tasks.formatting import human_size, metric_value
 from ckptflow.tasks.monitoring import slug, store_key
 from tests.deploy.browser import CHROMIUM, Browser
 from tests.deploy.helpers import run_artifact
@@ -58,12 +60,37 @@ def test_checkpoint_table_shows_every_committed_epoch(browser, stack, trained, s
     browser.open(f"{stack.ui}/artifacts/artifact/{table.id}")
     page = browser.wait_for_text(*(v.url for v in versions))
     browser.screenshot(OUTPUT / "deploy-checkpoint-table.png")
-    assert "epoch version size save seconds throughput metrics created url" in page, page[:3000]
+    header = "epoch version loss val_loss val_acc size save seconds throughput committed url"
+    assert header in page, page[:3000]
     for v in versions:
-        # a row: epoch, version, human-readable size, ..., URL
-        assert f"{v.epoch} {v.version} {human_size(v.size)}" in page, page[:3000]
+        # a row: epoch, version, each metric in its own column, human-readable size, ..., URL
+        values = " ".join(metric_value(v.metrics[name]) for name in ("loss", "val_loss", "val_acc"))
+        assert f"{v.epoch} {v.version} {values} {human_size(v.size)}" in page, page[:3000]
         assert v.url in page
     assert f"{len(versions)} Items" in page
+
+
+def test_training_curve_is_drawn_in_the_browser(browser, stack, trained, store):
+    """The curve artifact shows as an image (an SVG in a data: URL), one panel per metric, and the
+    table below it holds the store's metrics."""
+    curve = run_artifact(trained.run_id, f"ckptflow-{slug(trained.name)}-curve")
+    versions = store.versions()
+    names = list(versions[0].metrics)
+    browser.open(f"{stack.ui}/artifacts/artifact/{curve.id}")
+    page = browser.wait_for_text("Training curve of store", f"Last {len(versions)} of {len(versions)} epochs")
+    drawn = "(() => { const i = document.querySelector('img[alt=\"training curve\"]');"
+    drawn += " return i && i.complete ? [i.naturalWidth, i.naturalHeight] : null; })()"
+    size = None
+    deadline = time.monotonic() + 30
+    while size is None and time.monotonic() < deadline:
+        size = browser.evaluate(drawn)
+        time.sleep(0.25)
+    browser.screenshot(OUTPUT / "deploy-training-curve.png")
+    assert size == [WIDTH, PANEL * len(names)], (size, page[:2000])  # the SVG decoded and laid out
+    assert "epoch " + " ".join(names) in page, page[:3000]
+    for v in versions:
+        values = " ".join(metric_value(v.metrics[n]) for n in names)
+        assert f"{v.epoch} {values}" in page, page[:3000]
 
 
 def test_latest_checkpoint_card_of_the_store(browser, stack, trained, store):

@@ -155,7 +155,7 @@ class TestTrainingRun:
         prefix = f"ckptflow-{slug(trained.name)}"
         assert keys == sorted(
             [f"{key}-checkpoints", f"{key}-latest"]
-            + [f"{prefix}-{p}" for p in ("checkpoints", "progress", "summary")]
+            + [f"{prefix}-{p}" for p in ("checkpoints", "progress", "summary", "curve", "latest")]
         )
 
     def test_committed_events_and_heartbeats(self, trained):

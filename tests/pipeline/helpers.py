@@ -208,6 +208,21 @@ def poll(
     return value
 
 
+def committed_events(store_url: str) -> list[Any]:
+    """The ``ckptflow.checkpoint.committed`` events of a store's versions, read from the API."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+
+    from ckptflow.tasks.monitoring import COMMITTED_EVENT
+
+    query = EventFilter(
+        event=EventNameFilter(name=[COMMITTED_EVENT]),
+        resource=EventResourceFilter(id_prefix=[f"ckptflow.checkpoint.{store_url}/v"]),
+    )
+    with get_client(sync_client=True) as client:
+        return client.read_events(query, limit=50).events
+
+
 def task_runs(flow_run_id: UUID) -> list[Any]:
     """The task runs of a flow run, read through the Prefect API."""
     from prefect.client.orchestration import get_client

@@ -24,8 +24,9 @@ from uuid import UUID
 
 import pytest
 
+from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.crashed import ProcessRecord, is_gone, this_process
-from tests.pipeline.helpers import REPO, assert_only_committed, wait_until
+from tests.pipeline.helpers import REPO, assert_only_committed, committed_events, poll, task_runs, wait_until
 from tests.pipeline.specs import (
     MARKED_SPEC,
     MARKERS_ENV,
@@ -155,6 +156,7 @@ def test_a_killed_run_is_marked_crashed_by_the_next_ckptflow_run(prefect_server,
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(30)
     assert read_run(killed).state.type.value == "RUNNING"  # nobody is left to report it
+    committed_before = CheckpointStore(str(store)).versions()  # v1, unless its async save was cut short
 
     dead_here = replace(here(), pid=proc.pid, start="1")  # as the killed run's record, on this host
     decoys = [
@@ -186,3 +188,56 @@ def test_a_killed_run_is_marked_crashed_by_the_next_ckptflow_run(prefect_server,
     finally:
         finish(decoys)
     assert assert_only_committed(store) == [1, 2, 3]
+
+    # the summary its process could not write, and no task run left Running (issue 19)
+    summary = poll(lambda: summary_of(killed), lambda s: s is not None)
+    assert summary is not None and "# ckptflow run summary: Crashed" in summary.data
+    assert f"its process (pid {proc.pid} on {dead_here.host}) is gone" in summary.data
+    if committed_before:
+        last = committed_before[-1]
+        assert f"| last committed checkpoint | version {last.version}, epoch {last.epoch}:" in summary.data
+    else:
+        assert "| last committed checkpoint | none committed |" in summary.data
+    assert [t.name for t in task_runs(UUID(killed)) if not t.state.is_final()] == []
+    # each commit reported once, also one the killed run made but may not have reported
+    url = CheckpointStore(str(store)).url
+    events = poll(lambda: committed_events(url), lambda evs: len(evs) >= 3, timeout=30)
+    assert sorted(e.payload["version"] for e in events) == [1, 2, 3]
+
+
+def summary_of(run_id: str) -> Any:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(run_id)]))
+        )
+    return next((a for a in found if (a.key or "").endswith("-summary")), None)
+
+
+@pytest.mark.prefect
+def test_maintenance_writes_the_summary_of_a_crashed_run_that_has_none(prefect_server, tmp_path):
+    """A run marked Crashed elsewhere (the heartbeat automation) gets its summary from maintenance, once."""
+    import torch
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    from ckptflow.flows.maintenance import maintain_stores
+    from ckptflow.tasks.maintenance import MaintenanceConfig
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    info = store.save({"w": torch.arange(4.0)}, epoch=1, metrics={"loss": 0.5}, version=1)
+    run_id = decoy_run({}, tmp_path / "store")
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run_id, Crashed(message="no heartbeat for 90 s"), force=True)
+    assert summary_of(str(run_id)) is None
+
+    config = MaintenanceConfig(storages=[str(tmp_path / "store")])
+    report = maintain_stores(config)
+    assert report[0]["crashed_runs_summarized"] == [read_run(run_id).name]
+    summary = summary_of(str(run_id))
+    assert summary is not None and "# ckptflow run summary: Crashed" in summary.data
+    assert "no heartbeat for 90 s" in summary.data
+    assert f"| last committed checkpoint | version 1, epoch 1: `{info.url}`" in summary.data
+    assert maintain_stores(config)[0]["crashed_runs_summarized"] == []  # once

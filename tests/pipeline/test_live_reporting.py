@@ -23,26 +23,16 @@ from typing import Any
 import pytest
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
-from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.monitoring import COMMITTED_EVENT, event_id, slug, store_key
-from tests.pipeline.helpers import make_config, open_store, poll, run_flow, run_summary
+from ckptflow.tasks.monitoring import event_id, slug, store_key
+from tests.pipeline.helpers import committed_events, make_config, open_store, poll, run_flow, run_summary
 from tests.pipeline.specs import MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV
 
 pytestmark = pytest.mark.prefect
 
 LAG_BOUND = 2.0  # seconds from a manifest's commit to its event and its table row
 EPOCH_SECONDS = 2.5
-
-
-def committed_events(store_url: str) -> list[Any]:
-    query = EventFilter(
-        event=EventNameFilter(name=[COMMITTED_EVENT]),
-        resource=EventResourceFilter(id_prefix=[f"ckptflow.checkpoint.{store_url}/v"]),
-    )
-    with get_client(sync_client=True) as client:
-        return client.read_events(query, limit=50).events
 
 
 def run_logs(run_id: Any) -> str:

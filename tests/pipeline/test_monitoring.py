@@ -1,10 +1,14 @@
 """What a run reports to Prefect, read back through the API of a real server.
 
 One 3-epoch run (module fixture) on a local store whose credentials come from
-a Prefect Secret block (``storage_secret``); then: the checkpoint table artifact (its latest version:
-one row per committed epoch, with sizes and URLs), the progress artifact at
-100, the markdown summary, one ``ckptflow.checkpoint.committed`` event per
-commit, and the secret nowhere in the run's parameters, artifacts, logs or events.
+a Prefect Secret block (``storage_secret``); then: the checkpoint table artifact
+(its latest version: one row per committed epoch, each metric a numeric
+column, sizes, commit times and URLs), the progress at 100 with "epoch 3/3",
+the training curve (one line per metric, and the store's values below it),
+the link to the newest checkpoint, the markdown summary, one
+``ckptflow.checkpoint.committed`` event per commit (epoch and metrics in its
+resource's labels, its id derived from the commit), and the secret nowhere in
+the run's parameters, artifacts, logs or events.
 """
 
 from __future__ import annotations
