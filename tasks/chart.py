@@ -83,10 +83,9 @@ def _panel(name: str, points: list[tuple[int, float]], *, top: int, color: str) 
     if len(points) == 1:
         out.append(f'<circle cx="{x(first):.1f}" cy="{y(points[0][1]):.1f}" r="3" fill="{color}"/>')
     e, v = points[-1]  # the last value, left of the line's end: above it, or below at the top
-    label_y = y(v) - 8 if y(v) - 8 > y0 + 10 else y(v) + 16
-    out.append(
-        f'<text x="{x(e) - 4:.1f}" y="{label_y:.1f}" text-anchor="end" fill="{color}">{metric_value(v)}</text>'
-    )
+    label_x, label_y = x(e) - 4, y(v) - 8 if y(v) - 8 > y0 + 10 else y(v) + 16
+    label = f'<text x="{label_x:.1f}" y="{label_y:.1f}" text-anchor="end" fill="{color}">'
+    out.append(f"{label}{metric_value(v)}</text>")
     return out
 
 

@@ -32,7 +32,9 @@ def evaluation_runs(deployment_id: UUID) -> list[Any]:
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
 
     with get_client(sync_client=True) as client:
-        return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])))
+        return client.read_flow_runs(
+            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+        )
 
 
 def test_an_automation_on_the_commit_event_runs_a_deployment_per_checkpoint(prefect_server, tmp_path):
