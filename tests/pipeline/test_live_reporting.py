@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextvars
 import threading
-import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -93,7 +92,8 @@ def test_each_commit_reaches_the_events_and_the_table_within_2s(prefect_server, 
     monkeypatch.setenv(SLOW_FROM_ENV, "1")
     monkeypatch.setenv(SLOW_SECONDS_ENV, str(EPOCH_SECONDS))
     fields = {"flow process": {}, "training process": {"train_process": True}, "2 ranks": {"nproc": 2}}
-    config = make_config(tmp_path / "store", epochs=3, async_save=True, **fields[where])
+    # two epochs: version 1 commits while epoch 2 runs, when it used to wait for the next save
+    config = make_config(tmp_path / "store", epochs=2, async_save=True, **fields[where])
     url = CheckpointStore(config.storage).url
     watch = TableWatch(f"{store_key(url)}-checkpoints")
     try:
@@ -101,9 +101,9 @@ def test_each_commit_reaches_the_events_and_the_table_within_2s(prefect_server, 
     finally:
         watch.stop()
     versions = open_store(config).versions()
-    assert [v.version for v in versions] == [1, 2, 3]
-    events = poll(lambda: committed_events(url), lambda evs: len(evs) >= 3, timeout=30)
-    assert sorted(e.payload["version"] for e in events) == [1, 2, 3]  # each once
+    assert [v.version for v in versions] == [1, 2]
+    events = poll(lambda: committed_events(url), lambda evs: len(evs) >= 2, timeout=30)
+    assert sorted(e.payload["version"] for e in events) == [1, 2]  # each once
     by_version = {e.payload["version"]: e for e in events}
     lags = {}
     for info in versions:
@@ -112,6 +112,7 @@ def test_each_commit_reaches_the_events_and_the_table_within_2s(prefect_server, 
             (by_version[info.version].received - committed).total_seconds(),
             (watch.first_seen[info.version] - committed).total_seconds(),
         )
+    print(f"seconds from commit to (event received, table row) by version, {where}: {lags}")
     assert all(event < LAG_BOUND and row < LAG_BOUND for event, row in lags.values()), lags
 
 
@@ -137,11 +138,11 @@ def test_a_commit_never_reported_is_reported_by_the_next_run_once(prefect_server
     logs = poll(lambda: run_logs(second), lambda text: "reporting version 2" in text)
     assert "reporting version 2 (committed, never reported)" in logs
 
-    run_summary(make_config(tmp_path / "store", epochs=4))  # a third run: nothing twice
+    _, third = run_summary(make_config(tmp_path / "store", epochs=4))  # a third run: nothing twice
     events = poll(lambda: committed_events(store.url), lambda evs: len(evs) >= 4, timeout=30)
-    time.sleep(6)  # the server persists events in batches (every 5 s): a duplicate would show by now
-    events = committed_events(store.url)
     assert sorted(e.payload["version"] for e in events) == [1, 2, 3, 4]
+    logs = poll(lambda: run_logs(third), lambda text: "stopped:" in text)
+    assert "stopped:" in logs and "never reported" not in logs  # it sent no earlier version again
 
 
 def test_a_failed_run_ends_with_a_summary_of_where_it_stands(prefect_server, tmp_path, monkeypatch):
