@@ -9,7 +9,7 @@ ARGS ?=
 # pytest-xdist workers: most tests wait on servers and child processes, so 3 keep 2 cores busy.
 WORKERS ?= 3
 
-.PHONY: run test lint typecheck pytest install clean
+.PHONY: run test test-core lint typecheck pytest install clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,17 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider -n $(WORKERS) $(ARGS)
 
 test: lint typecheck pytest
+
+# The storage library alone: a wheel of this checkout in a fresh virtualenv with the core
+# dependencies only (no Prefect, s3fs or boto3); tests/core_only.py checks it there.
+CORE := build/core-venv
+test-core: $(STAMP)
+	rm -rf $(CORE) build/wheel
+	$(BIN)/pip wheel -q --no-deps -w build/wheel .
+	$(PYTHON) -m venv $(CORE)
+	$(CORE)/bin/pip install -q --upgrade pip
+	$(CORE)/bin/pip install -q -c constraints.txt build/wheel/ckptflow-*.whl
+	cd build && ../$(CORE)/bin/python ../tests/core_only.py
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -72,8 +72,22 @@ app = typer.Typer(
 Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log what the storage library does.")]
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from .launch import version
+
+        typer.echo(f"ckptflow {version()}")
+        raise typer.Exit()
+
+
+VersionFlag = Annotated[
+    bool,
+    typer.Option("--version", "-V", callback=_print_version, is_eager=True, help="Print the version; exit."),
+]
+
+
 @app.callback()
-def _setup(verbose: Verbose = False) -> None:
+def _setup(verbose: Verbose = False, show_version: VersionFlag = False) -> None:
     """Crash-safe, sharded PyTorch checkpoints: list, inspect, verify, restore and tidy a store."""
     # The commands report every state themselves (leftovers, unreadable versions, corrupt files), so
     # the library's log lines, which repeat them, are shown only with --verbose.

@@ -7,12 +7,28 @@ Prefect; every other command goes straight to :mod:`.cli`.
 Help and usage errors are printed the way click prints them, wrapped to the terminal's width:
 typer's rich panels cut long defaults and words off (``ckptflow.flows.…``) on terminals
 narrower than about 120 columns. ``TYPER_USE_RICH=1`` brings the panels back.
+
+``ckptflow --version`` answers with the core alone; every other command needs the
+``[prefect]`` extra and says so, in one line, where it is not installed.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
+
+PIPELINE_PACKAGES = ("prefect", "typer", "rich")
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("ckptflow")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def trains_in_a_child(args: list[str]) -> bool:
@@ -24,6 +40,17 @@ def trains_in_a_child(args: list[str]) -> bool:
 
 
 def main() -> None:
+    if sys.argv[1:] in (["--version"], ["-V"]):
+        print(f"ckptflow {version()}")
+        return
+    missing = [name for name in PIPELINE_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"error: the ckptflow command needs the pipeline's packages ({', '.join(missing)} missing): "
+            "pip install 'ckptflow[prefect]' (the storage library, ckptflow.storage, works without them)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
     os.environ.setdefault("TYPER_USE_RICH", "0")  # read when typer is imported, below
     if trains_in_a_child(sys.argv[1:]):
         from ckptflow.tasks.trainer import spawn_early

@@ -160,3 +160,21 @@ def test_no_module_of_storage_is_over_400_lines() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}, f"split these modules (lines): {long}"
+
+
+def test_every_package_directory_is_listed_for_the_wheel() -> None:
+    """Bug fix: storage/sharded was left out of pyproject's package list, so a wheel (any install
+    but an editable one) had no ckptflow.storage.sharded and every DTensor save failed."""
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(["ckptflow", *directory.relative_to(root).parts])
+        for top in ("storage", "tasks", "flows")
+        for directory in [root / top, *(root / top).rglob("*")]
+        if directory.is_dir() and directory.name != "__pycache__" and any(directory.glob("*.py"))
+    }
+    assert found == listed
+    missing_init = [p for p in found if not (root / Path(*p.split(".")[1:]) / "__init__.py").exists()]
+    assert missing_init == []

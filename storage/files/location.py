@@ -104,8 +104,9 @@ def open_location(url: str | os.PathLike[str], storage_options: dict[str, Any] |
     try:
         fs, root = fsspec.core.url_to_fs(text, **options)
     except ImportError as exc:
+        extra = " (pip install 'ckptflow[s3]')" if scheme in S3_SCHEMES else ""
         raise StorageUnavailableError(
-            f"the filesystem for {redact(text)} needs a package that is not installed: {exc}"
+            f"the filesystem for {redact(text)} needs a package that is not installed{extra}: {exc}"
         ) from None
     except (TypeError, ValueError) as exc:
         raise StorageUnavailableError(f"cannot open {redact(text)}: {exc}") from None
