@@ -51,7 +51,7 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
         pruned = apply_retention(store, config.retention) if config.retention.enabled() and not busy else []
         removed = collect_garbage(store) if config.gc and not busy else []
         artifacts = publish_checkpoints(store, source=source) if config.publish else {}
-        summarized = summarize_crashed_runs(store) if config.publish else []
+        summarized = _summarize_crashed(store) if config.publish else []
         if summarized:
             logger.info("%s: wrote the summaries of crashed runs %s", store.url, ", ".join(summarized))
         report.append(
@@ -69,6 +69,15 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
         )
         logger.info("%s: pruned %s, removed leftovers %s", store.url, pruned or "none", removed or "none")
     return report
+
+
+def _summarize_crashed(store: Any) -> list[str]:
+    """The summaries of the store's crashed runs; an API or store error leaves them to the next run."""
+    try:
+        return summarize_crashed_runs(store)
+    except Exception as exc:
+        get_run_logger().warning("%s: could not write the summaries of crashed runs: %s", store.url, exc)
+        return []
 
 
 def _archive(store: Any, config: MaintenanceConfig) -> list[Any]:

@@ -100,13 +100,31 @@ def _writer_lease(config: PipelineConfig) -> Iterator[StoreLease]:
 
 
 def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, Any] | State:
-    """The run in this process: init, then epochs, saves and commits until a stop condition."""
+    """The run in this process; whatever ends it, its summary says how and where it stands."""
+    store = open_store(config)
+    monitor = RunMonitor(
+        run_name=flow_run.get_name() or "local", store_url=store.url, total_epochs=config.epochs
+    )
+    facts: dict[str, Any] = {}  # what the run got to: its RunState, first epoch, the save in flight
+    try:
+        return _run_epochs(config, lease, monitor, facts)
+    except BaseException as exc:
+        run = facts.get("run")
+        state, why = _how_it_ended(exc, facts.get("in_flight"), monitor)
+        latest, unreadable = _latest(run.store if run is not None else store, monitor)
+        epochs = _epochs(facts["first_epoch"], run.epoch) if run is not None else "none (init did not finish)"
+        monitor.ended(state, why, latest, rows=[("epochs", epochs)], unreadable=unreadable)
+        raise
+
+
+def _run_epochs(
+    config: PipelineConfig, lease: StoreLease, monitor: RunMonitor, facts: dict[str, Any]
+) -> dict[str, Any] | State:
+    """Init, then epochs, saves and commits until a stop condition."""
     logger = get_run_logger()
     run = init_model(config)
+    facts.update(run=run, first_epoch=run.epoch + 1)
     run.store.write_under(lease)  # a commit after the lease was lost fails
-    monitor = RunMonitor(
-        run_name=flow_run.get_name() or "local", store_url=run.store.url, total_epochs=config.epochs
-    )
     existing = run.store.versions()
     monitor.start(existing, first_epoch=run.epoch + 1)
     stopper = StopTracker(config.stop, config.epochs)
@@ -147,15 +165,14 @@ def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, An
         lease.check()
         _commit(pending, monitor, config, archiver)
         run.close()
-    except BaseException as exc:
-        archiver.abandon()
+    except BaseException:
+        _quietly("abandon the archive jobs", archiver.abandon)
         if pending is not None:
-            pending.join()  # an interrupted run still commits the save in flight...
-        run.close(interrupted=True)
+            facts["in_flight"] = pending.version
+            _quietly("wait for the save in flight", pending.join)  # an interrupted run still commits it...
+        _quietly("close the run", lambda: run.close(interrupted=True))
         monitor.catch_up(run.store.versions)  # ...and reports what committed (a worker's SIGTERM)
-        state, why = _how_it_ended(exc)
-        monitor.ended(state, why, _latest(run.store), rows=[("epochs", _epochs(first_epoch, run.epoch))])
-        raise
+        raise  # the summary: _train_in_process
     finally:
         watch.close()
     archiver.drain(strict=False)  # a failed job is reported by _finish
@@ -174,7 +191,7 @@ def _finish(
     removed: list[int],
     archiver: ArchiveQueue,
 ) -> dict[str, Any] | State:
-    latest = _latest(store)
+    latest, unreadable = _latest(store, monitor)
     summary = _summary(store.url, latest, first_epoch, last_epoch, resumed_from, reason, removed)
     mirror = archiver.mirror_status()
     if mirror is not None:  # every run with an upload target says what the mirror lacks
@@ -195,31 +212,63 @@ def _finish(
         ("epochs", f"{_epochs(first_epoch, last_epoch)} ({resumed})"),
         ("pruned versions", ", ".join(map(str, removed)) or "none"),
     ]
-    monitor.ended(state, why, latest, rows=rows, removed=removed)
+    monitor.ended(state, why, latest, rows=rows, removed=removed, unreadable=unreadable)
     return ending
 
 
-def _latest(store: CheckpointStore) -> VersionInfo | None:
+def _latest(store: CheckpointStore, monitor: RunMonitor) -> tuple[VersionInfo | None, str | None]:
+    """The store's newest committed version; if the store cannot be read, the newest the run knew
+    of, and why it could not be read (the summary then says so, not "none committed")."""
     try:
-        return store.latest()
-    except Exception as exc:  # the summary says "none" rather than hide how the run ended
+        return store.latest(), None
+    except Exception as exc:
         get_run_logger().warning("could not read the latest checkpoint of %s: %s", store.url, exc)
-        return None
+        known = max(monitor.versions.values(), key=lambda v: v.version, default=None)
+        return known, f"{type(exc).__name__}: {exc}"
+
+
+def _quietly(what: str, step: Any) -> None:
+    """One cleanup step of an interrupted run: its failure is logged, and the others still run."""
+    try:
+        step()
+    except Exception as exc:
+        get_run_logger().warning("could not %s: %s", what, exc)
 
 
 def _epochs(first_epoch: int, last_epoch: int) -> str:
     return f"{first_epoch}..{last_epoch}" if last_epoch >= first_epoch else "none trained"
 
 
-def _how_it_ended(exc: BaseException) -> tuple[str, str]:
-    """The state an exception ends the flow run in, and why, for the run's summary."""
+def _how_it_ended(exc: BaseException, in_flight: int | None, monitor: RunMonitor) -> tuple[str, str]:
+    """How an exception ends the flow run, and why, for the run's summary."""
     from prefect.exceptions import TerminationSignal
 
+    saved = ""
+    if in_flight is not None:
+        done = "committed" if in_flight in monitor.versions else "did not commit"
+        saved = f"; the save of version {in_flight} that was in flight {done}"
     if isinstance(exc, TerminationSignal):
-        return "Cancelled", "stopped by a signal (a worker's cancellation); the save in flight committed"
+        if _cancel_requested():
+            return "Cancelled", f"cancelled from Prefect (the worker's SIGTERM){saved}"
+        return "Stopped", f"the process got SIGTERM, not a cancellation from Prefect{saved}"
     if isinstance(exc, KeyboardInterrupt):
-        return "Cancelled", "interrupted (Ctrl-C); the save in flight committed"
-    return "Failed", f"{type(exc).__name__}: {exc}"
+        return "Interrupted", f"Ctrl-C{saved}"
+    return "Failed", f"{type(exc).__name__}: {exc}{saved}"
+
+
+def _cancel_requested() -> bool:
+    """Whether this flow run is Cancelling or Cancelled (False if the API cannot say)."""
+    from prefect.client.orchestration import get_client
+
+    run_id = flow_run.get_id()
+    if run_id is None:
+        return False
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(UUID(run_id)).state
+    except Exception:
+        return False
+    return state is not None and (state.is_cancelling() or state.is_cancelled())
 
 
 def _opaque(value: Any) -> Any:

@@ -47,6 +47,16 @@ def store_key(store_url: str) -> str:
     return f"ckptflow-{store_alias(store_url)}-{digest}"
 
 
+def one_line(text: object) -> str:
+    """``text`` with its whitespace (newlines of a traceback, say) collapsed to single spaces."""
+    return " ".join(str(text).split())
+
+
+def cell(text: object) -> str:
+    """``text`` for one cell of a markdown table: one line, its ``|`` escaped."""
+    return one_line(text).replace("|", "\\|")
+
+
 def readable_time(iso: str) -> str:
     """``2026-11-25T12:01:02.345+00:00`` -> ``2026-11-25 12:01:02 UTC`` (the text as given if not ISO)."""
     try:
@@ -191,7 +201,7 @@ def latest_markdown(store_url: str, info: VersionInfo | None, *, count: int, sou
             f"| version | {info.version} (epoch {info.epoch}) |",
             f"| size | {human_size(info.size)} |",
             f"| committed | {readable_time(info.created)} |",
-            f"| metrics | {metrics_text(info.metrics) or 'none'} |",
+            f"| metrics | {cell(metrics_text(info.metrics)) or 'none'} |",
             f"| URL | [`{info.url}`]({info.url}) |",
             f"| committed checkpoints in the store | {count} |",
             f"| reported by | {source} |",
@@ -208,10 +218,15 @@ def ending_markdown(
     store_url: str,
     latest: VersionInfo | None,
     rows: list[tuple[str, str]] = (),  # type: ignore[assignment]
+    unreadable: str | None = None,
 ) -> str:
     """A run's summary, however it ended (Completed, Cancelled, Failed, Crashed): where it stands
-    and how to go on."""
-    if latest is None:
+    and how to go on. ``unreadable``: why the store could not be read (``latest`` is then the
+    newest commit the run knew of, if any)."""
+    if latest is None and unreadable is not None:
+        where = f"unknown: the store could not be read ({unreadable})"
+        resume = f"A new run on `{store_url}` resumes from its newest committed checkpoint."
+    elif latest is None:
         where = "none committed"
         resume = f"Nothing to resume from: a new run on `{store_url}` starts at epoch 1."
     else:
@@ -225,10 +240,10 @@ def ending_markdown(
         "",
         "| field | value |",
         "|---|---|",
-        f"| ended | {state}: {why} |",
+        f"| ended | {cell(state)}: {cell(why)} |",
         f"| storage | `{store_url}` |",
-        *(f"| {name} | {value} |" for name, value in rows),
-        f"| last committed checkpoint | {where} |",
+        *(f"| {cell(name)} | {cell(value)} |" for name, value in rows),
+        f"| last committed checkpoint | {cell(where)} |",
         f"| its metrics | {metrics_text(latest.metrics) if latest else 'none'} |",
         "",
         resume,

@@ -13,6 +13,7 @@ import base64
 import math
 from html import escape
 
+from .artifacts import cell
 from .formatting import metric_value
 
 WIDTH = 640
@@ -63,6 +64,11 @@ def _panel(name: str, points: list[tuple[int, float]], *, top: int, color: str) 
     first, last = points[0][0], points[-1][0]
     low = min(v for _, v in points)
     high = max(v for _, v in points)
+    if not math.isfinite(high - low):  # both ends near the float limits: no scale holds them
+        return [
+            *out,
+            f'<text x="{x0 + 8}" y="{(y0 + y1) // 2}" fill="#666">values too far apart to plot</text>',
+        ]
     if high == low:
         low, high = low - 0.5 * (abs(low) or 1), high + 0.5 * (abs(high) or 1)
 
@@ -103,7 +109,7 @@ def curve_markdown(history: dict[int, dict[str, float]], *, title: str) -> str:
         lines += [
             f"Last {len(shown)} of {len(epochs)} epochs:",
             "",
-            "| epoch | " + " | ".join(names) + " |",
+            "| epoch | " + " | ".join(cell(n) for n in names) + " |",
             "|---:|" + "---:|" * len(names),
         ]
         for e in shown:

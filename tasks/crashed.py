@@ -30,12 +30,16 @@ a run: an API error is logged and skipped.
 from __future__ import annotations
 
 import contextvars
+import logging
 import os
 import socket
 import threading
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 from uuid import UUID
+
+log = logging.getLogger(__name__)
 
 LABELS = ("ckptflow.host", "ckptflow.pid", "ckptflow.pid_start", "ckptflow.pid_space")
 
@@ -134,42 +138,69 @@ def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[str]
         )
         client.set_flow_run_state(run.id, Crashed(message=message), force=True)
         crashed.append(run.name)
-        latest = _latest_of(run.parameters)
-        if latest is not False:
-            summarize_crashed(client, run, latest, message)
+        versions = _versions_of(run.parameters)
+        if versions is not None:
+            try:
+                summarize_crashed(client, run, versions, message, datetime.now(timezone.utc))
+            except Exception as exc:  # the next sweep or maintenance writes it; mark the others now
+                log.warning("could not write the summary of crashed flow run %s: %s", run.name, exc)
     return crashed
 
 
-def summarize_crashed(client: Any, run: Any, latest: Any, why: str) -> None:
+def summarize_crashed(client: Any, run: Any, versions: list[Any], why: str, crashed_at: datetime) -> None:
     """What a Crashed training run's process could not do: end its task runs still Running, and
-    write its summary (``latest``: the newest committed version of its store, or None)."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    write its summary. Its last commit is the newest of its store's ``versions`` committed before
+    ``crashed_at``: later ones are another run's."""
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        TaskRunFilter,
+        TaskRunFilterState,
+        TaskRunFilterStateType,
+    )
+    from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
     from .artifacts import ArtifactSet, ending_markdown, slug
     from .maintenance import _store_url_of
 
-    flow_run = FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
-    for task_run in client.read_task_runs(flow_run_filter=flow_run):
-        if task_run.state is not None and not task_run.state.is_final():
-            client.set_task_run_state(task_run.id, Crashed(message="its flow run crashed"), force=True)
+    open_states = [StateType.PENDING, StateType.RUNNING, StateType.SCHEDULED]
+    for task_run in client.read_task_runs(
+        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
+        task_run_filter=TaskRunFilter(
+            state=TaskRunFilterState(type=TaskRunFilterStateType(any_=open_states))
+        ),
+    ):
+        client.set_task_run_state(task_run.id, Crashed(message="its flow run crashed"), force=True)
+    before = [v for v in versions if _created(v) <= crashed_at]
+    latest = max(before, key=lambda v: v.version, default=None)
     url = _store_url_of(run.parameters or {}) or "unknown"
     text = ending_markdown(state="Crashed", why=why, store_url=url, latest=latest)
     key = f"ckptflow-{slug(run.name)}-summary"
     ArtifactSet(flow_run_id=run.id).markdown(key, text, "ckptflow run summary: Crashed")
 
 
-def _latest_of(parameters: dict[str, Any]) -> Any:
-    """The newest committed version of a run's store (None if none); False if it cannot be read."""
+def _created(info: Any) -> datetime:
+    when = datetime.fromisoformat(info.created)
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+
+
+def _versions_of(parameters: dict[str, Any]) -> list[Any] | None:
+    """The committed versions of a run's store; None if this process cannot read it (a relative
+    path names another directory here; options in a block it cannot read): maintenance, which
+    opens the store with its own options, writes the summary then."""
     from ckptflow.storage import CheckpointStore
 
     from .config import PipelineConfig
 
     try:
         config = PipelineConfig.model_validate(parameters["config"])
-        return CheckpointStore(config.storage, storage_options=config.resolved_storage_options()).latest()
+        if "://" not in config.storage and not os.path.isabs(config.storage):
+            return None
+        store = CheckpointStore(config.storage, storage_options=config.resolved_storage_options())
+        return list(store.versions())
     except Exception:
-        return False  # the maintenance flow, which opens the store with its options, writes it
+        return None
 
 
 def _start_ticks(pid: int) -> str | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from datetime import datetime, timezone
 from typing import Any
 from uuid import UUID
 
@@ -139,6 +140,7 @@ def summarize_crashed_runs(store: CheckpointStore, *, limit: int = 200) -> list[
     from prefect.client.schemas.filters import (
         ArtifactFilter,
         ArtifactFilterFlowRunId,
+        ArtifactFilterKey,
         FlowFilter,
         FlowFilterName,
         FlowRunFilter,
@@ -148,6 +150,7 @@ def summarize_crashed_runs(store: CheckpointStore, *, limit: int = 200) -> list[
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.sorting import FlowRunSort
 
+    from .artifacts import slug
     from .crashed import summarize_crashed
 
     with get_client(sync_client=True) as client:
@@ -163,15 +166,25 @@ def summarize_crashed_runs(store: CheckpointStore, *, limit: int = 200) -> list[
         if not runs:
             return []
         artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[r.id for r in runs]))
+            artifact_filter=ArtifactFilter(
+                flow_run_id=ArtifactFilterFlowRunId(any_=[r.id for r in runs]),
+                key=ArtifactFilterKey(any_=[f"ckptflow-{slug(r.name)}-summary" for r in runs]),
+            )
         )
-        summarized = {a.flow_run_id for a in artifacts if (a.key or "").endswith("-summary")}
+        summarized = {a.flow_run_id for a in artifacts}
         missing = [run for run in runs if run.id not in summarized]
-        latest = store.latest() if missing else None
+        versions = store.versions() if missing else []
+        written = []
         for run in missing:
             why = (run.state.message if run.state else None) or "its process ended without a final state"
-            summarize_crashed(client, run, latest, why)
-    return [run.name for run in missing]
+            crashed_at = run.state.timestamp if run.state else datetime.now(timezone.utc)
+            try:
+                summarize_crashed(client, run, versions, why, crashed_at)
+            except Exception as exc:
+                get_run_logger().warning("could not write the summary of crashed run %s: %s", run.name, exc)
+            else:
+                written.append(run.name)
+    return written
 
 
 def _store_url_of(parameters: dict[str, Any]) -> str | None:

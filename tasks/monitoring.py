@@ -36,6 +36,7 @@ In-process listeners (the CLI's progress display) get the same notifications.
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 import queue
 import threading
@@ -43,7 +44,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 from uuid import UUID
 
@@ -54,6 +55,7 @@ from .artifacts import (
     _safe,
     ending_markdown,
     latest_markdown,
+    one_line,
     slug,
     store_alias,
     store_key,
@@ -66,6 +68,7 @@ log = logging.getLogger(__name__)
 
 COMMITTED_EVENT = "ckptflow.checkpoint.committed"
 CATCH_UP_VERSIONS = 50  # how many of a store's newest versions a starting run checks for events
+CATCH_UP_WINDOW = timedelta(days=1)  # ...among those committed this recently
 Listener = Callable[[str, dict[str, Any]], None]
 _listeners: list[Listener] = []
 
@@ -170,7 +173,7 @@ class RunMonitor:
         self._lock = threading.Lock()
         self._reported: set[int] = set()
         self._epoch_times: list[tuple[int, float]] = []  # (epoch, monotonic time it finished)
-        self._first_epoch = 1
+        self._ending: str | None = None  # how the run ended, once it has
         self._reporter = _Reporter(self._publish_epochs, self.min_interval)
 
     @property
@@ -179,7 +182,6 @@ class RunMonitor:
 
     def start(self, existing: list[VersionInfo], first_epoch: int) -> None:
         """The run begins after ``existing`` commits: show them, and report those never reported."""
-        self._first_epoch = first_epoch
         self._epoch_times = [(first_epoch - 1, time.monotonic())]
         with self._lock:
             self.versions = {v.version: v for v in existing}
@@ -202,12 +204,12 @@ class RunMonitor:
 
         Safe from any thread (an async save's completion calls it from the writer thread).
         """
-        with self._lock:
+        with self._lock:  # the queue then holds the commits in the order they were taken
             if info.version in self._reported:
                 return
             self._reported.add(info.version)
             self.versions[info.version] = info
-        self._reporter.put(lambda: self._publish_commit(info))
+            self._reporter.put(lambda: self._publish_commit(info))
         notify("committed", {"info": info})
 
     def catch_up(self, list_versions: Callable[[], list[VersionInfo]]) -> None:
@@ -231,19 +233,21 @@ class RunMonitor:
         if result.uploaded:
             self.uploaded(result.uploaded, result.size)
 
-    def uploaded(self, url: str, size: int) -> UUID | None:
-        """A link artifact to an uploaded archive (its URL without credentials, and its size)."""
+    def uploaded(self, url: str, size: int) -> None:
+        """A link artifact to an uploaded archive (its URL without credentials, and its size), made
+        by the reporter's thread like every other API call."""
         shown = redact(url)
         name = shown.rstrip("/").rsplit("/", 1)[-1] or shown
-        link = self.artifacts.link(
-            f"{self.key_prefix}-upload",
-            shown,
-            f"{name} ({human_size(size)})",
-            f"Archive of {self.store_url} uploaded to {shown} ({human_size(size)})",
-            each=True,
+        self._reporter.put(
+            lambda: self.artifacts.link(
+                f"{self.key_prefix}-upload",
+                shown,
+                f"{name} ({human_size(size)})",
+                f"Archive of {self.store_url} uploaded to {shown} ({human_size(size)})",
+                each=True,
+            )
         )
         notify("uploaded", {"url": shown, "size": size})
-        return link
 
     def note(self, line: str) -> None:
         """An end-of-run line: listeners get it now, the run summary ends with it."""
@@ -258,16 +262,26 @@ class RunMonitor:
         *,
         rows: list[tuple[str, str]] = (),  # type: ignore[assignment]
         removed: list[int] | tuple[int, ...] = (),
+        unreadable: str | None = None,
     ) -> None:
-        """Publish the run's summary (however it ended) and drop the versions retention ``removed``."""
+        """Publish the run's summary (however it ended) and drop the versions retention ``removed``.
+
+        Once per run: a second call does nothing. ``latest`` None with ``unreadable`` set: the
+        store could not be read at the end (the summary says so instead of "none committed").
+        """
         with self._lock:
+            if self._ending is not None:
+                return
+            self._ending = f"{state}: {one_line(why)}"
             for version in removed:
                 self.versions.pop(version, None)
         if removed:
             self._reporter.put(self._publish_tables)
-        text = ending_markdown(state=state, why=why, store_url=self.store_url, latest=latest, rows=rows)
+        text = ending_markdown(
+            state=state, why=why, store_url=self.store_url, latest=latest, rows=rows, unreadable=unreadable
+        )
         text = "\n\n".join([text, *(f"**{n}**" for n in self.notes)])
-        self._reporter.put(lambda: self._publish_progress(ended=f"{state}: {why}"))
+        self._reporter.put(self._publish_progress)
         key = f"{self.key_prefix}-summary"
         self._reporter.put(lambda: self.artifacts.markdown(key, text, f"ckptflow run summary: {state}"))
         self.flush()
@@ -306,11 +320,11 @@ class RunMonitor:
                 f"Metrics per epoch of flow run {self.run_name}, in {self.store_url}",
             )
 
-    def _publish_progress(self, ended: str | None = None) -> None:
+    def _publish_progress(self) -> None:
         with self._lock:
-            times = list(self._epoch_times)
-        done = times[-1][0]
-        percent = round(100.0 * max(0, done) / max(1, self.total_epochs), 2)
+            times, ended = list(self._epoch_times), self._ending
+        done = times[-1][0] if times else 0
+        percent = min(100.0, round(100.0 * max(0, done) / max(1, self.total_epochs), 2))
         text = f"epoch {done}/{self.total_epochs}"
         if len(times) > 1:
             per_epoch = (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
@@ -325,15 +339,26 @@ class RunMonitor:
         self.artifacts.progress(f"{self.key_prefix}-progress", percent, f"{text} ({self.store_url})")
 
     def _report_unreported(self, existing: list[VersionInfo]) -> None:
-        """Send the committed events that the store's previous runs never sent (a SIGKILL after a commit)."""
-        newest = sorted(existing, key=lambda v: v.version)[-CATCH_UP_VERSIONS:]
-        if not newest:
+        """Send the committed events that the store's previous run never sent (a SIGKILL after a commit).
+
+        Only the versions after the newest one with an event, and only those committed within
+        ``CATCH_UP_WINDOW``: the server forgets events (after 7 days by default), and a store
+        resumed weeks later, or written before events existed, must not fire automations again
+        for old checkpoints. Events are looked up by their own ids (see :func:`event_id`).
+        """
+        since = datetime.now(timezone.utc) - CATCH_UP_WINDOW
+        recent = [v for v in sorted(existing, key=lambda v: v.version) if _committed_at(v) >= since]
+        recent = recent[-CATCH_UP_VERSIONS:]
+        if not recent:
             return
-        seen = reported_versions(self.store_url, [v.version for v in newest])
-        for info in newest:
-            if info.version not in seen:
+        seen = reported_events(self.store_url, recent)
+        if seen is None:
+            return  # the server cannot say: better no report than a second one
+        newest_seen = max((v.version for v in recent if v.version in seen), default=0)
+        for info in recent:
+            if info.version > newest_seen:
                 _run_log().info("reporting version %d (committed, never reported)", info.version)
-                emit_committed(info, self.store_url)
+                _safe("event", functools.partial(emit_committed, info, self.store_url))
 
 
 def _run_log() -> Any:
@@ -420,25 +445,35 @@ def emit_committed(info: VersionInfo, store_url: str) -> None:
     )
 
 
-def reported_versions(store_url: str, versions: list[int]) -> set[int]:
-    """Which of ``versions`` of the store have a committed event on the server (all of them if
-    the server cannot say: better no report than a second one)."""
+def reported_events(store_url: str, versions: list[VersionInfo]) -> set[int] | None:
+    """Which of ``versions`` have their committed event on the server (looked up by the event's
+    id); None if the server cannot say."""
     from prefect.client.orchestration import get_client
-    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+    from prefect.events.filters import EventFilter, EventIDFilter, EventOccurredFilter
 
-    ids = {resource_id(store_url, v): v for v in versions}
-    query = EventFilter(
-        event=EventNameFilter(name=[COMMITTED_EVENT]),
-        resource=EventResourceFilter(id=list(ids)),
+    ids = {event_id(store_url, v): v.version for v in versions}
+    now = datetime.now(timezone.utc)
+    oldest = min((_committed_at(v) for v in versions), default=now)
+    query = EventFilter(  # "until" well ahead: another host's clock may run ahead of this one's
+        occurred=EventOccurredFilter(since=oldest - timedelta(days=1), until=now + timedelta(days=1)),
+        id=EventIDFilter(id=list(ids)),
     )
     try:
         with get_client(sync_client=True) as client:
             page = client.read_events(query, limit=50)  # the most the API gives per page
-            found = {ids[e.resource.id] for e in page.events if e.resource.id in ids}
+            found = {ids[e.id] for e in page.events if e.id in ids}
             while page.next_page is not None:
                 page = client.read_events_page(str(page.next_page))
-                found |= {ids[e.resource.id] for e in page.events if e.resource.id in ids}
+                found |= {ids[e.id] for e in page.events if e.id in ids}
     except Exception as exc:
         log.warning("could not ask which versions of %s were reported: %s", store_url, exc)
-        return set(versions)
+        return None
     return found
+
+
+def _committed_at(info: VersionInfo) -> datetime:
+    try:
+        when = datetime.fromisoformat(info.created)
+    except (TypeError, ValueError):
+        return datetime.min.replace(tzinfo=timezone.utc)
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)

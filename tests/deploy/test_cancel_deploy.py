@@ -83,6 +83,10 @@ def test_cancel_during_a_save_commits_it_and_the_next_run_resumes(stack, tmp_pat
     assert [r["version"] for r in table_rows(table)] == [1, IN_FLIGHT]
     committed = poll_until(lambda: events(COMMITTED_EVENT, run_id), lambda evs: len(evs) >= IN_FLIGHT)
     assert sorted(e.payload["version"] for e in committed) == [1, IN_FLIGHT]
+    # ...and its summary: cancelled by the worker's SIGTERM, with the save in flight committed
+    cancelled = run_artifact(run_id, f"ckptflow-{slug(run.name)}-summary").data
+    assert "# ckptflow run summary: Cancelled" in cancelled
+    assert f"| last committed checkpoint | version {IN_FLIGHT}, epoch {IN_FLIGHT}:" in cancelled
 
     # The next run of the deployment, same parameters, resumes after version 2.
     (markers / "steer.json").unlink()

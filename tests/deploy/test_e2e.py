@@ -261,6 +261,7 @@ class TestUploadLink:
             monitor.uploaded(
                 "s3://bucket/run1/archive/epochs-000001-000003.tar?X-Amz-Signature=abc", 5 * 2**20
             )
+            monitor.flush()  # the reporter's thread makes the API calls
             return name
 
         state = report_upload(return_state=True)

@@ -15,6 +15,7 @@ import pytest
 from prefect.client.orchestration import get_client
 from prefect.states import Cancelling, StateType
 
+from tests.deploy.helpers import run_artifacts
 from tests.pipeline.helpers import Child, assert_only_committed, make_config, poll, run_summary
 from tests.pipeline.specs import MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV, marker
 
@@ -57,6 +58,13 @@ def test_cancelled_run_commits_the_running_epoch_and_resumes_from_it(prefect_ser
 
     # Only committed versions, up to and including the epoch that was running.
     assert assert_only_committed(config.storage) == list(range(1, CANCELLED_IN + 1))
+    # ...and its summary says so, with where it stands (issue 19: cancelled runs had none)
+    artifacts = {a.key: a for a in run_artifacts(run_id) if a.key}
+    summary = next(a.data for key, a in artifacts.items() if key.endswith("-summary"))
+    assert "# ckptflow run summary: Cancelled" in summary
+    assert f"| last committed checkpoint | version {CANCELLED_IN}, epoch {CANCELLED_IN}:" in summary
+    progress = next(a for key, a in artifacts.items() if key.endswith("-progress"))
+    assert f"epoch {CANCELLED_IN}/{EPOCHS}" in progress.description and "Cancelled" in progress.description
 
     summary, _ = run_summary(config)
     assert summary["resumed_from"] == CANCELLED_IN

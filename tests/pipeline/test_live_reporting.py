@@ -163,3 +163,19 @@ def test_a_failed_run_ends_with_a_summary_of_where_it_stands(prefect_server, tmp
     assert "continues after epoch 2" in summary.data
     progress = latest_artifact(f"ckptflow-{slug(name)}-progress")
     assert progress is not None and "Failed" in progress.description
+
+
+def test_a_run_whose_init_fails_still_ends_with_a_summary(prefect_server, tmp_path):
+    """Failures before the first epoch (here a spec that does not import) get a summary too."""
+    config = make_config(tmp_path / "store", epochs=2)
+    run_summary(config)  # a committed version 2 for the summary to name
+    broken = make_config(tmp_path / "store", epochs=3, spec="tests.pipeline.no_such_module:Spec")
+    state, run_id = run_flow(broken)
+    assert state.is_failed(), state
+    with get_client(sync_client=True) as client:
+        name = client.read_flow_run(run_id).name
+    summary = latest_artifact(f"ckptflow-{slug(name)}-summary")
+    assert summary is not None
+    assert "# ckptflow run summary: Failed" in summary.data
+    assert "| epochs | none (init did not finish) |" in summary.data
+    assert "| last committed checkpoint | version 2, epoch 2:" in summary.data
