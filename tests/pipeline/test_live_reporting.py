@@ -1,10 +1,10 @@
 """Commits reach Prefect the moment they land, exactly once (issue 19), read back from a real server.
 
-- Lag: with slow epochs (2.5 s) and async saves, each version's
-  ``ckptflow.checkpoint.committed`` event is received by the server, and its
-  row is in the store's checkpoint table, within 2 s of the manifest's commit
-  time, in the flow's process, in one training process and on 2 ranks. Before
-  the fix a commit was reported at the next save: one epoch later.
+- Lag: with slow epochs (2.5 s), each version's ``ckptflow.checkpoint.committed``
+  event is received by the server, and its row is in the store's checkpoint
+  table, within 2 s of the manifest's commit time: async saves in the flow's
+  process and on 2 ranks, sync saves in one training process. Before the fix
+  an async save's commit was reported at the next save: one epoch later.
 - Exactly once: a commit nobody reported (its writer was killed right after
   it) is reported by the next run on the store; a run after that reports
   nothing twice; every event of a commit has the same id.
@@ -84,16 +84,20 @@ class TableWatch:
         self._thread.join(10)
 
 
-@pytest.mark.parametrize("where", ["flow process", "training process", "2 ranks"])
+@pytest.mark.parametrize("where", ["flow process", "training process, sync saves", "2 ranks"])
 def test_each_commit_reaches_the_events_and_the_table_within_2s(prefect_server, tmp_path, monkeypatch, where):
     markers = tmp_path / "markers"
     markers.mkdir()
     monkeypatch.setenv(MARKERS_ENV, str(markers))
     monkeypatch.setenv(SLOW_FROM_ENV, "1")
     monkeypatch.setenv(SLOW_SECONDS_ENV, str(EPOCH_SECONDS))
-    fields = {"flow process": {}, "training process": {"train_process": True}, "2 ranks": {"nproc": 2}}
+    fields = {
+        "flow process": {"async_save": True},
+        "training process, sync saves": {"train_process": True, "async_save": False},
+        "2 ranks": {"nproc": 2, "async_save": True},
+    }
     # two epochs: version 1 commits while epoch 2 runs, when it used to wait for the next save
-    config = make_config(tmp_path / "store", epochs=2, async_save=True, **fields[where])
+    config = make_config(tmp_path / "store", epochs=2, **fields[where])
     url = CheckpointStore(config.storage).url
     watch = TableWatch(f"{store_key(url)}-checkpoints")
     try:
