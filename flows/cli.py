@@ -282,7 +282,10 @@ class Format(str, Enum):
 def restore_command(
     url: Url,
     out: Annotated[
-        Path, typer.Option("--out", "-o", help="The file to write.", dir_okay=False, show_default=False)
+        Path,
+        typer.Option(
+            "--out", "-o", help="The file to write (a directory with --max-shard-size).", show_default=False
+        ),
     ],
     version: VersionOpt = None,
     file_format: Annotated[
@@ -296,14 +299,32 @@ def restore_command(
     ] = Format.torch,
     keys: Annotated[
         list[str] | None,
-        typer.Option("--keys", help="Restore only these key paths (repeat or comma-separate), e.g. model."),
+        typer.Option(
+            "--keys",
+            help="Restore only these key paths (repeat or comma-separate). One subtree (e.g. model) is "
+            "written without its prefix, so that model.load_state_dict(...) takes the file as it is.",
+        ),
     ] = None,
-    force: Annotated[bool, typer.Option("--force", help="Overwrite FILE if it exists.")] = False,
+    max_shard_size: Annotated[
+        str | None,
+        typer.Option(
+            "--max-shard-size",
+            help="With --format safetensors: write Hugging Face's sharded layout into the directory OUT "
+            "(model-0000k-of-0000n.safetensors of at most this size, e.g. 5GB or 500MB, and "
+            "model.safetensors.index.json).",
+            show_default=False,
+        ),
+    ] = None,
+    force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
     storage_options: StorageOptions = None,
 ) -> None:
-    """Write a version (or part of it) to one torch or safetensors file."""
+    """Write a version (or part of it) to one torch or safetensors file, or a sharded directory."""
+    if max_shard_size is not None and file_format is not Format.safetensors:
+        _fail("--max-shard-size writes safetensors shards: add --format safetensors")
     if out.exists() and not force:
         _fail(f"{out} exists; pass --force to overwrite it")
+    if out.is_dir() and max_shard_size is None:
+        _fail(f"{out} is a directory; give a file name (or --max-shard-size for a sharded directory)")
     if not out.resolve().parent.is_dir():
         _fail(f"the directory of {out} does not exist")
     store = _open(url, storage_options)
@@ -313,9 +334,19 @@ def restore_command(
         state = store.load(manifest.version, keys=selected or None)
     except KeyError as exc:
         _fail(f"{exc.args[0]} (version {manifest.version})")
-    from .export import write_state
+    from .export import subtree, write_hf_shards, write_state
 
+    if len(selected) == 1 and isinstance(subtree(state, selected[0]), dict):
+        state = subtree(state, selected[0])  # one subtree: its own keys, as a state_dict has them
     meta = {"format": "pt", "ckptflow.version": str(manifest.version), "ckptflow.source": store.url}
+    if max_shard_size is not None:
+        tensors, files = write_hf_shards(state, out, max_shard_size=max_shard_size, metadata=meta)
+        typer.echo(
+            f"restored version {manifest.version} (epoch {present.optional(manifest.epoch)}) to {out}/: "
+            f"{tensors} tensors in {len([f for f in files if f.endswith('.safetensors')])} shards "
+            f"({', '.join(files)})"
+        )
+        return
     tensors = write_state(state, out, fmt=file_format.value, metadata=meta)
     typer.echo(
         f"restored version {manifest.version} (epoch {present.optional(manifest.epoch)}) to {out}: "

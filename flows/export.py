@@ -16,11 +16,17 @@ keeps its own), whichever library wrote it.
 - safetensors: only the tensors, as one flat dict keyed by slash-joined key
   path (``model/fc.weight``, ``optimizer/state/0/exp_avg``); everything else is
   left out. safetensors refuses tensors that share memory, so those are cloned.
+- Hugging Face's sharded layout (:func:`write_hf_shards`): the same flat
+  tensors in a directory, ``model-0000k-of-0000n.safetensors`` files of at most
+  a given size and ``model.safetensors.index.json`` (one ``model.safetensors``
+  if they fit in one), written by ``huggingface_hub.save_torch_state_dict``;
+  the directory appears whole or not at all.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import stat
 import uuid
 from collections.abc import Callable, Iterator
@@ -44,6 +50,55 @@ def write_state(state: Any, out: Path, *, fmt: Format, metadata: dict[str, str] 
     tensors = unshared(flat_tensors(state))
     write_atomic(out, lambda tmp: _save_safetensors(tensors, tmp, metadata or {}))
     return len(tensors)
+
+
+def write_hf_shards(
+    state: Any, out: Path, *, max_shard_size: str, metadata: dict[str, str] | None = None
+) -> tuple[int, list[str]]:
+    """Write ``state``'s tensors to the directory ``out`` in Hugging Face's sharded safetensors
+    layout; return how many tensors and the files written. An existing ``out`` is replaced whole."""
+    try:
+        from huggingface_hub import save_torch_state_dict
+    except ImportError:
+        raise CheckpointError(
+            "the sharded layout needs huggingface_hub: pip install 'ckptflow[hf]'"
+        ) from None
+    tensors = unshared(flat_tensors(state))
+    target = out.resolve()
+    tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
+    old = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.old")
+    tmp.mkdir()
+    try:
+        save_torch_state_dict(tensors, tmp, max_shard_size=max_shard_size, metadata=metadata or {})
+        files = sorted(p.name for p in tmp.iterdir())
+        for name in files:
+            _fsync(tmp / name)
+        _fsync(tmp)
+        if target.exists():
+            os.rename(target, old)  # the old directory goes only once the new one is complete
+        os.rename(tmp, target)
+        _fsync(target.parent)
+    except CheckpointError:
+        raise
+    except Exception as exc:  # huggingface_hub's and safetensors' own errors
+        raise CheckpointError(f"writing {out} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)
+    return len(tensors), files
+
+
+def subtree(state: Any, path: str) -> Any:
+    """The part of a loaded ``state`` at the slash-joined key ``path`` (as ``load(keys=[path])`` nests it)."""
+    node = state
+    for part in path.strip("/").split("/"):
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            raise KeyError(path)
+    return node
 
 
 def write_atomic(out: Path, write: Callable[[Path], object]) -> None:

@@ -342,12 +342,62 @@ class TestRestore:
         assert_same_state(got, as_torch(states[1]))
         assert isinstance(got["extra"]["np"], torch.Tensor)
 
-    def test_torch_selected_keys(self, store, tmp_path):
+    def test_torch_one_selected_subtree_loses_its_prefix(self, store, tmp_path):
         url, states = store
         out = tmp_path / "model.pt"
         assert invoke("restore", url, "-o", str(out), "--keys", "model").exit_code == 0
         got = torch.load(out, weights_only=True)
-        assert_same_state(got, {"model": states[2]["model"]})
+        assert_same_state(got, states[2]["model"])  # a state_dict as model.load_state_dict takes it
+        both = tmp_path / "both.pt"
+        assert invoke("restore", url, "-o", str(both), "--keys", "model,extra").exit_code == 0
+        assert set(torch.load(both, weights_only=True)) == {"model", "extra"}  # several keep their names
+
+    def test_a_selected_model_loads_into_the_module_from_safetensors(self, tmp_path):
+        from safetensors.torch import load_file
+
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        url = str(tmp_path / "store")
+        CheckpointStore(url).save({"model": model.state_dict(), "step": 3}, epoch=1)
+        out = tmp_path / "model.safetensors"
+        result = invoke("restore", url, "-o", str(out), "--format", "safetensors", "--keys", "model")
+        assert result.exit_code == 0, result.output
+        fresh = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+        fresh.load_state_dict(load_file(out))  # strict: every key, no prefix
+        assert_same_state(fresh.state_dict(), model.state_dict())
+
+    def test_hugging_face_sharded_layout(self, tmp_path):
+        from huggingface_hub import load_torch_model
+
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        url = str(tmp_path / "store")
+        CheckpointStore(url).save({"model": model.state_dict()}, epoch=1, version=1)
+        out = tmp_path / "hf"
+        args = ["restore", url, "-o", str(out), "--format", "safetensors", "--keys", "model"]
+        result = invoke(*args, "--max-shard-size", "20KB")
+        assert result.exit_code == 0, result.output
+        shards = sorted(p.name for p in out.glob("*.safetensors"))
+        # 16 KiB weights, at most 20 KB a shard: the first weight alone, then the rest
+        assert shards == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"], shards
+        index = json.loads((out / "model.safetensors.index.json").read_text())
+        assert set(index["weight_map"]) == set(model.state_dict())
+        assert index["weight_map"]["0.weight"] == shards[0] and index["weight_map"]["2.weight"] == shards[1]
+        assert "2 shards" in result.stdout
+        fresh = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))
+        load_torch_model(fresh, out)  # Hugging Face's own loader reads the index and the shards
+        assert_same_state(fresh.state_dict(), model.state_dict())
+        # an existing directory is replaced whole only with --force
+        again = invoke(*args, "--max-shard-size", "1MB")
+        assert again.exit_code == 1 and "pass --force" in again.output
+        assert invoke(*args, "--max-shard-size", "1MB", "--force").exit_code == 0
+        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]  # one shard: one file
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]  # no leftovers
+
+    def test_max_shard_size_needs_safetensors(self, store, tmp_path):
+        url, _ = store
+        result = invoke("restore", url, "-o", str(tmp_path / "d"), "--max-shard-size", "1GB")
+        assert result.exit_code == 1 and "add --format safetensors" in result.output
+        into_dir = invoke("restore", url, "-o", str(tmp_path), "--force")  # a directory for one file
+        assert into_dir.exit_code == 1 and "is a directory; give a file name" in into_dir.output
 
     def test_safetensors_flat_by_key_path(self, store, tmp_path):
         url, states = store
