@@ -89,7 +89,7 @@ def test_each_commit_reaches_the_events_and_the_table_within_2s(prefect_server, 
     markers = tmp_path / "markers"
     markers.mkdir()
     monkeypatch.setenv(MARKERS_ENV, str(markers))
-    monkeypatch.setenv(SLOW_FROM_ENV, "1")
+    monkeypatch.setenv(SLOW_FROM_ENV, "2")  # version 1 commits while epoch 2 runs: only that one is slow
     monkeypatch.setenv(SLOW_SECONDS_ENV, str(EPOCH_SECONDS))
     fields = {
         "flow process": {"async_save": True},
