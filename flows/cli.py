@@ -334,10 +334,11 @@ def restore_command(
         state = store.load(manifest.version, keys=selected or None)
     except KeyError as exc:
         _fail(f"{exc.args[0]} (version {manifest.version})")
-    from .export import subtree, write_hf_shards, write_state
+    from .export import selected_subtree, write_hf_shards, write_state
 
-    if len(selected) == 1 and isinstance(subtree(state, selected[0]), dict):
-        state = subtree(state, selected[0])  # one subtree: its own keys, as a state_dict has them
+    subtree = selected_subtree(state, selected[0]) if len(selected) == 1 else None
+    if isinstance(subtree, dict):
+        state = subtree  # one subtree: its own keys, as a state_dict has them
     meta = {"format": "pt", "ckptflow.version": str(manifest.version), "ckptflow.source": store.url}
     if max_shard_size is not None:
         tensors, files = write_hf_shards(state, out, max_shard_size=max_shard_size, metadata=meta)

@@ -88,16 +88,14 @@ def write_hf_shards(
     return len(tensors), files
 
 
-def subtree(state: Any, path: str) -> Any:
-    """The part of a loaded ``state`` at the slash-joined key ``path`` (as ``load(keys=[path])`` nests it)."""
+def selected_subtree(state: Any, path: str) -> Any:
+    """What ``load(keys=[path])`` nests under ``path``: the one child of each dict along it (keys
+    as the state has them, ints included); None if the state is not nested that way."""
     node = state
-    for part in path.strip("/").split("/"):
-        if isinstance(node, dict) and part in node:
-            node = node[part]
-        elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
-            node = node[int(part)]
-        else:
-            raise KeyError(path)
+    for _ in path.strip("/").split("/"):
+        if not (isinstance(node, dict) and len(node) == 1):
+            return None
+        node = next(iter(node.values()))
     return node
 
 

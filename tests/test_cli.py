@@ -365,6 +365,18 @@ class TestRestore:
         fresh.load_state_dict(load_file(out))  # strict: every key, no prefix
         assert_same_state(fresh.state_dict(), model.state_dict())
 
+    def test_one_subtree_under_an_int_key_loses_its_prefix(self, tmp_path):
+        model = torch.nn.Linear(3, 2)
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        url = str(tmp_path / "store")
+        CheckpointStore(url).save({"optimizer": opt.state_dict()}, epoch=1)
+        out = tmp_path / "state0.pt"
+        result = invoke("restore", url, "-o", str(out), "--keys", "optimizer/state/0")
+        assert result.exit_code == 0, result.output
+        assert_same_state(torch.load(out, weights_only=True), opt.state_dict()["state"][0])
+
     def test_hugging_face_sharded_layout(self, tmp_path):
         from huggingface_hub import load_torch_model
 
