@@ -75,17 +75,18 @@ from ckptflow.tasks.threads import torch_threads
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
     record_this_run()  # and mark Crashed the runs on this host whose process is gone
-    with _writer_lease(config) as lease:
+    with _writer_lease(config) as (store, lease):
         if config.uses_trainers:  # they set their own threads (init logs how many)
-            return _train_in_process(config, lease)
+            return _train_in_process(config, store, lease)
         with torch_threads(config.torch_threads) as threads:
             get_run_logger().info("torch intra-op threads: %d of %d cores", threads, os.cpu_count() or 1)
-            return _train_in_process(config, lease)
+            return _train_in_process(config, store, lease)
 
 
 @contextlib.contextmanager
-def _writer_lease(config: PipelineConfig) -> Iterator[StoreLease]:
-    """Hold the store's writer lease for the whole run, before anything is built or written.
+def _writer_lease(config: PipelineConfig) -> Iterator[tuple[CheckpointStore, StoreLease]]:
+    """Hold the store's writer lease for the whole run, before anything is built or written;
+    yields the store and its lease.
 
     A second run on the same store is refused (StoreLockedError names the holder); the lease
     is released when the flow ends, however it ends. The training process and the ranks write
@@ -96,12 +97,13 @@ def _writer_lease(config: PipelineConfig) -> Iterator[StoreLease]:
     store = open_store(config)
     with store.lease(owner=owner, timeout=config.lease_timeout_seconds) as lease:
         get_run_logger().info("holding the writer lease %s (timeout %gs)", lease.url, lease.info.timeout)
-        yield lease
+        yield store, lease
 
 
-def _train_in_process(config: PipelineConfig, lease: StoreLease) -> dict[str, Any] | State:
+def _train_in_process(
+    config: PipelineConfig, store: CheckpointStore, lease: StoreLease
+) -> dict[str, Any] | State:
     """The run in this process; whatever ends it, its summary says how and where it stands."""
-    store = open_store(config)
     monitor = RunMonitor(
         run_name=flow_run.get_name() or "local", store_url=store.url, total_epochs=config.epochs
     )

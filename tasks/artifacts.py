@@ -57,6 +57,15 @@ def cell(text: object) -> str:
     return one_line(text).replace("|", "\\|")
 
 
+def committed_at(info: VersionInfo) -> datetime:
+    """When ``info`` was committed (its manifest's ``created``), in UTC; the earliest time if unreadable."""
+    try:
+        when = datetime.fromisoformat(info.created)
+    except (TypeError, ValueError):
+        return datetime.min.replace(tzinfo=timezone.utc)
+    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
+
+
 def readable_time(iso: str) -> str:
     """``2026-11-25T12:01:02.345+00:00`` -> ``2026-11-25 12:01:02 UTC`` (the text as given if not ISO)."""
     try:

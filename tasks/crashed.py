@@ -161,7 +161,7 @@ def summarize_crashed(client: Any, run: Any, versions: list[Any], why: str, cras
     from prefect.client.schemas.objects import StateType
     from prefect.states import Crashed
 
-    from .artifacts import ArtifactSet, ending_markdown, slug
+    from .artifacts import ArtifactSet, committed_at, ending_markdown, slug
     from .maintenance import _store_url_of
 
     open_states = [StateType.PENDING, StateType.RUNNING, StateType.SCHEDULED]
@@ -172,17 +172,12 @@ def summarize_crashed(client: Any, run: Any, versions: list[Any], why: str, cras
         ),
     ):
         client.set_task_run_state(task_run.id, Crashed(message="its flow run crashed"), force=True)
-    before = [v for v in versions if _created(v) <= crashed_at]
+    before = [v for v in versions if committed_at(v) <= crashed_at]
     latest = max(before, key=lambda v: v.version, default=None)
     url = _store_url_of(run.parameters or {}) or "unknown"
     text = ending_markdown(state="Crashed", why=why, store_url=url, latest=latest)
     key = f"ckptflow-{slug(run.name)}-summary"
     ArtifactSet(flow_run_id=run.id).markdown(key, text, "ckptflow run summary: Crashed")
-
-
-def _created(info: Any) -> datetime:
-    when = datetime.fromisoformat(info.created)
-    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
 
 
 def _versions_of(parameters: dict[str, Any]) -> list[Any] | None:

@@ -53,6 +53,7 @@ from ckptflow.storage import VersionInfo, redact
 from .artifacts import (
     ArtifactSet,
     _safe,
+    committed_at,
     ending_markdown,
     latest_markdown,
     one_line,
@@ -347,7 +348,7 @@ class RunMonitor:
         for old checkpoints. Events are looked up by their own ids (see :func:`event_id`).
         """
         since = datetime.now(timezone.utc) - CATCH_UP_WINDOW
-        recent = [v for v in sorted(existing, key=lambda v: v.version) if _committed_at(v) >= since]
+        recent = [v for v in sorted(existing, key=lambda v: v.version) if committed_at(v) >= since]
         recent = recent[-CATCH_UP_VERSIONS:]
         if not recent:
             return
@@ -453,7 +454,7 @@ def reported_events(store_url: str, versions: list[VersionInfo]) -> set[int] | N
 
     ids = {event_id(store_url, v): v.version for v in versions}
     now = datetime.now(timezone.utc)
-    oldest = min((_committed_at(v) for v in versions), default=now)
+    oldest = min((committed_at(v) for v in versions), default=now)
     query = EventFilter(  # "until" well ahead: another host's clock may run ahead of this one's
         occurred=EventOccurredFilter(since=oldest - timedelta(days=1), until=now + timedelta(days=1)),
         id=EventIDFilter(id=list(ids)),
@@ -469,11 +470,3 @@ def reported_events(store_url: str, versions: list[VersionInfo]) -> set[int] | N
         log.warning("could not ask which versions of %s were reported: %s", store_url, exc)
         return None
     return found
-
-
-def _committed_at(info: VersionInfo) -> datetime:
-    try:
-        when = datetime.fromisoformat(info.created)
-    except (TypeError, ValueError):
-        return datetime.min.replace(tzinfo=timezone.utc)
-    return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)

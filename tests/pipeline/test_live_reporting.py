@@ -149,17 +149,23 @@ def test_a_commit_never_reported_is_reported_by_the_next_run_once(prefect_server
     assert "stopped:" in logs and "never reported" not in logs  # it sent no earlier version again
 
 
-def test_a_failed_run_ends_with_a_summary_of_where_it_stands(prefect_server, tmp_path, monkeypatch):
-    from tests.pipeline.specs import FLAKY_SPEC, FlakyDigitsSpec
-
-    monkeypatch.setattr(FlakyDigitsSpec, "failures", {3: 1})
-    config = make_config(tmp_path / "store", epochs=4, spec=FLAKY_SPEC, epoch_retries=0)
+def failed_run_summary(config: Any) -> tuple[str, Any]:
+    """Run ``config``, expect it to fail; return its flow run's name and its summary artifact."""
     state, run_id = run_flow(config)
     assert state.is_failed(), state
     with get_client(sync_client=True) as client:
         name = client.read_flow_run(run_id).name
     summary = latest_artifact(f"ckptflow-{slug(name)}-summary")
     assert summary is not None
+    return name, summary
+
+
+def test_a_failed_run_ends_with_a_summary_of_where_it_stands(prefect_server, tmp_path, monkeypatch):
+    from tests.pipeline.specs import FLAKY_SPEC, FlakyDigitsSpec
+
+    monkeypatch.setattr(FlakyDigitsSpec, "failures", {3: 1})
+    config = make_config(tmp_path / "store", epochs=4, spec=FLAKY_SPEC, epoch_retries=0)
+    name, summary = failed_run_summary(config)
     latest = open_store(config).versions()[-1]
     assert latest.epoch == 2
     assert "# ckptflow run summary: Failed" in summary.data
@@ -174,12 +180,7 @@ def test_a_run_whose_init_fails_still_ends_with_a_summary(prefect_server, tmp_pa
     config = make_config(tmp_path / "store", epochs=2)
     run_summary(config)  # a committed version 2 for the summary to name
     broken = make_config(tmp_path / "store", epochs=3, spec="tests.pipeline.no_such_module:Spec")
-    state, run_id = run_flow(broken)
-    assert state.is_failed(), state
-    with get_client(sync_client=True) as client:
-        name = client.read_flow_run(run_id).name
-    summary = latest_artifact(f"ckptflow-{slug(name)}-summary")
-    assert summary is not None
+    _, summary = failed_run_summary(broken)
     assert "# ckptflow run summary: Failed" in summary.data
     assert "| epochs | none (init did not finish) |" in summary.data
     assert "| last committed checkpoint | version 2, epoch 2:" in summary.data
