@@ -1,0 +1,175 @@
+"""Hugging Face Trainer checkpoints in a ckptflow store: a ``TrainerCallback``, and the restore
+that resumes from the store.
+
+    callback = CkptflowCallback("s3://bucket/run1")
+    trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
+    start = restore_trainer_checkpoint("s3://bucket/run1", args.output_dir)   # None: a new run
+    trainer.train(resume_from_checkpoint=start)
+
+The Trainer writes ``checkpoint-N/`` to its output directory file by file, with nothing to
+tell a finished directory from one a crash cut short, and on one machine's disk. After each
+such save, the callback commits the directory into the store as one version, so the store
+holds only whole checkpoints, with checksums, on any fsspec URL (and the store's archives,
+uploads and retention apply). :func:`restore_trainer_checkpoint` writes a committed version
+back as a ``checkpoint-N`` directory the Trainer resumes from, appearing whole or not at all.
+
+Nothing is unpickled on either side: ``*.safetensors`` files are read as tensors; files of
+``torch.save`` (optimizer, scheduler, RNG states) are read with ``weights_only=True`` (with
+the numpy types of the RNG states allowed, as the Trainer does) and stored as tensors and
+JSON; other files (JSON, tokenizer files) are stored as their bytes. ``training_args.bin`` is
+a pickled ``TrainingArguments``, which ``weights_only`` refuses: it is skipped (the Trainer
+does not read it to resume; the arguments come from the resuming script).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import TrainerCallback
+from transformers.trainer_pt_utils import safe_globals
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..save.async_save import SaveHandle
+from ..store import CheckpointStore
+
+log = logging.getLogger(__name__)
+
+KEY = "hf_checkpoint"
+_TORCH_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+class CkptflowCallback(TrainerCallback):
+    """Commits every checkpoint the Trainer saves into the store at ``url`` (on world process zero).
+
+    ``async_save``: the store writes while training goes on; a failed write is raised by the
+    next save or at the end of training. ``storage_options``: fsspec options (an S3 endpoint).
+    """
+
+    def __init__(
+        self, url: str, *, storage_options: dict[str, Any] | None = None, async_save: bool = True
+    ) -> None:
+        self.store = CheckpointStore(url, storage_options=storage_options)
+        self.async_save = async_save
+        self._inflight: SaveHandle | None = None
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        name = f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        saved = read_checkpoint_dir(Path(args.output_dir) / name)
+        facts: dict[str, Any] = {
+            "epoch": math.floor(state.epoch or 0),
+            "step": state.global_step,
+            "metrics": _metrics_at(state.log_history, state.global_step),
+            "user": {KEY: name},
+        }
+        self.wait()
+        if self.async_save:
+            self._inflight = self.store.save_async({KEY: saved}, **facts)
+        else:
+            self.store.save({KEY: saved}, **facts)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.wait()
+
+    def wait(self) -> None:
+        """Wait for the save in flight, if any; raise its failure."""
+        handle, self._inflight = self._inflight, None
+        if handle is not None:
+            handle.wait()
+
+
+def restore_trainer_checkpoint(
+    url: str,
+    output_dir: str | os.PathLike[str],
+    *,
+    version: int | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> str | None:
+    """Write ``version`` (default: the newest) as ``output_dir/checkpoint-N``; return its path,
+    or None if the store has no version (a new run). A directory of that name is replaced."""
+    store = CheckpointStore(url, storage_options=storage_options)
+    if version is None and store.latest() is None:
+        return None
+    state = store.load(version)
+    if not isinstance(state, dict) or not isinstance(state.get(KEY), dict):
+        raise ValueError(f"version {version or 'latest'} of {store.url} is not a Trainer checkpoint")
+    saved = state[KEY]
+    target = Path(output_dir) / saved["name"]
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{saved['name']}.", dir=target.parent))
+    try:
+        for entry in saved["files"]:
+            _write_file(staging, entry)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return str(target)
+
+
+def read_checkpoint_dir(path: Path) -> dict[str, Any]:
+    """A checkpoint directory as a state a store holds (see the module docstring)."""
+    files = []
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path).as_posix()
+        if f.suffix == ".safetensors":
+            files.append({"path": rel, "kind": "safetensors", "tensors": load_file(f)})
+        elif f.suffix in _TORCH_SUFFIXES:
+            try:
+                with safe_globals():
+                    value = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as exc:
+                log.info("%s is skipped: it holds more than tensors (%s)", f, type(exc).__name__)
+                continue
+            files.append({"path": rel, "kind": "torch", "value": value})
+        else:
+            files.append(
+                {
+                    "path": rel,
+                    "kind": "bytes",
+                    "value": torch.frombuffer(bytearray(f.read_bytes()), dtype=torch.uint8),
+                }
+            )
+    return {"name": path.name, "files": files}
+
+
+def _write_file(root: Path, entry: dict[str, Any]) -> None:
+    rel = Path(entry["path"])
+    if rel.is_absolute() or ".." in rel.parts:  # a crafted manifest must not write outside the directory
+        raise ValueError(f"refusing to write {entry['path']!r} outside the checkpoint directory")
+    out = root / rel
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if entry["kind"] == "safetensors":
+        save_file(entry["tensors"], out, metadata={"format": "pt"})
+    elif entry["kind"] == "torch":
+        torch.save(entry["value"], out)
+    elif entry["kind"] == "bytes":
+        out.write_bytes(entry["value"].numpy().tobytes())
+    else:
+        raise ValueError(f"unknown file kind {entry['kind']!r} for {entry['path']}")
+
+
+def _metrics_at(history: list[dict[str, Any]], step: int) -> dict[str, float]:
+    """The numbers logged at ``step`` (loss, eval_loss, learning_rate, ...)."""
+    found: dict[str, float] = {}
+    for record in history:
+        if record.get("step") == step:
+            found.update(
+                {
+                    k: float(v)
+                    for k, v in record.items()
+                    if k not in ("step", "epoch") and isinstance(v, (int, float))
+                }
+            )
+    return found

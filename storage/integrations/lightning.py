@@ -1,0 +1,220 @@
+"""PyTorch Lightning's checkpoints in a ckptflow store: a ``CheckpointIO`` plugin.
+
+    trainer = Trainer(plugins=[CkptflowCheckpointIO()], callbacks=[ModelCheckpoint(dirpath=...)])
+    trainer.fit(model, ckpt_path="last")
+
+Lightning decides when to save and what (``ModelCheckpoint``, top-k, ``last.ckpt``) and
+addresses checkpoints by path; it lists a directory to find ``last*.ckpt`` and compares
+modification times. So each checkpoint path stays a real file, a *pointer*: a small JSON
+document naming a store and the version holding the checkpoint. The store is the pointer's
+own directory unless the plugin is given one URL for all of them. What always holds:
+
+- a pointer is written only after its version is committed, and atomically: a crash at any
+  moment leaves every pointer naming a committed version (at worst an older one);
+- a version is deleted only after the pointer that named it was overwritten or removed, and
+  each save makes a version of its own, so no other pointer names it;
+- the dict Lightning hands over is stored without pickling (tensors as datasets, the rest as
+  JSON); namespaces, paths and sets in hyper-parameters are tagged and come back as they were;
+  any other object is refused unless ``allow_pickle=True`` (see :mod:`.pyvalues`).
+
+``async_save=True`` returns once the state is copied to host memory; the write, the commit
+and the pointer follow in the background while training goes on (Lightning's
+``AsyncCheckpointIO`` pattern, without its second copy of the state).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import posixpath
+import threading
+from typing import Any
+
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+from ..errors import CheckpointError
+from ..files.atomic import write_file_atomic
+from ..files.location import Location, open_location, translate_errors
+from ..save.async_save import SaveHandle
+from ..store import CheckpointStore
+from .pyvalues import from_storable, to_storable
+
+log = logging.getLogger(__name__)
+
+POINTER_FORMAT = 1
+_SAME_DIR = "."  # a pointer's store when it is the pointer's own directory
+_MAX_POINTER = 64 * 1024
+
+
+class CkptflowCheckpointIO(CheckpointIO):
+    """Lightning's ``CheckpointIO`` over ckptflow stores.
+
+    ``url``: one store for every checkpoint (default: the directory of each checkpoint
+    path, e.g. ``ModelCheckpoint``'s ``dirpath``). ``storage_options``: fsspec options for
+    the stores and pointers (an S3 endpoint, a profile). ``allow_pickle``: pickle values
+    JSON cannot hold, and unpickle them on load; only for stores no untrusted party can write.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        async_save: bool = False,
+        allow_pickle: bool = False,
+    ) -> None:
+        self.url = url
+        self.storage_options = dict(storage_options or {})
+        self.async_save = async_save
+        self.allow_pickle = allow_pickle
+        self._stores: dict[str, CheckpointStore] = {}
+        self._inflight: SaveHandle | None = None
+        self._failure: BaseException | None = None
+        self._lock = threading.Lock()  # pointers and deletions: the caller's thread and the writer's
+
+    # -- Lightning's interface ---------------------------------------------------
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "CkptflowCheckpointIO takes no per-save storage_options; give them to "
+                "CkptflowCheckpointIO(storage_options=...)"
+            )
+        path = str(path)
+        state = to_storable(checkpoint, allow_pickle=self.allow_pickle)
+        self._finish_inflight()
+        store, store_ref = self._store_for(path)
+        facts: dict[str, Any] = {
+            "epoch": _count(checkpoint.get("epoch")),
+            "step": _count(checkpoint.get("global_step")),
+            "user": {"lightning_path": posixpath.basename(path)},
+        }
+        if not self.async_save:
+            info = store.save(state, **facts)
+            self._point(path, store_ref, info.version)
+            return
+        handle = store.save_async(state, **facts)
+        handle.on_commit(lambda info: self._point_in_background(path, store_ref, info.version))
+        self._inflight = handle
+
+    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
+        """The checkpoint a pointer names (``weights_only`` is moot: nothing here unpickles
+        unless the plugin was made with ``allow_pickle=True``)."""
+        self._finish_inflight()
+        path = str(path)
+        pointer = self._read_pointer(path)
+        if pointer is None:
+            raise FileNotFoundError(f"no checkpoint at {path}")
+        store = self._open(pointer["store_url"])
+        state = store.load(pointer["version"], map_location=_device(map_location))
+        return from_storable(state, allow_pickle=self.allow_pickle)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove the pointer at ``path``, then the version it names."""
+        path = str(path)
+        self._finish_inflight()
+        with self._lock:
+            pointer = self._read_pointer(path)
+            if pointer is None:
+                return
+            loc, name = _pointer_location(path, self.storage_options)
+            with translate_errors(loc, "removing"):
+                loc.remove_file(loc.path(name))
+            self._delete_version(pointer)
+
+    def teardown(self) -> None:
+        """Wait for the save in flight (raising its failure) and close the stores."""
+        try:
+            self._finish_inflight()
+        finally:
+            for store in self._stores.values():
+                store.close()
+            self._stores.clear()
+
+    # -- pointers ----------------------------------------------------------------
+
+    def _point(self, path: str, store_ref: str, version: int) -> None:
+        """Make ``path`` name ``version``, then delete the version it named before, if any."""
+        with self._lock:
+            old = self._read_pointer(path)
+            data = json.dumps({"ckptflow_pointer": POINTER_FORMAT, "store": store_ref, "version": version})
+            loc, name = _pointer_location(path, self.storage_options)
+            with translate_errors(loc, "writing a checkpoint pointer to"):
+                write_file_atomic(loc, name, data.encode() + b"\n")
+            if old is not None and old != {"store_url": self._resolve(path, store_ref), "version": version}:
+                self._delete_version(old)
+
+    def _point_in_background(self, path: str, store_ref: str, version: int) -> None:
+        try:
+            self._point(path, store_ref, version)
+        except BaseException as exc:  # raised by the next call from Lightning's thread
+            self._failure = exc
+
+    def _read_pointer(self, path: str) -> dict[str, Any] | None:
+        """The pointer at ``path`` with its store's URL resolved, or None if there is no file."""
+        loc, name = _pointer_location(path, self.storage_options)
+        with translate_errors(loc, "reading"):
+            try:
+                data = loc.fs.cat_file(loc.path(name), start=0, end=_MAX_POINTER + 1)
+            except FileNotFoundError:
+                return None
+        try:
+            pointer = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            pointer = None
+        if (
+            not isinstance(pointer, dict)
+            or pointer.get("ckptflow_pointer") != POINTER_FORMAT
+            or not isinstance(pointer.get("store"), str)
+            or not isinstance(pointer.get("version"), int)
+        ):
+            raise CheckpointError(
+                f"{path} is not a ckptflow checkpoint pointer (a small JSON file written by "
+                "CkptflowCheckpointIO); load a torch.save checkpoint without the plugin"
+            )
+        return {"store_url": self._resolve(path, pointer["store"]), "version": pointer["version"]}
+
+    def _delete_version(self, pointer: dict[str, Any]) -> None:
+        store = self._open(pointer["store_url"])
+        if store.find(pointer["version"]) is not None:
+            store.delete(pointer["version"])
+
+    # -- stores ------------------------------------------------------------------
+
+    def _store_for(self, path: str) -> tuple[CheckpointStore, str]:
+        """The store a checkpoint at ``path`` goes to, and how its pointer names it."""
+        if self.url is None:
+            return self._open(posixpath.dirname(path)), _SAME_DIR
+        store = self._open(self.url)
+        return store, store.url
+
+    def _resolve(self, path: str, store_ref: str) -> str:
+        return posixpath.dirname(path) if store_ref == _SAME_DIR else store_ref
+
+    def _open(self, url: str) -> CheckpointStore:
+        if url not in self._stores:
+            self._stores[url] = CheckpointStore(url, storage_options=self.storage_options)
+        return self._stores[url]
+
+    def _finish_inflight(self) -> None:
+        handle, self._inflight = self._inflight, None
+        if handle is not None:
+            handle.wait()
+        failure, self._failure = self._failure, None
+        if failure is not None:
+            raise CheckpointError(f"a checkpoint was committed but its pointer was not written: {failure}")
+
+
+def _pointer_location(path: str, storage_options: dict[str, Any]) -> tuple[Location, str]:
+    return open_location(posixpath.dirname(path) or ".", storage_options), posixpath.basename(path)
+
+
+def _count(value: Any) -> int | None:
+    return int(value) if isinstance(value, int) and value >= 0 else None
+
+
+def _device(map_location: Any) -> Any:
+    """Lightning passes a device, a string, a dict or a callable; a store takes a device."""
+    if map_location is None or callable(map_location) or isinstance(map_location, dict):
+        return "cpu"
+    return map_location
