@@ -6,7 +6,7 @@ no s3fs, no boto3. It checks that ``import ckptflow.storage`` works and pulls
 none of them in, that the wheel holds every subpackage (it once lacked
 ``ckptflow.storage.sharded``), that a checkpoint saves, lists and loads
 bit for bit, that an ``s3://`` store names the extra to install, and that the
-``ckptflow`` script answers ``--version`` and names the ``[prefect]`` extra
+``ckptflow`` script (and ``python -m ckptflow``) answers ``--version`` and names the ``[prefect]`` extra
 for everything else. Exits non-zero with a message on the first failure.
 """
 
@@ -52,6 +52,8 @@ def main() -> None:
     script = Path(sys.executable).parent / "ckptflow"
     version = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("ckptflow "), version
+    as_module = subprocess.run([sys.executable, "-m", "ckptflow", "--version"], capture_output=True, text=True)
+    assert as_module.returncode == 0 and as_module.stdout == version.stdout, as_module
     run = subprocess.run([script, "run", "--epochs", "1"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "pip install 'ckptflow[prefect]'" in run.stderr, run
     print(f"core-only install of ckptflow {version.stdout.split()[1]}: {storage.__name__} saves and loads")
