@@ -52,7 +52,9 @@ def main() -> None:
     script = Path(sys.executable).parent / "ckptflow"
     version = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("ckptflow "), version
-    as_module = subprocess.run([sys.executable, "-m", "ckptflow", "--version"], capture_output=True, text=True)
+    as_module = subprocess.run(
+        [sys.executable, "-m", "ckptflow", "--version"], capture_output=True, text=True, timeout=60
+    )
     assert as_module.returncode == 0 and as_module.stdout == version.stdout, as_module
     run = subprocess.run([script, "run", "--epochs", "1"], capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "pip install 'ckptflow[prefect]'" in run.stderr, run
