@@ -101,7 +101,8 @@ def restore_trainer_checkpoint(
         return None
     state = store.load(version)
     if not isinstance(state, dict) or not isinstance(state.get(KEY), dict):
-        raise ValueError(f"version {version or 'latest'} of {store.url} is not a Trainer checkpoint")
+        which = "the newest version" if version is None else f"version {version}"
+        raise ValueError(f"{which} of {store.url} is not a Trainer checkpoint (saved by CkptflowCallback)")
     saved = state[KEY]
     target = Path(output_dir) / saved["name"]
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -68,7 +68,7 @@ class CkptflowCheckpointIO(CheckpointIO):
         self.async_save = async_save
         self.allow_pickle = allow_pickle
         self._stores: dict[str, CheckpointStore] = {}
-        self._inflight: SaveHandle | None = None
+        self._inflight: tuple[SaveHandle, threading.Event] | None = None
         self._failure: BaseException | None = None
         self._lock = threading.Lock()  # pointers and deletions: the caller's thread and the writer's
 
@@ -94,8 +94,9 @@ class CkptflowCheckpointIO(CheckpointIO):
             self._point(path, store_ref, info.version)
             return
         handle = store.save_async(state, **facts)
-        handle.on_commit(lambda info: self._point_in_background(path, store_ref, info.version))
-        self._inflight = handle
+        pointed = threading.Event()  # a future's waiters wake before its callbacks have run
+        handle.on_commit(lambda info: self._point_in_background(path, store_ref, info.version, pointed))
+        self._inflight = (handle, pointed)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
         """The checkpoint a pointer names (``weights_only`` is moot: nothing here unpickles
@@ -144,11 +145,13 @@ class CkptflowCheckpointIO(CheckpointIO):
             if old is not None and old != {"store_url": self._resolve(path, store_ref), "version": version}:
                 self._delete_version(old)
 
-    def _point_in_background(self, path: str, store_ref: str, version: int) -> None:
+    def _point_in_background(self, path: str, store_ref: str, version: int, pointed: threading.Event) -> None:
         try:
             self._point(path, store_ref, version)
         except BaseException as exc:  # raised by the next call from Lightning's thread
             self._failure = exc
+        finally:
+            pointed.set()
 
     def _read_pointer(self, path: str) -> dict[str, Any] | None:
         """The pointer at ``path`` with its store's URL resolved, or None if there is no file."""
@@ -197,9 +200,12 @@ class CkptflowCheckpointIO(CheckpointIO):
         return self._stores[url]
 
     def _finish_inflight(self) -> None:
-        handle, self._inflight = self._inflight, None
-        if handle is not None:
-            handle.wait()
+        """Wait for the save in flight and its pointer; raise what failed."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            handle, pointed = inflight
+            handle.wait()  # raises if the save failed: then no pointer is written
+            pointed.wait()
         failure, self._failure = self._failure, None
         if failure is not None:
             raise CheckpointError(f"a checkpoint was committed but its pointer was not written: {failure}")

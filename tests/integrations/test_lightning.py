@@ -17,6 +17,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -192,3 +193,22 @@ def test_a_file_that_is_not_a_pointer_is_named(tmp_path: Path) -> None:
     torch.save({"state_dict": {}}, tmp_path / "old.ckpt")
     with pytest.raises(Exception, match=r"old.ckpt is not a ckptflow checkpoint pointer"):
         CkptflowCheckpointIO().load_checkpoint(tmp_path / "old.ckpt")
+
+
+def test_an_async_save_is_loadable_at_once_even_when_its_pointer_is_slow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Bug fix: a future's waiters wake before its done-callbacks run, so waiting for the save
+    alone let the next call read the path before its pointer was written (FileNotFoundError)."""
+    import ckptflow.storage.integrations.lightning as plugin
+
+    write = plugin.write_file_atomic
+
+    def slow_write(*args: Any) -> None:
+        time.sleep(0.5)
+        write(*args)
+
+    monkeypatch.setattr(plugin, "write_file_atomic", slow_write)
+    io = CkptflowCheckpointIO(async_save=True)
+    io.save_checkpoint(checkpoint(), tmp_path / "last.ckpt")
+    assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 30
