@@ -187,12 +187,12 @@ class CkptflowCheckpointIO(CheckpointIO):
     def _store_for(self, path: str) -> tuple[CheckpointStore, str]:
         """The store a checkpoint at ``path`` goes to, and how its pointer names it."""
         if self.url is None:
-            return self._open(posixpath.dirname(path)), _SAME_DIR
+            return self._open(_directory(path)), _SAME_DIR
         store = self._open(self.url)
         return store, store.url
 
     def _resolve(self, path: str, store_ref: str) -> str:
-        return posixpath.dirname(path) if store_ref == _SAME_DIR else store_ref
+        return _directory(path) if store_ref == _SAME_DIR else store_ref
 
     def _open(self, url: str) -> CheckpointStore:
         if url not in self._stores:
@@ -211,8 +211,12 @@ class CkptflowCheckpointIO(CheckpointIO):
             raise CheckpointError(f"a checkpoint was committed but its pointer was not written: {failure}")
 
 
+def _directory(path: str) -> str:
+    return posixpath.dirname(path) or "."
+
+
 def _pointer_location(path: str, storage_options: dict[str, Any]) -> tuple[Location, str]:
-    return open_location(posixpath.dirname(path) or ".", storage_options), posixpath.basename(path)
+    return open_location(_directory(path), storage_options), posixpath.basename(path)
 
 
 def _count(value: Any) -> int | None:

@@ -212,3 +212,13 @@ def test_an_async_save_is_loadable_at_once_even_when_its_pointer_is_slow(
     io = CkptflowCheckpointIO(async_save=True)
     io.save_checkpoint(checkpoint(), tmp_path / "last.ckpt")
     assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 30
+
+
+def test_a_bare_file_name_is_a_pointer_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    io = CkptflowCheckpointIO()
+    io.save_checkpoint(checkpoint(), "last.ckpt")
+    assert io.load_checkpoint("last.ckpt")["epoch"] == 2
+    assert [v.version for v in CheckpointStore(tmp_path).versions()] == [pointers(tmp_path)["last.ckpt"]]
