@@ -211,7 +211,7 @@ def latest_markdown(store_url: str, info: VersionInfo | None, *, count: int, sou
             f"| size | {human_size(info.size)} |",
             f"| committed | {readable_time(info.created)} |",
             f"| metrics | {cell(metrics_text(info.metrics)) or 'none'} |",
-            f"| URL | [`{info.url}`]({info.url}) |",
+            f"| URL | [{cell(info.url)}]({info.url}) |",  # no backticks: the UI shows them in link text
             f"| committed checkpoints in the store | {count} |",
             f"| reported by | {source} |",
             "",

@@ -11,9 +11,11 @@ when the spec is built (remove it and the next run goes at full speed):
 - ``slow_from`` / ``slow_seconds``: sleep that long in every epoch >= ``slow_from``;
 - ``slow_commit``: ``[version, seconds]``: the commit of that version (the
   manifest write, once every shard is on disk) first writes
-  ``commit-<version>-started`` and waits, then commits and writes
+  ``commit-<version>-started`` and waits until SIGTERM has reached the process
+  (``sigterm`` below), at most ``seconds``, then commits and writes
   ``commit-<version>-done`` (both holding ``time.time()``): a test can cancel
-  or kill the run while a save is in flight, at the instant that matters most.
+  the run while a save is in flight, at the instant that matters most, however
+  long the cancellation takes to arrive on a loaded machine.
 
 And when SIGTERM reaches the process (a worker cancelling the run), it writes
 ``sigterm`` (holding ``time.time()``) before Prefect's own handler runs.
@@ -56,7 +58,9 @@ def _slow_commit(directory: Path, version: int, seconds: float) -> None:
             original(loc, manifest, **options)
             return
         (directory / f"commit-{version}-started").write_text(repr(time.time()))
-        time.sleep(seconds)
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline and not (directory / "sigterm").exists():
+            time.sleep(0.05)
         original(loc, manifest, **options)
         (directory / f"commit-{version}-done").write_text(repr(time.time()))
 

@@ -103,6 +103,7 @@ def test_latest_checkpoint_card_of_the_store(browser, stack, trained, store):
     assert f"Latest checkpoint of {store.url}" in page, page[:3000]
     assert f"version {newest.version} (epoch {newest.epoch})" in page
     assert f"size {human_size(newest.size)}" in page
+    assert f"`{newest.url}`" not in page, "the URL's link text shows literal backticks"
     assert f"ckptflow restore {store.url} --out model.pt" in page
 
 

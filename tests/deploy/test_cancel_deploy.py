@@ -4,7 +4,9 @@
 send SIGTERM to the flow run's process; Prefect raises TerminationSignal in
 its main thread. The run is cancelled at the worst moment: the spec holds the
 commit of version 2 (every shard on disk, the manifest not yet written) and
-the test cancels as it starts. With an async save the main thread is already
+the test cancels as it starts (the commit waits for the SIGTERM, however long
+the worker takes to send it: on a loaded machine it took over 6 s, the hold
+this test once had). With an async save the main thread is already
 training epoch 3 and the flow waits for the save in flight before it ends;
 with a synchronous save the main thread is waiting in the save task, which
 lets the helper thread finish. Either way version 2 commits after the
@@ -49,7 +51,7 @@ IN_FLIGHT = 2
 @pytest.mark.parametrize("async_save", [True, False], ids=["async-save", "sync-save"])
 def test_cancel_during_a_save_commits_it_and_the_next_run_resumes(stack, tmp_path, async_save):
     markers = tmp_path / "markers"
-    spec = spec_params(markers, slow_commit=[IN_FLIGHT, 6], slow_from=IN_FLIGHT + 1, slow_seconds=120)
+    spec = spec_params(markers, slow_commit=[IN_FLIGHT, 90], slow_from=IN_FLIGHT + 1, slow_seconds=120)
     config = {
         "storage": str(tmp_path / "store"),
         "epochs": EPOCHS,

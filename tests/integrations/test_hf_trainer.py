@@ -35,17 +35,18 @@ def resumed_from(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run with sync saves, never stopped: its store, output directory and final weights."""
     tmp = tmp_path_factory.mktemp("hf-ref")
     proc = run(tmp / "store", tmp / "out", tmp / "ref.pt", "--sync")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return torch.load(tmp / "ref.pt", weights_only=True)
+    return tmp
 
 
 @pytest.mark.crash
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_killed_run_resumes_from_the_store_on_a_new_disk_as_if_never_stopped(
-    tmp_path: Path, mode: str, uninterrupted: dict[str, torch.Tensor]
+    tmp_path: Path, mode: str, uninterrupted: Path
 ) -> None:
     store = tmp_path / "store"
     flags = ["--sync"] if mode == "sync" else []
@@ -58,17 +59,18 @@ def test_a_killed_run_resumes_from_the_store_on_a_new_disk_as_if_never_stopped(
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert resumed_from(resumed) == str(tmp_path / "new-disk" / f"checkpoint-{steps[-1]}")
     got = torch.load(tmp_path / "r.pt", weights_only=True)
-    assert got.keys() == uninterrupted.keys()
+    want = torch.load(uninterrupted / "ref.pt", weights_only=True)
+    assert got.keys() == want.keys()
     for k in got:
-        assert torch.equal(got[k], uninterrupted[k]), f"{k} differs from the uninterrupted run"
+        assert torch.equal(got[k], want[k]), f"{k} differs from the uninterrupted run"
     assert [v.step for v in CheckpointStore(store).versions()][-1] == 12
 
 
-def test_the_store_holds_every_file_but_the_pickled_arguments_and_no_pickle(tmp_path: Path) -> None:
-    proc = run(tmp_path / "store", tmp_path / "out", tmp_path / "w.pt", "--sync")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    written = tmp_path / "out" / "checkpoint-12"
-    restored = Path(restore_trainer_checkpoint(str(tmp_path / "store"), tmp_path / "again"))
+def test_the_store_holds_every_file_but_the_pickled_arguments_and_no_pickle(
+    tmp_path: Path, uninterrupted: Path
+) -> None:
+    written = uninterrupted / "out" / "checkpoint-12"
+    restored = Path(restore_trainer_checkpoint(str(uninterrupted / "store"), tmp_path / "again"))
     assert restored.name == "checkpoint-12"
     names = sorted(p.name for p in written.iterdir())
     assert sorted(p.name for p in restored.iterdir()) == [n for n in names if n != "training_args.bin"]
@@ -78,11 +80,11 @@ def test_the_store_holds_every_file_but_the_pickled_arguments_and_no_pickle(tmp_
     got = torch.load(restored / "optimizer.pt", weights_only=True)
     for k, v in want["state"][0].items():
         assert torch.equal(got["state"][0][k], v)
-    for f in (tmp_path / "store").rglob("*"):
+    for f in (uninterrupted / "store").rglob("*"):
         if f.is_file():
             data = f.read_bytes()
             assert not data.startswith(b"\x80") and b"PK\x03\x04" not in data, f"{f} holds a pickle"
-    info = CheckpointStore(tmp_path / "store").info()
+    info = CheckpointStore(uninterrupted / "store").info()
     assert info.step == 12 and "loss" in info.metrics and info.user[KEY] == "checkpoint-12"
 
 
