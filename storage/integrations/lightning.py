@@ -70,7 +70,6 @@ class CkptflowCheckpointIO(CheckpointIO):
         self._stores: dict[str, CheckpointStore] = {}
         self._inflight: tuple[SaveHandle, threading.Event] | None = None
         self._failure: BaseException | None = None
-        self._lock = threading.Lock()  # pointers and deletions: the caller's thread and the writer's
 
     # -- Lightning's interface ---------------------------------------------------
 
@@ -114,14 +113,13 @@ class CkptflowCheckpointIO(CheckpointIO):
         """Remove the pointer at ``path``, then the version it names."""
         path = str(path)
         self._finish_inflight()
-        with self._lock:
-            pointer = self._read_pointer(path)
-            if pointer is None:
-                return
-            loc, name = _pointer_location(path, self.storage_options)
-            with translate_errors(loc, "removing"):
-                loc.remove_file(loc.path(name))
-            self._delete_version(pointer)
+        pointer = self._read_pointer(path)
+        if pointer is None:
+            return
+        loc, name = _pointer_location(path, self.storage_options)
+        with translate_errors(loc, "removing"):
+            loc.remove_file(loc.path(name))
+        self._delete_version(pointer)
 
     def teardown(self) -> None:
         """Wait for the save in flight (raising its failure) and close the stores."""
@@ -135,15 +133,17 @@ class CkptflowCheckpointIO(CheckpointIO):
     # -- pointers ----------------------------------------------------------------
 
     def _point(self, path: str, store_ref: str, version: int) -> None:
-        """Make ``path`` name ``version``, then delete the version it named before, if any."""
-        with self._lock:
-            old = self._read_pointer(path)
-            data = json.dumps({"ckptflow_pointer": POINTER_FORMAT, "store": store_ref, "version": version})
-            loc, name = _pointer_location(path, self.storage_options)
-            with translate_errors(loc, "writing a checkpoint pointer to"):
-                write_file_atomic(loc, name, data.encode() + b"\n")
-            if old is not None and old != {"store_url": self._resolve(path, store_ref), "version": version}:
-                self._delete_version(old)
+        """Make ``path`` name ``version``, then delete the version it named before, if any.
+
+        Runs in the caller's thread (sync saves) or the writer's (async ones); every call from
+        Lightning first waits for the one in flight, so two never overlap."""
+        old = self._read_pointer(path)
+        data = json.dumps({"ckptflow_pointer": POINTER_FORMAT, "store": store_ref, "version": version})
+        loc, name = _pointer_location(path, self.storage_options)
+        with translate_errors(loc, "writing a checkpoint pointer to"):
+            write_file_atomic(loc, name, data.encode() + b"\n")
+        if old is not None and old != {"store_url": self._resolve(path, store_ref), "version": version}:
+            self._delete_version(old)
 
     def _point_in_background(self, path: str, store_ref: str, version: int, pointed: threading.Event) -> None:
         try:
