@@ -37,7 +37,6 @@ from transformers import TrainerCallback
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..save.async_save import SaveHandle
 from ..store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,6 @@ class CkptflowCallback(TrainerCallback):
     ) -> None:
         self.store = CheckpointStore(url, storage_options=storage_options)
         self.async_save = async_save
-        self._inflight: SaveHandle | None = None
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not state.is_world_process_zero:
@@ -71,20 +69,13 @@ class CkptflowCallback(TrainerCallback):
             "metrics": _metrics_at(state.log_history, state.global_step),
             "user": {KEY: name},
         }
-        self.wait()
-        if self.async_save:
-            self._inflight = self.store.save_async({KEY: saved}, **facts)
+        if self.async_save:  # waits for the save before, and raises its failure
+            self.store.save_async({KEY: saved}, **facts)
         else:
             self.store.save({KEY: saved}, **facts)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self.wait()
-
-    def wait(self) -> None:
-        """Wait for the save in flight, if any; raise its failure."""
-        handle, self._inflight = self._inflight, None
-        if handle is not None:
-            handle.wait()
+        self.store.wait()
 
 
 def restore_trainer_checkpoint(
@@ -104,6 +95,7 @@ def restore_trainer_checkpoint(
         which = "the newest version" if version is None else f"version {version}"
         raise ValueError(f"{which} of {store.url} is not a Trainer checkpoint (saved by CkptflowCallback)")
     saved = state[KEY]
+    _check_name(saved["name"])
     target = Path(output_dir) / saved["name"]
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{saved['name']}.", dir=target.parent))
@@ -143,6 +135,12 @@ def read_checkpoint_dir(path: Path) -> dict[str, Any]:
                 }
             )
     return {"name": path.name, "files": files}
+
+
+def _check_name(name: object) -> None:
+    """A crafted manifest must not make the restore write outside the output directory."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+        raise ValueError(f"refusing to restore a checkpoint named {name!r}: not a plain directory name")
 
 
 def _write_file(root: Path, entry: dict[str, Any]) -> None:

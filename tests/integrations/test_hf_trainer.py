@@ -98,6 +98,20 @@ def test_a_version_naming_files_outside_its_directory_is_refused(tmp_path: Path)
     assert not (tmp_path / "out" / "checkpoint-1").exists()
 
 
+@pytest.mark.parametrize("name", ["..", "../escaped", "/tmp/escaped"])
+def test_a_version_whose_checkpoint_name_leaves_the_output_directory_is_refused(
+    tmp_path: Path, name: str
+) -> None:
+    """Bug fix: the checkpoint's directory name came from the manifest unchecked, so a crafted
+    version named ``..`` made the restore replace the output directory's parent."""
+    store = CheckpointStore(tmp_path / "store")
+    store.save({KEY: {"name": name, "files": []}}, step=1)
+    (tmp_path / "out").mkdir()
+    with pytest.raises(ValueError, match="not a plain directory name"):
+        restore_trainer_checkpoint(str(tmp_path / "store"), tmp_path / "out")
+    assert (tmp_path / "store").is_dir() and (tmp_path / "out").is_dir()
+
+
 def test_an_empty_store_means_a_new_run(tmp_path: Path) -> None:
     assert restore_trainer_checkpoint(str(tmp_path / "store"), tmp_path / "out") is None
     assert not (tmp_path / "out").exists()
