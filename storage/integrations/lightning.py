@@ -119,7 +119,7 @@ class CkptflowCheckpointIO(CheckpointIO):
         loc, name = _pointer_location(path, self.storage_options)
         with translate_errors(loc, "removing"):
             loc.remove_file(loc.path(name))
-        self._delete_version(pointer)
+        self._delete_version(pointer, path)
 
     def teardown(self) -> None:
         """Wait for the save in flight (raising its failure) and close the stores."""
@@ -143,7 +143,7 @@ class CkptflowCheckpointIO(CheckpointIO):
         with translate_errors(loc, "writing a checkpoint pointer to"):
             write_file_atomic(loc, name, data.encode() + b"\n")
         if old is not None and old != {"store_url": self._resolve(path, store_ref), "version": version}:
-            self._delete_version(old)
+            self._delete_version(old, path)
 
     def _point_in_background(self, path: str, store_ref: str, version: int, pointed: threading.Event) -> None:
         try:
@@ -177,10 +177,15 @@ class CkptflowCheckpointIO(CheckpointIO):
             )
         return {"store_url": self._resolve(path, pointer["store"]), "version": pointer["version"]}
 
-    def _delete_version(self, pointer: dict[str, Any]) -> None:
+    def _delete_version(self, pointer: dict[str, Any], path: str) -> None:
+        """Delete the version a pointer at ``path`` named, if this plugin saved it for that path: a
+        pointer someone else wrote, naming any version of any store, deletes nothing."""
         store = self._open(pointer["store_url"])
-        if store.find(pointer["version"]) is not None:
+        info = store.find(pointer["version"])
+        if info is not None and info.user.get("lightning_path") == posixpath.basename(path):
             store.delete(pointer["version"])
+        elif info is not None:
+            log.warning("%s named version %d of %s, not saved for it: kept", path, info.version, store.url)
 
     # -- stores ------------------------------------------------------------------
 

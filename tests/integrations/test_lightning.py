@@ -229,3 +229,19 @@ def test_a_bare_file_name_is_a_pointer_in_the_working_directory(
     io.save_checkpoint(checkpoint(), "last.ckpt")
     assert io.load_checkpoint("last.ckpt")["epoch"] == 2
     assert [v.version for v in CheckpointStore(tmp_path).versions()] == [pointers(tmp_path)["last.ckpt"]]
+
+
+def test_a_crafted_pointer_cannot_make_a_removal_delete_another_version(tmp_path: Path) -> None:
+    """Bug fix: removing or overwriting a path deleted whatever version its pointer named, so a
+    pointer written by someone else could delete any version of any store the plugin can reach."""
+    other = CheckpointStore(tmp_path / "other")
+    victim = other.save({"w": torch.ones(3)}, epoch=1).version
+    (tmp_path / "ckpt").mkdir()
+    crafted = {"ckptflow_pointer": 1, "store": str(tmp_path / "other"), "version": victim}
+    (tmp_path / "ckpt" / "epoch=1.ckpt").write_text(json.dumps(crafted))
+    (tmp_path / "ckpt" / "last.ckpt").write_text(json.dumps(crafted))
+    io = CkptflowCheckpointIO()
+    io.remove_checkpoint(tmp_path / "ckpt" / "epoch=1.ckpt")
+    io.save_checkpoint(checkpoint(), tmp_path / "ckpt" / "last.ckpt")  # overwrites the crafted pointer
+    assert not (tmp_path / "ckpt" / "epoch=1.ckpt").exists()
+    assert [v.version for v in CheckpointStore(tmp_path / "other").versions()] == [victim]
