@@ -37,6 +37,8 @@ from transformers import TrainerCallback
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..errors import VersionNotFoundError
+from ..format.names import is_plain_name, relative_name_problem
 from ..store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -88,9 +90,12 @@ def restore_trainer_checkpoint(
     """Write ``version`` (default: the newest) as ``output_dir/checkpoint-N``; return its path,
     or None if the store has no version (a new run). A directory of that name is replaced."""
     store = CheckpointStore(url, storage_options=storage_options)
-    if version is None and store.latest() is None:
-        return None
-    state = store.load(version)
+    try:
+        state = store.load(version)
+    except VersionNotFoundError:
+        if version is None:  # nothing committed yet: a new run
+            return None
+        raise
     if not isinstance(state, dict) or not isinstance(state.get(KEY), dict):
         which = "the newest version" if version is None else f"version {version}"
         raise ValueError(f"{which} of {store.url} is not a Trainer checkpoint (saved by CkptflowCallback)")
@@ -115,7 +120,7 @@ def read_checkpoint_dir(path: Path) -> dict[str, Any]:
     """A checkpoint directory as a state a store holds (see the module docstring)."""
     files = []
     for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = f.relative_to(path).as_posix()
+        rel = _check_path(f.relative_to(path).as_posix())  # what the restore would refuse is not saved
         if f.suffix == ".safetensors":
             files.append({"path": rel, "kind": "safetensors", "tensors": load_file(f)})
         elif f.suffix in _TORCH_SUFFIXES:
@@ -137,17 +142,22 @@ def read_checkpoint_dir(path: Path) -> dict[str, Any]:
     return {"name": path.name, "files": files}
 
 
-def _check_name(name: object) -> None:
+def _check_name(name: Any) -> None:
     """A crafted manifest must not make the restore write outside the output directory."""
-    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name:
+    if not is_plain_name(name):
         raise ValueError(f"refusing to restore a checkpoint named {name!r}: not a plain directory name")
 
 
+def _check_path(path: Any) -> str:
+    """``path`` if it is a relative path of plain names, one that stays inside the checkpoint directory."""
+    problem = relative_name_problem(path)
+    if problem:
+        raise ValueError(f"refusing to write {path!r} outside the checkpoint directory: it {problem}")
+    return str(path)
+
+
 def _write_file(root: Path, entry: dict[str, Any]) -> None:
-    rel = Path(entry["path"])
-    if rel.is_absolute() or ".." in rel.parts:  # a crafted manifest must not write outside the directory
-        raise ValueError(f"refusing to write {entry['path']!r} outside the checkpoint directory")
-    out = root / rel
+    out = root / _check_path(entry["path"])
     out.parent.mkdir(parents=True, exist_ok=True)
     if entry["kind"] == "safetensors":
         save_file(entry["tensors"], out, metadata={"format": "pt"})
