@@ -24,7 +24,6 @@ and the pointer follow in the background while training goes on (Lightning's
 
 from __future__ import annotations
 
-import json
 import logging
 import posixpath
 import threading
@@ -32,18 +31,17 @@ from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ..errors import CheckpointError
-from ..files.atomic import write_file_atomic
+from ..errors import CheckpointError, ManifestError
 from ..files.location import Location, open_location, translate_errors
 from ..save.async_save import SaveHandle
 from ..store import CheckpointStore
+from ..versions.metadata import read_json, write_json
 from .pyvalues import from_storable, to_storable
 
 log = logging.getLogger(__name__)
 
 POINTER_FORMAT = 1
 _SAME_DIR = "."  # a pointer's store when it is the pointer's own directory
-_MAX_POINTER = 64 * 1024
 
 
 class CkptflowCheckpointIO(CheckpointIO):
@@ -138,10 +136,8 @@ class CkptflowCheckpointIO(CheckpointIO):
         Runs in the caller's thread (sync saves) or the writer's (async ones); every call from
         Lightning first waits for the one in flight, so two never overlap."""
         old = self._read_pointer(path)
-        data = json.dumps({"ckptflow_pointer": POINTER_FORMAT, "store": store_ref, "version": version})
         loc, name = _pointer_location(path, self.storage_options)
-        with translate_errors(loc, "writing a checkpoint pointer to"):
-            write_file_atomic(loc, name, data.encode() + b"\n")
+        write_json(loc, name, {"ckptflow_pointer": POINTER_FORMAT, "store": store_ref, "version": version})
         if old is not None and old != {"store_url": self._resolve(path, store_ref), "version": version}:
             self._delete_version(old, path)
 
@@ -156,15 +152,12 @@ class CkptflowCheckpointIO(CheckpointIO):
     def _read_pointer(self, path: str) -> dict[str, Any] | None:
         """The pointer at ``path`` with its store's URL resolved, or None if there is no file."""
         loc, name = _pointer_location(path, self.storage_options)
-        with translate_errors(loc, "reading"):
-            try:
-                data = loc.fs.cat_file(loc.path(name), start=0, end=_MAX_POINTER + 1)
-            except FileNotFoundError:
-                return None
         try:
-            pointer = json.loads(data)
-        except (ValueError, UnicodeDecodeError):
-            pointer = None
+            pointer = read_json(loc, name)  # None: no file
+        except ManifestError:  # not JSON, too big or too deep
+            pointer = False
+        if pointer is None:
+            return None
         if (
             not isinstance(pointer, dict)
             or pointer.get("ckptflow_pointer") != POINTER_FORMAT

@@ -209,13 +209,13 @@ def test_an_async_save_is_loadable_at_once_even_when_its_pointer_is_slow(
     alone let the next call read the path before its pointer was written (FileNotFoundError)."""
     import ckptflow.storage.integrations.lightning as plugin
 
-    write = plugin.write_file_atomic
+    write = plugin.write_json
 
     def slow_write(*args: Any) -> None:
         time.sleep(0.5)
         write(*args)
 
-    monkeypatch.setattr(plugin, "write_file_atomic", slow_write)
+    monkeypatch.setattr(plugin, "write_json", slow_write)
     io = CkptflowCheckpointIO(async_save=True)
     io.save_checkpoint(checkpoint(), tmp_path / "last.ckpt")
     assert io.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 30
