@@ -12,10 +12,12 @@ named by ``storage_secret`` / ``archive.upload_secret``:
   ``prefect-aws``), with its region and endpoint. A block that names only a
   profile passes the profile on: s3fs and boto3 resolve it themselves and
   refresh the temporary credentials it yields (an assumed role, SSO, a
-  ``credential_process``) before they expire. Keys (static ones, or those of
-  the block's ``assume_role_arn``) are resolved by the block's boto3 session
-  and frozen when the options are built (when a run opens its store, when an
-  archive job starts).
+  ``credential_process``) before they expire. A block with ``assume_role_arn``
+  passes the role on (``assume_role`` in the options) with the block's own
+  keys or profile: the role is assumed where the store is used, and again
+  before its credentials expire. Static keys are passed as they are; only a
+  role that needs an MFA ``TokenCode`` is assumed once, when the options are
+  built, and its keys frozen.
 
 The block is loaded inside the run, on the machine that runs it; what it holds
 is never logged, put in an artifact or written to a manifest.
@@ -125,7 +127,13 @@ def aws_credentials_options(block: Any, name: str) -> dict[str, Any]:
             "that exists on this machine, or a role to assume"
         )
     options: dict[str, Any]
-    if block.profile_name and not block.aws_access_key_id and not block.assume_role_arn:
+    role = block.assume_role_kwargs.get_params_override() if block.assume_role_arn else {}
+    if block.assume_role_arn and "TokenCode" not in role:  # an MFA code serves once: frozen below
+        # The role is assumed where the options are used, from the block's own credentials, and
+        # again before its credentials expire (the session above only proved it can be assumed).
+        options = _source_options(block)
+        options["assume_role"] = {"RoleArn": block.assume_role_arn, **role}
+    elif block.profile_name and not block.aws_access_key_id:
         options = {"profile": block.profile_name}  # resolved, and refreshed, where it is used
     else:
         frozen = credentials.get_frozen_credentials()
@@ -147,3 +155,16 @@ def aws_credentials_options(block: Any, name: str) -> dict[str, Any]:
     if client_kwargs:
         options["client_kwargs"] = client_kwargs
     return options
+
+
+def _source_options(block: Any) -> dict[str, Any]:
+    """The block's own credentials, from which its role is assumed: its keys, else its profile
+    (else none: the chain of the machine that uses them)."""
+    if block.aws_access_key_id:
+        options = {"key": block.aws_access_key_id}
+        if block.aws_secret_access_key:
+            options["secret"] = block.aws_secret_access_key.get_secret_value()
+        if block.aws_session_token:
+            options["token"] = block.aws_session_token
+        return options
+    return {"profile": block.profile_name} if block.profile_name else {}

@@ -101,6 +101,10 @@ def open_location(url: str | os.PathLike[str], storage_options: dict[str, Any] |
             f"{', '.join(sorted(p for p in fsspec.available_protocols() if len(p) > 1)[:20])}, ..."
         )
     options = bounded_s3_options(text, storage_options)
+    if scheme in S3_SCHEMES:
+        from ..remote.roles import s3fs_options
+
+        options = s3fs_options(options)
     try:
         fs, root = fsspec.core.url_to_fs(text, **options)
     except ImportError as exc:

@@ -1,8 +1,8 @@
 """The S3 client of the transfers: boto3 from s3fs-style options, a retry of corrupt bodies, errors.
 
 :func:`client_for` builds (once per set of options, in a process) a boto3
-client from the ``storage_options`` a store takes: keys or a profile (whose
-credentials refresh), ``anon``, the endpoint, ``client_kwargs`` and
+client from the ``storage_options`` a store takes: keys, a profile or an
+``assume_role`` (whose credentials refresh), ``anon``, the endpoint, ``client_kwargs`` and
 ``config_kwargs``, with the transfers' timeouts, attempts and pool size on top.
 botocore's blocking sockets bound every stall: a peer that stops reading,
 answering or sending fails the attempt within the connect or read timeout.
@@ -19,13 +19,13 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import boto3
 import botocore
 import botocore.config
 import botocore.exceptions as bex
 from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import StorageUnavailableError
+from .roles import boto3_session
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +44,8 @@ _CONFIG_KEYS = set(botocore.config.Config.OPTION_DEFAULTS)
 
 def client_for(storage_options: dict[str, Any] | None, **settings: Any) -> Any:
     """A boto3 S3 client from s3fs-style ``storage_options`` (key/secret/token, profile, anon,
-    endpoint_url, client_kwargs, config_kwargs) with ``settings`` (timeouts, retries, pool) on top.
+    endpoint_url, client_kwargs, config_kwargs, assume_role) with ``settings`` (timeouts,
+    retries, pool) on top.
     One per distinct set of options and settings in a process: boto3 clients are thread-safe and
     credentials from a profile or a role refresh themselves."""
     return _cached_client(json.dumps([storage_options or {}, settings], sort_keys=True, default=repr))
@@ -72,13 +73,7 @@ def _cached_client(frozen: str) -> Any:
         client_kwargs.setdefault("endpoint_url", options["endpoint_url"])
     if options.get("use_ssl") is False:
         client_kwargs.setdefault("use_ssl", False)
-    session = boto3.session.Session(
-        aws_access_key_id=options.get("key"),
-        aws_secret_access_key=options.get("secret"),
-        aws_session_token=options.get("token"),
-        profile_name=options.get("profile"),
-    )
-    client = session.client("s3", config=botocore.config.Config(**config), **client_kwargs)
+    client = boto3_session(options).client("s3", config=botocore.config.Config(**config), **client_kwargs)
     attempts = settings["max_attempts"]
     for op in ("UploadPart", "PutObject"):
         client.meta.events.register_first(
