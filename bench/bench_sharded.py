@@ -18,7 +18,10 @@ saves and loads a small model untimed; methods alternate; medians of R.
   ``FileSystemReader``, at the world size that saved (W=1 and W=2), and
   resharded: the W=2 save loaded at W=1 and W=3.
 
-Run: ``.venv/bin/python bench/bench_sharded.py [--size-mib 1024] [--repeats 3]``.
+Run: ``.venv/bin/python bench/bench_sharded.py [--size-mib 1024] [--repeats 3]``. On GPUs,
+``--device cuda [--worlds 1]`` (one GPU per rank, NCCL for the model, gloo for the store): the
+shards are staged to host through the store's pinned buffers, each chunk written as its own copy
+ends (a sync save) or all copies synchronised once (save_async, DCP's own stager).
 """
 
 from __future__ import annotations
@@ -46,21 +49,22 @@ METHODS = ("ckptflow", "dcp")
 WIDTH = 1024
 
 
-def build(size_mib: int, world: int) -> tuple[Any, Any]:
-    """An FSDP2 MLP of about ``size_mib`` of parameters and Adam state (3x the parameters)."""
+def build(size_mib: int, world: int, device: str = "cpu") -> tuple[Any, Any]:
+    """An FSDP2 MLP of about ``size_mib`` of parameters and Adam state (3x the parameters), on
+    ``device`` ("cpu", or "cuda": one GPU per rank)."""
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     layers = max(1, size_mib * (1 << 20) // 3 // (WIDTH * WIDTH * 4))
     torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers)))
-    mesh = init_device_mesh("cpu", (world,))
+    model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(layers))).to(device)
+    mesh = init_device_mesh(device, (world,))
     for layer in model:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    model(torch.randn(2, WIDTH)).sum().backward()
+    model(torch.randn(2, WIDTH, device=device)).sum().backward()
     opt.step()
     return model, opt
 
@@ -87,15 +91,29 @@ def local_bytes(state: Any) -> int:
 
 
 def clone_local(state: Any) -> Any:
+    """A host copy of this rank's shards and tensors (from a GPU: what staging must at least do)."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(state, DTensor):
-        return state.to_local().clone()
+        return state.to_local().to("cpu", copy=True)
     if isinstance(state, torch.Tensor):
-        return state.clone()
+        return state.to("cpu", copy=True)
     if isinstance(state, dict):
         return {k: clone_local(v) for k, v in state.items()}
     return state
+
+
+def assert_same(expected: Any, found: Any, when: str) -> None:
+    """The benchmark measures only round trips that return the state bit for bit."""
+    if isinstance(expected, torch.Tensor):
+        if not (
+            expected.dtype == found.dtype
+            and torch.equal(expected.view(-1).view(torch.uint8), found.view(-1).view(torch.uint8))
+        ):
+            raise AssertionError(f"a tensor differs from the saved state {when}")
+    elif isinstance(expected, dict):
+        for k in expected:
+            assert_same(expected[k], found[k], when)
 
 
 def timed(call: Any, *args: Any) -> float:
@@ -176,16 +194,25 @@ def start_async(method: str, state: dict[str, Any], path: Path, store: Any, pend
 ASYNC_GROUP: list[Any] = []
 
 
+def start_group(rank: int, world: int, port: int, device: str) -> None:
+    """The job's process group: gloo on CPU; on GPUs, NCCL for CUDA tensors (one GPU per rank)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
 def saver(rank: int, world: int, port: int, args: argparse.Namespace, out: str) -> None:
     """Save, async stalls and load at ``world`` ranks; leaves the last saves under ``args.dir/w<W>``."""
     from ckptflow.storage import CheckpointStore
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    start_group(rank, world, port, args.device)
     root = Path(args.dir) / f"w{world}"
     ASYNC_GROUP.append(dist.new_group(backend="gloo"))
-    warm_model, warm_opt = build(8, world)
-    model, opt = build(args.size_mib, world)
+    warm_model, warm_opt = build(8, world, args.device)
+    model, opt = build(args.size_mib, world, args.device)
     state, warm = state_of(model, opt), state_of(warm_model, warm_opt)
     results: dict[str, list[float]] = {}
 
@@ -198,6 +225,7 @@ def saver(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
         dist.barrier()
         return path
 
+    expected = clone_local(state)
     results["copy fresh"] = [timed(clone_local, state)]  # the process's first copy: into fresh pages
     results["copy"] = [timed(clone_local, state) for _ in range(args.repeats)]  # pages already mapped
     for method in METHODS:  # imports, thread pools, the store's group
@@ -214,6 +242,7 @@ def saver(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             timed_load(method, state, path, store, results)
             if store is not None:
                 results.setdefault("plan", []).append(timed(plan_only, state, store))
+    assert_same(expected, clone_local(state), "after the loads")
     for method in METHODS:  # async: a first call in this process, then a later one (same store)
         base = fresh(f"async-{method}")
         store = CheckpointStore(base, distributed=True) if method == "ckptflow" else None
@@ -226,6 +255,8 @@ def saver(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             for handle in pending:
                 handle.wait() if store is not None else handle.result()
         if store is not None:
+            load(method, state, base, store)  # the later async save, read back
+            assert_same(expected, clone_local(state), "after the async saves")
             store.close()
     if rank == 0:
         Path(out).write_text(json.dumps({"times": results, "local_bytes": local_bytes(state)}))
@@ -237,9 +268,8 @@ def loader(rank: int, world: int, port: int, args: argparse.Namespace, out: str)
     """The W=2 saves (``args.dir/w2``), loaded at ``world`` ranks."""
     from ckptflow.storage import CheckpointStore
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    model, opt = build(args.size_mib, world)
+    start_group(rank, world, port, args.device)
+    model, opt = build(args.size_mib, world, args.device)
     state = state_of(model, opt)
     root = Path(args.dir) / "w2"
     store = CheckpointStore(root / "ckptflow", distributed=True)
@@ -264,17 +294,25 @@ def main() -> None:
     parser.add_argument("--size-mib", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under the repo)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the model lives")
+    parser.add_argument(
+        "--worlds", default="1,2", help="world sizes that save; 2 among them adds the W=2 -> 1, 3 loads"
+    )
     args = parser.parse_args()
+    args.worlds = [int(w) for w in args.worlds.split(",")]
+    if args.device == "cuda" and max(args.worlds) > torch.cuda.device_count():
+        parser.error(f"--device cuda needs a GPU per rank: {torch.cuda.device_count()} here")
     base = Path(args.dir or tempfile.mkdtemp(prefix="bench-sharded-", dir=Path(__file__).resolve().parent))
     args.dir = str(base)
     found: dict[str, dict[str, float]] = {}
     try:
-        for world in (1, 2):
+        for world in args.worlds:
             out = base / f"save-{world}.json"
             mp.spawn(saver, args=(world, free_port(), args, str(out)), nprocs=world, join=True)
             result = json.loads(out.read_text())
             found[f"W={world}"] = {k: statistics.median(v) for k, v in result["times"].items()}
-        for world in (1, 3):
+        gpus = torch.cuda.device_count() if args.device == "cuda" else 3
+        for world in [w for w in (1, 3) if 2 in args.worlds and w <= gpus]:  # the W=2 save resharded
             out = base / f"load-{world}.json"
             mp.spawn(loader, args=(world, free_port(), args, str(out)), nprocs=world, join=True)
             result = json.loads(out.read_text())
@@ -301,7 +339,7 @@ def print_table(found: dict[str, dict[str, float]], args: argparse.Namespace) ->
     from bench.common import machine, markdown_table
 
     rows = []
-    for world in ("W=1", "W=2"):
+    for world in [w for w in ("W=1", "W=2") if w in found]:
         r = found[world]
         for what in ("save", "load"):
             ours, theirs = r[f"{what} ckptflow"], r[f"{what} dcp"]
@@ -319,18 +357,21 @@ def print_table(found: dict[str, dict[str, float]], args: argparse.Namespace) ->
                     f"{theirs / ours:.2f}x",
                 ]
             )
-    for world in ("W=2 -> 1", "W=2 -> 3"):
+    for world in [w for w in ("W=2 -> 1", "W=2 -> 3") if w in found]:
         r = found[world]
         ours, theirs = r["load ckptflow"], r["load dcp"]
         rows.append([f"resharded load, {world}", f"{ours:.3f}", f"{theirs:.3f}", f"{theirs / ours:.2f}x"])
         rows.append(floor_row(world, r))
-    for world in ("W=1", "W=2", "W=2 -> 1", "W=2 -> 3"):
+    for world in [w for w in ("W=1", "W=2", "W=2 -> 1", "W=2 -> 3") if w in found]:
         r = found[world]
         ours, theirs = r["read ckptflow"] / 2**20, r["read dcp"] / 2**20
         rows.append(
             [f"MiB the job reads to load, {world}", f"{ours:.0f}", f"{theirs:.0f}", f"{theirs / ours:.2f}x"]
         )
-    print(f"\nFSDP2 model + Adam, {args.size_mib} MiB in all, median of {args.repeats}, {machine()}\n")
+    where = "on CUDA, staged through pinned host memory" if args.device == "cuda" else "on CPU"
+    print(
+        f"\nFSDP2 model + Adam {where}, {args.size_mib} MiB in all, median of {args.repeats}, {machine()}\n"
+    )
     print(markdown_table(["", "ckptflow (s)", "DCP (s)", "DCP's time / ours"], "lrrr", rows))
 
 

@@ -91,8 +91,11 @@ class StoreSaver:
                 job, lambda b: tensor_bytes(b.source), lambda b: tensor_bytes(b.source)
             )
         device = [b for b in job.plan.blobs if b.source.device.type != "cpu"]
-        staged = self.staging.stage(device) if device else {}
-        return self.writer.write(job, lambda b: staged.get(b.index) or tensor_bytes(b.source))
+        if not device:
+            return self.writer.write(job, lambda b: tensor_bytes(b.source))
+        staged = self.staging.stage_overlapped(device)  # written as each copy ends
+        on_device = {b.index for b in device}
+        return self.writer.write(job, lambda b: staged(b) if b.index in on_device else tensor_bytes(b.source))
 
     def save_async(self, state: object, request: SaveRequest) -> SaveHandle:
         """Copy ``state`` to the staging buffer, then write and commit it in the background."""

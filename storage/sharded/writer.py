@@ -54,7 +54,10 @@ from ..save.planner import SavePlan as BlobPlan
 from .layout import chunk_entry, path_text, sharded_structure
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from ..save.saving import VersionWriter
+    from ..save.staging import StagingBuffer
     from ..save.store_saver import SaveRequest
 
 log = logging.getLogger(__name__)
@@ -63,9 +66,17 @@ log = logging.getLogger(__name__)
 class DcpWriter(StorageWriter):
     """Writes one DCP save as one committed version of a store (make a new one for each save)."""
 
-    def __init__(self, versions: VersionWriter, request: SaveRequest, *, world_size: int) -> None:
+    def __init__(
+        self,
+        versions: VersionWriter,
+        request: SaveRequest,
+        *,
+        world_size: int,
+        staging: Callable[[], StagingBuffer] | None = None,
+    ) -> None:
         super().__init__()
         self.versions = versions
+        self.staging = staging  # the store's host buffer, for chunks on a device
         self.request = request
         self.world_size = world_size
         self.is_coordinator = False
@@ -125,6 +136,7 @@ class DcpWriter(StorageWriter):
             name = dataset_name(item.index.fqn + "@" + ",".join(map(str, offsets)), names)
             blobs.append(Blob(len(blobs), name, tensor.dtype, tuple(tensor.shape), tensor))
             items.append(item)
+        blob_bytes = self._bytes_of(blobs)
         per_rank = max(1, -(-self.versions.options.shards // self.world_size))  # `shards` files in all
         shards = assign_shards(blobs, shards=per_rank, rank=rank) if blobs else []
         with translate_errors(self.versions.loc, "saving to"):
@@ -134,7 +146,7 @@ class DcpWriter(StorageWriter):
                 self.versions.loc,
                 version_dir(version),
                 BlobPlan(blobs, [], shards),
-                lambda b: tensor_bytes(b.source),
+                blob_bytes,
                 threads=self.versions.options.threads,
                 rank=rank,
                 piece_bytes=PIECE_BYTES,
@@ -149,6 +161,16 @@ class DcpWriter(StorageWriter):
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         future.set_result(results)
         return future
+
+    def _bytes_of(self, blobs: list[Blob]) -> Callable[[Blob], memoryview]:
+        """Where each chunk's bytes come from: host chunks as they are; chunks on a device through
+        the store's pinned buffer, every copy issued now and each chunk written once its copy ends."""
+        device = [b for b in blobs if b.source.device.type != "cpu"]
+        if not device or self.staging is None:
+            return lambda b: tensor_bytes(b.source)
+        staged = self.staging().stage_overlapped(device)
+        on_device = {b.index for b in device}
+        return lambda b: staged(b) if b.index in on_device else tensor_bytes(b.source)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator commits: the manifest, from DCP's metadata and every rank's results."""
