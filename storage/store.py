@@ -375,9 +375,8 @@ class CheckpointStore(ShardedStore, Upkeep):
         metadata.write_json(self.loc, name, value)
 
     def close(self) -> None:
-        """Wait for the async save in flight and release the staging buffers."""
+        """Wait for the async save in flight and release the staging buffer."""
         self._saves.close()
-        self._release_sharded_stager()
 
     def __enter__(self) -> CheckpointStore:
         return self
