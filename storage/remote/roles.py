@@ -13,6 +13,8 @@ reached as botocore configures it: ``AWS_ENDPOINT_URL_STS`` or the profile's
 
 from __future__ import annotations
 
+import functools
+import json
 import uuid
 from typing import Any
 
@@ -81,10 +83,22 @@ def boto3_session(options: dict[str, Any]) -> Any:
 
 def s3fs_options(options: dict[str, Any]) -> dict[str, Any]:
     """s3fs options for ``options``: unchanged without ``assume_role``; with it, an aiobotocore
-    session whose credentials are the role's (refreshing) in place of the source credentials."""
-    role = role_arguments(options)
-    if role is None:
+    session whose credentials are the role's (refreshing) in place of the source credentials.
+    One session per distinct role and source in a process, so that fsspec's cache of
+    filesystems (keyed by their options) holds one filesystem per store, not one per open."""
+    if role_arguments(options) is None:
         return options
+    source = {k: options.get(k) for k in (*SOURCE_KEYS, ROLE_KEY)}
+    source["region"] = (options.get("client_kwargs") or {}).get("region_name")
+    kept = {k: v for k, v in options.items() if k not in (*SOURCE_KEYS, ROLE_KEY)}
+    return {**kept, "session": _role_session(json.dumps(source, sort_keys=True))}
+
+
+@functools.lru_cache(maxsize=16)
+def _role_session(frozen: str) -> Any:
+    options = json.loads(frozen)
+    role = role_arguments(options)
+    assert role is not None
     from aiobotocore.credentials import (
         AioAssumeRoleCredentialFetcher,
         AioCredentialResolver,
@@ -96,7 +110,7 @@ def s3fs_options(options: dict[str, Any]) -> dict[str, Any]:
     source = AioSession(profile=options.get("profile"))
     if options.get("key"):
         source.set_credentials(options["key"], options.get("secret"), options.get("token"))
-    region = (options.get("client_kwargs") or {}).get("region_name")
+    region = options["region"]
 
     def sts_client(service: str, **kwargs: Any) -> Any:
         return source.create_client(service, region_name=region, **kwargs)
@@ -114,8 +128,7 @@ def s3fs_options(options: dict[str, Any]) -> dict[str, Any]:
 
     session = AioSession()
     session.register_component("credential_provider", AioCredentialResolver([RoleProvider()]))
-    kept = {k: v for k, v in options.items() if k not in (*SOURCE_KEYS, ROLE_KEY)}
-    return {**kept, "session": session}
+    return session
 
 
 class _SourceCredentials:

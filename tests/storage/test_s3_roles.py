@@ -146,3 +146,17 @@ def test_an_assume_role_without_a_role_arn_is_a_clear_error(role: Any, role_opti
     bucket = options.pop("bucket")
     with pytest.raises(StorageUnavailableError, match=r"assume_role must be an object with a RoleArn"):
         CheckpointStore(f"s3://{bucket}/bad", storage_options=options)
+
+
+def test_stores_opened_with_the_same_role_share_one_filesystem(role_options: dict[str, Any]) -> None:
+    """fsspec caches filesystems by their options: a new role session per open would add one
+    filesystem (and its connections) to that cache each time a run opens its store."""
+    options = {k: v for k, v in role_options.items() if k not in ("bucket", "skip_instance_cache")}
+    bucket = role_options["bucket"]
+    first = CheckpointStore(f"s3://{bucket}/a", storage_options=options)
+    second = CheckpointStore(f"s3://{bucket}/b", storage_options=dict(options))
+    assert first.loc.fs is second.loc.fs
+    first.save({"w": torch.ones(2)}, epoch=1)
+    assert second.versions() == [] and torch.equal(
+        CheckpointStore(f"s3://{bucket}/a", storage_options=options).load()["w"], torch.ones(2)
+    )
