@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..files.byteio import open_sink, write_hashed
 from ..files.location import Location
-from ..format.checksum import new_hasher
+from ..format.checksum import new_hasher, piece_size
 from ..format.dtypes import dtype_name
 from ..format.h5layout import build_shard_image
 from ..format.manifest import BlobEntry, ShardEntry
@@ -41,7 +41,7 @@ def write_shards(
 
     The blob entries are keyed by blob index: those of the blobs in ``plan.shards``, which
     in a multi-process save are this rank's share of ``plan.blobs``. With ``piece_bytes``,
-    each blob also gets a checksum per piece of that size.
+    each blob also gets a checksum per piece of that size (smaller for a small blob: :func:`piece_size`).
     """
     if loc.is_local:  # object stores need no directories, and s3fs's makedirs would create a bucket
         loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
@@ -88,7 +88,11 @@ def _write_shard(
                     f"blob {blobs[seg.blob].name}: {len(data)} bytes, layout has {seg.length}"
                 )
             blob_hash = new_hasher()
-            pieces = (piece_bytes, piece_sums.setdefault(seg.blob, [])) if piece_bytes else None
+            pieces = (
+                (piece_size(len(data), piece_bytes), piece_sums.setdefault(seg.blob, []))
+                if piece_bytes
+                else None
+            )
             write_hashed(sink, data, file_hash, blob_hash, pieces=pieces)
             sums[seg.blob] = blob_hash.hexdigest()
         sink.commit()
@@ -105,7 +109,7 @@ def _write_shard(
             dtype=dtype_name(b.dtype),
             shape=list(b.shape),
             checksum=sums.get(b.index, empty),
-            piece_bytes=piece_bytes,
+            piece_bytes=piece_size(b.nbytes, piece_bytes) if piece_bytes else None,
             pieces=piece_sums.get(b.index, []) if piece_bytes else None,
         )
         for b in members
