@@ -42,6 +42,7 @@ class StagingBuffer:
         self._buffer = torch.empty(0, dtype=torch.uint8)
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._in_flight: list[Any] = []  # the events of the last staging's device copies
 
     @property
     def capacity(self) -> int:
@@ -77,6 +78,8 @@ class StagingBuffer:
         """Copy the host blobs and issue the device blobs' copies (asynchronous into pinned
         memory); return a view per blob and, per device blob, an event its copy's end records."""
         with self._lock:
+            for event in self._in_flight:  # copies of a staging whose save failed before waiting
+                event.synchronize()
             total = sum(_aligned(b.nbytes) for b in blobs)
             if total > self._buffer.numel():
                 self._buffer = torch.empty(0, dtype=torch.uint8)  # drop the old one first
@@ -99,6 +102,7 @@ class StagingBuffer:
                 views[blob.index] = region.numpy().data.toreadonly() if n else memoryview(b"")
                 offset += _aligned(n)
             self._move(moves)
+            self._in_flight = list(events.values())
             return views, events
 
     def _move(self, moves: list[tuple[int, int, int]]) -> None:
@@ -120,6 +124,9 @@ class StagingBuffer:
 
     def release(self) -> None:
         with self._lock:
+            for event in self._in_flight:
+                event.synchronize()
+            self._in_flight = []
             self._buffer = torch.empty(0, dtype=torch.uint8)
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
