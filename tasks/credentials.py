@@ -128,7 +128,7 @@ def aws_credentials_options(block: Any, name: str) -> dict[str, Any]:
         )
     options: dict[str, Any]
     role = block.assume_role_kwargs.get_params_override() if block.assume_role_arn else {}
-    if block.assume_role_arn and "TokenCode" not in role:  # an MFA code serves once: frozen below
+    if block.assume_role_arn and not {"SerialNumber", "TokenCode"} & set(role):  # MFA: frozen below
         # The role is assumed where the options are used, from the block's own credentials, and
         # again before its credentials expire (the session above only proved it can be assumed).
         options = _source_options(block)

@@ -38,6 +38,12 @@ def role_arguments(options: dict[str, Any]) -> tuple[str, dict[str, Any]] | None
             "(other keys: AssumeRole's RoleSessionName, DurationSeconds, ExternalId, ...)"
         )
     extra = {k: v for k, v in role.items() if k != "RoleArn"}
+    if "SerialNumber" in extra or "TokenCode" in extra:
+        raise StorageUnavailableError(
+            f"the storage option {ROLE_KEY} names an MFA device (SerialNumber/TokenCode): a role that "
+            "needs a one-time code cannot be assumed again unattended when its credentials expire; "
+            "use a role without MFA, or assume it yourself and pass its key, secret and token"
+        )
     extra.setdefault("RoleSessionName", f"ckptflow-{uuid.uuid4().hex[:12]}")
     return arn, extra
 

@@ -140,6 +140,14 @@ def test_an_mfa_role_is_assumed_once_and_its_keys_frozen(role_options: dict[str,
     assert "assume_role" not in options and options["key"] != S3_KEY and options["token"]
 
 
+def test_a_role_with_an_mfa_device_is_refused_in_options(role_options: dict[str, Any]) -> None:
+    """Assumed again unattended, it would ask for a code on the terminal (botocore's MFA prompt)."""
+    options = {**role_options, "assume_role": {"RoleArn": ROLE, "SerialNumber": "arn:aws:iam::1:mfa/u"}}
+    bucket = options.pop("bucket")
+    with pytest.raises(StorageUnavailableError, match=r"names an MFA device .* assume it yourself"):
+        CheckpointStore(f"s3://{bucket}/mfa", storage_options=options)
+
+
 @pytest.mark.parametrize("role", ["arn:aws:iam::1:role/x", {"DurationSeconds": 900}, {"RoleArn": ""}])
 def test_an_assume_role_without_a_role_arn_is_a_clear_error(role: Any, role_options: dict[str, Any]) -> None:
     options = {**role_options, "assume_role": role}
