@@ -322,8 +322,22 @@ def _unknown(op: str) -> None:
     raise ValueError(f"unknown training request {op!r}")
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise _Interrupted()
+class _Stops:
+    """The rank's SIGTERM handler, installed once: the first stop interrupts the rank's work (it
+    raises :class:`_Interrupted`), every later one is only counted, and so is a stop once
+    ``raising`` is off (the work has ended: the saves in flight commit first). Never swapping
+    handlers while leaving matters: a stop that arrived while ``signal.signal`` itself ran got
+    the old, raising handler, and its exception escaped the rank's cleanup as a traceback."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.raising = True
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.raising:
+            self.raising = False  # one interruption only: the rank is on its way out
+            raise _Interrupted()
 
 
 def _backend(requested: str) -> str:
@@ -353,13 +367,13 @@ def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None)
     timeout = timedelta(seconds=float(world_job.get("timeout", 600)))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-    signal.signal(signal.SIGTERM, _interrupt)
+    stops = _Stops()
+    signal.signal(signal.SIGTERM, stops)
     world = World.join(may_lead, _backend(world_job.get("backend", "auto")), timeout)
     conn = Connection(fd) if world.leads and fd is not None else None
     if fd is not None and conn is None:
         os.close(fd)  # another local rank leads: this one never speaks to the flow
     rank = Rank(world, conn)
-    interrupted = False
     try:
         if world.leads:
             assert job is not None
@@ -371,16 +385,16 @@ def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None)
         rank.answer(0, lambda: rank.build(job))
         if rank.run is not None:
             rank.serve()
+        stops.raising = False  # from here a stop is counted: the saves in flight commit first
     except _Interrupted:
-        interrupted = True
+        pass
     finally:
-        stops: list[int] = []
-        signal.signal(signal.SIGTERM, lambda *_: stops.append(1))  # the saves in flight commit first
+        stops.raising = False
         rank.finish()
         if dist.is_initialized():
             dist.destroy_process_group()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing in flight: a stop now ends the process
-    if interrupted or stops:  # leave now, as a stopped rank (the agent waits for no result then)
+    if stops.count:  # leave now, as a stopped rank (the agent waits for no result then)
         exit_now(128 + signal.SIGTERM)
 
 

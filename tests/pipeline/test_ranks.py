@@ -244,3 +244,21 @@ def test_ckptflow_run_nproc_trains_on_ranks_and_archives_their_commits(prefect_s
         assert store.manifest(v).world_size == 2
         store.verify(v)
         assert store.load_rank_state(v, rank=1, world_size=2)["rng"]["torch"].dtype.is_floating_point is False
+
+
+def test_a_rank_is_interrupted_once_however_many_stops_arrive():
+    """Regression: the rank swapped SIGTERM handlers while leaving, and a stop that came while
+    ``signal.signal`` ran was given the old handler, whose exception escaped the cleanup as a
+    traceback (seen in CI: test_cli_failures' failed build). One handler now serves the whole
+    life: it interrupts once, then only counts, and only counts once the work has ended."""
+    from ckptflow.tasks.rank_worker import _Interrupted, _Stops
+
+    stops = _Stops()
+    with pytest.raises(_Interrupted):
+        stops(signal.SIGTERM, None)
+    stops(signal.SIGTERM, None)  # a second stop, e.g. during the cleanup: counted, never raised
+    assert stops.count == 2
+    leaving = _Stops()
+    leaving.raising = False  # the work has ended: the saves in flight commit first
+    leaving(signal.SIGTERM, None)
+    assert leaving.count == 1
