@@ -120,19 +120,24 @@ def download_file(
     return found.size, found.etag
 
 
+def transfer_client(storage_options: dict[str, Any] | None, options: TransferOptions) -> Any:
+    """The boto3 client the transfers with these options use (one per process, see client_for)."""
+    return client_for(
+        storage_options,
+        connect_timeout=options.connect_timeout,
+        read_timeout=options.read_timeout,
+        max_attempts=options.max_attempts,
+        concurrency=options.concurrency,
+    )
+
+
 def _object(url: str, storage_options: dict[str, Any] | None, options: TransferOptions) -> Object:
     parts = urlsplit(url)
     key = parts.path.lstrip("/")
     if not key:
         raise StorageUnavailableError(f"{redact(url)} names a bucket, not an object: add a key")
     so = dict(storage_options or {})
-    client = client_for(
-        so,
-        connect_timeout=options.connect_timeout,
-        read_timeout=options.read_timeout,
-        max_attempts=options.max_attempts,
-        concurrency=options.concurrency,
-    )
+    client = transfer_client(so, options)
     extra = dict(so.get("s3_additional_kwargs") or {})
     if so.get("requester_pays"):
         extra.setdefault("RequestPayer", "requester")

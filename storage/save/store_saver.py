@@ -90,12 +90,9 @@ class StoreSaver:
             return self.writer.write_ranked(
                 job, lambda b: tensor_bytes(b.source), lambda b: tensor_bytes(b.source)
             )
-        device = [b for b in job.plan.blobs if b.source.device.type != "cpu"]
-        if not device:
-            return self.writer.write(job, lambda b: tensor_bytes(b.source))
-        staged = self.staging.stage_overlapped(device)  # written as each copy ends
-        on_device = {b.index for b in device}
-        return self.writer.write(job, lambda b: staged(b) if b.index in on_device else tensor_bytes(b.source))
+        from .staging import written_bytes
+
+        return self.writer.write(job, written_bytes(job.plan.blobs, lambda: self.staging))
 
     def save_async(self, state: object, request: SaveRequest) -> SaveHandle:
         """Copy ``state`` to the staging buffer, then write and commit it in the background."""

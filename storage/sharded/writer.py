@@ -72,7 +72,7 @@ class DcpWriter(StorageWriter):
         request: SaveRequest,
         *,
         world_size: int,
-        staging: Callable[[], StagingBuffer] | None = None,
+        staging: Callable[[], StagingBuffer],
     ) -> None:
         super().__init__()
         self.versions = versions
@@ -117,6 +117,7 @@ class DcpWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         """This rank's chunks as HDF5 shards, its non-tensor values as JSON results."""
+        from ..save.staging import written_bytes
         from ..save.writer import write_shards
 
         version, rank = int(plan.storage_data["version"]), int(plan.storage_data["rank"])
@@ -136,7 +137,7 @@ class DcpWriter(StorageWriter):
             name = dataset_name(item.index.fqn + "@" + ",".join(map(str, offsets)), names)
             blobs.append(Blob(len(blobs), name, tensor.dtype, tuple(tensor.shape), tensor))
             items.append(item)
-        blob_bytes = self._bytes_of(blobs)
+        blob_bytes = written_bytes(blobs, self.staging)
         per_rank = max(1, -(-self.versions.options.shards // self.world_size))  # `shards` files in all
         shards = assign_shards(blobs, shards=per_rank, rank=rank) if blobs else []
         with translate_errors(self.versions.loc, "saving to"):
@@ -161,16 +162,6 @@ class DcpWriter(StorageWriter):
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         future.set_result(results)
         return future
-
-    def _bytes_of(self, blobs: list[Blob]) -> Callable[[Blob], memoryview]:
-        """Where each chunk's bytes come from: host chunks as they are; chunks on a device through
-        the store's pinned buffer, every copy issued now and each chunk written once its copy ends."""
-        device = [b for b in blobs if b.source.device.type != "cpu"]
-        if not device or self.staging is None:
-            return lambda b: tensor_bytes(b.source)
-        staged = self.staging().stage_overlapped(device)
-        on_device = {b.index for b in device}
-        return lambda b: staged(b) if b.index in on_device else tensor_bytes(b.source)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """The coordinator commits: the manifest, from DCP's metadata and every rank's results."""

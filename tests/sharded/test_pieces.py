@@ -39,12 +39,17 @@ def saved(tmp_path: Path) -> tuple[CheckpointStore, torch.Tensor, Path]:
     return store, weights, tmp_path / "store" / "v000001" / manifest.shards[blob.shard].file
 
 
-def read_rows(store: CheckpointStore, verify: bool = True, cols: tuple[int, int] = (0, COLS)) -> torch.Tensor:
-    """Rows FIRST..FIRST+COUNT of ``w`` (columns ``cols``: first, count), through the reader, as
-    DCP's planner asks for them. Whole rows land straight in their target; a block of columns
-    (a tensor-parallel shard's) goes through a buffer."""
+def read_rows(
+    store: CheckpointStore,
+    verify: bool = True,
+    cols: tuple[int, int] = (0, COLS),
+    rows: tuple[int, int] = (FIRST, COUNT),
+) -> torch.Tensor:
+    """Rows ``rows`` (first, count) of ``w`` and its columns ``cols`` (first, count), through the
+    reader, as DCP's planner asks for them. Whole rows land straight in their target; a block of
+    columns (a tensor-parallel shard's) goes through a buffer."""
     reader = store.dcp_reader(verify=verify)
-    target = torch.zeros(COUNT, cols[1])
+    target = torch.zeros(rows[1], cols[1])
     planner = DefaultLoadPlanner()
     planner.set_up_planner({"w": target}, reader.read_metadata(), True)
     item = ReadItem(
@@ -52,8 +57,8 @@ def read_rows(store: CheckpointStore, verify: bool = True, cols: tuple[int, int]
         dest_index=MetadataIndex("w", torch.Size([0, 0])),
         dest_offsets=torch.Size([0, 0]),
         storage_index=MetadataIndex("w", torch.Size([0, 0])),
-        storage_offsets=torch.Size([FIRST, cols[0]]),
-        lengths=torch.Size([COUNT, cols[1]]),
+        storage_offsets=torch.Size([rows[0], cols[0]]),
+        lengths=torch.Size([rows[1], cols[1]]),
     )
     reader.read_data(LoadPlan([item]), planner).wait()
     return target
@@ -114,19 +119,7 @@ def test_a_small_chunk_has_small_pieces_so_a_partial_read_rounds_out_by_less(tmp
     assert blob.offset is not None
     data[blob.offset + (1 << 20) + (600 << 10)] ^= 0xFF  # piece 12; with 1 MiB pieces, the read's own
     shard.write_bytes(bytes(data))
-    reader = store.dcp_reader()
-    target = torch.zeros(25, 1024)
-    planner = DefaultLoadPlanner()
-    planner.set_up_planner({"w": target}, reader.read_metadata(), True)
-    item = ReadItem(
-        type=LoadItemType.TENSOR,
-        dest_index=MetadataIndex("w", torch.Size([0, 0])),
-        dest_offsets=torch.Size([0, 0]),
-        storage_index=MetadataIndex("w", torch.Size([0, 0])),
-        storage_offsets=torch.Size([first, 0]),
-        lengths=torch.Size([25, 1024]),
-    )
-    reader.read_data(LoadPlan([item]), planner).wait()
+    target = read_rows(store, cols=(0, 1024), rows=(first, 25))
     assert torch.equal(target, weights[first : first + 25])
     with pytest.raises(CorruptShardError):
         store.verify()

@@ -21,7 +21,8 @@ import torch
 from prefect_aws import AwsCredentials
 
 from ckptflow.storage import CheckpointStore, StorageUnavailableError
-from ckptflow.storage.remote.s3client import client_for, forget_clients
+from ckptflow.storage.remote.s3 import transfer_client
+from ckptflow.storage.remote.s3client import forget_clients
 from ckptflow.storage.remote.transfer import TransferOptions, download_file, upload_file
 from ckptflow.tasks.credentials import aws_credentials_options
 from tests.conftest import S3_KEY, S3_SECRET
@@ -84,14 +85,7 @@ def test_transfers_sign_with_the_role_and_assume_it_again(
     options = dict(role_options)
     bucket = options.pop("bucket")
     transfer = TransferOptions()
-    client = client_for(
-        options,
-        max_attempts=transfer.max_attempts,
-        connect_timeout=transfer.connect_timeout,
-        read_timeout=transfer.read_timeout,
-        concurrency=transfer.concurrency,
-    )
-    seen = signers(client.meta.events)
+    seen = signers(transfer_client(options, transfer).meta.events)
     src = tmp_path / "src"
     src.write_bytes(b"role" * 4096)
     upload_file(src, f"s3://{bucket}/a", storage_options=options, options=transfer)
