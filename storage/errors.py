@@ -7,9 +7,23 @@ contain credentials: URLs are shown without their query string or user info.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Base class of every error raised by ckptflow's storage library."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # torch.distributed's object collectives pickle a rank's error to send it to the others
+        # (DCP gathers them): rebuilt from its message and attributes, not through an __init__
+        # that wants other arguments.
+        return (_rebuilt, (type(self), self.args), self.__dict__)
+
+
+def _rebuilt(kind: type[CheckpointError], args: tuple[Any, ...]) -> CheckpointError:
+    error = kind.__new__(kind)
+    error.args = args
+    return error
 
 
 class UnsupportedValueError(CheckpointError, TypeError):
@@ -89,6 +103,10 @@ class SaveFailedError(CheckpointError):
 
 class RankFailedError(SaveFailedError):
     """Another rank of a multi-process save failed; nothing was committed."""
+
+
+class RankLoadError(CheckpointError):
+    """Another rank of a multi-process load failed; its error is in the message, and no rank goes on."""
 
 
 class UnsafeArchiveError(CheckpointError):

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import CheckpointError, RankFailedError
+from ..errors import CheckpointError, RankFailedError, RankLoadError
 from ..format.dtypes import dtype_name
 from ..format.manifest import BlobEntry, RankPart, ShardEntry, TensorEntry
 from ..format.structure import Leaf, encode
@@ -91,6 +91,41 @@ class RankGroup:
             dist.gather(padded, None, dst=0, group=self.group)
         return None
 
+    def all_gather(self, value: Any, *, what: str | None = None) -> list[Any]:
+        """Every rank's JSON value, in rank order, on every rank (``what``: the work other than a save
+        that it is part of, for the error if a rank is gone)."""
+        data = _encode(value)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        with _collective(what):
+            dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
+            longest = max(int(s.item()) for s in sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[: data.numel()] = data
+            out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+            dist.all_gather(out, padded, group=self.group)
+        return [_decode(t[: int(n.item())]) for t, n in zip(out, sizes, strict=True)]
+
+    def together(self, work: Any, what: str) -> Any:
+        """Run ``work()`` on every rank; if it fails anywhere, every rank raises.
+
+        The rank that failed raises its own error; the others raise :class:`RankLoadError`
+        with the first failed rank's error in its message.
+        """
+        failure: Exception | None = None
+        try:
+            result = work()
+        except Exception as exc:  # every rank must hear of it, or they would go on with half a state
+            failure = exc
+        errors = self.all_gather(
+            None if failure is None else f"{type(failure).__name__}: {failure}", what=what
+        )
+        if failure is not None:
+            raise failure
+        for rank, error in enumerate(errors):
+            if error is not None:
+                raise RankLoadError(f"{what} failed on rank {rank}: {error}")
+        return result
+
     def agree(self, work: Any, what: str) -> Any:
         """Run ``work()`` on rank 0 and give its result (or its failure) to every rank."""
         outcome: dict[str, Any] | None = None
@@ -108,14 +143,20 @@ class RankGroup:
 
 
 @contextmanager
-def _collective() -> Iterator[None]:
-    """A collective of the checkpoint group that failed (a rank died, or it timed out), as RankFailedError."""
+def _collective(what: str | None = None) -> Iterator[None]:
+    """A collective of the checkpoint group that failed (a rank died, or it timed out): RankFailedError
+    in a save, RankLoadError in ``what`` (anything else)."""
     try:
         yield
     except RuntimeError as exc:  # what gloo raises for a peer that closed its connection, or a timeout
-        raise RankFailedError(
-            f"a rank of the checkpoint group died or timed out ({exc}); the save did not complete on "
-            "every rank and the previous committed version is intact"
+        if what is None:
+            raise RankFailedError(
+                f"a rank of the checkpoint group died or timed out ({exc}); the save did not complete on "
+                "every rank and the previous committed version is intact"
+            ) from exc
+        raise RankLoadError(
+            f"a rank of the checkpoint group died or timed out in {what} ({exc}); "
+            "it did not complete on every rank"
         ) from exc
 
 

@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RankFailedError
 from ..info import VersionInfo
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ class ShardedStore:
         writer = self._writer_for(request)
         _refuse_split_without_group(state, self.group)
         writer.keep_own(request.rank_state)
-        with _one_process(self.group), _collector_paused():
+        with _one_process(self.group), _collector_paused(), self._failures_unwrapped("the save"):
             dcp.save(
                 _as_dict(state),
                 storage_writer=writer,
@@ -121,7 +121,8 @@ class ShardedStore:
 
         def write() -> VersionInfo:
             writer.reset()
-            dcp.save(staged, storage_writer=writer, process_group=group, no_dist=self.group is None)
+            with self._failures_unwrapped("the save"):
+                dcp.save(staged, storage_writer=writer, process_group=group, no_dist=self.group is None)
             return self._version_committed(writer)
 
         return saver.submit(write, writer.claimed)
@@ -140,17 +141,42 @@ class ShardedStore:
         return int(self.group.agree(claim, "claiming a version") if self.group is not None else claim())
 
     def _load_sharded(self, version: int | None, into: object, verify: bool | None) -> Any:
+        """``dcp.load`` on each rank by itself, then one collective so that all fail if one did.
+
+        DCP's default load plan needs no coordination (its global step returns each rank's plan
+        as it is): each rank reads the manifest and plans its own reads, so the plans are not
+        gathered and scattered as pickles. Rank 0 picks the newest version for every rank.
+        """
         import torch.distributed.checkpoint as dcp
 
-        with _one_process(self.group), _collector_paused():
-            reader = self.dcp_reader(version=version, verify=verify)
-            dcp.load(
-                _as_dict(into),
-                storage_reader=reader,
-                process_group=self._process_group(),
-                no_dist=self.group is None,
-            )
+        state = _as_dict(into)
+        version = self._agreed_version(version)
+
+        def load_here() -> None:
+            with _no_dist_warning(), _collector_paused():
+                reader = self.dcp_reader(version=version, verify=verify)
+                with _failures_unwrapped(0, "the load"):  # rank 0 of a job of one, to DCP
+                    dcp.load(state, storage_reader=reader, no_dist=True)
+
+        if self.group is None:
+            load_here()
+        else:
+            what = "the load of " + (f"version {version}" if version is not None else "the newest version")
+            self.group.together(load_here, what)
         return into
+
+    def _agreed_version(self, version: int | None) -> int | None:
+        """The version every rank loads: rank 0's newest when none is named (None if it has none)."""
+        if self.group is None or version is not None:
+            return version
+        newest = None
+        if self.group.is_coordinator:
+            with contextlib.suppress(CheckpointError):  # each rank then finds, and names, the problem itself
+                newest = self._locate(None).version
+        return self.group.broadcast(newest)
+
+    def _failures_unwrapped(self, what: str) -> contextlib.AbstractContextManager[None]:
+        return _failures_unwrapped(self.group.rank if self.group is not None else 0, what)
 
     def _process_group(self) -> Any:
         return self.group.group if self.group is not None else None
@@ -286,6 +312,13 @@ def _one_process(group: RankGroup | None) -> Iterator[None]:
     if group is not None:
         yield
         return
+    with _no_dist_warning():
+        yield
+
+
+@contextlib.contextmanager
+def _no_dist_warning() -> Iterator[None]:
+    """DCP run in this process alone (``no_dist``) says so each time: not worth a warning."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
         yield
@@ -307,6 +340,23 @@ def _collector_paused() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+@contextlib.contextmanager
+def _failures_unwrapped(rank: int, what: str) -> Iterator[None]:
+    """DCP's CheckpointException (every rank's errors, gathered) as this rank's own error, or as
+    RankFailedError naming the rank that failed: the error a user can act on, not DCP's wrapper."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as wrapper:
+        failures = wrapper.failures
+        if rank in failures:
+            raise failures[rank][0] from None
+        other = min(failures)
+        error = failures[other][0]
+        raise RankFailedError(f"{what} failed on rank {other}: {type(error).__name__}: {error}") from None
 
 
 def _as_dict(state: object) -> dict[str, Any]:

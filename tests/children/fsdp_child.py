@@ -152,6 +152,17 @@ def block_in_write(marker: Path) -> None:
     writer.write_hashed = stuck  # type: ignore[assignment]
 
 
+def fail_in_write() -> None:
+    """Rank 1's writes fail the way a full disk fails them."""
+    from ckptflow.storage import StorageUnavailableError
+    from ckptflow.storage.save import writer
+
+    def full(sink: Any, data: Any, *hashers: Any) -> None:
+        raise StorageUnavailableError("no space left on device (rank 1's disk)")
+
+    writer.write_hashed = full  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("scenario")
@@ -169,7 +180,7 @@ def main() -> None:
     result: dict[str, Any] = {}
     options = json.loads(os.environ.get("CKPTFLOW_STORAGE_OPTIONS") or "null")  # s3fs's, for S3
     store = CheckpointStore(args.url, distributed=True, storage_options=options)
-    saving = args.scenario in ("save", "dcp_save", "kill_in_save", "save_async")
+    saving = args.scenario in ("save", "dcp_save", "kill_in_save", "save_async", "fail_in_save")
     model, opt = (
         build(0 if args.scenario != "kill_in_save" else 1, args.mesh) if saving else build(7, args.mesh)
     )
@@ -179,7 +190,17 @@ def main() -> None:
         if args.scenario == "kill_in_save" and rank == 1:
             block_in_write(args.out / "blocked")
         start = time.perf_counter()
-        if args.scenario == "save_async":  # twice: the second reuses the first one's host copy
+        if args.scenario == "fail_in_save":  # each rank's error, from a save and from an async save
+            from ckptflow.storage import CheckpointError
+
+            if rank == 1:
+                fail_in_write()
+            for name, save in (("save", store.save), ("save_async", lambda s: store.save_async(s).wait())):
+                try:
+                    save(state)
+                except CheckpointError as exc:
+                    result[name] = [type(exc).__name__, str(exc)]
+        elif args.scenario == "save_async":  # twice: the second reuses the first one's host copy
             handle = store.save_async(state, epoch=1, metrics={"loss": 1.5}, rank_state=own_state(rank))
             full = full_digest(model, opt)  # what was saved: the training steps below must not change it
             train(model, opt, 2)
@@ -202,6 +223,14 @@ def main() -> None:
         result["seconds"] = time.perf_counter() - start
     elif args.scenario == "fresh":
         train(model, opt, 1)
+    elif args.scenario == "load_errors":  # each rank's error from a load of a missing and of a damaged version
+        from ckptflow.storage import CheckpointError
+
+        for name, version in (("missing", 99), ("damaged", args.version)):
+            try:
+                store.load(version, into=state_of(model, opt))
+            except CheckpointError as exc:
+                result[name] = [type(exc).__name__, str(exc)]
     else:
         train(model, opt, 1)  # the optimizer has state to be overwritten
         state = state_of(model, opt)

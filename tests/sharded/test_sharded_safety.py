@@ -71,6 +71,20 @@ def test_a_rank_killed_mid_save_leaves_the_previous_version_latest(
     assert digest(reopened.load()) == saved_by_store.full
 
 
+def test_a_save_that_fails_on_one_rank_names_that_rank_everywhere(saved_by_store: Saved, tmp_path: Path) -> None:
+    """Rank 1's disk is full: it raises that error, rank 0 says rank 1 failed and why (not DCP's
+    CheckpointException), for a save and an async save, and nothing is committed."""
+    store = copy_store(saved_by_store, tmp_path)
+    job = FsdpJob.run("fail_in_save", 2, str(store), tmp_path / "job")
+    first, second = job.result(0), job.result(1)
+    assert second["save"][0] == "StorageUnavailableError" and first["save"][0] == "RankFailedError"
+    assert second["save_async"][0] == first["save_async"][0] == "SaveFailedError"  # as any async save
+    for name in ("save", "save_async"):
+        assert "no space left on device (rank 1's disk)" in second[name][1]
+        assert "failed on rank 1: StorageUnavailableError: no space left on device" in first[name][1]
+    assert [v.version for v in CheckpointStore(store).versions()] == [saved_by_store.version]
+
+
 Edit = Callable[[dict[str, Any]], None]
 
 
@@ -140,18 +154,42 @@ def test_a_crafted_chunk_is_refused_and_named(saved_by_store: Saved, tmp_path: P
     assert words in str(caught.value) and "manifest.json" in str(caught.value)
 
 
-def test_verify_checks_every_chunk(saved_by_store: Saved, tmp_path: Path) -> None:
-    store = copy_store(saved_by_store, tmp_path)
-    reopened = CheckpointStore(store)
-    reopened.verify(saved_by_store.version)
-    manifest = reopened.manifest()
+def damage_largest_chunk(saved: Saved, tmp_path: Path) -> Path:
+    """A copy of the store with one byte flipped in the middle of its largest chunk."""
+    store = copy_store(saved, tmp_path)
+    manifest = CheckpointStore(store).manifest(saved.version)
     blob = max(manifest.blobs, key=lambda b: b.nbytes)
-    shard = store / f"v{saved_by_store.version:06d}" / manifest.shards[blob.shard].file
+    shard = store / f"v{saved.version:06d}" / manifest.shards[blob.shard].file
     data = bytearray(shard.read_bytes())
     assert blob.offset is not None
     data[blob.offset + blob.nbytes // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
+    return store
+
+
+def test_verify_checks_every_chunk(saved_by_store: Saved, tmp_path: Path) -> None:
+    CheckpointStore(saved_by_store.url).verify(saved_by_store.version)
+    store = damage_largest_chunk(saved_by_store, tmp_path)
+    reopened = CheckpointStore(store)
     with pytest.raises(CorruptShardError):
         reopened.verify(saved_by_store.version)
     with pytest.raises(CorruptShardError):
         reopened.load(saved_by_store.version)
+
+
+def test_a_load_that_fails_on_one_rank_fails_on_every_rank_with_that_ranks_error(
+    saved_by_store: Saved, tmp_path: Path
+) -> None:
+    """Each rank plans and reads its own part (no plans exchanged); one collective then tells
+    every rank whether all succeeded. The rank whose chunk is damaged raises the corruption, the
+    other one an error naming that rank and what it found, and nobody raises DCP's wrapper."""
+    store = damage_largest_chunk(saved_by_store, tmp_path)
+    job = FsdpJob.run("load_errors", 2, str(store), tmp_path / "job", "--version", str(saved_by_store.version))
+    results = [job.result(rank) for rank in (0, 1)]
+    assert [r["missing"][0] for r in results] == ["VersionNotFoundError"] * 2
+    assert all("version 99 is not committed" in r["missing"][1] for r in results)
+    kinds = sorted(r["damaged"][0] for r in results)
+    assert kinds == ["CorruptShardError", "RankLoadError"], results
+    damaged = next(rank for rank, r in enumerate(results) if r["damaged"][0] == "CorruptShardError")
+    told = results[1 - damaged]["damaged"][1]
+    assert f"failed on rank {damaged}: CorruptShardError: corrupt checkpoint file" in told

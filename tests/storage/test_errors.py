@@ -19,8 +19,10 @@ import torch
 from ckptflow.storage import (
     CheckpointError,
     CheckpointStore,
+    CorruptShardError,
     StorageUnavailableError,
     UnsupportedValueError,
+    VersionExistsError,
     VersionNotFoundError,
 )
 from tests.conftest import S3_SECRET, assert_same_state
@@ -262,3 +264,31 @@ class TestDiskFull:
             assert torch.equal(store.load()["w"], torch.ones(3))
         finally:
             subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        CorruptShardError("v000001/shard-0.h5", expected="crc32c:1", actual="crc32c:2"),
+        VersionNotFoundError(4, "file:///store", [1, 2]),
+        VersionExistsError(2, "file:///store"),
+        UnsupportedValueError("model/w", "a tensor subclass"),
+        StorageUnavailableError("no space left on device"),
+    ],
+    ids=lambda error: type(error).__name__,
+)
+def test_an_error_crosses_torch_distributed_as_it_was(error: CheckpointError) -> None:
+    """torch.distributed's object collectives pickle a rank's error to the others (DCP gathers
+    them); one whose __init__ takes other arguments than its message must come back whole, not as
+    a TypeError from the unpickling."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        gathered: list[object] = [None]
+        dist.all_gather_object(gathered, error)
+    finally:
+        dist.destroy_process_group()
+    back = gathered[0]
+    assert type(back) is type(error) and str(back) == str(error) and vars(back) == vars(error)
