@@ -223,7 +223,7 @@ def main() -> None:
         result["seconds"] = time.perf_counter() - start
     elif args.scenario == "fresh":
         train(model, opt, 1)
-    elif args.scenario == "load_errors":  # each rank's error from a load of a missing and of a damaged version
+    elif args.scenario == "load_errors":  # each rank's error, loading a missing and a damaged version
         from ckptflow.storage import CheckpointError
 
         for name, version in (("missing", 99), ("damaged", args.version)):

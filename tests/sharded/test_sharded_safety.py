@@ -71,7 +71,9 @@ def test_a_rank_killed_mid_save_leaves_the_previous_version_latest(
     assert digest(reopened.load()) == saved_by_store.full
 
 
-def test_a_save_that_fails_on_one_rank_names_that_rank_everywhere(saved_by_store: Saved, tmp_path: Path) -> None:
+def test_a_save_that_fails_on_one_rank_names_that_rank_everywhere(
+    saved_by_store: Saved, tmp_path: Path
+) -> None:
     """Rank 1's disk is full: it raises that error, rank 0 says rank 1 failed and why (not DCP's
     CheckpointException), for a save and an async save, and nothing is committed."""
     store = copy_store(saved_by_store, tmp_path)
@@ -184,7 +186,8 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank_with_that_ranks_error
     every rank whether all succeeded. The rank whose chunk is damaged raises the corruption, the
     other one an error naming that rank and what it found, and nobody raises DCP's wrapper."""
     store = damage_largest_chunk(saved_by_store, tmp_path)
-    job = FsdpJob.run("load_errors", 2, str(store), tmp_path / "job", "--version", str(saved_by_store.version))
+    version = str(saved_by_store.version)
+    job = FsdpJob.run("load_errors", 2, str(store), tmp_path / "job", "--version", version)
     results = [job.result(rank) for rank in (0, 1)]
     assert [r["missing"][0] for r in results] == ["VersionNotFoundError"] * 2
     assert all("version 99 is not committed" in r["missing"][1] for r in results)
