@@ -82,9 +82,12 @@ class ShardedStore:
 
     def dcp_reader(self, *, version: int | None = None, verify: bool | None = None) -> DcpReader:
         """A StorageReader of a committed version (the newest when ``version`` is None) for ``dcp.load``."""
+        return self._reader_of(self._locate(version), verify)
+
+    def _reader_of(self, located: catalog.Located, verify: bool | None) -> DcpReader:
         from .reader import DcpReader
 
-        return DcpReader(self.loc, self.options, self._locate(version), verify=verify)
+        return DcpReader(self.loc, self.options, located, verify=verify)
 
     def _save_sharded(self, state: object, request: SaveRequest) -> VersionInfo:
         import torch.distributed.checkpoint as dcp
@@ -150,11 +153,11 @@ class ShardedStore:
         import torch.distributed.checkpoint as dcp
 
         state = _as_dict(into)
-        version = self._agreed_version(version)
+        version, located = self._agreed(version)
 
         def load_here() -> None:
             with _no_dist_warning(), _collector_paused():
-                reader = self.dcp_reader(version=version, verify=verify)
+                reader = self._reader_of(located or self._locate(version), verify)
                 with _failures_unwrapped(0, "the load"):  # rank 0 of a job of one, to DCP
                     dcp.load(state, storage_reader=reader, no_dist=True)
 
@@ -165,15 +168,16 @@ class ShardedStore:
             self.group.together(load_here, what)
         return into
 
-    def _agreed_version(self, version: int | None) -> int | None:
-        """The version every rank loads: rank 0's newest when none is named (None if it has none)."""
+    def _agreed(self, version: int | None) -> tuple[int | None, catalog.Located | None]:
+        """The version every rank loads (rank 0's newest when none is named, None if it has none),
+        and where it is if this rank found it already."""
         if self.group is None or version is not None:
-            return version
-        newest = None
+            return version, None
+        located = None
         if self.group.is_coordinator:
             with contextlib.suppress(CheckpointError):  # each rank then finds, and names, the problem itself
-                newest = self._locate(None).version
-        return self.group.broadcast(newest)
+                located = self._locate(None)
+        return self.group.broadcast(located.version if located is not None else None), located
 
     def _failures_unwrapped(self, what: str) -> contextlib.AbstractContextManager[None]:
         return _failures_unwrapped(self.group.rank if self.group is not None else 0, what)
