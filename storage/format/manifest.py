@@ -212,7 +212,7 @@ def load_versioned_json(data: bytes, where: str, *, kind: str, name: str, versio
         raise ManifestError(f"{kind} {where} is nested too deeply to be a ckptflow {kind}") from None
     if not isinstance(raw, dict) or raw.get("format") != name:
         raise ManifestError(f"{where} is not a ckptflow {kind}")
-    too_deep = document_depth_problem(raw, data)
+    too_deep = document_depth_problem(raw)
     if too_deep:
         raise ManifestError(f"{kind} {where} is {too_deep}")
     found = raw.get("format_version")

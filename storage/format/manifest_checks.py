@@ -304,37 +304,12 @@ def json_depth(value: Any) -> int:
     return max((depth for _, depth in _walk(value)), default=0)
 
 
-def document_depth_problem(raw: Any, text: bytes | None = None) -> str | None:
-    """Why a whole JSON document is nested too deeply to be read safely (None: it is not).
-
-    ``text``: the document ``raw`` was parsed from, if at hand; an ASCII one (what ckptflow
-    writes) is measured on its brackets, at C speed, instead of walking ``raw`` node by node.
-    """
-    deepest = text_depth(text) if text is not None and text.isascii() else json_depth(raw)
+def document_depth_problem(raw: Any) -> str | None:
+    """Why a whole JSON document is nested too deeply to be read safely (None: it is not)."""
+    deepest = json_depth(raw)
     if deepest > MAX_DOCUMENT_DEPTH:
         return f"nested {deepest} levels deep, more than the {MAX_DOCUMENT_DEPTH} allowed"
     return None
-
-
-def text_depth(text: bytes) -> int:
-    """:func:`json_depth` of the value of a valid ASCII JSON document, from its text.
-
-    Strings and empty containers become a scalar; the depth is then the most brackets open at
-    once, counted with numpy.
-    """
-    import numpy as np
-
-    skeleton = _EMPTY.sub(b"0", _STRINGS.sub(b"0", text)).translate(None, _NOT_BRACKETS)
-    if not skeleton:
-        return 0
-    codes = np.frombuffer(skeleton, dtype=np.uint8)
-    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
-    return int(np.cumsum(steps).max())
-
-
-_STRINGS = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
-_EMPTY = re.compile(rb"\[\s*\]|\{\s*\}")
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
 
 def _walk(root: Any) -> Iterator[tuple[Any, int]]:

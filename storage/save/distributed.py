@@ -105,26 +105,26 @@ class RankGroup:
             dist.all_gather(out, padded, group=self.group)
         return [_decode(t[: int(n.item())]) for t, n in zip(out, sizes, strict=True)]
 
-    def together(self, work: Any, what: str) -> Any:
-        """Run ``work()`` on every rank; if it fails anywhere, every rank raises.
+    def together(self, work: Any, what: str) -> list[Any]:
+        """Run ``work()`` on every rank and give every rank all their JSON results, in rank order;
+        if it failed anywhere, every rank raises.
 
         The rank that failed raises its own error; the others raise :class:`RankLoadError`
         with the first failed rank's error in its message.
         """
         failure: Exception | None = None
         try:
-            result = work()
+            outcome = {"ok": work()}
         except Exception as exc:  # every rank must hear of it, or they would go on with half a state
             failure = exc
-        errors = self.all_gather(
-            None if failure is None else f"{type(failure).__name__}: {failure}", what=what
-        )
+            outcome = {"error": f"{type(exc).__name__}: {exc}"}
+        outcomes = self.all_gather(outcome, what=what)
         if failure is not None:
             raise failure
-        for rank, error in enumerate(errors):
-            if error is not None:
-                raise RankLoadError(f"{what} failed on rank {rank}: {error}")
-        return result
+        for rank, theirs in enumerate(outcomes):
+            if "error" in theirs:
+                raise RankLoadError(f"{what} failed on rank {rank}: {theirs['error']}")
+        return [theirs["ok"] for theirs in outcomes]
 
     def agree(self, work: Any, what: str) -> Any:
         """Run ``work()`` on rank 0 and give its result (or its failure) to every rank."""

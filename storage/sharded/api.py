@@ -148,36 +148,40 @@ class ShardedStore:
 
         DCP's default load plan needs no coordination (its global step returns each rank's plan
         as it is): each rank reads the manifest and plans its own reads, so the plans are not
-        gathered and scattered as pickles. Rank 0 picks the newest version for every rank.
+        gathered and scattered as pickles.
         """
         import torch.distributed.checkpoint as dcp
 
         state = _as_dict(into)
-        version, located = self._agreed(version)
 
-        def load_here() -> None:
-            with _no_dist_warning(), _collector_paused():
-                reader = self._reader_of(located or self._locate(version), verify)
-                with _failures_unwrapped(0, "the load"):  # rank 0 of a job of one, to DCP
-                    dcp.load(state, storage_reader=reader, no_dist=True)
+        def load_from(located: catalog.Located) -> None:
+            reader = self._reader_of(located, verify)
+            with _no_dist_warning(), _failures_unwrapped(0, "the load"):  # rank 0 of a job of one, to DCP
+                dcp.load(state, storage_reader=reader, no_dist=True)
 
-        if self.group is None:
-            load_here()
-        else:
-            what = "the load of " + (f"version {version}" if version is not None else "the newest version")
-            self.group.together(load_here, what)
+        with _collector_paused():
+            if self.group is None:
+                load_from(self._locate(version))
+            else:
+                located = self._located_alike(version)
+                self.group.together(lambda: load_from(located), f"the load of version {located.version}")
         return into
 
-    def _agreed(self, version: int | None) -> tuple[int | None, catalog.Located | None]:
-        """The version every rank loads (rank 0's newest when none is named, None if it has none),
-        and where it is if this rank found it already."""
-        if self.group is None or version is not None:
-            return version, None
-        located = None
-        if self.group.is_coordinator:
-            with contextlib.suppress(CheckpointError):  # each rank then finds, and names, the problem itself
-                located = self._locate(None)
-        return self.group.broadcast(located.version if located is not None else None), located
+    def _located_alike(self, version: int | None) -> catalog.Located:
+        """The version every rank of the group loads, each rank finding it at the same time.
+
+        With none named, a save that commits while they look can make the ranks see different
+        newest versions: they all take the highest one seen, which is committed.
+        """
+        assert self.group is not None
+        mine: list[catalog.Located] = []
+
+        def find() -> int:
+            mine.append(self._locate(version))
+            return mine[0].version
+
+        newest = max(self.group.together(find, "finding the version to load"))
+        return mine[0] if mine[0].version == newest else self._locate(newest)
 
     def _failures_unwrapped(self, what: str) -> contextlib.AbstractContextManager[None]:
         return _failures_unwrapped(self.group.rank if self.group is not None else 0, what)

@@ -34,7 +34,7 @@ def read_json(loc: Location, name: str) -> Any:
         raise ManifestError(f"{where} is not valid JSON: {exc}") from None
     except RecursionError:
         raise ManifestError(f"{where} is nested too deeply; refused") from None
-    too_deep = document_depth_problem(value, data)
+    too_deep = document_depth_problem(value)
     if too_deep:
         raise ManifestError(f"{where} is {too_deep}; refused")
     return value

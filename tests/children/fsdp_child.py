@@ -170,6 +170,12 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--mesh", default="1d")
     parser.add_argument("--version", type=int, default=None)
+    parser.add_argument(
+        "--rank0-looks-early",
+        action="store_true",
+        help="rank 0 sees version 1 as the newest (as if it "
+        "looked before a save committed version 2) while the other ranks see version 2",
+    )
     args = parser.parse_args()
     dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -180,6 +186,9 @@ def main() -> None:
     result: dict[str, Any] = {}
     options = json.loads(os.environ.get("CKPTFLOW_STORAGE_OPTIONS") or "null")  # s3fs's, for S3
     store = CheckpointStore(args.url, distributed=True, storage_options=options)
+    if args.rank0_looks_early and rank == 0:
+        locate = store._locate
+        store._locate = lambda version: locate(1 if version is None else version)  # type: ignore[method-assign]
     saving = args.scenario in ("save", "dcp_save", "kill_in_save", "save_async", "fail_in_save")
     model, opt = (
         build(0 if args.scenario != "kill_in_save" else 1, args.mesh) if saving else build(7, args.mesh)

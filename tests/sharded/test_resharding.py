@@ -79,6 +79,10 @@ def test_save_async_keeps_the_state_of_its_call(tmp_path: Path) -> None:
     assert digest(CheckpointStore(str(store)).load(2)) == second, (
         "the reused host copy holds the second state"
     )
+    # The ranks of a load look for the newest version at the same time: if a save commits in
+    # between, they all take the newest any of them saw (rank 0 saw 1, rank 1 saw 2).
+    raced = FsdpJob.run("load", 2, str(store), tmp_path / "raced", "--rank0-looks-early")
+    assert raced.full() == second
 
 
 @pytest.mark.s3

@@ -256,28 +256,3 @@ class TestEditsAfterWriting:
         assert [v.version for v in store.versions()] == []
         with pytest.raises(VersionNotFoundError, match="cannot be read"):
             store.load(2)
-
-
-def test_a_documents_depth_from_its_text_is_the_depth_of_its_value() -> None:
-    """Manifests are measured on their text (brackets, at C speed) instead of node by node: the
-    two must agree, with brackets, quotes and backslashes inside strings, and empty containers."""
-    import random
-
-    from ckptflow.storage.format.manifest_checks import json_depth, text_depth
-
-    rng = random.Random(1)
-    scalars = [1, 2.5, None, True, "a[b{c", 'q"[\\', "", "x]}}", "\\\\", "é"]
-
-    def value(depth: int) -> Any:
-        roll = rng.random()
-        if depth > 12 or roll < 0.3:
-            return rng.choice(scalars)
-        if roll < 0.65:
-            return [value(depth + 1) for _ in range(rng.randint(0, 3))]
-        keys = [rng.choice(["k", "[", '{\\"', 'a"b']) + str(i) for i in range(rng.randint(0, 3))]
-        return {key: value(depth + 1) for key in keys}
-
-    for _ in range(3000):
-        doc = value(0)
-        for indent in (None, 1):
-            assert text_depth(json.dumps(doc, indent=indent).encode()) == json_depth(doc), doc
