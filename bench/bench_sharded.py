@@ -9,7 +9,8 @@ call (the job's time, as its slowest rank sees it); dirty pages are flushed
 saves and loads a small model untimed; methods alternate; medians of R.
 
 - save: ``store.save(state)`` on a distributed store / ``dcp.save`` to a
-  ``FileSystemWriter``;
+  ``FileSystemWriter``; and its floor: each rank writes its bytes to one file
+  and fsyncs it, what any save must at least do on this disk;
 - async stall: how long ``store.save_async(state)`` / ``dcp.async_save``
   block the training loop, at the first call of the process (against the
   process's first copy of this rank's shards, into fresh memory) and at a
@@ -34,6 +35,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +162,29 @@ def plan_only(state: dict[str, Any], store: Any) -> None:
         DcpReader.read_data = real  # type: ignore[method-assign]
 
 
+def write_floor(state: dict[str, Any], path: Path) -> None:
+    """What any save must at least do: this rank's bytes (host copies of its shards) into one file
+    of its own, fsync'd; no planning, no checksums, no commit."""
+    with open(path / f"floor-r{dist.get_rank()}", "wb") as out:
+        for tensor in local_tensors(state):
+            out.write(memoryview(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def local_tensors(state: Any) -> Iterator[torch.Tensor]:
+    """This rank's tensors in ``state``: its DTensors' local shards and its plain tensors."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, DTensor):
+        yield state.to_local()
+    elif isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for value in state.values():
+            yield from local_tensors(value)
+
+
 def bytes_read() -> int:
     """Bytes this process has read through read(2)-like calls (page cache included), from /proc."""
     for line in Path("/proc/self/io").read_text().splitlines():
@@ -239,6 +264,8 @@ def saver(rank: int, world: int, port: int, args: argparse.Namespace, out: str) 
             path = fresh(method)
             store = CheckpointStore(path, distributed=True) if method == "ckptflow" else None
             results.setdefault(f"save {method}", []).append(timed(save, method, state, path, store))
+            if method == "ckptflow":
+                results.setdefault("write", []).append(timed(write_floor, state, fresh("floor")))
             timed_load(method, state, path, store, results)
             if store is not None:
                 results.setdefault("plan", []).append(timed(plan_only, state, store))
@@ -344,6 +371,15 @@ def print_table(found: dict[str, dict[str, float]], args: argparse.Namespace) ->
         for what in ("save", "load"):
             ours, theirs = r[f"{what} ckptflow"], r[f"{what} dcp"]
             rows.append([f"{what}, {world}", f"{ours:.3f}", f"{theirs:.3f}", f"{theirs / ours:.2f}x"])
+            if what == "save":
+                rows.append(
+                    [
+                        f"save floor, {world}: each rank's bytes written to one file and fsync'd",
+                        f"{r['write']:.3f} (ours {ours / r['write']:.2f}x it)",
+                        "",
+                        f"{theirs / r['write']:.2f}x (the most possible)",
+                    ]
+                )
         rows.append(floor_row(world, r))
         for label in ("first", "later"):
             ours, theirs = r[f"async {label} ckptflow"], r[f"async {label} dcp"]
