@@ -112,13 +112,18 @@ class RankGroup:
         The rank that failed raises its own error; the others raise :class:`RankLoadError`
         with the first failed rank's error in its message.
         """
-        failure: Exception | None = None
+        failure: BaseException | None = None
         try:
             outcome = {"ok": work()}
-        except Exception as exc:  # every rank must hear of it, or they would go on with half a state
+        except BaseException as exc:  # every rank must hear of it (an interrupt too), or they would wait
             failure = exc
             outcome = {"error": f"{type(exc).__name__}: {exc}"}
-        outcomes = self.all_gather(outcome, what=what)
+        try:
+            outcomes = self.all_gather(outcome, what=what)
+        except RankLoadError:
+            if failure is not None:  # this rank's own error says more than a peer gone quiet
+                raise failure from None
+            raise
         if failure is not None:
             raise failure
         for rank, theirs in enumerate(outcomes):

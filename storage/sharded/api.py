@@ -23,7 +23,7 @@ import dataclasses
 import gc
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, RankFailedError
@@ -148,31 +148,49 @@ class ShardedStore:
 
         DCP's default load plan needs no coordination (its global step returns each rank's plan
         as it is): each rank reads the manifest and plans its own reads, so the plans are not
-        gathered and scattered as pickles.
+        gathered and scattered as pickles. ``Stateful`` objects get their state back only once
+        every rank has read its part (their ``load_state_dict`` may run collectives of its own).
         """
         import torch.distributed.checkpoint as dcp
 
         state = _as_dict(into)
+        self._saves.join_inflight()  # an async save's collectives use the same group: not beside these
+        keys = sorted(state)  # DCP's order, the same on every rank
+        plain = {k: state[k].state_dict() if _is_stateful(state[k]) else state[k] for k in keys}
 
-        def load_from(located: catalog.Located) -> None:
-            reader = self._reader_of(located, verify)
-            with _no_dist_warning(), _failures_unwrapped(0, "the load"):  # rank 0 of a job of one, to DCP
-                dcp.load(state, storage_reader=reader, no_dist=True)
+        def load_from(found: Callable[[], catalog.Located]) -> None:
+            reader = self._reader_of(found(), verify)
+            with _no_dist_warning(), _failures_unwrapped(0, "the load"):  # a job of one, to DCP
+                dcp.load(plain, storage_reader=reader, no_dist=True)
+
+        def put_back() -> None:
+            for key in keys:
+                if _is_stateful(state[key]):
+                    state[key].load_state_dict(plain[key])
+                else:
+                    state[key] = plain[key]
 
         with _collector_paused():
             if self.group is None:
-                load_from(self._locate(version))
+                load_from(lambda: self._locate(version))
+                put_back()
+                return into
+            mine, newest = self._located_alike(version)
+            found = mine if mine.version == newest else None
+            self.group.together(
+                lambda: load_from(lambda: found or self._locate(newest)), f"the load of version {newest}"
+            )
+            if any(_is_stateful(state[key]) for key in keys):
+                self.group.together(put_back, f"putting version {newest} into the state's objects")
             else:
-                located = self._located_alike(version)
-                self.group.together(lambda: load_from(located), f"the load of version {located.version}")
+                put_back()
         return into
 
-    def _located_alike(self, version: int | None) -> catalog.Located:
-        """The version every rank of the group loads, each rank finding it at the same time.
-
-        With none named, a save that commits while they look can make the ranks see different
-        newest versions: they all take the highest one seen, which is committed.
-        """
+    def _located_alike(self, version: int | None) -> tuple[catalog.Located, int]:
+        """What this rank found, and the version every rank of the group loads: each rank looks
+        at the same time. With none named, a save that commits while they look can make the
+        ranks see different newest versions: they all take the highest one seen, which is
+        committed."""
         assert self.group is not None
         mine: list[catalog.Located] = []
 
@@ -181,7 +199,7 @@ class ShardedStore:
             return mine[0].version
 
         newest = max(self.group.together(find, "finding the version to load"))
-        return mine[0] if mine[0].version == newest else self._locate(newest)
+        return mine[0], newest
 
     def _failures_unwrapped(self, what: str) -> contextlib.AbstractContextManager[None]:
         return _failures_unwrapped(self.group.rank if self.group is not None else 0, what)

@@ -112,6 +112,59 @@ def state_of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
     return {"model": msd, "optimizer": osd}
 
 
+class Parts:
+    """The model and the optimizer as DCP ``Stateful`` objects, as a training app may hand them to
+    a load: ``state_dict`` gives copies (so a load that fills them leaves the model as it was),
+    and ``load_state_dict`` puts a loaded state into the live objects after a barrier on the
+    default group, as FSDP1's optimizer loading and many apps' own code run collectives there.
+    ``applied`` lists the calls of ``load_state_dict``."""
+
+    applied: list[str] = []
+
+    class Model:
+        def __init__(self, model: nn.Module) -> None:
+            self.model = model
+
+        def state_dict(self) -> dict[str, Any]:
+            from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+            return copies(get_model_state_dict(self.model))
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+            dist.barrier()
+            Parts.applied.append("model")
+            set_model_state_dict(self.model, state)
+
+    class Optimizer:
+        def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+            self.model, self.opt = model, opt
+
+        def state_dict(self) -> dict[str, Any]:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            return copies(get_optimizer_state_dict(self.model, self.opt))
+
+        def load_state_dict(self, state: dict[str, Any]) -> None:
+            from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+            dist.barrier()
+            Parts.applied.append("optimizer")
+            set_optimizer_state_dict(self.model, self.opt, state)
+
+    @staticmethod
+    def of(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any]:
+        return {"model": Parts.Model(model), "optimizer": Parts.Optimizer(model, opt)}
+
+
+def copies(state: Any) -> Any:
+    """``state`` with every tensor (DTensors too) cloned, the rest as it is."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+
+
 def full_digest(model: nn.Module, opt: torch.optim.Optimizer) -> Any:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
@@ -170,6 +223,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--mesh", default="1d")
     parser.add_argument("--version", type=int, default=None)
+    parser.add_argument("--stateful", action="store_true", help="load into Stateful wrappers of the model")
     parser.add_argument(
         "--rank0-looks-early",
         action="store_true",
@@ -240,6 +294,10 @@ def main() -> None:
                 store.load(version, into=state_of(model, opt))
             except CheckpointError as exc:
                 result[name] = [type(exc).__name__, str(exc)]
+        try:  # no load_state_dict (and its barrier) may run while a rank failed its read
+            store.load(args.version, into=Parts.of(model, opt))
+        except CheckpointError as exc:
+            result["stateful"] = [type(exc).__name__, str(exc), Parts.applied]
     else:
         train(model, opt, 1)  # the optimizer has state to be overwritten
         state = state_of(model, opt)
@@ -248,12 +306,17 @@ def main() -> None:
                 state, storage_reader=store.dcp_reader(version=args.version), process_group=store.group.group
             )
             loaded = state
+        elif args.stateful:  # the objects take their state themselves
+            store.load(args.version, into=Parts.of(model, opt))
+            result["applied"] = Parts.applied
+            loaded = None
         else:
             loaded = store.load(args.version, into=state)
             result["same_object"] = loaded is state
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
-        set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+        if loaded is not None:
+            set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
     if args.scenario != "save_async":
         full = full_digest(model, opt)
         if rank == 0:

@@ -26,6 +26,17 @@ def test_a_two_rank_save_loads_at_any_world_size(saved_by_store: Saved, tmp_path
     assert job.result()["same_object"], "load(into=state) returns the state it filled"
 
 
+def test_stateful_objects_take_their_state_at_another_world_size(
+    saved_by_store: Saved, tmp_path: Path
+) -> None:
+    """DCP ``Stateful`` wrappers of the model and the optimizer, whose ``state_dict`` gives copies,
+    get their state through ``load_state_dict`` (``set_model_state_dict`` /
+    ``set_optimizer_state_dict``) once every rank has read its part, at W=3 from a W=2 save."""
+    job = FsdpJob.run("load", 3, saved_by_store.url, tmp_path / "load", "--stateful")
+    assert job.full() == saved_by_store.full
+    assert job.result()["applied"] == ["model", "optimizer"], "in DCP's order: the keys sorted"
+
+
 def test_one_process_without_a_process_group_gets_the_full_state(saved_by_store: Saved) -> None:
     state = CheckpointStore(saved_by_store.url).load()
     assert digest(state) == saved_by_store.full

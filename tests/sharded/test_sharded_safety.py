@@ -196,3 +196,6 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank_with_that_ranks_error
     damaged = next(rank for rank, r in enumerate(results) if r["damaged"][0] == "CorruptShardError")
     told = results[1 - damaged]["damaged"][1]
     assert f"failed on rank {damaged}: CorruptShardError: corrupt checkpoint file" in told
+    # Stateful objects whose load_state_dict runs a barrier: none is called, and nobody hangs.
+    assert [r["stateful"][0] for r in results] == [r["damaged"][0] for r in results]
+    assert [r["stateful"][2] for r in results] == [[], []]

@@ -283,12 +283,14 @@ def test_an_error_crosses_torch_distributed_as_it_was(error: CheckpointError) ->
     a TypeError from the unpickling."""
     import torch.distributed as dist
 
-    if not dist.is_initialized():
+    here = not dist.is_initialized()
+    if here:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         gathered: list[object] = [None]
         dist.all_gather_object(gathered, error)
     finally:
-        dist.destroy_process_group()
+        if here:
+            dist.destroy_process_group()
     back = gathered[0]
     assert type(back) is type(error) and str(back) == str(error) and vars(back) == vars(error)
