@@ -79,17 +79,7 @@ def state_of(model: Any, opt: Any) -> dict[str, Any]:
 
 
 def local_bytes(state: Any) -> int:
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, DTensor):
-        return local_bytes(state.to_local())
-    if isinstance(state, torch.Tensor):
-        return state.numel() * state.element_size()
-    if isinstance(state, dict):
-        return sum(local_bytes(v) for v in state.values())
-    if isinstance(state, (list, tuple)):
-        return sum(local_bytes(v) for v in state)
-    return 0
+    return sum(t.numel() * t.element_size() for t in local_tensors(state))
 
 
 def clone_local(state: Any) -> Any:
@@ -182,6 +172,9 @@ def local_tensors(state: Any) -> Iterator[torch.Tensor]:
         yield state
     elif isinstance(state, dict):
         for value in state.values():
+            yield from local_tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
             yield from local_tensors(value)
 
 

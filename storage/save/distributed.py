@@ -77,33 +77,32 @@ class RankGroup:
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's JSON value, in rank order, on rank 0 (None on the others)."""
-        data = _encode(value)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
         with _collective():
-            dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
-            longest = max(int(s.item()) for s in sizes)
-            padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[: data.numel()] = data
+            sizes, padded = self._padded(value)
             if self.rank == 0:
-                out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
+                out = [torch.empty_like(padded) for _ in range(self.world_size)]
                 dist.gather(padded, out, dst=0, group=self.group)
-                return [_decode(t[: int(n.item())]) for t, n in zip(out, sizes, strict=True)]
+                return _unpadded(out, sizes)
             dist.gather(padded, None, dst=0, group=self.group)
         return None
 
     def all_gather(self, value: Any, *, what: str | None = None) -> list[Any]:
         """Every rank's JSON value, in rank order, on every rank (``what``: the work other than a save
         that it is part of, for the error if a rank is gone)."""
+        with _collective(what):
+            sizes, padded = self._padded(value)
+            out = [torch.empty_like(padded) for _ in range(self.world_size)]
+            dist.all_gather(out, padded, group=self.group)
+        return _unpadded(out, sizes)
+
+    def _padded(self, value: Any) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Every rank's encoded size (a collective), and ``value`` encoded, padded to the longest."""
         data = _encode(value)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
-        with _collective(what):
-            dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
-            longest = max(int(s.item()) for s in sizes)
-            padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[: data.numel()] = data
-            out = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.world_size)]
-            dist.all_gather(out, padded, group=self.group)
-        return [_decode(t[: int(n.item())]) for t, n in zip(out, sizes, strict=True)]
+        dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64), group=self.group)
+        padded = torch.zeros(max(int(n.item()) for n in sizes), dtype=torch.uint8)
+        padded[: data.numel()] = data
+        return sizes, padded
 
     def together(self, work: Any, what: str) -> list[Any]:
         """Run ``work()`` on every rank and give every rank all their JSON results, in rank order;
@@ -168,6 +167,10 @@ def _collective(what: str | None = None) -> Iterator[None]:
 def _encode(value: Any) -> torch.Tensor:
     raw = json.dumps(value, allow_nan=False).encode()
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+
+
+def _unpadded(gathered: list[torch.Tensor], sizes: list[torch.Tensor]) -> list[Any]:
+    return [_decode(t[: int(n.item())]) for t, n in zip(gathered, sizes, strict=True)]
 
 
 def _decode(data: torch.Tensor) -> Any:

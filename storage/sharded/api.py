@@ -176,10 +176,8 @@ class ShardedStore:
                 put_back()
                 return into
             mine, newest = self._located_alike(version)
-            found = mine if mine.version == newest else None
-            self.group.together(
-                lambda: load_from(lambda: found or self._locate(newest)), f"the load of version {newest}"
-            )
+            agreed = (lambda: mine) if mine.version == newest else (lambda: self._locate(newest))
+            self.group.together(lambda: load_from(agreed), f"the load of version {newest}")
             if any(_is_stateful(state[key]) for key in keys):
                 self.group.together(put_back, f"putting version {newest} into the state's objects")
             else:
