@@ -150,6 +150,9 @@ def test_a_killed_run_is_marked_crashed_by_the_next_ckptflow_run(prefect_server,
         wait_until(lambda: marker(markers, 2).exists() or proc.poll() is not None, 120, "epoch 2")
         assert proc.poll() is None, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
         killed = marker(markers, 2).read_text()  # the flow run id, written by the training process
+        # The run records its process from a thread beside training: under a loaded machine its
+        # API call may end after epoch 2 begins, and a run killed before that cannot be marked.
+        wait_until(lambda: "ckptflow.pid" in (read_run(killed).labels or {}), 60, "process record")
         os.kill(proc.pid, signal.SIGKILL)  # the CLI's process only: it runs the flow
     finally:
         if proc.poll() is None:
