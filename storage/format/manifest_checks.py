@@ -43,7 +43,8 @@ MAX_DEPTH = 64  # nesting of the structure; real training states are a few level
 MAX_DOCUMENT_DEPTH = MAX_DEPTH + 16  # nesting of a whole manifest or index (a structure inside)
 MAX_BYTES = 256 << 20  # a manifest (or an index) larger than this is refused before parsing
 MAX_COUNT = 1 << 48  # a size, stride or offset in elements (or bytes) above this is not a real one
-_CHECKSUM = re.compile(r"^[0-9a-f]{16}$")
+_CHECKSUM = re.compile(r"[0-9a-f]{16}")
+_HEX = re.compile(r"[0-9a-f]*")
 _TAGS = {"$tensor", "$ndarray", "$chunked", "$tuple", "$float", "$bytes", "$dtype", "$dict"}
 MAX_CHUNKS = 1 << 16  # chunks of one tensor: a mesh of this many ranks is far beyond any job's
 _FLOATS = {"nan", "inf", "-inf"}
@@ -78,7 +79,7 @@ def _fail(where: str, field: str, problem: str) -> ManifestError:
 def _check_shard(shard: ShardEntry, field: str, where: str) -> None:
     if not is_plain_name(shard.file):
         raise _fail(where, f"{field}.file", f"{shard.file!r} is not a plain file name inside the version")
-    if not _CHECKSUM.match(shard.checksum):
+    if not _CHECKSUM.fullmatch(shard.checksum):
         raise _fail(where, f"{field}.checksum", f"{shard.checksum!r} is not an xxh3-64 checksum")
 
 
@@ -92,7 +93,7 @@ def _check_blob(blob: BlobEntry, shards: list[ShardEntry], field: str, where: st
             f"{field}.nbytes",
             f"{blob.nbytes} bytes for shape {blob.shape} of {blob.dtype} ({width} B each)",
         )
-    if not _CHECKSUM.match(blob.checksum):
+    if not _CHECKSUM.fullmatch(blob.checksum):
         raise _fail(where, f"{field}.checksum", f"{blob.checksum!r} is not an xxh3-64 checksum")
     _check_pieces(blob, field, where)
     if blob.offset is None:
@@ -121,8 +122,10 @@ def _check_pieces(blob: BlobEntry, field: str, where: str) -> None:
             f"{field}.pieces",
             f"{len(blob.pieces)} checksums for {count} pieces of {blob.piece_bytes} bytes",
         )
+    if all(len(c) == 16 for c in blob.pieces) and _HEX.fullmatch("".join(blob.pieces)):
+        return  # one match over them all: a big chunk has one checksum per MiB
     for k, checksum in enumerate(blob.pieces):
-        if not _CHECKSUM.match(checksum):
+        if not _CHECKSUM.fullmatch(checksum):
             raise _fail(where, f"{field}.pieces[{k}]", f"{checksum!r} is not an xxh3-64 checksum")
 
 
@@ -236,8 +239,8 @@ def _contiguous(shape: list[int]) -> list[int]:
 
 
 def _check_structure(structure: Any, dtypes: list[str], chunked: int, field: str, where: str) -> None:
-    for node, depth in _walk(structure):
-        if depth > MAX_DEPTH:
+    for node, depth in _containers(structure):
+        if depth + bool(node) > MAX_DEPTH:  # its values lie one level below it
             raise _fail(where, field, f"nested deeper than {MAX_DEPTH} levels")
         if not isinstance(node, dict) or len(node) != 1:
             continue
@@ -300,8 +303,8 @@ def _is_key(key: Any) -> bool:
 
 
 def json_depth(value: Any) -> int:
-    """How deeply a JSON value nests (a scalar: 0), without recursion."""
-    return max((depth for _, depth in _walk(value)), default=0)
+    """How deeply a JSON value nests (a scalar or an empty container: 0), without recursion."""
+    return max((depth + 1 for node, depth in _containers(value) if node), default=0)
 
 
 def document_depth_problem(raw: Any) -> str | None:
@@ -312,13 +315,16 @@ def document_depth_problem(raw: Any) -> str | None:
     return None
 
 
-def _walk(root: Any) -> Iterator[tuple[Any, int]]:
-    """Every node of a JSON value with its depth, without recursion (a deep structure cannot crash it)."""
-    stack = [(root, 0)]
+def _containers(root: Any) -> Iterator[tuple[dict | list, int]]:
+    """Every dict and list of a JSON value with its depth, without recursion (a deep structure
+    cannot crash it). Scalars are never visited: in a manifest they are most of the nodes (piece
+    checksums, shapes), and a container's depth + 1 is already the depth of its values."""
+    if not isinstance(root, (dict, list)):
+        return
+    stack: list[tuple[dict | list, int]] = [(root, 0)]
     while stack:
         node, depth = stack.pop()
         yield node, depth
-        if isinstance(node, dict):
-            stack.extend((v, depth + 1) for v in node.values())
-        elif isinstance(node, list):
-            stack.extend((v, depth + 1) for v in node)
+        below = depth + 1
+        values = node.values() if isinstance(node, dict) else node
+        stack.extend([(v, below) for v in values if isinstance(v, (dict, list))])

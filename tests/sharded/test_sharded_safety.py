@@ -123,6 +123,15 @@ def _pieces_miscounted(m: dict[str, Any]) -> None:
     blob["pieces"] = blob["pieces"] + blob["pieces"][:1]
 
 
+def _piece_checksum(text: str) -> Edit:
+    """The last piece checksum of the first chunk's blob replaced by ``text``."""
+
+    def edit(m: dict[str, Any]) -> None:
+        m["blobs"][_chunks(m)[0]["blob"]]["pieces"][-1] = text
+
+    return edit
+
+
 def _pieces_without_size(m: dict[str, Any]) -> None:
     del m["blobs"][_chunks(m)[0]["blob"]]["piece_bytes"]
 
@@ -140,6 +149,8 @@ CRAFTED: dict[str, tuple[Edit, str]] = {
     "a $chunked reference to nothing": (_dangling, "is not one of the"),
     "a chunk's piece checksums miscounted": (_pieces_miscounted, "checksums for"),
     "piece checksums without their size": (_pieces_without_size, "come together"),
+    "a piece checksum not hex": (_piece_checksum("zz" * 8), "is not an xxh3-64 checksum"),
+    "a piece checksum with a newline": (_piece_checksum("0" * 16 + "\n"), "is not an xxh3-64 checksum"),
 }
 
 
