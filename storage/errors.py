@@ -109,6 +109,11 @@ class RankLoadError(CheckpointError):
     """Another rank of a multi-process load failed; its error is in the message, and no rank goes on."""
 
 
+class StateMismatchError(CheckpointError, ValueError):
+    """A sharded load's ``into`` state does not fit the version: a key it lacks, a shape it stores
+    otherwise. Raised before any byte is read."""
+
+
 class UnsafeArchiveError(CheckpointError):
     """A tarball member that extraction refuses: absolute path, ``..``, link, device, escape."""
 

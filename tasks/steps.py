@@ -45,7 +45,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from ckptflow.storage import CheckpointStore, SaveHandle, VersionInfo
+from ckptflow.storage import CheckpointStore, SaveHandle, StateMismatchError, VersionInfo
 
 from . import run_state
 from .config import PipelineConfig, RetentionConfig
@@ -71,8 +71,10 @@ def check_run_identity(store: CheckpointStore, config: PipelineConfig) -> None:
 
 
 def _may_pass(task: Any, task_run: Any, state: Any) -> bool:
-    """Retry init unless it failed on something only the user can change (config, spec path)."""
-    return not isinstance(state.result(raise_on_failure=False), (ConfigMismatchError, SpecError))
+    """Retry init unless it failed on something only the user can change (config, spec path, a
+    model that no longer fits the checkpoint)."""
+    error = state.result(raise_on_failure=False)
+    return not isinstance(error, (ConfigMismatchError, SpecError, StateMismatchError))
 
 
 @io_task("init_model", retries=2, retry_condition_fn=_may_pass)

@@ -376,10 +376,16 @@ def _received(conn: Connection) -> Iterator[dict[str, Any]]:
 
 
 def _remote_error(error: dict[str, Any]) -> BaseException:
+    from ckptflow.storage import StateMismatchError
+
     from .run_state import ConfigMismatchError
     from .spec import SpecError
 
-    known: dict[str, type[Exception]] = {"SpecError": SpecError, "ConfigMismatchError": ConfigMismatchError}
+    known: dict[str, type[Exception]] = {
+        "SpecError": SpecError,
+        "ConfigMismatchError": ConfigMismatchError,
+        "StateMismatchError": StateMismatchError,  # what only the user can change: not retried
+    }
     kind = known.get(error["type"])
     exc = kind(error["message"]) if kind else TrainerError(f"{error['type']}: {error['message']}")
     exc.add_note(f"in the training process:\n{error['traceback']}")

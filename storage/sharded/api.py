@@ -109,13 +109,15 @@ class ShardedStore:
         """Copy this rank's shards to host memory, claim the version, write and commit in the background."""
         import torch.distributed.checkpoint as dcp
 
+        from .staging import copies_ended, stage
+
         saver = self._saves.saver
         saver.wait_previous()
         _refuse_split_without_group(state, self.group)
         with _collector_paused():
             staged = _as_dict(stage(state, getattr(self, "_sharded_staging", None)))
             own = stage(request.rank_state) if request.rank_state is not None else None
-            _copies_ended()
+            copies_ended()
         self._sharded_staging = staged  # reused by the next async save, once this one has ended
         writer = self._writer_for(request)
         writer.keep_own(own)
@@ -153,19 +155,22 @@ class ShardedStore:
         """
         import torch.distributed.checkpoint as dcp
 
+        from .reader import fitting_planner
+
         state = _as_dict(into)
         self._saves.join_inflight()  # an async save's collectives use the same group: not beside these
         keys = sorted(state)  # DCP's order, the same on every rank
-        plain = {k: state[k].state_dict() if _is_stateful(state[k]) else state[k] for k in keys}
+        plain = {k: state[k].state_dict() if is_stateful(state[k]) else state[k] for k in keys}
 
         def load_from(found: Callable[[], catalog.Located]) -> None:
             reader = self._reader_of(found(), verify)
+            planner = fitting_planner(f"version {reader.version} of {self.loc.display()}", reader.version)
             with _no_dist_warning(), _failures_unwrapped(0, "the load"):  # a job of one, to DCP
-                dcp.load(plain, storage_reader=reader, no_dist=True)
+                dcp.load(plain, storage_reader=reader, planner=planner, no_dist=True)
 
         def put_back() -> None:
             for key in keys:
-                if _is_stateful(state[key]):
+                if is_stateful(state[key]):
                     state[key].load_state_dict(plain[key])
                 else:
                     state[key] = plain[key]
@@ -178,7 +183,7 @@ class ShardedStore:
             mine, newest = self._located_alike(version)
             agreed = (lambda: mine) if mine.version == newest else (lambda: self._locate(newest))
             self.group.together(lambda: load_from(agreed), f"the load of version {newest}")
-            if any(_is_stateful(state[key]) for key in keys):
+            if any(is_stateful(state[key]) for key in keys):
                 self.group.together(put_back, f"putting version {newest} into the state's objects")
             else:
                 put_back()
@@ -215,12 +220,12 @@ def holds_sharded(state: object) -> bool:
     tensor = sys.modules.get("torch.distributed.tensor")
     dtensor = tensor.DTensor if tensor is not None else None
     for value in _values(state, set()):
-        if (dtensor is not None and isinstance(value, dtensor)) or _is_stateful(value):
+        if (dtensor is not None and isinstance(value, dtensor)) or is_stateful(value):
             return True
     return False
 
 
-def _is_stateful(value: object) -> bool:
+def is_stateful(value: object) -> bool:
     """What DCP's ``Stateful`` protocol checks: ``state_dict()`` and ``load_state_dict()``."""
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
@@ -235,85 +240,6 @@ def _values(state: object, seen: set[int]) -> Iterator[object]:
         elif id(node) not in seen:
             seen.add(id(node))
             stack.extend(node.values() if isinstance(node, dict) else node)
-
-
-def stage(state: object, cache: object = None) -> object:
-    """A copy of ``state`` in host memory that no training step changes: this rank's shards of its
-    DTensors (still DTensors of the same mesh and placements), its tensors, its other values;
-    DCP ``Stateful`` objects as their ``state_dict()``. The tensors of ``cache`` (the previous
-    save's copy, whose write has ended) are reused where they fit: only a first save allocates.
-
-    Copies from a GPU go into pinned memory and are only issued here (the transfers overlap one
-    another): :func:`_copies_ended` waits for them all. DCP's own ``DefaultStager`` does the same
-    by storage; on CPU its copies stalled a save 2-3x longer than these (bench_sharded, W=1/W=2)."""
-    import copy
-
-    import torch
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(state, DTensor):
-        local = state.to_local().detach()
-        if isinstance(cache, DTensor) and _same_layout(cache, state) and _fits(cache.to_local(), local):
-            cache.to_local().copy_(local, non_blocking=local.is_cuda)
-            return cache
-        return DTensor.from_local(
-            _host_copy(local),
-            state.device_mesh,
-            state.placements,
-            run_check=False,
-            shape=state.shape,
-            stride=state.stride(),
-        )
-    if isinstance(state, torch.Tensor):
-        if type(cache) is torch.Tensor and _fits(cache, state):
-            return cache.copy_(state.detach(), non_blocking=state.is_cuda)
-        return _host_copy(state.detach())
-    if isinstance(state, dict):
-        old = cache if isinstance(cache, dict) else {}
-        return {k: stage(v, old.get(k)) for k, v in state.items()}
-    if type(state) in (list, tuple):
-        assert isinstance(state, (list, tuple))
-        old_items = (
-            list(cache)
-            if isinstance(cache, (list, tuple)) and len(cache) == len(state)
-            else [None] * len(state)
-        )
-        return type(state)(stage(v, c) for v, c in zip(state, old_items, strict=True))
-    if _is_stateful(state):
-        return stage(state.state_dict(), cache)  # type: ignore[attr-defined]
-    return copy.deepcopy(state)
-
-
-def _host_copy(tensor: Any) -> Any:
-    """A new host copy of ``tensor``: from a GPU, into pinned memory and without waiting for it."""
-    import torch
-
-    if not tensor.is_cuda:
-        return tensor.to("cpu", copy=True)
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
-
-
-def _copies_ended() -> None:
-    """Wait for the device-to-host copies :func:`stage` issued (none without CUDA)."""
-    import torch
-
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-
-
-def _same_layout(a: Any, b: Any) -> bool:
-    return bool(a.device_mesh == b.device_mesh and a.placements == b.placements and a.shape == b.shape)
-
-
-def _fits(buffer: Any, tensor: Any) -> bool:
-    """Whether ``buffer`` (a CPU copy) can take ``tensor``'s values in place."""
-    return bool(
-        buffer.device.type == "cpu"
-        and buffer.shape == tensor.shape
-        and buffer.dtype == tensor.dtype
-        and buffer.is_contiguous()
-    )
 
 
 def _refuse_split_without_group(state: object, group: RankGroup | None) -> None:
@@ -389,4 +315,4 @@ def _as_dict(state: object) -> dict[str, Any]:
     return state
 
 
-__all__ = ["ShardedStore", "holds_sharded"]
+__all__ = ["ShardedStore", "holds_sharded", "is_stateful"]

@@ -322,4 +322,40 @@ def _set_like_default(planner: DefaultLoadPlanner, item: ReadItem, value: Any) -
         planner.state_dict[fqn] = value
 
 
-__all__ = ["DcpReader"]
+def fitting_planner(what: str, version: int) -> Any:
+    """DCP's default load planner, refusing a state that does not fit the version (a key the
+    version lacks, a tensor it stores in another shape) with StateMismatchError naming both."""
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..errors import StateMismatchError
+
+    def refuse(problem: str) -> StateMismatchError:
+        return StateMismatchError(
+            f"{what} does not fit the state to fill: {problem}; build the model and optimizer as "
+            f"they were when it was saved (load({version}) without into= returns what it holds)"
+        )
+
+    class FittingPlanner(DefaultLoadPlanner):
+        def create_local_plan(self) -> Any:
+            stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
+            missing = [fqn for fqn in self.state_dict if fqn not in stored]
+            if missing:
+                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+                raise refuse(f"it has no {missing[0]!r}{more}, which the state holds")
+            for fqn, value in self.state_dict.items():
+                entry = stored[fqn]
+                if not (isinstance(value, torch.Tensor) and isinstance(entry, TensorStorageMetadata)):
+                    continue
+                if list(value.size()) != list(entry.size):
+                    raise refuse(f"{fqn!r} is {list(entry.size)} in it and {list(value.size())} in the state")
+            try:
+                return super().create_local_plan()
+            except (RuntimeError, ValueError) as exc:  # any other refusal of DCP's planner
+                raise refuse(str(exc).rstrip(".")) from None
+
+    return FittingPlanner()
+
+
+__all__ = ["DcpReader", "fitting_planner"]

@@ -298,6 +298,18 @@ def main() -> None:
             store.load(args.version, into=Parts.of(model, opt))
         except CheckpointError as exc:
             result["stateful"] = [type(exc).__name__, str(exc), Parts.applied]
+        # states that do not fit the version: refused before a byte is read, on every rank
+        extra = state_of(model, opt)
+        extra["model"]["extra.weight"] = torch.zeros(2)
+        shape = state_of(model, opt)
+        shape["model"]["head.weight"] = torch.zeros(3)
+        before = full_digest(model, opt)
+        for name, state in (("extra", extra), ("shape", shape)):
+            try:
+                store.load(args.version, into=state)
+            except CheckpointError as exc:
+                result[name] = [type(exc).__name__, str(exc)]
+        result["untouched"] = full_digest(model, opt) == before
     else:
         train(model, opt, 1)  # the optimizer has state to be overwritten
         state = state_of(model, opt)

@@ -15,7 +15,7 @@ import pytest
 
 from ckptflow.storage import CheckpointStore
 from tests.conftest import assert_same_state
-from tests.pipeline.helpers import make_config, run_counts, run_summary
+from tests.pipeline.helpers import make_config, poll, run_counts, run_flow, run_summary, task_runs
 
 pytestmark = [pytest.mark.prefect, pytest.mark.timeout(600)]
 
@@ -69,3 +69,24 @@ def test_a_sharded_store_goes_from_2_ranks_to_3_to_1(prefect_server, resumed: Pa
     assert losses[-1] < losses[0], f"training went on across the changes: {losses}"
     state = store.load(EPOCHS + 2)
     assert state["progress"]["epoch"] == EPOCHS + 2 and "embed.weight" in state["model"]
+
+
+def test_a_model_that_no_longer_fits_is_refused_once_and_names_the_tensor(
+    prefect_server, resumed: Path, tmp_path: Path
+) -> None:
+    """Resuming (with --allow-config-change) a model built wider than the one saved: the run fails
+    on init, once (retrying cannot help), naming the tensor and both shapes; nothing committed is
+    touched."""
+    storage = tmp_path / "W"
+    shutil.copytree(resumed, storage)
+    wider = config(storage, epochs=EPOCHS + 1, nproc=2, allow_config_change=True)
+    wider.spec_config["width"] = 48
+    state, run_id = run_flow(wider)
+    assert state.is_failed()
+    message = str(state.message) + str(state.result(raise_on_failure=False))
+    assert "does not fit the state to fill" in message and "[64, 32] in it and [64, 48]" in message, message
+    runs = poll(lambda: task_runs(run_id), lambda rs: rs and all(t.state.is_final() for t in rs))
+    assert [t.run_count for t in runs if t.name.startswith("init_model")] == [1]
+    store = CheckpointStore(storage)
+    assert [v.version for v in store.versions()] == list(range(1, EPOCHS + 1))
+    store.verify(EPOCHS)

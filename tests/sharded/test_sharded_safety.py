@@ -210,3 +210,9 @@ def test_a_load_that_fails_on_one_rank_fails_on_every_rank_with_that_ranks_error
     # Stateful objects whose load_state_dict runs a barrier: none is called, and nobody hangs.
     assert [r["stateful"][0] for r in results] == [r["damaged"][0] for r in results]
     assert [r["stateful"][2] for r in results] == [[], []]
+    # A state that does not fit the version: each rank names the key, nothing is read into it.
+    for r in results:
+        assert r["extra"][0] == r["shape"][0] == "StateMismatchError", r
+        assert "has no 'model.extra.weight', which the state holds" in r["extra"][1]
+        assert "'model.head.weight' is [64, 32] in it and [3] in the state" in r["shape"][1]
+        assert "build the model and optimizer as they were" in r["shape"][1] and r["untouched"]
