@@ -24,7 +24,13 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ckptflow.storage import CheckpointStore, RankStateWarning, StoreOptions, VersionInfo
+from ckptflow.storage import (
+    CheckpointStore,
+    RankStateWarning,
+    StateMismatchError,
+    StoreOptions,
+    VersionInfo,
+)
 
 from .config import PipelineConfig, identity_differences
 
@@ -184,7 +190,16 @@ def build_run(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RankStateWarning)
                 state.update(store.load_rank_state(latest.version, rank=0, world_size=1) or {})
-        run.epoch, run.step = restore(trainable, spec, state)
+        try:
+            run.epoch, run.step = restore(trainable, spec, state)
+        except (RuntimeError, ValueError) as exc:
+            if not _does_not_fit(exc):
+                raise
+            raise StateMismatchError(
+                f"version {latest.version} of {store.url} does not fit the model the spec builds: {exc} "
+                "Build it as it was saved (the same spec_config), or start the changed model in a "
+                "new storage URL"
+            ) from None
         reseed_epoch = run.epoch if saved_by != world_size else None
         run.resumed_from = latest
         run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
@@ -198,6 +213,15 @@ def build_run(
     if writes:
         record_run_identity(store, identity)
     return run
+
+
+def _does_not_fit(exc: BaseException) -> bool:
+    """Whether torch refused a saved state for the objects it was to go into (a module's keys or
+    shapes, an optimizer's parameter groups), rather than failing for another reason."""
+    text = str(exc)
+    if isinstance(exc, RuntimeError):
+        return text.startswith("Error(s) in loading state_dict")
+    return text.startswith("loaded state dict")
 
 
 def claim_store(store: CheckpointStore, identity: dict[str, Any] | None, warn: Log) -> None:

@@ -99,6 +99,24 @@ class TestRunIdentity:
         summary, _ = run_summary(make_config(store, epochs=3, seed=1))
         assert summary["resumed_from"] == 2
 
+    def test_a_model_that_no_longer_fits_is_refused_once(self, store, markers):
+        """A changed spec_config allowed through, whose model no longer fits the checkpoint (a wider
+        hidden layer): the run fails on init at once, naming the version and the tensor's shapes;
+        retrying cannot help, and nothing committed is touched."""
+        wider = make_config(
+            store, epochs=2, spec_config={**SPEC_CONFIG, "hidden": 48}, allow_config_change=True
+        )
+        state, run_id = run_flow(wider)
+
+        assert state.is_failed()
+        message = str(state.result(raise_on_failure=False))
+        assert "version 1 of" in message and "does not fit the model the spec builds" in message, message
+        assert "size mismatch for" in message and "torch.Size([32, 64])" in message, message
+        assert list(markers.iterdir()) == []  # no epoch started
+        assert assert_only_committed(store) == [1]
+        runs = poll(lambda: task_runs(run_id), lambda rs: rs and all(t.state.is_final() for t in rs))
+        assert [(t.name.split("-")[0], t.run_count) for t in runs] == [("init_model", 1)]
+
     def test_harmless_changes_are_accepted(self, store, markers):
         summary, _ = run_summary(make_config(store, epochs=3, shards=3, save_every=1))
 
