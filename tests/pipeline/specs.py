@@ -54,7 +54,10 @@ class MarkedDigitsSpec(DigitsSpec):
         directory = os.environ.get(MARKERS_ENV)
         if directory:
             _slow_save_once(Path(directory))
-            marker(Path(directory), epoch).write_text(_flow_run_id())
+            done = marker(Path(directory), epoch)  # whole or absent: a test reads it once it exists
+            partial = done.with_name(f".{done.name}.part")
+            partial.write_text(_flow_run_id())
+            partial.replace(done)
             if epoch >= int(os.environ.get(SLOW_FROM_ENV, "1")):
                 time.sleep(float(os.environ.get(SLOW_SECONDS_ENV, "0")))
         return super().train_epoch(trainable, epoch)
