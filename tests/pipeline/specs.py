@@ -55,7 +55,7 @@ class MarkedDigitsSpec(DigitsSpec):
         if directory:
             _slow_save_once(Path(directory))
             done = marker(Path(directory), epoch)  # whole or absent: a test reads it once it exists
-            partial = done.with_name(f".{done.name}.part")
+            partial = done.with_name(f".{done.name}.{os.getpid()}.part")  # each rank its own
             partial.write_text(_flow_run_id())
             partial.replace(done)
             if epoch >= int(os.environ.get(SLOW_FROM_ENV, "1")):
