@@ -155,8 +155,6 @@ class ShardedStore:
         """
         import torch.distributed.checkpoint as dcp
 
-        from .reader import fitting_planner
-
         state = _as_dict(into)
         self._saves.join_inflight()  # an async save's collectives use the same group: not beside these
         keys = sorted(state)  # DCP's order, the same on every rank
@@ -164,9 +162,8 @@ class ShardedStore:
 
         def load_from(found: Callable[[], catalog.Located]) -> None:
             reader = self._reader_of(found(), verify)
-            planner = fitting_planner(f"version {reader.version} of {self.loc.display()}", reader.version)
             with _no_dist_warning(), _failures_unwrapped(0, "the load"):  # a job of one, to DCP
-                dcp.load(plain, storage_reader=reader, planner=planner, no_dist=True)
+                dcp.load(plain, storage_reader=reader, planner=reader.fitting_planner(), no_dist=True)
 
         def put_back() -> None:
             for key in keys:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StateMismatchError
 from ..files.location import translate_errors
 from ..format.dtypes import dtype_from_name
 from ..load.loader import as_bytes, build_tensors
@@ -69,6 +69,11 @@ class DcpReader(StorageReader):
     @property
     def version(self) -> int:
         return self.manifest.version
+
+    def fitting_planner(self) -> LoadPlanner:
+        """DCP's default load planner, refusing a state that does not fit this version (a key the
+        version lacks, a tensor it stores in another shape) with StateMismatchError naming both."""
+        return _FittingPlanner(self.version, self.loc.display())
 
     # -- DCP's calls --------------------------------------------------------------
 
@@ -322,37 +327,35 @@ def _set_like_default(planner: DefaultLoadPlanner, item: ReadItem, value: Any) -
         planner.state_dict[fqn] = value
 
 
-def fitting_planner(what: str, version: int) -> Any:
-    """DCP's default load planner, refusing a state that does not fit the version (a key the
-    version lacks, a tensor it stores in another shape) with StateMismatchError naming both."""
-    import torch
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+class _FittingPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, refusing first a state that does not fit the version."""
 
-    from ..errors import StateMismatchError
+    def __init__(self, version: int, where: str) -> None:
+        super().__init__()
+        self.version, self.where = version, where
 
-    def refuse(problem: str) -> StateMismatchError:
+    def create_local_plan(self) -> LoadPlan:
+        stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
+        missing = [fqn for fqn in self.state_dict if fqn not in stored]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise self._refused(f"it has no {missing[0]!r}{more}, which the state holds")
+        for fqn, value in self.state_dict.items():
+            entry = stored[fqn]
+            if not (isinstance(value, torch.Tensor) and isinstance(entry, TensorStorageMetadata)):
+                continue
+            if list(value.size()) != list(entry.size):
+                raise self._refused(
+                    f"{fqn!r} is {list(entry.size)} in it and {list(value.size())} in the state"
+                )
+        return super().create_local_plan()  # its other errors (a mesh's, memory) stay its own
+
+    def _refused(self, problem: str) -> StateMismatchError:
         return StateMismatchError(
-            f"{what} does not fit the state to fill: {problem}; build the model and optimizer as "
-            f"they were when it was saved (load({version}) without into= returns what it holds)"
+            f"version {self.version} of {self.where} does not fit the state to fill: {problem}; build "
+            f"the model and optimizer as they were when it was saved (load({self.version}) without "
+            "into= returns what it holds)"
         )
 
-    class FittingPlanner(DefaultLoadPlanner):
-        def create_local_plan(self) -> Any:
-            stored = self.metadata.state_dict_metadata if self.metadata is not None else {}
-            missing = [fqn for fqn in self.state_dict if fqn not in stored]
-            if missing:
-                more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-                raise refuse(f"it has no {missing[0]!r}{more}, which the state holds")
-            for fqn, value in self.state_dict.items():
-                entry = stored[fqn]
-                if not (isinstance(value, torch.Tensor) and isinstance(entry, TensorStorageMetadata)):
-                    continue
-                if list(value.size()) != list(entry.size):
-                    raise refuse(f"{fqn!r} is {list(entry.size)} in it and {list(value.size())} in the state")
-            return super().create_local_plan()  # its other errors (a mesh's, memory) stay its own
 
-    return FittingPlanner()
-
-
-__all__ = ["DcpReader", "fitting_planner"]
+__all__ = ["DcpReader"]
