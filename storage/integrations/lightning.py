@@ -15,7 +15,7 @@ own directory unless the plugin is given one URL for all of them. What always ho
   each save makes a version of its own, so no other pointer names it;
 - the dict Lightning hands over is stored without pickling (tensors as datasets, the rest as
   JSON); namespaces, paths and sets in hyper-parameters are tagged and come back as they were;
-  any other object is refused unless ``allow_pickle=True`` (see :mod:`.pyvalues`).
+  any other object is refused, naming its key path (see :mod:`.pyvalues`).
 
 ``async_save=True`` returns once the state is copied to host memory; the write, the commit
 and the pointer follow in the background while training goes on (Lightning's
@@ -49,8 +49,7 @@ class CkptflowCheckpointIO(CheckpointIO):
 
     ``url``: one store for every checkpoint (default: the directory of each checkpoint
     path, e.g. ``ModelCheckpoint``'s ``dirpath``). ``storage_options``: fsspec options for
-    the stores and pointers (an S3 endpoint, a profile). ``allow_pickle``: pickle values
-    JSON cannot hold, and unpickle them on load; only for stores no untrusted party can write.
+    the stores and pointers (an S3 endpoint, a profile). Nothing is pickled or unpickled.
     """
 
     def __init__(
@@ -59,12 +58,10 @@ class CkptflowCheckpointIO(CheckpointIO):
         *,
         storage_options: dict[str, Any] | None = None,
         async_save: bool = False,
-        allow_pickle: bool = False,
     ) -> None:
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.async_save = async_save
-        self.allow_pickle = allow_pickle
         self._stores: dict[str, CheckpointStore] = {}
         self._inflight: tuple[SaveHandle, threading.Event] | None = None
         self._failure: BaseException | None = None
@@ -78,7 +75,7 @@ class CkptflowCheckpointIO(CheckpointIO):
                 "CkptflowCheckpointIO(storage_options=...)"
             )
         path = str(path)
-        state = to_storable(checkpoint, allow_pickle=self.allow_pickle)
+        state = to_storable(checkpoint)
         self._finish_inflight()
         store, store_ref = self._store_for(path)
         facts: dict[str, Any] = {
@@ -96,8 +93,7 @@ class CkptflowCheckpointIO(CheckpointIO):
         self._inflight = (handle, pointed)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
-        """The checkpoint a pointer names (``weights_only`` is moot: nothing here unpickles
-        unless the plugin was made with ``allow_pickle=True``)."""
+        """The checkpoint a pointer names (``weights_only`` is moot: nothing here unpickles)."""
         self._finish_inflight()
         path = str(path)
         pointer = self._read_pointer(path)
@@ -105,7 +101,7 @@ class CkptflowCheckpointIO(CheckpointIO):
             raise FileNotFoundError(f"no checkpoint at {path}")
         store = self._open(pointer["store_url"])
         state = store.load(pointer["version"], map_location=_device(map_location))
-        return from_storable(state, allow_pickle=self.allow_pickle)
+        return from_storable(state)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer at ``path``, then the version it names."""

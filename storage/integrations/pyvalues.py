@@ -6,16 +6,15 @@ with. A store holds trees of tensors, numbers, strings, bytes and containers
 (:mod:`..format.structure`). :func:`to_storable` replaces a namespace, a path or a set by a
 tagged dict that says what it was, and :func:`from_storable` turns the tag back into the value.
 
-Anything else is refused, naming its key path, unless the caller opted in to pickling it. A
-pickle runs code when it is read, so opting in is for stores only trusted writers can reach;
-:func:`from_storable` unpickles only when its caller opts in again, and refuses otherwise.
+Anything else is refused, naming its key path. Nothing is pickled, and nothing is unpickled: a
+pickle runs code when it is read. A pickled value that an earlier ckptflow stored (its
+``allow_pickle`` option) is refused on load, naming its key path and type.
 """
 
 from __future__ import annotations
 
 import argparse
 import pathlib
-import pickle
 from typing import Any
 
 import numpy as np
@@ -49,75 +48,61 @@ _LEAVES = (
     np.ndarray,
     np.generic,
 )
-PICKLE_HINT = "pass allow_pickle=True only if no one you do not trust can write to the store"
 
 
-def to_storable(value: Any, *, allow_pickle: bool = False, path: str = "") -> Any:
+def to_storable(value: Any, *, path: str = "") -> Any:
     """``value`` with every namespace, path and set replaced by a tagged dict (a copy where needed).
 
-    Other objects are pickled into bytes if ``allow_pickle``, else refused with
-    :class:`UnsupportedValueError` naming their key path.
+    Other objects are refused with :class:`UnsupportedValueError` naming their key path.
     """
     if isinstance(value, _LEAVES):
         return value
     if isinstance(value, dict):
-        return {
-            k: to_storable(v, allow_pickle=allow_pickle, path=join_path(path, k)) for k, v in value.items()
-        }
+        return {k: to_storable(v, path=join_path(path, k)) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [
-            to_storable(v, allow_pickle=allow_pickle, path=join_path(path, i)) for i, v in enumerate(value)
-        ]
+        items = [to_storable(v, path=join_path(path, i)) for i, v in enumerate(value)]
         return items if isinstance(value, list) else tuple(items)
     if isinstance(value, argparse.Namespace):
-        return {TAG: "namespace", "value": to_storable(vars(value), allow_pickle=allow_pickle, path=path)}
+        return {TAG: "namespace", "value": to_storable(vars(value), path=path)}
     if isinstance(value, pathlib.PurePath) and type(value).__name__ in _PATHS:
         return {TAG: "path", "class": type(value).__name__, "value": str(value)}
     if isinstance(value, (set, frozenset)):
-        items = [to_storable(v, allow_pickle=allow_pickle, path=path) for v in value]
+        items = [to_storable(v, path=path) for v in value]
         return {TAG: type(value).__name__, "value": items}
-    if allow_pickle:
-        return {TAG: "pickle", "type": _qualname(value), "value": pickle.dumps(value)}
     raise UnsupportedValueError(
         path,
-        f"a {_qualname(value)} cannot be stored without pickling it; store it as a dict, string or "
-        f"number instead, or {PICKLE_HINT}",
+        f"a {_qualname(value)} cannot be stored without pickling it, and ckptflow never pickles: "
+        "store it as a dict, string or number instead",
     )
 
 
-def from_storable(value: Any, *, allow_pickle: bool = False, path: str = "") -> Any:
-    """The inverse of :func:`to_storable`; a pickled value is unpickled only if ``allow_pickle``."""
+def from_storable(value: Any, *, path: str = "") -> Any:
+    """The inverse of :func:`to_storable`; a pickled value (from an earlier ckptflow) is refused."""
     if isinstance(value, list):
-        return [
-            from_storable(v, allow_pickle=allow_pickle, path=join_path(path, i)) for i, v in enumerate(value)
-        ]
+        return [from_storable(v, path=join_path(path, i)) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return tuple(
-            from_storable(v, allow_pickle=allow_pickle, path=join_path(path, i)) for i, v in enumerate(value)
-        )
+        return tuple(from_storable(v, path=join_path(path, i)) for i, v in enumerate(value))
     if not isinstance(value, dict):
         return value
     kind = value.get(TAG)
     if kind is None:
-        return {
-            k: from_storable(v, allow_pickle=allow_pickle, path=join_path(path, k)) for k, v in value.items()
-        }
+        return {k: from_storable(v, path=join_path(path, k)) for k, v in value.items()}
     inner = value.get("value")
     if kind == "namespace" and isinstance(inner, dict):
-        return argparse.Namespace(**from_storable(inner, allow_pickle=allow_pickle, path=path))
+        return argparse.Namespace(**from_storable(inner, path=path))
     if kind == "path" and isinstance(inner, str) and value.get("class") in _PATHS:
         return _PATHS[value["class"]](inner)
     if kind in ("set", "frozenset") and isinstance(inner, list):
-        items = [from_storable(v, allow_pickle=allow_pickle, path=path) for v in inner]
+        items = [from_storable(v, path=path) for v in inner]
         return set(items) if kind == "set" else frozenset(items)
-    if kind == "pickle" and isinstance(inner, bytes):
-        if not allow_pickle:
-            raise UnsupportedValueError(
-                path,
-                f"the checkpoint holds a pickled {value.get('type', 'object')} here, and reading it "
-                f"would run code; {PICKLE_HINT}",
-            )
-        return pickle.loads(inner)  # the caller opted in: a trusted store (see the module docstring)
+    if kind == "pickle":
+        raise UnsupportedValueError(
+            path,
+            f"the checkpoint holds a pickled {value.get('type', 'object')} here (an earlier ckptflow's "
+            "allow_pickle), and ckptflow never unpickles: reading it would run code. "
+            "CheckpointStore(url).load(version) returns its bytes, to unpickle yourself if you trust "
+            "whoever wrote the store",
+        )
     raise UnsupportedValueError(path, f"unknown tagged value {kind!r}; written by a newer ckptflow?")
 
 

@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import pathlib
+import pickle
 import subprocess
 import sys
 import time
@@ -26,6 +27,7 @@ import torch
 
 from ckptflow.storage import CheckpointStore, UnsupportedValueError
 from ckptflow.storage.integrations.lightning import CkptflowCheckpointIO
+from ckptflow.storage.integrations.pyvalues import TAG
 from tests.children import CHILDREN
 
 CHILD = CHILDREN / "lightning_child.py"
@@ -147,21 +149,36 @@ def test_an_object_json_cannot_hold_is_refused_by_its_key_before_anything_is_wri
     with pytest.raises(UnsupportedValueError) as err:
         io.save_checkpoint(checkpoint(hyper_parameters={"loss_fn": Opaque()}), tmp_path / "c.ckpt")
     assert "hyper_parameters/loss_fn" in str(err.value)
-    assert "allow_pickle=True" in str(err.value)
+    assert "store it as a dict, string or number instead" in str(err.value)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_pickling_is_opt_in_on_save_and_on_load(tmp_path: Path) -> None:
-    CkptflowCheckpointIO(allow_pickle=True).save_checkpoint(
-        checkpoint(hyper_parameters={"loss_fn": Opaque()}), tmp_path / "c.ckpt"
-    )
-    with pytest.raises(UnsupportedValueError, match=r"pickled .*Opaque.*would run code"):
-        CkptflowCheckpointIO().load_checkpoint(tmp_path / "c.ckpt")
-    got = CkptflowCheckpointIO(allow_pickle=True).load_checkpoint(tmp_path / "c.ckpt")
-    assert got["hyper_parameters"]["loss_fn"] == Opaque()
+class Planted:
+    """Unpickling one creates the file it names: the proof that something was unpickled."""
+
+    def __init__(self, proof: str) -> None:
+        self.proof = proof
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (pathlib.Path.touch, (pathlib.Path(self.proof),))
 
 
-def test_no_file_of_the_store_is_a_pickle_without_the_opt_in(tmp_path: Path) -> None:
+def test_nothing_is_pickled_and_a_pickle_an_earlier_version_stored_is_refused(tmp_path: Path) -> None:
+    """Bug fix: allow_pickle=True made load_checkpoint unpickle what the store held (a pickle runs
+    code when it is read). The option is gone, and a pickled value an earlier ckptflow stored is
+    refused on load, naming its key path, without being unpickled."""
+    with pytest.raises(TypeError, match="allow_pickle"):
+        CkptflowCheckpointIO(allow_pickle=True)  # type: ignore[call-arg]
+    proof = tmp_path / "unpickled"
+    planted = {TAG: "pickle", "type": "tests.Planted", "value": pickle.dumps(Planted(str(proof)))}
+    io = CkptflowCheckpointIO()
+    io.save_checkpoint(checkpoint(hyper_parameters={"loss_fn": planted}), tmp_path / "c.ckpt")
+    with pytest.raises(UnsupportedValueError, match=r"hyper_parameters/loss_fn.*pickled tests.Planted"):
+        io.load_checkpoint(tmp_path / "c.ckpt")
+    assert not proof.exists()
+
+
+def test_no_file_of_the_store_is_a_pickle(tmp_path: Path) -> None:
     CkptflowCheckpointIO().save_checkpoint(checkpoint(), tmp_path / "c.ckpt")
     for f in tmp_path.rglob("*"):
         if f.is_file():
