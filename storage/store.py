@@ -248,7 +248,8 @@ class CheckpointStore(ShardedStore, Upkeep):
         ``["optimizer/param_groups"]``); only their bytes are read. ``into``: a
         state of existing tensors (e.g. ``{"model": model.state_dict()}``);
         tensors whose key path, dtype and shape match are read into them in
-        place and returned as those very tensors. Archived versions are read
+        place (GPU tensors through a host copy) and returned as those very
+        tensors. Archived versions are read
         from their tarball by range reads.
         """
         if into is not None and holds_sharded(into):  # DTensors: every rank reads the parts it holds

@@ -27,8 +27,13 @@ from typing import Any
 
 import fsspec
 import pytest
+import torch
 
 from tests.ports import free_port
+
+# tests/cuda runs on a machine with a CUDA GPU (`pytest tests/cuda`, README "GPUs"); CI has none,
+# and there the package is not collected.
+collect_ignore = [] if torch.cuda.is_available() else ["cuda"]
 
 # One Prefect API call may wait on a busy server far longer than Prefect's default 60 s on a
 # loaded 2-core CI machine. A timed-out call is retried, and a retried final-state proposal is
@@ -335,4 +340,4 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return PackagesTogether(config, log)
 
 
-TOGETHER = ("tests/deploy", "tests/sharded", "tests/pipeline/test_sharded_pipeline.py")
+TOGETHER = ("tests/deploy", "tests/sharded", "tests/cuda", "tests/pipeline/test_sharded_pipeline.py")

@@ -88,11 +88,32 @@ def read_state(
             buffers={blob: as_bytes(t) for blob, t in targets.items()},
         )
     tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
-    given = tensor_paths(into) if into is not None and device.type == "cpu" else {}
-    whole = {i: _assemble(manifest, i, raw, given).to(device) for i in chunked_ids}
+    given = tensor_paths(into) if into is not None else {}
+    whole = {
+        i: _assemble(manifest, i, raw, given if device.type == "cpu" else {}).to(device) for i in chunked_ids
+    }
+    if given:  # the caller's tensors on an accelerator: filled from the host copies read above
+        _copied_into(given, {manifest.tensors[i].path: (tensors, i) for i in leaf_ids})
+        _copied_into(given, {manifest.chunked[i].path: (whole, i) for i in chunked_ids})
     return decode(
         structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i], whole.__getitem__
     )
+
+
+def _copied_into(given: dict[str, torch.Tensor], read: dict[str, tuple[dict[int, Any], int]]) -> None:
+    """Each tensor read whose path holds a tensor of ``given`` on an accelerator, of its dtype and
+    shape, copied into that tensor, which takes its place: a load into a GPU model's state fills
+    it in place, as a load into CPU tensors reads straight into them."""
+    for path, (tensors, i) in read.items():
+        target = given.get(path)
+        tensor = tensors[i]
+        if (
+            target is not None
+            and target is not tensor
+            and target.device.type != "cpu"
+            and (target.dtype, target.shape) == (tensor.dtype, tensor.shape)
+        ):
+            tensors[i] = target.copy_(tensor)
 
 
 def _assemble(

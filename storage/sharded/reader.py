@@ -9,7 +9,10 @@ reader reads what it is asked for, in batches of at most ``BATCH_BYTES``: a
 stored chunk that a target takes whole straight into the target, verified
 against the chunk's checksum; part of a chunk (a load at another world size)
 as the rows it needs, out to the edges of the chunk's 1 MiB pieces, each
-verified against its own checksum, then copied into place.
+verified against its own checksum, then copied into place. Into GPU tensors,
+whole chunks land in pinned host memory, in batches of ``DEVICE_BATCH_BYTES``,
+and each batch's copies to the GPU run while the next batch is read; the load
+waits for the last copies before it returns.
 
 Non-tensor values come from the manifest's JSON. DCP's default load planner
 would ``torch.load`` them from bytes (unpickling); this reader puts the value
@@ -21,6 +24,7 @@ data ckptflow decoded from JSON, never bytes read from the store.
 from __future__ import annotations
 
 import io
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,6 +55,10 @@ if TYPE_CHECKING:
     from ..versions.catalog import Located
 
 BATCH_BYTES = 1 << 30  # blobs read at once, at most (one blob larger than this is read alone)
+# Into GPU tensors: batches this small, read into pinned host memory whose copies to the GPU
+# run while the next batch is read (torch's pinned-memory cache hands a block out again only
+# once the copies from it ended).
+DEVICE_BATCH_BYTES = 64 << 20
 
 
 class DcpReader(StorageReader):
@@ -108,8 +116,11 @@ class DcpReader(StorageReader):
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 self._put_value(item, planner, flat)
-        for batch in self._batches(tensor_items):
+        to_device = any(planner.resolve_tensor(item).device.type == "cuda" for item in tensor_items)
+        for batch in self._batches(tensor_items, DEVICE_BATCH_BYTES if to_device else BATCH_BYTES):
             self._read_batch(batch, planner)
+        if to_device:
+            torch.cuda.synchronize()  # the last batches' copies: the tensors hold their values now
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
@@ -142,16 +153,16 @@ class DcpReader(StorageReader):
         assert source.tensor is not None
         return self.manifest.tensors[source.tensor].blob
 
-    def _batches(self, items: list[ReadItem]) -> list[list[ReadItem]]:
-        """Items grouped so that each group's blobs add up to at most BATCH_BYTES."""
+    def _batches(self, items: list[ReadItem], limit: int) -> list[list[ReadItem]]:
+        """Items grouped so that each group's blobs add up to at most ``limit`` bytes."""
         by_blob: dict[int, list[ReadItem]] = {}
         for item in items:
             by_blob.setdefault(self._blob_of(self._source(item)), []).append(item)
         batches: list[list[ReadItem]] = []
-        size = BATCH_BYTES
+        size = limit
         for blob, members in sorted(by_blob.items()):
             nbytes = self.manifest.blobs[blob].nbytes
-            if size + nbytes > BATCH_BYTES:
+            if size + nbytes > limit:
                 batches.append([])
                 size = 0
             batches[-1].extend(members)
@@ -171,6 +182,7 @@ class DcpReader(StorageReader):
         sources = [self._source(item) for item in items]
         targets = [planner.resolve_tensor(item).detach() for item in items]
         direct = self._direct(items, sources, targets)
+        landing = _landing({blob: targets[i] for blob, i in direct.items()})
         filled = set(direct.values())
         spans = {
             i: self._span(item, source)
@@ -186,8 +198,13 @@ class DcpReader(StorageReader):
                 whole_blobs,
                 verify=self.verify,
                 threads=self.options.threads,
-                buffers={blob: as_bytes(targets[i]) for blob, i in direct.items()},
+                buffers=landing,
             )
+            for blob, i in direct.items():  # GPU targets: from pinned memory, not waited for
+                if targets[i].device.type != "cpu":
+                    targets[i].copy_(
+                        landing[blob].view(targets[i].dtype).view(targets[i].shape), non_blocking=True
+                    )
             order = list(spans)
             straight = {
                 n: i for n, i in enumerate(order) if self._rows_fill(items[i], sources[i], targets[i])
@@ -270,7 +287,12 @@ class DcpReader(StorageReader):
                 continue
             blob = self.manifest.blobs[source.blob]
             whole = not any(item.storage_offsets) and list(item.lengths) == blob.shape
-            if whole and _takes_bytes(target, blob.dtype, blob.shape):
+            on_gpu = (
+                target.is_cuda
+                and blob.nbytes <= DEVICE_BATCH_BYTES  # larger: through a buffer of its own
+                and (target.dtype, list(target.shape)) == (dtype_from_name(blob.dtype), blob.shape)
+            )
+            if whole and (on_gpu or _takes_bytes(target, blob.dtype, blob.shape)):
                 direct[source.blob] = i
         return direct
 
@@ -302,6 +324,23 @@ class DcpReader(StorageReader):
         torch.save(value, data)
         data.seek(0)
         planner.load_bytes(item, data)
+
+
+def _landing(targets: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Blob -> where its bytes are read: a CPU target's own memory; for GPU targets, regions of
+    one pinned host buffer (their copies to the GPU are issued once the batch is read)."""
+    out = {blob: as_bytes(t) for blob, t in targets.items() if t.device.type == "cpu"}
+    gpu = {blob: t.numel() * t.element_size() for blob, t in targets.items() if t.device.type != "cpu"}
+    if gpu:
+        starts = list(itertools.accumulate((_aligned(n) for n in gpu.values()), initial=0))
+        arena = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=True)
+        for (blob, nbytes), start in zip(gpu.items(), starts, strict=False):
+            out[blob] = arena[start : start + nbytes]
+    return out
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 64) * 64
 
 
 def _takes_bytes(target: torch.Tensor, dtype: str, shape: list[int]) -> bool:

@@ -2,10 +2,13 @@
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
         python -m tests.children.fsdp_child SCENARIO URL OUTDIR [--mesh 1d|2d] [--version V]
+            [--device cpu|cuda]
 
 Every rank builds the same small transformer (:func:`build`), shards it with
 ``fully_shard`` per block on a 1-D mesh of all ranks (``--mesh 2d``: a 2x2
-mesh, tensor parallel inside each FSDP shard), and runs ``SCENARIO``:
+mesh, tensor parallel inside each FSDP shard), and runs ``SCENARIO``. With ``--device cuda``
+(tests/cuda) each rank's model lives on GPU ``LOCAL_RANK`` and the group is NCCL for CUDA
+tensors, gloo for the store's CPU collectives.
 
 - ``save`` / ``dcp_save``: two Adam steps from seed 0, then the model and
   optimizer state dicts (DTensors) saved with ``CheckpointStore.save`` on a
@@ -72,23 +75,23 @@ class TinyLM(nn.Module):
         return self.head(x)
 
 
-def build(seed: int, mesh_kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(seed: int, mesh_kind: str, device: str = "cpu") -> tuple[nn.Module, torch.optim.Optimizer]:
     """The model (same values on every rank for a seed), sharded, and its Adam optimizer."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    model = TinyLM()
+    model = TinyLM().to(device)
     world = dist.get_world_size()
     if mesh_kind == "2d":
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = init_device_mesh(device, (world // 2, 2), mesh_dim_names=("dp", "tp"))
         for block in model.blocks:
             parallelize_module(block, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         fsdp_mesh = mesh["dp"]
     else:
-        fsdp_mesh = init_device_mesh("cpu", (world,))
+        fsdp_mesh = init_device_mesh(device, (world,))
     for block in model.blocks:
         fully_shard(block, mesh=fsdp_mesh)
     fully_shard(model, mesh=fsdp_mesh)
@@ -97,8 +100,9 @@ def build(seed: int, mesh_kind: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
     gen = torch.Generator().manual_seed(1234)
+    device = next(model.parameters()).device
     for _ in range(steps):
-        tokens = torch.randint(0, VOCAB, (4, 8), generator=gen)
+        tokens = torch.randint(0, VOCAB, (4, 8), generator=gen).to(device)
         loss = nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), tokens.reshape(-1))
         opt.zero_grad()
         loss.backward()
@@ -230,8 +234,13 @@ def main() -> None:
         help="rank 0 sees version 1 as the newest (as if it "
         "looked before a save committed version 2) while the other ranks see version 2",
     )
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = parser.parse_args()
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("cpu:gloo,cuda:nccl")
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     import torch.distributed.checkpoint as dcp
 
@@ -245,7 +254,9 @@ def main() -> None:
         store._locate = lambda version: locate(1 if version is None else version)  # type: ignore[method-assign]
     saving = args.scenario in ("save", "dcp_save", "kill_in_save", "save_async", "fail_in_save")
     model, opt = (
-        build(0 if args.scenario != "kill_in_save" else 1, args.mesh) if saving else build(7, args.mesh)
+        build(0 if args.scenario != "kill_in_save" else 1, args.mesh, args.device)
+        if saving
+        else build(7, args.mesh, args.device)
     )
     if saving:
         train(model, opt, 2)
