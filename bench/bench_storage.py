@@ -30,6 +30,8 @@ Fairness rules, which the numbers depend on:
   file pages an mmap maps in, since they are resident too.
 
 Run: ``.venv/bin/python bench/bench_storage.py [--size-mib 1024] [--repeats 3] [--only a,b] [--cold]``.
+Where CUDA is present, ``gpu-load`` also loads onto the GPU (``--only ckptflow-save,torch-save,gpu-load``
+for just that), against ``torch.load(map_location="cuda")``.
 """
 
 from __future__ import annotations
@@ -664,6 +666,50 @@ def _h5py_load(ctx: Ctx) -> list[dict[str, Any]]:
     return rows(ctx, ctx.load_loop(path, once))
 
 
+@method("gpu-load")
+def _gpu_load(ctx: Ctx) -> list[dict[str, Any]]:
+    """Loads onto a GPU (run only where CUDA is present): ckptflow into fresh GPU tensors and into a
+    GPU model's own, against ``torch.load(map_location="cuda")``; each timed to the GPU's last copy."""
+    from ckptflow.storage import CheckpointStore
+
+    if not torch.cuda.is_available():
+        raise SystemExit("gpu-load needs a CUDA GPU")
+    ours, theirs = ctx.fixture("ckptflow"), ctx.fixture("torch") / "state.pt"
+    store = CheckpointStore(str(ours), options=ctx.store_options())
+    target = on_gpu(preallocated_like(ctx.state))  # a resumed run's model and optimizer, built on the GPU
+    checked: set[str] = set()
+
+    def once(label: str, load: Callable[[], Any]) -> Callable[[Probe], None]:
+        def run(p: Probe) -> None:
+            out = load()
+            torch.cuda.synchronize()
+            p.mark(label)
+            if label not in checked:  # correctness guard, once per variant, untimed
+                diff = first_difference(ctx.state, on_gpu(out, "cpu"))
+                if diff is not None:
+                    raise AssertionError(f"{label} differs from the saved state at {diff}")
+                checked.add(label)
+
+        return run
+
+    samples = ctx.load_loop(ours, once("gpu-ckpt-load", lambda: store.load(map_location="cuda")))
+    samples |= ctx.load_loop(ours, once("gpu-ckpt-load-into", lambda: store.load(into=target)))
+    load_theirs = lambda: torch.load(theirs, weights_only=True, map_location="cuda")  # noqa: E731
+    samples |= ctx.load_loop(theirs.parent, once("gpu-torch-load", load_theirs))
+    return rows(ctx, samples)
+
+
+def on_gpu(tree: Any, device: str = "cuda") -> Any:
+    """``tree`` with every tensor copied to ``device``."""
+    if isinstance(tree, torch.Tensor):
+        return tree.to(device)
+    if isinstance(tree, dict):
+        return {k: on_gpu(v, device) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [on_gpu(v, device) for v in tree]
+    return tree
+
+
 def make_ctx(args: argparse.Namespace, run_dir: Path) -> Ctx:
     state = build_state(args.size_mib)
     tensors = list(flat_tensors(state))
@@ -718,6 +764,9 @@ LABELS = {
     "h5-read-direct": ("h5py `read_direct` into existing arrays", "load"),
     "ckpt-load-into": ("**ckptflow** `load(into=existing)` (verify on)", "load"),
     "ckpt-verify": ("**ckptflow** `verify()`: every byte against shard and blob checksums", "load"),
+    "gpu-ckpt-load": ('**ckptflow** `load(map_location="cuda")`', "load to GPU"),
+    "gpu-ckpt-load-into": ("**ckptflow** `load(into=the GPU model's tensors)`", "load to GPU"),
+    "gpu-torch-load": ('`torch.load(weights_only=True, map_location="cuda")`', "load to GPU"),
 }
 
 # key -> anchors whose time it is divided by
@@ -731,6 +780,8 @@ ANCHORS = {
     "ckpt-load-model": ["ckpt-load"],
     "ckpt-load-into": ["h5-read-direct", "torch-load", "raw-read-par"],
     "ckpt-verify": ["raw-read-par", "ckpt-load"],
+    "gpu-ckpt-load": ["gpu-torch-load"],
+    "gpu-ckpt-load-into": ["gpu-torch-load"],
 }
 ANCHOR_NAMES = {
     "raw-write": "plain write",
@@ -742,6 +793,7 @@ ANCHOR_NAMES = {
     "raw-read-fresh": "plain read→fresh",
     "raw-read-par": "plain read",
     "ckpt-load": "full ckptflow load",
+    "gpu-torch-load": "torch.load to GPU",
 }
 LIMITS = {"save": ("raw-write", "raw-write-par"), "load": ("raw-read", "raw-read-par")}
 
@@ -903,7 +955,8 @@ def main(argv: list[str] | None = None) -> int:
     base = args.dir or disk_temp_dir()
     base.mkdir(parents=True, exist_ok=True)
     run_dir = Path(tempfile.mkdtemp(prefix="ckptflow-bench-", dir=base))
-    selected = [m for m in METHODS if not args.only or m in args.only.split(",")]
+    default = [m for m in METHODS if m != "gpu-load" or torch.cuda.is_available()]
+    selected = [m for m in METHODS if m in args.only.split(",")] if args.only else default
     facts = machine_facts(run_dir, args)
     print(facts, file=sys.stderr)
     start = time.perf_counter()

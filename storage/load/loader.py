@@ -5,8 +5,9 @@ weights: one tensor object under every key that shared it), or views of a
 blob with their saved strides and offsets (views of one buffer share memory
 again). A load may be given *targets*, existing tensors keyed by path (the
 model and optimizer a resumed run has just built): a tensor whose path, dtype
-and shape match a contiguous CPU target is read straight into the target's
-memory and returned as that very tensor, with no second copy of the state.
+and shape match a contiguous target is read straight into the target's memory
+(a GPU target's through pinned host memory, see :mod:`.gpu`) and returned as
+that very tensor, with no second copy of the state.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ def tensor_paths(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     return found
 
 
-def target_buffers(manifest: Manifest, leaf_ids: list[int], into: Any) -> dict[int, torch.Tensor]:
-    """Blob -> target tensor, for blobs that can be read straight into an existing tensor."""
+def target_buffers(
+    manifest: Manifest, leaf_ids: list[int], into: Any, device: torch.device
+) -> dict[int, torch.Tensor]:
+    """Blob -> target tensor, for blobs that can be read straight into an existing tensor: on the
+    CPU when the load is to the CPU, or on a GPU (through pinned memory, see :mod:`.gpu`)."""
     targets = tensor_paths(into)
     strided = {manifest.tensors[i].blob for i in leaf_ids if manifest.tensors[i].stride is not None}
     out: dict[int, torch.Tensor] = {}
@@ -46,7 +50,7 @@ def target_buffers(manifest: Manifest, leaf_ids: list[int], into: Any) -> dict[i
             target is None
             or entry.blob in strided
             or entry.blob in out
-            or target.device.type != "cpu"
+            or not (target.is_cuda or (target.device.type == "cpu" and device.type == "cpu"))
             or not target.is_contiguous()
             or target.dtype != dtype_from_name(entry.dtype)
             or list(target.shape) != entry.shape
@@ -81,8 +85,7 @@ def build_tensors(
             out[i] = tied
             continue
         if (entry.blob, entry.dtype) not in typed:
-            base = raw[entry.blob].view(dtype)
-            typed[entry.blob, entry.dtype] = base if device.type == "cpu" else base.to(device)
+            typed[entry.blob, entry.dtype] = raw[entry.blob].view(dtype).to(device)
         base = typed[entry.blob, entry.dtype]
         if entry.stride is None:
             out[i] = base.reshape(entry.shape)

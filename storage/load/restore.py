@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..files.location import Location, translate_errors
 from ..format.manifest import Manifest
 from ..info import StoreOptions
+from . import gpu
 from .reader import read_blobs
 
 if TYPE_CHECKING:
@@ -74,29 +75,33 @@ def read_state(
     )
     check = options.verify_on_load if verify is None else verify
     device = torch.device(map_location)
-    targets = {}
-    if into is not None and device.type == "cpu":
-        targets = target_buffers(manifest, leaf_ids, into)
-    with translate_errors(loc, "loading from"):
-        raw = read_blobs(
-            loc,
-            located.sources(loc),
-            manifest,
-            wanted,
-            verify=check,
-            threads=options.threads,
-            buffers={blob: as_bytes(t) for blob, t in targets.items()},
+    targets = target_buffers(manifest, leaf_ids, into, device) if into is not None else {}
+    onto = {b: as_bytes(t) for b, t in targets.items() if t.is_cuda}  # through pinned memory
+    to_gpu = wanted if device.type == "cuda" else sorted(onto)
+    gpu_device = device if device.type == "cuda" else next((t.device for t in onto.values()), device)
+
+    def read(blobs: list[int], buffers: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        return read_blobs(
+            loc, located.sources(loc), manifest, blobs, verify=check, threads=options.threads, buffers=buffers
         )
+
+    with translate_errors(loc, "loading from"):
+        raw = read(
+            [b for b in wanted if b not in set(to_gpu)],
+            {blob: as_bytes(t) for blob, t in targets.items() if not t.is_cuda},
+        )
+        if to_gpu:
+            raw.update(gpu.read_onto(gpu_device, {b: manifest.blobs[b].nbytes for b in to_gpu}, read, onto))
     tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
     given = tensor_paths(into) if into is not None else {}
     whole = {
-        i: _assemble(manifest, i, raw, given if device.type == "cpu" else {}).to(device) for i in chunked_ids
+        i: _assemble(manifest, i, raw, given if device.type == "cpu" else {}, device) for i in chunked_ids
     }
-    if given:  # the caller's tensors on an accelerator: filled from the host copies read above
+    if given:  # the caller's tensors on an accelerator: filled from the copies read above
         _copied_into(given, {manifest.tensors[i].path: (tensors, i) for i in leaf_ids})
         _copied_into(given, {manifest.chunked[i].path: (whole, i) for i in chunked_ids})
     return decode(
-        structure, lambda i, is_numpy: tensors[i].numpy() if is_numpy else tensors[i], whole.__getitem__
+        structure, lambda i, is_numpy: tensors[i].cpu().numpy() if is_numpy else tensors[i], whole.__getitem__
     )
 
 
@@ -117,7 +122,11 @@ def _copied_into(given: dict[str, torch.Tensor], read: dict[str, tuple[dict[int,
 
 
 def _assemble(
-    manifest: Manifest, index: int, raw: dict[int, torch.Tensor], given: dict[str, torch.Tensor]
+    manifest: Manifest,
+    index: int,
+    raw: dict[int, torch.Tensor],
+    given: dict[str, torch.Tensor],
+    device: torch.device,
 ) -> torch.Tensor:
     """Chunked tensor ``index`` whole, from its chunks' bytes (into the caller's tensor at its path
     when that is a plain CPU tensor of its dtype and shape)."""
@@ -129,7 +138,7 @@ def _assemble(
     dtype = dtype_from_name(entry.dtype)
     out = given.get(entry.path)
     if out is None or type(out) is not torch.Tensor or out.dtype != dtype or list(out.shape) != entry.shape:
-        out = torch.empty(entry.shape, dtype=dtype)
+        out = torch.empty(entry.shape, dtype=dtype, device=device)
     for chunk in entry.chunks:
         part = out
         for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):

@@ -10,9 +10,9 @@ stored chunk that a target takes whole straight into the target, verified
 against the chunk's checksum; part of a chunk (a load at another world size)
 as the rows it needs, out to the edges of the chunk's 1 MiB pieces, each
 verified against its own checksum, then copied into place. Into GPU tensors,
-whole chunks land in pinned host memory, in batches of ``DEVICE_BATCH_BYTES``,
-and each batch's copies to the GPU run while the next batch is read; the load
-waits for the last copies before it returns.
+whole chunks land in pinned host memory, in batches of ``gpu.BATCH_BYTES``,
+and each batch's copies to the GPU run while the next batch is read (see
+:mod:`..load.gpu`).
 
 Non-tensor values come from the manifest's JSON. DCP's default load planner
 would ``torch.load`` them from bytes (unpickling); this reader puts the value
@@ -24,7 +24,6 @@ data ckptflow decoded from JSON, never bytes read from the store.
 from __future__ import annotations
 
 import io
-import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from ..errors import CheckpointError, StateMismatchError
 from ..files.location import translate_errors
 from ..format.dtypes import dtype_from_name
+from ..load import gpu
 from ..load.loader import as_bytes, build_tensors
 from ..load.reader import Span, read_blobs, read_spans
 from .layout import Flat, Source, flatten
@@ -55,10 +55,6 @@ if TYPE_CHECKING:
     from ..versions.catalog import Located
 
 BATCH_BYTES = 1 << 30  # blobs read at once, at most (one blob larger than this is read alone)
-# Into GPU tensors: batches this small, read into pinned host memory whose copies to the GPU
-# run while the next batch is read (torch's pinned-memory cache hands a block out again only
-# once the copies from it ended).
-DEVICE_BATCH_BYTES = 64 << 20
 
 
 class DcpReader(StorageReader):
@@ -117,10 +113,10 @@ class DcpReader(StorageReader):
             if item.type == LoadItemType.BYTE_IO:
                 self._put_value(item, planner, flat)
         to_device = any(planner.resolve_tensor(item).device.type == "cuda" for item in tensor_items)
-        for batch in self._batches(tensor_items, DEVICE_BATCH_BYTES if to_device else BATCH_BYTES):
+        for batch in self._batches(tensor_items, gpu.BATCH_BYTES if to_device else BATCH_BYTES):
             self._read_batch(batch, planner)
         if to_device:
-            torch.cuda.synchronize()  # the last batches' copies: the tensors hold their values now
+            gpu.copies_ended()
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
@@ -289,7 +285,7 @@ class DcpReader(StorageReader):
             whole = not any(item.storage_offsets) and list(item.lengths) == blob.shape
             on_gpu = (
                 target.is_cuda
-                and blob.nbytes <= DEVICE_BATCH_BYTES  # larger: through a buffer of its own
+                and blob.nbytes <= gpu.BATCH_BYTES  # larger: through a buffer of its own
                 and (target.dtype, list(target.shape)) == (dtype_from_name(blob.dtype), blob.shape)
             )
             if whole and (on_gpu or _takes_bytes(target, blob.dtype, blob.shape)):
@@ -328,19 +324,10 @@ class DcpReader(StorageReader):
 
 def _landing(targets: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Blob -> where its bytes are read: a CPU target's own memory; for GPU targets, regions of
-    one pinned host buffer (their copies to the GPU are issued once the batch is read)."""
-    out = {blob: as_bytes(t) for blob, t in targets.items() if t.device.type == "cpu"}
-    gpu = {blob: t.numel() * t.element_size() for blob, t in targets.items() if t.device.type != "cpu"}
-    if gpu:
-        starts = list(itertools.accumulate((_aligned(n) for n in gpu.values()), initial=0))
-        arena = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=True)
-        for (blob, nbytes), start in zip(gpu.items(), starts, strict=False):
-            out[blob] = arena[start : start + nbytes]
+    one pinned host block (their copies to the GPU are issued once the batch is read)."""
+    out = gpu.landing({b: t.numel() * t.element_size() for b, t in targets.items() if t.is_cuda})
+    out.update({blob: as_bytes(t) for blob, t in targets.items() if not t.is_cuda})
     return out
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // 64) * 64
 
 
 def _takes_bytes(target: torch.Tensor, dtype: str, shape: list[int]) -> bool:

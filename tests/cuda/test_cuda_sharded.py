@@ -33,3 +33,17 @@ def test_save_async_of_a_gpu_fsdp2_state_holds_the_state_at_the_call(tmp_path):
 def test_a_two_rank_cpu_save_loads_into_a_one_gpu_model(saved_by_store: Saved, tmp_path):
     loaded = FsdpJob.run("load", 1, saved_by_store.url, tmp_path / "load", *CUDA)
     assert loaded.full() == saved_by_store.full
+
+
+def test_a_sharded_version_loads_whole_onto_the_gpu_in_one_process(saved_by_store: Saved):
+    """No process group: every chunk put together into whole GPU tensors."""
+    import torch
+
+    from ckptflow.storage import CheckpointStore
+
+    store = CheckpointStore(saved_by_store.url)
+    on_cpu, on_gpu = store.load(), store.load(map_location="cuda")
+    weights = on_gpu["model"]
+    assert weights and all(t.is_cuda for t in weights.values())
+    for key, tensor in on_cpu["model"].items():
+        assert torch.equal(weights[key].cpu(), tensor), key

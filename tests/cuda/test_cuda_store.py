@@ -3,6 +3,7 @@ tensors held when the call was made, and a load fills GPU tensors in place."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ckptflow.storage import CheckpointStore
@@ -77,12 +78,21 @@ def test_a_save_of_gpu_tensors_reads_back_bitwise(tmp_path):
 
 
 def test_a_load_onto_the_gpu_gives_gpu_tensors(tmp_path):
+    """Blobs up to 64 MiB go through pinned blocks, 64 MiB at a time; "big" (80 MiB) through a
+    buffer of its own. Views of one tensor come back as views again; numpy arrays as arrays."""
     state = gpu_state()
+    state["big"] = torch.randn(80 * MIB // 4, device="cuda")
+    base = torch.arange(1000.0, device="cuda")
+    saved = {**state, "head": base[:10], "tail": base[990:]}
     with CheckpointStore(tmp_path / "store") as store:
-        store.save(state)
+        store.save({**saved, "counts": np.arange(7)})
         loaded = store.load(map_location="cuda")
-    assert all(t.is_cuda for t in loaded.values())
-    assert_bitwise(loaded, on_host(state))
+        assert loaded.pop("counts").tolist() == list(range(7))
+        assert all(t.is_cuda for t in loaded.values())
+        assert_bitwise(loaded, on_host(saved))
+        assert loaded["head"].untyped_storage().data_ptr() == loaded["tail"].untyped_storage().data_ptr()
+        model = store.load(keys=["matrix"], map_location="cuda")  # a part: only its blob read
+        assert_bitwise(model, {"matrix": saved["matrix"].cpu()})
 
 
 def test_a_load_into_a_gpu_models_state_fills_its_tensors_in_place(tmp_path):
@@ -100,3 +110,21 @@ def test_a_load_into_a_gpu_models_state_fills_its_tensors_in_place(tmp_path):
         assert tensor is target[key], f"{key} came back as a new tensor"
         assert tensor.is_cuda
     assert_bitwise(model.state_dict(), saved)
+
+
+def test_a_load_into_gpu_tensors_of_every_kind(tmp_path):
+    """Contiguous GPU targets are read into through pinned memory, a non-contiguous one is filled
+    from a copy, a CPU target straight; a target of another shape is left alone."""
+    state = gpu_state()
+    with CheckpointStore(tmp_path / "store") as store:
+        store.save(state)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}  # "strided" stays non-contiguous
+        target["ints"] = torch.zeros_like(state["ints"], device="cpu")
+        other = target["matrix"] = torch.zeros(3, device="cuda")
+        for map_location in ("cpu", "cuda"):
+            loaded = store.load(into=target, map_location=map_location)
+            for key in ("big", "half", "strided", "step"):
+                assert loaded[key] is target[key], key
+            assert loaded["matrix"] is not other and not other.any()
+            assert loaded["matrix"].device.type == map_location
+            assert_bitwise(loaded, on_host(state))
