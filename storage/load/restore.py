@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 from ..files.location import Location, translate_errors
 from ..format.manifest import Manifest
 from ..info import StoreOptions
-from . import gpu
 from .reader import read_blobs
 
 if TYPE_CHECKING:
@@ -64,6 +63,7 @@ def read_state(
     import torch
 
     from ..format.structure import decode, leaf_refs, select
+    from . import gpu
     from .loader import as_bytes, build_tensors, target_buffers, tensor_paths
 
     structure = select(manifest.structure, list(keys)) if keys else manifest.structure

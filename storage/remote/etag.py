@@ -109,10 +109,8 @@ def guess_part_size(size: int, parts: int, hints: tuple[int, ...] = ()) -> int |
 def plan_for_etag(size: int, etag: str, part_size: int) -> PartPlan | None:
     """The part plan an object of ``size`` bytes with this ``etag`` was uploaded by, if it can be told."""
     count = etag_parts(etag)
-    if count == 0:
-        return PartPlan(size, size, False, (Part(1, 0, size),))
-    if count == 1:
-        return PartPlan(size, size, True, (Part(1, 0, size),))
+    if count <= 1:  # one PUT, or a multipart upload of one part
+        return PartPlan(size, size, count == 1, (Part(1, 0, size),))
     p = guess_part_size(size, count, hints=(part_size,))
     return None if p is None else plan_parts(size, p)
 

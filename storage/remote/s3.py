@@ -26,7 +26,6 @@ import logging
 import os
 import sys
 import zlib
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -57,17 +56,6 @@ log = logging.getLogger(__name__)
 
 _NOT_FOUND = {"404", "NoSuchKey", "NotFound"}
 _KMS = {"aws:kms", "aws:kms:dsse"}
-_HEAD_ARGS = {
-    "SSECustomerAlgorithm",
-    "SSECustomerKey",
-    "SSECustomerKeyMD5",
-    "RequestPayer",
-    "ExpectedBucketOwner",
-}
-
-
-class VerifyFailed(Exception):
-    """Internal: the remote bytes are not the expected ones (what, expected, actual)."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +67,14 @@ class Object:
     key: str
     extra: dict[str, Any]  # s3_additional_kwargs (SSE, requester pays, ...)
     url: str  # redacted, for messages
+
+    @property
+    def get_args(self) -> dict[str, Any]:
+        return {k: v for k, v in self.extra.items() if k in TransferManager.ALLOWED_DOWNLOAD_ARGS}
+
+    def fail(self, problem: tuple[str, str, str], deleted: str) -> TransferVerifyError:
+        what, expected, actual = problem
+        return TransferVerifyError(self.url, what=what, expected=expected, actual=actual, deleted=deleted)
 
     def call(self, method: str, **kwargs: Any) -> Any:
         return getattr(self.client, method)(Bucket=self.bucket, Key=self.key, **kwargs)
@@ -98,10 +94,12 @@ class Head:
 def upload_file(
     url: str, storage_options: dict[str, Any] | None, options: TransferOptions, path: str, fd: int
 ) -> tuple[str, bool]:
-    """:func:`upload` of the file ``fd`` (at ``path``) to ``url``; (ETag, skipped)."""
+    """Upload the file ``fd`` (at ``path``) to ``url`` unless the object already holds its bytes;
+    return (ETag, skipped)."""
     obj = _object(url, storage_options, options)
-    with _errors(obj, options, "uploading to", deleted="the remote copy was removed"):
-        done = upload(obj, path, fd, _config(options, options.part_size))
+    config = _config(options, options.part_size)
+    with translate_s3_errors(obj.url, "uploading to", options.max_attempts):
+        done = _upload(obj, path, fd, config)
     if "s3fs" in sys.modules:  # an s3fs instance of these options must not hide the new object
         with contextlib.suppress(Exception):
             loc = open_location(url, storage_options)
@@ -112,23 +110,33 @@ def upload_file(
 def download_file(
     url: str, storage_options: dict[str, Any] | None, options: TransferOptions, fd: int
 ) -> tuple[int, str]:
-    """:func:`download` of ``url`` into ``fd``; (size, ETag)."""
+    """Fill ``fd`` with the object's bytes; with ``download_checksums``, check them as the HEAD allows
+    (by ``part_size``, the likeliest part size of a multipart object). Returns (size, ETag)."""
     obj = _object(url, storage_options, options)
-    with _errors(obj, options, "downloading", deleted="nothing was written"):
-        config = _config(options, options.range_size)
-        found = download(obj, fd, config, options.part_size, verify=options.download_checksums)
+    with translate_s3_errors(obj.url, "downloading", options.max_attempts):
+        found = head(obj)
+        if found is None:
+            raise StorageUnavailableError(f"no object at {obj.url}: nothing to download")
+        os.ftruncate(fd, found.size)
+        sink = HashingSink(
+            fd, *_check_for(found, options.part_size) if options.download_checksums else (None, "")
+        )
+        with TransferManager(obj.client, _config(options, options.range_size)) as manager:
+            manager.download(
+                obj.bucket, obj.key, sink, extra_args=obj.get_args, subscribers=[_Known(found)]
+            ).result()
+    if sink.plan is not None:
+        actual = sink.result()
+        expected = (found.crc if sink.kind == "CRC32" else None) or found.etag
+        if not (same_checksum(expected, actual) if sink.kind == "CRC32" else expected == actual):
+            raise obj.fail((sink.kind, expected, actual), "nothing was written")
     return found.size, found.etag
 
 
 def transfer_client(storage_options: dict[str, Any] | None, options: TransferOptions) -> Any:
     """The boto3 client the transfers with these options use (one per process, see client_for)."""
-    return client_for(
-        storage_options,
-        connect_timeout=options.connect_timeout,
-        read_timeout=options.read_timeout,
-        max_attempts=options.max_attempts,
-        concurrency=options.concurrency,
-    )
+    names = ("connect_timeout", "read_timeout", "max_attempts", "concurrency")
+    return client_for(storage_options, **{name: getattr(options, name) for name in names})
 
 
 def _object(url: str, storage_options: dict[str, Any] | None, options: TransferOptions) -> Object:
@@ -153,25 +161,12 @@ def _config(options: TransferOptions, chunk: int) -> TransferConfig:
     )
 
 
-@contextlib.contextmanager
-def _errors(obj: Object, options: TransferOptions, action: str, *, deleted: str) -> Iterator[None]:
-    """botocore's errors translated; a verification failure names what differed."""
-    try:
-        with translate_s3_errors(obj.url, action, options.max_attempts):
-            yield
-    except VerifyFailed as exc:
-        what, expected, actual = exc.args
-        raise TransferVerifyError(
-            obj.url, what=what, expected=expected, actual=actual, deleted=deleted
-        ) from None
-
-
 def head(obj: Object) -> Head | None:
     """The object's size, ETag and CRC32; None if there is no object."""
-    extra = {k: v for k, v in obj.extra.items() if k in _HEAD_ARGS}
+    extra = obj.get_args
     try:
         try:
-            resp = obj.call("head_object", ChecksumMode="ENABLED", **extra)
+            resp = obj.call("head_object", **{**extra, "ChecksumMode": "ENABLED"})
         except bex.ClientError as exc:
             if error_code(exc) not in DENIED:
                 raise
@@ -216,7 +211,7 @@ def mismatch(
     return None if same_checksum(found.crc, expected) else ("CRC32", expected, found.crc)
 
 
-def upload(obj: Object, path: str, fd: int, config: TransferConfig) -> tuple[str, bool]:
+def _upload(obj: Object, path: str, fd: int, config: TransferConfig) -> tuple[str, bool]:
     """Upload the file unless the object already holds its bytes; return (ETag, skipped)."""
     whole = crc32_range(fd, 0, os.fstat(fd).st_size)
     found = head(obj)
@@ -232,14 +227,15 @@ def upload(obj: Object, path: str, fd: int, config: TransferConfig) -> tuple[str
     except bex.ClientError as exc:
         if error_code(exc) not in DIGEST_ERRORS:
             raise
-        raise VerifyFailed("CRC32", whole, f"other bytes ({error_code(exc)} from the server)") from None
+        differs = ("CRC32", whole, f"other bytes ({error_code(exc)} from the server)")
+        raise obj.fail(differs, "the remote copy was removed") from None
     done = head(obj)
     if done is None:
-        raise VerifyFailed("object", "an object", "none after the upload")
+        raise obj.fail(("object", "an object", "none after the upload"), "the remote copy was removed")
     problem = mismatch(obj, fd, done, whole, config.multipart_chunksize, ours=True)
     if problem:
         obj.call("delete_object")
-        raise VerifyFailed(*problem)
+        raise obj.fail(problem, "the remote copy was removed")
     return done.etag, False
 
 
@@ -254,26 +250,6 @@ def abort_stale(obj: Object) -> int:
                     obj.call("abort_multipart_upload", UploadId=stale["UploadId"])
                 aborted += 1
     return aborted
-
-
-def download(obj: Object, fd: int, config: TransferConfig, part_size: int, *, verify: bool) -> Head:
-    """Fill ``fd`` with the object's bytes; with ``verify``, check them as the HEAD allows (by
-    ``part_size``, the likeliest part size of a multipart object)."""
-    found = head(obj)
-    if found is None:
-        raise StorageUnavailableError(f"no object at {obj.url}: nothing to download")
-    os.ftruncate(fd, found.size)
-    sink = HashingSink(fd, *_check_for(found, part_size) if verify else (None, ""))
-    extra = {k: v for k, v in obj.extra.items() if k in TransferManager.ALLOWED_DOWNLOAD_ARGS}
-    with TransferManager(obj.client, config) as manager:
-        future = manager.download(obj.bucket, obj.key, sink, extra_args=extra, subscribers=[_Known(found)])
-        future.result()
-    if sink.plan is not None:
-        actual = sink.result()
-        expected = (found.crc if sink.kind == "CRC32" else None) or found.etag
-        if not (same_checksum(expected, actual) if sink.kind == "CRC32" else expected == actual):
-            raise VerifyFailed(sink.kind, expected, actual)
-    return found
 
 
 def _check_for(found: Head, part_size: int) -> tuple[PartPlan | None, str]:

@@ -26,6 +26,7 @@ from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import StorageUnavailableError
 from .roles import boto3_session
+from .transfer import TransferOptions, s3_storage_options
 
 log = logging.getLogger(__name__)
 
@@ -55,18 +56,8 @@ def client_for(storage_options: dict[str, Any] | None, **settings: Any) -> Any:
 def _cached_client(frozen: str) -> Any:
     options, settings = json.loads(frozen)
     client_kwargs = dict(options.get("client_kwargs") or {})
-    config = {k: v for k, v in (options.get("config_kwargs") or {}).items() if k in _CONFIG_KEYS}
-    retries = {"mode": (config.get("retries") or {}).get("mode", "standard")}
-    retries["total_max_attempts"] = settings["max_attempts"]
-    # Every body carries its CRC32, which the server checks: a SHA-256 of it for the signature
-    # (botocore's default on http endpoints) would only cost CPU. {"s3": {...: True}} signs anyway.
-    config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
-    config.update(
-        connect_timeout=settings["connect_timeout"],
-        read_timeout=settings["read_timeout"],
-        retries=retries,
-        max_pool_connections=max(int(config.get("max_pool_connections") or 10), settings["concurrency"]),
-    )
+    merged = s3_storage_options(options, TransferOptions(**settings))["config_kwargs"]
+    config = {k: v for k, v in merged.items() if k in _CONFIG_KEYS}
     if options.get("anon"):
         config["signature_version"] = botocore.UNSIGNED
     if "endpoint_url" in options:

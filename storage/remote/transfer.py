@@ -39,7 +39,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import CheckpointError, CorruptShardError, StorageUnavailableError
 from ..files.byteio import fsync_dir, hash_file
-from ..files.location import S3_SCHEMES, Location, open_location, redact, translate_errors
+from ..files.location import S3_SCHEMES, Location, bounded_s3_options, open_location, redact, translate_errors
 from .etag import MAX_PART, MIN_PART, MiB
 
 log = logging.getLogger(__name__)
@@ -116,19 +116,15 @@ def s3_storage_options(
 ) -> dict[str, Any]:
     """s3fs ``storage_options`` with ``options``' timeouts, attempts and pool size merged in (others
     kept; the user's retry ``mode`` too). For a store on the same target as the transfers."""
-    merged = dict(storage_options or {})
-    config = dict(merged.get("config_kwargs") or {})
+    merged = bounded_s3_options("s3://", storage_options)
+    config = merged["config_kwargs"]
     retries = {k: v for k, v in (config.get("retries") or {}).items() if k != "max_attempts"}
-    retries.setdefault("mode", "standard")
-    retries["total_max_attempts"] = options.max_attempts
-    pool = max(int(config.get("max_pool_connections") or 10), options.concurrency)
     config.update(
         connect_timeout=options.connect_timeout,
         read_timeout=options.read_timeout,
-        retries=retries,
-        max_pool_connections=pool,
+        retries={"mode": "standard", **retries, "total_max_attempts": options.max_attempts},
+        max_pool_connections=max(int(config.get("max_pool_connections") or 10), options.concurrency),
     )
-    merged["config_kwargs"] = config
     return merged
 
 
