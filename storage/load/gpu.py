@@ -5,8 +5,9 @@ A copy to the GPU from pageable memory waits for itself, and the memory a load r
 fresh (each page faulted in). From pinned memory a copy is only issued: the reads of the next
 batch overlap it. torch's pinned-memory cache hands a block out again only once the copies
 issued from it have ended, so a batch's block may be dropped as soon as its copies are issued,
-and a load holds a few blocks of ``BATCH_BYTES``, never a host copy of the whole state. A load
-waits for its last copies before it returns (:func:`copies_ended`).
+and a load holds a few blocks of ``BATCH_BYTES``, never a host copy of the whole state (the cache
+keeps them pinned for the process's later loads). A load waits for its last copies before it
+returns (:func:`copies_ended`).
 """
 
 from __future__ import annotations
@@ -20,27 +21,33 @@ BATCH_BYTES = 64 << 20  # blobs read into one pinned block; a larger blob goes t
 ALIGN = 64
 
 
+def padded(nbytes: int) -> int:
+    """``nbytes`` rounded up to ALIGN: the room a blob takes in a block."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def landing(nbytes: dict[int, int]) -> dict[int, torch.Tensor]:
     """Key -> a region of one new pinned host block, of that many bytes (regions 64-byte aligned, so
     that each can be viewed as any dtype)."""
     if not nbytes:
         return {}
-    starts = list(itertools.accumulate((-(-n // ALIGN) * ALIGN for n in nbytes.values()), initial=0))
+    starts = list(itertools.accumulate((padded(n) for n in nbytes.values()), initial=0))
     block = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=True)
     return {key: block[start : start + n] for (key, n), start in zip(nbytes.items(), starts, strict=False)}
 
 
-def batches(nbytes: dict[int, int]) -> list[list[int]]:
-    """Keys in order, grouped so that each group's bytes add up to at most BATCH_BYTES (a larger
-    one alone)."""
+def batches(nbytes: dict[int, int], limit: int = BATCH_BYTES) -> list[list[int]]:
+    """Keys in order, grouped so that each group takes at most ``limit`` bytes of a block (a larger
+    one alone). torch's pinned-memory cache rounds a block up to a power of two: a group of
+    BATCH_BYTES fills one block exactly."""
     groups: list[list[int]] = []
-    size = BATCH_BYTES
+    size = 0
     for key, n in nbytes.items():
-        if size + n > BATCH_BYTES:
+        if not groups or size + padded(n) > limit:
             groups.append([])
             size = 0
         groups[-1].append(key)
-        size += n
+        size += padded(n)
     return groups
 
 
@@ -72,4 +79,4 @@ def copies_ended(devices: Iterable[torch.device] = ()) -> None:
         torch.cuda.synchronize(device)
 
 
-__all__ = ["BATCH_BYTES", "batches", "copies_ended", "landing", "read_onto"]
+__all__ = ["BATCH_BYTES", "batches", "copies_ended", "landing", "padded", "read_onto"]

@@ -77,7 +77,9 @@ def read_state(
     device = torch.device(map_location)
     targets = target_buffers(manifest, leaf_ids, into, device) if into is not None else {}
     onto = {b: as_bytes(t) for b, t in targets.items() if t.is_cuda}  # through pinned memory
-    to_gpu = wanted if device.type == "cuda" else sorted(onto)
+    # chunks are put together on the host and moved whole: on the GPU they would take it twice
+    chunks = {c.blob for i in chunked_ids for c in manifest.chunked[i].chunks}
+    to_gpu = set(wanted) - chunks if device.type == "cuda" else set(onto)
     gpu_device = device if device.type == "cuda" else next((t.device for t in onto.values()), device)
 
     def read(blobs: list[int], buffers: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -87,15 +89,16 @@ def read_state(
 
     with translate_errors(loc, "loading from"):
         raw = read(
-            [b for b in wanted if b not in set(to_gpu)],
+            [b for b in wanted if b not in to_gpu],
             {blob: as_bytes(t) for blob, t in targets.items() if not t.is_cuda},
         )
         if to_gpu:
-            raw.update(gpu.read_onto(gpu_device, {b: manifest.blobs[b].nbytes for b in to_gpu}, read, onto))
+            sizes = {b: manifest.blobs[b].nbytes for b in sorted(to_gpu)}
+            raw.update(gpu.read_onto(gpu_device, sizes, read, onto))
     tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
     given = tensor_paths(into) if into is not None else {}
     whole = {
-        i: _assemble(manifest, i, raw, given if device.type == "cpu" else {}, device) for i in chunked_ids
+        i: _assemble(manifest, i, raw, given if device.type == "cpu" else {}).to(device) for i in chunked_ids
     }
     if given:  # the caller's tensors on an accelerator: filled from the copies read above
         _copied_into(given, {manifest.tensors[i].path: (tensors, i) for i in leaf_ids})
@@ -106,27 +109,24 @@ def read_state(
 
 
 def _copied_into(given: dict[str, torch.Tensor], read: dict[str, tuple[dict[int, Any], int]]) -> None:
-    """Each tensor read whose path holds a tensor of ``given`` on an accelerator, of its dtype and
-    shape, copied into that tensor, which takes its place: a load into a GPU model's state fills
-    it in place, as a load into CPU tensors reads straight into them."""
+    """Each tensor read whose path holds a GPU tensor of ``given``, of its dtype and shape (one not
+    read into already: non-contiguous, say), copied into that tensor, which takes its place: a load
+    into a GPU model's state fills it in place, as a load into CPU tensors reads into them."""
     for path, (tensors, i) in read.items():
         target = given.get(path)
         tensor = tensors[i]
         if (
             target is not None
             and target is not tensor
-            and target.device.type != "cpu"
+            and target.is_cuda
             and (target.dtype, target.shape) == (tensor.dtype, tensor.shape)
         ):
-            tensors[i] = target.copy_(tensor)
+            target.detach().copy_(tensor)  # a parameter that requires grad, too
+            tensors[i] = target
 
 
 def _assemble(
-    manifest: Manifest,
-    index: int,
-    raw: dict[int, torch.Tensor],
-    given: dict[str, torch.Tensor],
-    device: torch.device,
+    manifest: Manifest, index: int, raw: dict[int, torch.Tensor], given: dict[str, torch.Tensor]
 ) -> torch.Tensor:
     """Chunked tensor ``index`` whole, from its chunks' bytes (into the caller's tensor at its path
     when that is a plain CPU tensor of its dtype and shape)."""
@@ -137,8 +137,9 @@ def _assemble(
     entry = manifest.chunked[index]
     dtype = dtype_from_name(entry.dtype)
     out = given.get(entry.path)
-    if out is None or type(out) is not torch.Tensor or out.dtype != dtype or list(out.shape) != entry.shape:
-        out = torch.empty(entry.shape, dtype=dtype, device=device)
+    fits = type(out) is torch.Tensor and out.device.type == "cpu" and out.dtype == dtype
+    if out is None or not fits or list(out.shape) != entry.shape:
+        out = torch.empty(entry.shape, dtype=dtype)
     for chunk in entry.chunks:
         part = out
         for dim, (start, length) in enumerate(zip(chunk.offsets, chunk.sizes, strict=True)):

@@ -112,11 +112,11 @@ class DcpReader(StorageReader):
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 self._put_value(item, planner, flat)
-        to_device = any(planner.resolve_tensor(item).device.type == "cuda" for item in tensor_items)
-        for batch in self._batches(tensor_items, gpu.BATCH_BYTES if to_device else BATCH_BYTES):
+        gpus = {t.device for t in map(planner.resolve_tensor, tensor_items) if t.is_cuda}
+        for batch in self._batches(tensor_items, gpu.BATCH_BYTES if gpus else BATCH_BYTES):
             self._read_batch(batch, planner)
-        if to_device:
-            gpu.copies_ended()
+        if gpus:
+            gpu.copies_ended(gpus)
         future: torch.futures.Future[None] = torch.futures.Future()
         future.set_result(None)
         return future
@@ -154,16 +154,8 @@ class DcpReader(StorageReader):
         by_blob: dict[int, list[ReadItem]] = {}
         for item in items:
             by_blob.setdefault(self._blob_of(self._source(item)), []).append(item)
-        batches: list[list[ReadItem]] = []
-        size = limit
-        for blob, members in sorted(by_blob.items()):
-            nbytes = self.manifest.blobs[blob].nbytes
-            if size + nbytes > limit:
-                batches.append([])
-                size = 0
-            batches[-1].extend(members)
-            size += nbytes
-        return batches
+        sizes = {blob: self.manifest.blobs[blob].nbytes for blob in sorted(by_blob)}
+        return [[i for blob in group for i in by_blob[blob]] for group in gpu.batches(sizes, limit)]
 
     def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
         """Read what the batch's items need, then put each item's part into place.
