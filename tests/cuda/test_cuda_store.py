@@ -113,12 +113,13 @@ def test_a_load_into_a_gpu_models_state_fills_its_tensors_in_place(tmp_path):
 
 
 def test_a_load_into_gpu_tensors_of_every_kind(tmp_path):
-    """Contiguous GPU targets are read into through pinned memory, a non-contiguous one is filled
-    from a copy, a CPU target straight; a target of another shape is left alone."""
+    """Contiguous GPU targets are read into through pinned memory; a non-contiguous one (here a
+    parameter that requires grad) is filled from a copy; a target of another shape is left alone."""
     state = gpu_state()
     with CheckpointStore(tmp_path / "store") as store:
         store.save(state)
-        target = {k: torch.zeros_like(v) for k, v in state.items()}  # "strided" stays non-contiguous
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        target["strided"] = torch.nn.Parameter(torch.zeros_like(state["strided"]))  # non-contiguous
         target["ints"] = torch.zeros_like(state["ints"], device="cpu")
         other = target["matrix"] = torch.zeros(3, device="cuda")
         for map_location in ("cpu", "cuda"):
