@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from ..versions.catalog import Located
 
 BATCH_BYTES = 1 << 30  # blobs read at once, at most (one blob larger than this is read alone)
+Pair = tuple[ReadItem, torch.Tensor]  # a read item and the tensor its planner resolved it to
 
 
 class DcpReader(StorageReader):
@@ -112,8 +113,10 @@ class DcpReader(StorageReader):
         for item in plan.items:
             if item.type == LoadItemType.BYTE_IO:
                 self._put_value(item, planner, flat)
-        gpus = {t.device for t in map(planner.resolve_tensor, tensor_items) if t.is_cuda}
-        for batch in self._batches(tensor_items, gpu.BATCH_BYTES if gpus else BATCH_BYTES):
+        targets = [planner.resolve_tensor(item).detach() for item in tensor_items]
+        gpus = {t.device for t in targets if t.is_cuda}
+        pairs = list(zip(tensor_items, targets, strict=True))
+        for batch in self._batches(pairs, gpu.BATCH_BYTES if gpus else BATCH_BYTES):
             self._read_batch(batch, planner)
         if gpus:
             gpu.copies_ended(gpus)
@@ -149,15 +152,15 @@ class DcpReader(StorageReader):
         assert source.tensor is not None
         return self.manifest.tensors[source.tensor].blob
 
-    def _batches(self, items: list[ReadItem], limit: int) -> list[list[ReadItem]]:
-        """Items grouped so that each group's blobs add up to at most ``limit`` bytes."""
-        by_blob: dict[int, list[ReadItem]] = {}
-        for item in items:
-            by_blob.setdefault(self._blob_of(self._source(item)), []).append(item)
+    def _batches(self, pairs: list[Pair], limit: int) -> list[list[Pair]]:
+        """(item, target) pairs grouped so that each group's blobs add up to at most ``limit`` bytes."""
+        by_blob: dict[int, list[Pair]] = {}
+        for pair in pairs:
+            by_blob.setdefault(self._blob_of(self._source(pair[0])), []).append(pair)
         sizes = {blob: self.manifest.blobs[blob].nbytes for blob in sorted(by_blob)}
         return [[i for blob in group for i in by_blob[blob]] for group in gpu.batches(sizes, limit)]
 
-    def _read_batch(self, items: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_batch(self, pairs: list[Pair], planner: LoadPlanner) -> None:
         """Read what the batch's items need, then put each item's part into place.
 
         A chunk that one item takes whole, into a contiguous CPU tensor of its dtype (the same
@@ -167,8 +170,9 @@ class DcpReader(StorageReader):
         target straight into it, anything else into a buffer and copied. A tensor saved by
         ``store.save`` (not chunked) is read whole.
         """
+        items = [item for item, _ in pairs]
+        targets = [target for _, target in pairs]
         sources = [self._source(item) for item in items]
-        targets = [planner.resolve_tensor(item).detach() for item in items]
         direct = self._direct(items, sources, targets)
         landing = _landing({blob: targets[i] for blob, i in direct.items()})
         filled = set(direct.values())
