@@ -30,8 +30,8 @@ Fairness rules, which the numbers depend on:
   file pages an mmap maps in, since they are resident too.
 
 Run: ``.venv/bin/python bench/bench_storage.py [--size-mib 1024] [--repeats 3] [--only a,b] [--cold]``.
-Where CUDA is present, ``gpu-load`` also loads onto the GPU (``--only ckptflow-save,torch-save,gpu-load``
-for just that), against ``torch.load(map_location="cuda")``.
+Where CUDA is present, ``gpu-load`` also loads onto the GPU (``--only gpu-load`` for just that: it
+saves the files it loads), against ``torch.load(map_location="cuda")``.
 """
 
 from __future__ import annotations
@@ -676,7 +676,9 @@ def _gpu_load(ctx: Ctx) -> list[dict[str, Any]]:
         raise SystemExit("gpu-load needs a CUDA GPU")
     ours, theirs = ctx.fixture("ckptflow"), ctx.fixture("torch") / "state.pt"
     store = CheckpointStore(str(ours), options=ctx.store_options())
-    target = on_gpu(preallocated_like(ctx.state))  # a resumed run's model and optimizer, built on the GPU
+    target = moved(
+        preallocated_like(ctx.state), "cuda"
+    )  # a resumed run's model and optimizer, built on the GPU
     checked: set[str] = set()
 
     def once(label: str, load: Callable[[], Any]) -> Callable[[Probe], None]:
@@ -685,7 +687,7 @@ def _gpu_load(ctx: Ctx) -> list[dict[str, Any]]:
             torch.cuda.synchronize()
             p.mark(label)
             if label not in checked:  # correctness guard, once per variant, untimed
-                diff = first_difference(ctx.state, on_gpu(out, "cpu"))
+                diff = first_difference(ctx.state, moved(out, "cpu"))
                 if diff is not None:
                     raise AssertionError(f"{label} differs from the saved state at {diff}")
                 checked.add(label)
@@ -699,14 +701,14 @@ def _gpu_load(ctx: Ctx) -> list[dict[str, Any]]:
     return rows(ctx, samples)
 
 
-def on_gpu(tree: Any, device: str = "cuda") -> Any:
+def moved(tree: Any, device: str) -> Any:
     """``tree`` with every tensor copied to ``device``."""
     if isinstance(tree, torch.Tensor):
         return tree.to(device)
     if isinstance(tree, dict):
-        return {k: on_gpu(v, device) for k, v in tree.items()}
+        return {k: moved(v, device) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [on_gpu(v, device) for v in tree]
+        return [moved(v, device) for v in tree]
     return tree
 
 

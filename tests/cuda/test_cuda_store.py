@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ckptflow.storage import CheckpointStore
+from tests.conftest import assert_same_state
 
 MIB = 1 << 20
 
@@ -31,12 +32,8 @@ def on_host(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def assert_bitwise(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
-    assert list(got) == list(want)
-    for key, expected in want.items():
-        value = got[key].cpu()
-        assert (value.dtype, value.shape) == (expected.dtype, expected.shape), key
-        as_bytes = [t.contiguous().view(-1).view(torch.uint8) for t in (value, expected)]
-        assert torch.equal(*as_bytes), key
+    """``got`` (on any device) equals ``want`` bit for bit, keys in the same order."""
+    assert_same_state(on_host(got), want)
 
 
 def train_step(state: dict[str, torch.Tensor]) -> None:
