@@ -36,11 +36,11 @@ def tensor_paths(state: Any, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def target_buffers(
-    manifest: Manifest, leaf_ids: list[int], into: Any, device: torch.device
+    manifest: Manifest, leaf_ids: list[int], targets: dict[str, torch.Tensor], device: torch.device
 ) -> dict[int, torch.Tensor]:
-    """Blob -> target tensor, for blobs that can be read straight into an existing tensor: on the
-    CPU when the load is to the CPU, or on a GPU (through pinned memory, see :mod:`.gpu`)."""
-    targets = tensor_paths(into)
+    """Blob -> target tensor, for blobs that can be read straight into an existing tensor (of
+    ``targets``, by path): on the CPU when the load is to the CPU, or on a GPU (through pinned
+    memory, see :mod:`.gpu`)."""
     strided = {manifest.tensors[i].blob for i in leaf_ids if manifest.tensors[i].stride is not None}
     out: dict[int, torch.Tensor] = {}
     for i in leaf_ids:

@@ -69,16 +69,14 @@ def read_state(
     structure = select(manifest.structure, list(keys)) if keys else manifest.structure
     leaf_ids = sorted(set(leaf_refs(structure)))
     chunked_ids = sorted(set(leaf_refs(structure, ("$chunked",))))
-    wanted = sorted(
-        {manifest.tensors[i].blob for i in leaf_ids}
-        | {c.blob for i in chunked_ids for c in manifest.chunked[i].chunks}
-    )
+    chunks = {c.blob for i in chunked_ids for c in manifest.chunked[i].chunks}
+    wanted = sorted({manifest.tensors[i].blob for i in leaf_ids} | chunks)
     check = options.verify_on_load if verify is None else verify
     device = torch.device(map_location)
-    targets = target_buffers(manifest, leaf_ids, into, device) if into is not None else {}
+    given = tensor_paths(into) if into is not None else {}
+    targets = target_buffers(manifest, leaf_ids, given, device)
     onto = {b: as_bytes(t) for b, t in targets.items() if t.is_cuda}  # through pinned memory
     # chunks are put together on the host and moved whole: on the GPU they would take it twice
-    chunks = {c.blob for i in chunked_ids for c in manifest.chunked[i].chunks}
     to_gpu = set(wanted) - chunks if device.type == "cuda" else set(onto)
     gpu_device = device if device.type == "cuda" else next((t.device for t in onto.values()), device)
 
@@ -96,7 +94,6 @@ def read_state(
             sizes = {b: manifest.blobs[b].nbytes for b in sorted(to_gpu)}
             raw.update(gpu.read_onto(gpu_device, sizes, read, onto))
     tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
-    given = tensor_paths(into) if into is not None else {}
     whole = {
         i: _assemble(manifest, i, raw, given if device.type == "cpu" else {}).to(device) for i in chunked_ids
     }
