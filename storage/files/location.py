@@ -183,14 +183,15 @@ _REFUSED = {
 
 
 def remote_failure(loc: Location, action: str, exc: BaseException) -> StorageUnavailableError | None:
-    """A clear error for an object store that cannot be used (credentials, endpoint); None otherwise.
+    """A clear error for an object store that cannot be used (credentials, endpoint); None otherwise."""
+    return None if loc.is_local else store_failure(loc.display(), _endpoint(loc), action, exc)
 
-    Names the store and the endpoint, never the credentials.
-    """
-    if loc.is_local:
-        return None
-    where = loc.display()
-    endpoint = _endpoint(loc)
+
+def store_failure(
+    where: str, endpoint: str | None, action: str, exc: BaseException
+) -> StorageUnavailableError | None:
+    """:func:`remote_failure` for the object at the redacted URL ``where``, reached at ``endpoint``
+    (None: the default one). Names the object and the endpoint, never the credentials."""
     at = f" at {endpoint}" if endpoint else ""
     for error in _chain(exc):
         names = _class_names(error)
@@ -209,7 +210,7 @@ def remote_failure(loc: Location, action: str, exc: BaseException) -> StorageUna
             )
         code = _error_code(error)
         if code == "NoSuchBucket":
-            return missing_bucket_error(loc)
+            return StorageUnavailableError(_no_bucket(where))
         if code in _REFUSED:
             return StorageUnavailableError(
                 f"the object store{at} refused the credentials while {action} {where} ({code}): check "
@@ -312,10 +313,11 @@ def probe(loc: Location, *, must_exist: bool) -> bool:
 
 
 def missing_bucket_error(loc: Location) -> StorageUnavailableError:
-    return StorageUnavailableError(
-        f"the bucket of {loc.display()} does not exist (or is not visible with these "
-        "credentials): create it first"
-    )
+    return StorageUnavailableError(_no_bucket(loc.display()))
+
+
+def _no_bucket(where: str) -> str:
+    return f"the bucket of {where} does not exist (or is not visible with these credentials): create it first"
 
 
 def bucket_missing(loc: Location) -> bool:

@@ -49,13 +49,13 @@ class PartPlan:
 
 
 def plan_parts(size: int, part_size: int) -> PartPlan:
-    """Split ``size`` bytes into parts of ``part_size`` (grown, if needed, to stay within 10,000 parts)."""
+    """Split ``size`` bytes into parts of ``part_size``, grown as boto3 grows it (doubled until
+    10,000 parts hold the file): the plan boto3's uploads follow."""
     if size <= part_size:
         return PartPlan(size, part_size, False, (Part(1, 0, size),))
-    needed = -(-size // MAX_PARTS)
-    part_size = max(part_size, -(-needed // MiB) * MiB)
-    if part_size > MAX_PART:
-        raise ValueError(f"{size} bytes do not fit in {MAX_PARTS} parts of at most 5 GiB")
+    from s3transfer.utils import ChunksizeAdjuster
+
+    part_size = ChunksizeAdjuster().adjust_chunksize(part_size, size)
     parts = tuple(Part(i + 1, o, min(part_size, size - o)) for i, o in enumerate(range(0, size, part_size)))
     return PartPlan(size, part_size, True, parts)
 

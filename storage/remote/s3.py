@@ -25,12 +25,12 @@ import hashlib
 import logging
 import os
 import sys
-import zlib
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
 import botocore.exceptions as bex
+from botocore.httpchecksum import Crc32Checksum
 from s3transfer.manager import TransferConfig, TransferManager
 from s3transfer.subscribers import BaseSubscriber
 
@@ -67,6 +67,7 @@ class Object:
     key: str
     extra: dict[str, Any]  # s3_additional_kwargs (SSE, requester pays, ...)
     url: str  # redacted, for messages
+    endpoint: str | None  # the endpoint the options name (redacted), None: AWS's
 
     @property
     def get_args(self) -> dict[str, Any]:
@@ -98,7 +99,7 @@ def upload_file(
     return (ETag, skipped)."""
     obj = _object(url, storage_options, options)
     config = _config(options, options.part_size)
-    with translate_s3_errors(obj.url, "uploading to", options.max_attempts):
+    with translate_s3_errors(obj.url, obj.endpoint, "uploading to", options.max_attempts):
         done = _upload(obj, path, fd, config)
     if "s3fs" in sys.modules:  # an s3fs instance of these options must not hide the new object
         with contextlib.suppress(Exception):
@@ -113,7 +114,7 @@ def download_file(
     """Fill ``fd`` with the object's bytes; with ``download_checksums``, check them as the HEAD allows
     (by ``part_size``, the likeliest part size of a multipart object). Returns (size, ETag)."""
     obj = _object(url, storage_options, options)
-    with translate_s3_errors(obj.url, "downloading", options.max_attempts):
+    with translate_s3_errors(obj.url, obj.endpoint, "downloading", options.max_attempts):
         found = head(obj)
         if found is None:
             raise StorageUnavailableError(f"no object at {obj.url}: nothing to download")
@@ -149,7 +150,8 @@ def _object(url: str, storage_options: dict[str, Any] | None, options: TransferO
     extra = dict(so.get("s3_additional_kwargs") or {})
     if so.get("requester_pays"):
         extra.setdefault("RequestPayer", "requester")
-    return Object(client, parts.netloc, key, extra, redact(url))
+    endpoint = (so.get("client_kwargs") or {}).get("endpoint_url") or so.get("endpoint_url")
+    return Object(client, parts.netloc, key, extra, redact(url), redact(endpoint) if endpoint else None)
 
 
 def _config(options: TransferOptions, chunk: int) -> TransferConfig:
@@ -321,15 +323,4 @@ class HashingSink:
 
 
 def _hasher(kind: str) -> Any:
-    return hashlib.md5() if kind == "ETag" else _Crc32()
-
-
-class _Crc32:
-    def __init__(self) -> None:
-        self.value = 0
-
-    def update(self, data: bytes) -> None:
-        self.value = zlib.crc32(data, self.value)
-
-    def digest(self) -> bytes:
-        return self.value.to_bytes(4, "big")
+    return hashlib.md5() if kind == "ETag" else Crc32Checksum()

@@ -25,6 +25,7 @@ import botocore.exceptions as bex
 from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import StorageUnavailableError
+from ..files.location import store_failure
 from .roles import boto3_session
 from .transfer import TransferOptions, s3_storage_options
 
@@ -92,32 +93,18 @@ def error_code(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def translate_s3_errors(display_url: str, action: str, attempts: int) -> Iterator[None]:
-    """Turn botocore errors into :class:`StorageUnavailableError` naming ``display_url`` (no credentials)."""
+def translate_s3_errors(display_url: str, endpoint: str | None, action: str, attempts: int) -> Iterator[None]:
+    """Turn botocore errors into :class:`StorageUnavailableError` naming ``display_url`` (no credentials):
+    the store's messages (:func:`store_failure`), and for a network failure the attempts made."""
     try:
         yield
-    except bex.ClientError as exc:
-        code = error_code(exc)
-        if code == "NoSuchBucket":
-            raise StorageUnavailableError(
-                f"the bucket of {display_url} does not exist (or is not visible with these credentials): "
-                "create it first"
-            ) from None
-        if code in DENIED:
-            raise StorageUnavailableError(
-                f"permission denied while {action} {display_url} ({code}): check the credentials "
-                "(environment, profile or storage_options) and the bucket policy"
-            ) from None
-        raise StorageUnavailableError(
-            f"S3 refused {action} {display_url}: {code or type(exc).__name__}"
-        ) from exc
-    except bex.NoCredentialsError:
-        raise StorageUnavailableError(
-            f"no AWS credentials found for {display_url}: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, "
-            "a profile, or key/secret in storage_options"
-        ) from None
     except TRANSIENT as exc:
         raise StorageUnavailableError(
             f"cannot reach S3 while {action} {display_url} after {attempts} attempts "
             f"({type(exc).__name__}); the transfer can be re-run: finished work is kept"
+        ) from exc
+    except (bex.ClientError, bex.NoCredentialsError) as exc:
+        error = store_failure(display_url, endpoint, action, exc)
+        raise error or StorageUnavailableError(
+            f"S3 refused {action} {display_url}: {error_code(exc)}"
         ) from exc

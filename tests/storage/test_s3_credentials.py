@@ -74,6 +74,27 @@ def test_wrong_credentials_are_refused_with_a_clear_error(keyed_server: str, key
     assert right.versions() == []  # nothing was written with the wrong keys
 
 
+def test_wrong_credentials_refuse_a_transfer_with_the_stores_message(
+    keyed_server: str, tmp_path: Path
+) -> None:
+    """Uploads and downloads (boto3's client) say what the store says, naming the endpoint."""
+    src = tmp_path / "src"
+    src.write_bytes(b"ckpt" * 1000)
+    url = f"s3://{BUCKET}/transfer/a"
+    upload_file(src, url, storage_options=options(keyed_server, KEY, SECRET))
+    wrong = options(keyed_server, KEY, "a-wrong-secret-77")
+    for move in (
+        lambda: upload_file(src, url, storage_options=wrong),
+        lambda: download_file(url, tmp_path / "back", storage_options=wrong),
+    ):
+        with pytest.raises(StorageUnavailableError) as caught:
+            move()
+        message = str(caught.value)
+        assert f"the object store at {keyed_server} refused the credentials" in message, message
+        assert url in message and "AWS_ACCESS_KEY_ID" in message and "a-wrong-secret-77" not in message
+    assert not (tmp_path / "back").exists()
+
+
 _CREDENTIAL_PROCESS = """
 import datetime, json, pathlib, sys
 calls = pathlib.Path(sys.argv[1])
