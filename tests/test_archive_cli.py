@@ -1,4 +1,4 @@
-"""``ckptflow archive`` and ``ckptflow extract`` against real stores, GNU tar and the moto S3 server.
+"""``ckptflow archive`` and ``ckptflow extract`` against real stores, GNU tar and a SeaweedFS S3 server.
 
 What is asserted is what a user sees and gets: exit codes (0; 1 with one ``error:`` line;
 2 for usage), the versions ``ckptflow ls`` lists and where it says they live, and the

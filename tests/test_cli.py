@@ -597,7 +597,7 @@ class TestGc:
 class TestS3:
     """--storage-options reaches s3fs, and the secret in it is never printed."""
 
-    def test_commands_against_moto(self, s3_bucket, tmp_path):
+    def test_commands_against_s3(self, s3_bucket, tmp_path):
         bucket, options = s3_bucket
         url = f"s3://{bucket}/run1"
         state = make_state(0)

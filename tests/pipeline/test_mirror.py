@@ -8,7 +8,7 @@
   upload does not stop training: the run trains to the end, then fails with the
   reason and that line.
 
-Against a real Prefect server and the moto S3 server; the CLI runs in this process.
+Against a real Prefect server and a SeaweedFS S3 server; the CLI runs in this process.
 """
 
 from __future__ import annotations

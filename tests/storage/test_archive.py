@@ -2,7 +2,7 @@
 extraction is safe, and a crash leaves an uncommitted tar that nothing reads.
 
 Real parts only: versions saved by ``CheckpointStore`` in temp directories, GNU
-tar as a subprocess, h5py on extracted shards, moto's S3 server (``s3_bucket``
+tar as a subprocess, h5py on extracted shards, a SeaweedFS S3 server (``s3_bucket``
 fixture), crafted malicious tarballs built with ``tarfile``, and a child process
 killed with SIGKILL while it writes a tar.
 """

@@ -389,7 +389,7 @@ class TestKillAtEachCommitStep:
 
 @pytest.mark.s3
 class TestKillDuringSaveOnS3:
-    """SIGKILL during saves to a real S3 protocol server (moto): uploads are atomic per object."""
+    """SIGKILL during saves to a real S3 protocol server (SeaweedFS): uploads are atomic per object."""
 
     @pytest.mark.parametrize("trial", range(S3_TRIALS))
     def test_store_consistent_after_kill(

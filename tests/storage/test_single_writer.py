@@ -9,7 +9,7 @@ is taken when the automatic number is claimed), a manifest is created only if
 absent, and a writer can hold the store's lease (``CheckpointStore.lease``),
 which a second writer cannot take while the holder lives.
 
-Real processes, real files and a real S3 protocol server (moto).
+Real processes, real files and a real S3 protocol server (SeaweedFS).
 """
 
 from __future__ import annotations
