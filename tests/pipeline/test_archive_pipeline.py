@@ -301,7 +301,7 @@ def flow_run_name(flow_run_id: Any) -> str:
 @pytest.mark.prefect
 @pytest.mark.s3
 class TestUpload:
-    """``upload_to`` an S3 bucket (SeaweedFS): the remote copy is a store that lists and loads the versions."""
+    """``upload_to`` S3 (SeaweedFS): the remote copy is a store that lists and loads the versions."""
 
     def test_uploaded_archives_form_a_loadable_store(
         self, prefect_server, reference, s3_server, s3_bucket, tmp_path
