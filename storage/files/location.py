@@ -167,7 +167,8 @@ def _disk_failure(loc: Location, action: str, exc: Exception) -> StorageUnavaila
 
 
 # Object-store failures, by the class names of botocore's and aiohttp's exceptions (and their bases).
-_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError"}
+_NO_CREDENTIALS = {"NoCredentialsError", "PartialCredentialsError"}
+_CREDENTIALS_FAILED = {"CredentialRetrievalError", "TokenRetrievalError"}  # a profile's process, SSO, a role
 _UNREACHABLE = {"HTTPClientError", "ConnectionError", "ClientConnectionError", "ServerTimeoutError"}
 _REFUSED = {
     "AccessDenied",
@@ -198,7 +199,12 @@ def store_failure(
         if names & _NO_CREDENTIALS:
             return StorageUnavailableError(
                 f"no credentials found for {where}: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY "
-                "(or AWS_PROFILE) in the environment"
+                "(or AWS_PROFILE) in the environment, or key and secret in the storage options"
+            )
+        if names & _CREDENTIALS_FAILED:
+            return StorageUnavailableError(
+                f"could not get credentials for {where} ({error}): check the profile (its "
+                "credential_process, SSO login or role) or give key and secret in the storage options"
             )
         if names & _UNREACHABLE:
             hint = "check the network"
@@ -214,7 +220,8 @@ def store_failure(
         if code in _REFUSED:
             return StorageUnavailableError(
                 f"the object store{at} refused the credentials while {action} {where} ({code}): check "
-                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the profile) and the bucket's policy"
+                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the profile, or key and secret in the storage "
+                "options) and the bucket's policy"
             )
     return None
 

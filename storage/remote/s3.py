@@ -67,7 +67,6 @@ class Object:
     key: str
     extra: dict[str, Any]  # s3_additional_kwargs (SSE, requester pays, ...)
     url: str  # redacted, for messages
-    endpoint: str | None  # the endpoint the options name (redacted), None: AWS's
 
     @property
     def get_args(self) -> dict[str, Any]:
@@ -97,10 +96,8 @@ def upload_file(
 ) -> tuple[str, bool]:
     """Upload the file ``fd`` (at ``path``) to ``url`` unless the object already holds its bytes;
     return (ETag, skipped)."""
-    obj = _object(url, storage_options, options)
-    config = _config(options, options.part_size)
-    with translate_s3_errors(obj.url, obj.endpoint, "uploading to", options.max_attempts):
-        done = _upload(obj, path, fd, config)
+    with translate_s3_errors(url, storage_options, "uploading to", options.max_attempts):
+        done = _upload(_object(url, storage_options, options), path, fd, _config(options, options.part_size))
     if "s3fs" in sys.modules:  # an s3fs instance of these options must not hide the new object
         with contextlib.suppress(Exception):
             loc = open_location(url, storage_options)
@@ -113,8 +110,8 @@ def download_file(
 ) -> tuple[int, str]:
     """Fill ``fd`` with the object's bytes; with ``download_checksums``, check them as the HEAD allows
     (by ``part_size``, the likeliest part size of a multipart object). Returns (size, ETag)."""
-    obj = _object(url, storage_options, options)
-    with translate_s3_errors(obj.url, obj.endpoint, "downloading", options.max_attempts):
+    with translate_s3_errors(url, storage_options, "downloading", options.max_attempts):
+        obj = _object(url, storage_options, options)  # its client may fetch credentials: translated
         found = head(obj)
         if found is None:
             raise StorageUnavailableError(f"no object at {obj.url}: nothing to download")
@@ -150,8 +147,7 @@ def _object(url: str, storage_options: dict[str, Any] | None, options: TransferO
     extra = dict(so.get("s3_additional_kwargs") or {})
     if so.get("requester_pays"):
         extra.setdefault("RequestPayer", "requester")
-    endpoint = (so.get("client_kwargs") or {}).get("endpoint_url") or so.get("endpoint_url")
-    return Object(client, parts.netloc, key, extra, redact(url), redact(endpoint) if endpoint else None)
+    return Object(client, parts.netloc, key, extra, redact(url))
 
 
 def _config(options: TransferOptions, chunk: int) -> TransferConfig:

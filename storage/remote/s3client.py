@@ -25,7 +25,7 @@ import botocore.exceptions as bex
 from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import StorageUnavailableError
-from ..files.location import store_failure
+from ..files.location import redact, store_failure
 from .roles import boto3_session
 from .transfer import TransferOptions, s3_storage_options
 
@@ -93,9 +93,15 @@ def error_code(exc: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def translate_s3_errors(display_url: str, endpoint: str | None, action: str, attempts: int) -> Iterator[None]:
-    """Turn botocore errors into :class:`StorageUnavailableError` naming ``display_url`` (no credentials):
-    the store's messages (:func:`store_failure`), and for a network failure the attempts made."""
+def translate_s3_errors(
+    url: str, storage_options: dict[str, Any] | None, action: str, attempts: int
+) -> Iterator[None]:
+    """Turn botocore errors into :class:`StorageUnavailableError` naming ``url`` redacted and the
+    endpoint the options name: the store's messages (:func:`store_failure`), and for a network
+    failure the attempts made."""
+    display_url = redact(url)
+    endpoint = ((storage_options or {}).get("client_kwargs") or {}).get("endpoint_url")
+    endpoint = redact(endpoint or (storage_options or {}).get("endpoint_url") or "") or None
     try:
         yield
     except TRANSIENT as exc:
@@ -103,8 +109,9 @@ def translate_s3_errors(display_url: str, endpoint: str | None, action: str, att
             f"cannot reach S3 while {action} {display_url} after {attempts} attempts "
             f"({type(exc).__name__}); the transfer can be re-run: finished work is kept"
         ) from exc
-    except (bex.ClientError, bex.NoCredentialsError) as exc:
+    except (bex.ClientError, bex.BotoCoreError) as exc:  # refused, no or partial credentials, ...
         error = store_failure(display_url, endpoint, action, exc)
-        raise error or StorageUnavailableError(
-            f"S3 refused {action} {display_url}: {error_code(exc)}"
-        ) from exc
+        if error is None and not isinstance(exc, bex.ClientError):
+            raise
+        code = error_code(exc) or type(exc).__name__
+        raise error or StorageUnavailableError(f"S3 refused {action} {display_url}: {code}") from exc

@@ -95,6 +95,34 @@ def test_wrong_credentials_refuse_a_transfer_with_the_stores_message(
     assert not (tmp_path / "back").exists()
 
 
+def test_a_profile_whose_credentials_cannot_be_fetched_says_so(
+    keyed_server: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A profile whose credential_process fails: the store and the transfers name the profile's
+    failure (not "no credentials"), and nothing raw from botocore reaches the caller."""
+    config = tmp_path / "config"
+    config.write_text(f"[profile broken]\ncredential_process = {sys.executable} -c 'raise SystemExit(3)'\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    so = {"profile": "broken", "client_kwargs": {"endpoint_url": keyed_server, "region_name": "us-east-1"}}
+    src = tmp_path / "src"
+    src.write_bytes(b"ckpt")
+    url = f"s3://{BUCKET}/broken/a"
+    for move in (
+        lambda: upload_file(src, url, storage_options=so),
+        lambda: download_file(url, tmp_path / "back", storage_options=so),
+        lambda: CheckpointStore(f"s3://{BUCKET}/broken", storage_options=so).save(
+            {"w": torch.ones(2)}, epoch=1
+        ),
+    ):
+        with pytest.raises(StorageUnavailableError) as caught:
+            move()
+        message = str(caught.value)
+        assert "could not get credentials for s3://" in message and "credential_process" in message, message
+
+
 _CREDENTIAL_PROCESS = """
 import datetime, json, pathlib, sys
 calls = pathlib.Path(sys.argv[1])

@@ -234,6 +234,10 @@ class TestPlanAndEtag:
         single = plan_for_etag(20 * MiB, md5, PART)
         assert single is not None and not single.multipart and single.parts[0].length == 20 * MiB
         assert plan_for_etag(20 * MiB, f"{md5}-7", PART) is None
+        # Past 10,000 parts boto3 doubles the part size: 10 MiB parts become 20 MiB ones.
+        size = MAX_PARTS * 10 * MiB + 1
+        grown = plan_for_etag(size, f"{md5}-{-(-size // (20 * MiB))}", 10 * MiB)
+        assert grown is not None and grown.part_size == 20 * MiB and len(grown.parts) <= MAX_PARTS
 
     @pytest.mark.parametrize("kind", ["CRC32", "ETag"])
     def test_a_download_is_hashed_per_part_as_it_is_written(self, tmp_path, kind):
