@@ -35,6 +35,7 @@ from .errors import (
     VersionTakenError,
 )
 from .files.location import quick_answer_options, redact
+from .files.processes import pid_space, start_ticks
 from .format.manifest import FORMAT_VERSION, Manifest
 from .load.restore import RankStateWarning
 from .remote.mirror import upload_storage_options
@@ -88,9 +89,11 @@ __all__ = [
     "VersionState",
     "VersionTakenError",
     "extract_epoch",
+    "pid_space",
     "quick_answer_options",
     "read_lease",
     "redact",
     "refuse_if_held",
+    "start_ticks",
     "upload_storage_options",
 ]

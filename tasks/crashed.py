@@ -39,6 +39,8 @@ from datetime import datetime, timezone
 from typing import Any
 from uuid import UUID
 
+from ckptflow.storage import pid_space, start_ticks
+
 log = logging.getLogger(__name__)
 
 LABELS = ("ckptflow.host", "ckptflow.pid", "ckptflow.pid_start", "ckptflow.pid_space")
@@ -68,7 +70,7 @@ class ProcessRecord:
 def this_process() -> ProcessRecord | None:
     """The record of this process; None where ``/proc`` cannot tell (not Linux)."""
     pid = os.getpid()
-    start, space = _start_ticks(pid), _pid_space()
+    start, space = start_ticks(pid), pid_space()
     if start is None or space is None:
         return None
     return ProcessRecord(socket.gethostname(), pid, start, space)
@@ -80,7 +82,7 @@ def is_gone(record: ProcessRecord, here: ProcessRecord) -> bool:
         return False
     if record.pid == here.pid:
         return record.start != here.start
-    return _start_ticks(record.pid) != record.start  # no such pid (None), or a later process
+    return start_ticks(record.pid) != record.start  # no such pid (None), or a later process
 
 
 def record_and_sweep(flow_run_id: UUID, log: Any) -> list[str]:
@@ -195,26 +197,4 @@ def _versions_of(parameters: dict[str, Any]) -> list[Any] | None:
         store = CheckpointStore(config.storage, storage_options=config.resolved_storage_options())
         return list(store.versions())
     except Exception:
-        return None
-
-
-def _start_ticks(pid: int) -> str | None:
-    """Field 22 of ``/proc/PID/stat`` (the process's start time); None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read().decode(errors="replace")
-    except OSError:
-        return None
-    fields = stat[stat.rfind(")") + 2 :].split()  # the command name in parentheses may hold spaces
-    if len(fields) <= 19 or fields[0] in ("Z", "X"):  # a zombie has ended: only its exit status is left
-        return None
-    return fields[19]
-
-
-def _pid_space() -> str | None:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
-    except OSError:
         return None

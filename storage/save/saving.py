@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -51,7 +50,6 @@ from ..versions import commit as protocol
 from ..versions.catalog import archived_for_writing
 from ..versions.housekeeping import last_change
 from ..versions.lease import DEFAULT_TIMEOUT, StoreLease, read_lease
-from ..versions.lease_info import pid_alive
 from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
 from .planner import Blob, SavePlan, plan_blobs, plan_save
 
@@ -256,7 +254,7 @@ class VersionWriter:
         """Whether another writer's claim is a leftover: its process is gone, or it predates the
         store's current lease (this writer holds it, or writes for its holder), or nothing changed
         in the version for a lease timeout."""
-        if found.host == socket.gethostname() and not pid_alive(found.pid):
+        if found.writer_ended():
             return True
         if self.lease is not None and self.lease.is_held():
             return True

@@ -13,13 +13,13 @@ import dataclasses
 import json
 import logging
 import os
-import socket
 import time
 from dataclasses import dataclass
 
 from ..errors import ManifestError, VersionTakenError
 from ..files.atomic import exclusive_local_write, exclusive_remote_write
 from ..files.location import Location
+from ..files.processes import has_ended, this_process
 from ..format.manifest import MANIFEST_FILE
 from ..format.names import parse_version_dir, version_dir
 
@@ -36,13 +36,20 @@ class Claim:
     host: str
     pid: int
     created: float  # seconds since the epoch, the claimer's clock
+    start: str = ""  # the claimer's start time and pid space (files.processes); "" from older writers
+    space: str = ""
+
+    def writer_ended(self) -> bool:
+        """Whether the claimer has certainly ended (its process is gone)."""
+        return has_ended(self.host, self.pid, self.start, self.space)
 
     def describe(self) -> str:
         return f"host {self.host}, pid {self.pid}, {time.time() - self.created:.0f}s ago"
 
 
 def new_claim(token: str) -> Claim:
-    return Claim(token, socket.gethostname(), os.getpid(), time.time())
+    host, pid, start, space = this_process()
+    return Claim(token, host, pid, time.time(), start, space)
 
 
 def claim_version(loc: Location, version: int, claim: Claim) -> bool:
@@ -75,7 +82,8 @@ def read_claim(loc: Location, version: int) -> Claim | None:
     path = loc.path(version_dir(version), CLAIM_FILE)
     try:
         raw = json.loads(loc.fs.cat_file(path))
-        return Claim(str(raw["token"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]))
+        identity = (str(raw.get("start", "")), str(raw.get("space", "")))
+        return Claim(str(raw["token"]), str(raw["host"]), int(raw["pid"]), float(raw["created"]), *identity)
     except (FileNotFoundError, ValueError, KeyError, TypeError, RecursionError, ManifestError):
         return None
 

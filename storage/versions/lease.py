@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
@@ -43,6 +42,7 @@ from ..errors import LeaseLostError, StoreLockedError
 from ..files.atomic import atomic_local_write, exclusive_local_write, exclusive_remote_write
 from ..files.byteio import fsync_dir
 from ..files.location import Location
+from ..files.processes import is_this_space, this_process
 from .lease_info import LeaseInfo, default_owner
 
 log = logging.getLogger(__name__)
@@ -64,14 +64,17 @@ class StoreLease:
             raise ValueError(f"the lease timeout must be > 0 seconds, got {timeout}")
         self.loc = loc
         now = time.time()
+        host, pid, start, space = this_process()
         self.info = LeaseInfo(
             owner=owner or default_owner(),
-            host=socket.gethostname(),
-            pid=os.getpid(),
+            host=host,
+            pid=pid,
             started=now,
             renewed=now,
             timeout=float(timeout),
             token=uuid.uuid4().hex,
+            start=start,
+            space=space,
         )
         self._etag: str | None = None  # S3: the ETag of our last write, for If-Match
         self._lost: str | None = None  # why the lease is no longer ours
@@ -305,7 +308,7 @@ def refuse_if_held(loc: Location, *, writers: Collection[int] = ()) -> None:
     holder = read_lease(loc)
     if holder is None or holder.is_stale():
         return
-    if holder.host == socket.gethostname() and holder.pid in writers:
+    if holder.pid in writers and is_this_space(holder.host, holder.space):
         return
     raise _locked(loc, holder)
 

@@ -1,20 +1,21 @@
 """What a store's lease object holds, and whether the process holding it still lives.
 
-A lease names its holder (owner, host, pid), when it started and was last renewed, its
+A lease names its holder (owner, host, pid, start time, pid space), when it started and was last renewed, its
 timeout and a random token. Bytes that are not a lease read as None, and such a lease is
 treated as stale. A holder is gone when its timeout passed without renewal, or at once
-when it was a process of this host that no longer exists.
+when it was a process of this host and pid space that no longer runs (see files.processes).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+
+from ..files.processes import has_ended
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,8 @@ class LeaseInfo:
     renewed: float
     timeout: float
     token: str
+    start: str = ""  # the holder's start time and pid space (files.processes); "" from older writers
+    space: str = ""
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), indent=1, sort_keys=True).encode()
@@ -45,6 +48,8 @@ class LeaseInfo:
                 renewed=float(raw["renewed"]),
                 timeout=float(raw["timeout"]),
                 token=str(raw["token"]),
+                start=str(raw.get("start", "")),
+                space=str(raw.get("space", "")),
             )
         except (ValueError, KeyError, TypeError):
             return None
@@ -53,8 +58,9 @@ class LeaseInfo:
         return (time.time() if now is None else now) - self.renewed
 
     def holder_gone(self) -> bool:
-        """Whether the holder is a process of this host that no longer exists."""
-        return self.host == socket.gethostname() and not pid_alive(self.pid)
+        """Whether the holder has certainly ended: a process of this host and pid space that no
+        longer runs (see files.processes)."""
+        return has_ended(self.host, self.pid, self.start, self.space)
 
     def is_stale(self, now: float | None = None) -> bool:
         return self.age(now) > self.timeout or self.holder_gone()
@@ -68,21 +74,6 @@ class LeaseInfo:
 
 def _when(ts: float) -> str:
     return datetime.fromtimestamp(ts, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` of this host runs (a zombie, killed but not yet reaped, does not)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return True
 
 
 def default_owner() -> str:

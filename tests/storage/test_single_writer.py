@@ -14,6 +14,7 @@ Real processes, real files and a real S3 protocol server (SeaweedFS).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -36,6 +37,7 @@ from ckptflow.storage import (
     StoreLease,
     StoreLockedError,
     VersionTakenError,
+    pid_space,
     read_lease,
 )
 from ckptflow.storage.versions import claims
@@ -208,7 +210,7 @@ class TestConcurrentSaves:
         """A retried save of a version whose writer died (same host, process gone) writes it again."""
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
-        claim = claims.Claim("d" * 32, socket.gethostname(), dead.pid, time.time())
+        claim = claims.Claim("d" * 32, socket.gethostname(), dead.pid, time.time(), "1", pid_space() or "")
         store_url.raw_write("v000004/.claim.json", json.dumps(claim.__dict__).encode())
         store_url.raw_write("v000004/shard-r0-00.h5", b"half a shard")
         state = {"x": torch.full((64,), 4.0)}
@@ -283,6 +285,35 @@ class TestLease:
             assert read_lease(store.loc).token == mine.token
         assert "stopped renewing it (timeout 5s)" in caplog.text
         assert read_lease(store.loc) is None
+
+    def test_a_lease_is_taken_over_at_once_only_when_its_holder_is_certainly_gone(
+        self, target: StoreTarget, caplog
+    ):
+        """A pid names a process only within one boot and pid namespace. Bug fixed: a live writer in
+        another container with this host's name (host networking) was taken for gone, its pid being
+        unknown here, and its lease taken over at once; a pid given to a later process kept a dead
+        holder's lease until its timeout."""
+        store = CheckpointStore(target.url, storage_options=target.storage_options)
+        here = socket.gethostname()
+        gone = subprocess.Popen([sys.executable, "-c", "pass"])
+        gone.wait()
+        later = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        try:
+            live = dataclasses.asdict(foreign_lease(age=0, timeout=60, host=here))  # as a writer writes it
+            other_container = {**live, "pid": gone.pid, "start": "1", "space": "another-boot/pid:[1]"}
+            older_ckptflow = {**live, "pid": gone.pid}  # no start or space: cannot tell
+            for lease in (other_container, older_ckptflow):
+                target.raw_write(LEASE_FILE, json.dumps(lease).encode())
+                with pytest.raises(StoreLockedError, match=f"host {here}, pid {gone.pid}"), store.lease():
+                    pass
+            reused = {**live, "pid": later.pid, "start": "1", "space": pid_space()}  # not `later`'s start
+            target.raw_write(LEASE_FILE, json.dumps(reused).encode())
+            with store.lease(owner="taker") as mine:
+                assert read_lease(store.loc).token == mine.token
+            assert f"pid {later.pid}" in caplog.text and "is no longer running" in caplog.text
+        finally:
+            later.kill()
+            later.wait()
 
     def test_a_lease_is_released_when_its_holder_ends(self, target: StoreTarget):
         store = CheckpointStore(target.url, storage_options=target.storage_options)
