@@ -35,7 +35,8 @@ from .errors import (
     VersionTakenError,
 )
 from .files.location import quick_answer_options, redact
-from .files.processes import pid_space, start_ticks
+from .files.processes import has_ended as process_ended
+from .files.processes import this_process as current_process
 from .format.manifest import FORMAT_VERSION, Manifest
 from .load.restore import RankStateWarning
 from .remote.mirror import upload_storage_options
@@ -88,12 +89,12 @@ __all__ = [
     "VersionNotFoundError",
     "VersionState",
     "VersionTakenError",
+    "current_process",
     "extract_epoch",
-    "pid_space",
+    "process_ended",
     "quick_answer_options",
     "read_lease",
     "redact",
     "refuse_if_held",
-    "start_ticks",
     "upload_storage_options",
 ]

@@ -179,8 +179,8 @@ class CheckpointStore(ShardedStore, Upkeep):
         """Hold the store's writer lease while the block runs; commits then need it.
 
         Raises :class:`StoreLockedError` naming the holder if another live writer has it; a
-        lease not renewed for its holder's ``timeout`` seconds (or whose process on this host
-        is gone) is taken over. It is renewed in the background and released at the end,
+        lease not renewed for its holder's ``timeout`` seconds (or whose process, of this host
+        and pid space, has ended) is taken over. It is renewed in the background and released at the end,
         after the async save in flight, if any, has ended. One process holds it for a job:
         in a torch.distributed job, the launcher (the ranks write for it), not every rank.
         """

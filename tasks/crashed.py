@@ -32,14 +32,13 @@ from __future__ import annotations
 import contextvars
 import logging
 import os
-import socket
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 from uuid import UUID
 
-from ckptflow.storage import pid_space, start_ticks
+from ckptflow.storage import current_process, process_ended
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +68,8 @@ class ProcessRecord:
 
 def this_process() -> ProcessRecord | None:
     """The record of this process; None where ``/proc`` cannot tell (not Linux)."""
-    pid = os.getpid()
-    start, space = start_ticks(pid), pid_space()
-    if start is None or space is None:
-        return None
-    return ProcessRecord(socket.gethostname(), pid, start, space)
+    host, pid, start, space = current_process()
+    return ProcessRecord(host, pid, start, space) if start and space else None
 
 
 def is_gone(record: ProcessRecord, here: ProcessRecord) -> bool:
@@ -82,7 +78,7 @@ def is_gone(record: ProcessRecord, here: ProcessRecord) -> bool:
         return False
     if record.pid == here.pid:
         return record.start != here.start
-    return start_ticks(record.pid) != record.start  # no such pid (None), or a later process
+    return process_ended(record.host, record.pid, record.start, record.space)
 
 
 def record_and_sweep(flow_run_id: UUID, log: Any) -> list[str]:

@@ -10,34 +10,40 @@ ticks after boot) and its space (the boot id and the pid namespace).
 It has ended, for certain, only when it ran on this host in this space and no
 process with its pid started at its start time (:func:`has_ended`). A record
 of another space, or one without a space (written by an older ckptflow), is
-never judged by its pid on Linux: it waits for its timeout. Without ``/proc``
-(not Linux) pids are the host's, and a live pid counts as the holder.
+never judged by its pid on Linux: it waits for its timeout; nor is one whose
+entry ``/proc`` hides (``hidepid``). On a host without ``/proc`` (not Linux),
+records carry no space, pids are the host's, and a live pid counts as the
+holder (a pid reused by a later process keeps the lease until its timeout).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 
 
 def start_ticks(pid: int) -> str | None:
-    """Field 22 of ``/proc/PID/stat`` (the process's start time); None if there is no such process."""
+    """Field 22 of ``/proc/PID/stat`` (the process's start time); None if there is no such process
+    (or only a zombie, which runs no more). Raises OSError when ``/proc`` cannot tell: the process
+    exists but its entry is hidden or unreadable (``hidepid``, another user's, another mount)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read().decode(errors="replace")
     except OSError:
-        return None
+        if not pid_alive(pid):
+            return None
+        raise
     fields = stat[stat.rfind(")") + 2 :].split()  # the command name in parentheses may hold spaces
-    if len(fields) <= 19 or fields[0] in ("Z", "X"):  # a zombie has ended: only its exit status is left
+    if fields and fields[0] in ("Z", "X"):  # a zombie has ended: only its exit status is left
         return None
+    if len(fields) <= 19:
+        raise OSError(f"/proc/{pid}/stat has no start time")
     return fields[19]
 
 
-@functools.lru_cache(maxsize=1)
 def pid_space() -> str | None:
     """This process's boot id and pid namespace: the scope in which its pids name processes; None
-    without ``/proc``."""
+    where ``/proc`` cannot tell."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()
@@ -47,9 +53,17 @@ def pid_space() -> str | None:
 
 
 def this_process() -> tuple[str, int, str, str]:
-    """(host, pid, start, space) of this process, to record in a lease or a claim ("" where unknown)."""
+    """(host, pid, start, space) of this process, to record in a lease or a claim; start and space
+    are both "" where ``/proc`` cannot tell them."""
     pid = os.getpid()
-    return socket.gethostname(), pid, start_ticks(pid) or "", pid_space() or ""
+    try:
+        start = start_ticks(pid)
+    except OSError:
+        start = None
+    space = pid_space()
+    if start is None or space is None:
+        return socket.gethostname(), pid, "", ""
+    return socket.gethostname(), pid, start, space
 
 
 def is_this_space(host: str, space: str) -> bool:
@@ -58,19 +72,24 @@ def is_this_space(host: str, space: str) -> bool:
 
 
 def has_ended(host: str, pid: int, start: str, space: str) -> bool:
-    """Whether the holder (host, pid, start, space) has certainly ended (False when this process
-    cannot tell: another host or space, or a record without one)."""
+    """Whether the holder (host, pid, start, space) has certainly ended. False whenever this process
+    cannot tell: another host or space, a record without a space where this host has ``/proc``
+    (an older writer's, or one from another container), an entry ``/proc`` hides."""
     if host != socket.gethostname():
         return False
-    if pid_space() is None:  # no /proc: one pid space per host
-        return not pid_alive(pid)
-    if not space or space != pid_space():
+    here = pid_space()
+    if not space or not start:
+        return here is None and not space and not pid_alive(pid)  # hosts without /proc: pids are the host's
+    if space != here:
         return False
-    return start_ticks(pid) != start  # no such process (None), or a later one under the same pid
+    try:
+        return start_ticks(pid) != start  # no such process (None), or a later one under the same pid
+    except OSError:
+        return False
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists (for hosts without ``/proc``)."""
+    """Whether a process ``pid`` exists (another user's included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

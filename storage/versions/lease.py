@@ -14,8 +14,9 @@ is not a version, a tarball or a metadata name the store would read back.
   finds another token marks the lease lost; commits under it then fail with
   :class:`LeaseLostError`.
 - **Take over**: a lease not renewed for ``timeout`` seconds (the holder was
-  killed, its machine died) may be replaced; so may, at once, one held by a
-  process of this host that no longer exists. Replacing is race-free: on S3
+  killed, its machine died) may be replaced; so may, at once, one whose
+  holder has certainly ended (a process of this host and pid space that no
+  longer runs: :mod:`..files.processes`). Replacing is race-free: on S3
   the new lease is a PUT with ``If-Match`` of the stale lease's ETag, so of
   two takers only one wins; locally every change of the lease happens under
   an exclusive ``flock`` of the root directory.

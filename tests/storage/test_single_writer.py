@@ -37,7 +37,7 @@ from ckptflow.storage import (
     StoreLease,
     StoreLockedError,
     VersionTakenError,
-    pid_space,
+    current_process,
     read_lease,
 )
 from ckptflow.storage.versions import claims
@@ -210,7 +210,7 @@ class TestConcurrentSaves:
         """A retried save of a version whose writer died (same host, process gone) writes it again."""
         dead = subprocess.Popen([sys.executable, "-c", "pass"])
         dead.wait()
-        claim = claims.Claim("d" * 32, socket.gethostname(), dead.pid, time.time(), "1", pid_space() or "")
+        claim = claims.Claim("d" * 32, socket.gethostname(), dead.pid, time.time(), "1", current_process()[3])
         store_url.raw_write("v000004/.claim.json", json.dumps(claim.__dict__).encode())
         store_url.raw_write("v000004/shard-r0-00.h5", b"half a shard")
         state = {"x": torch.full((64,), 4.0)}
@@ -306,7 +306,12 @@ class TestLease:
                 target.raw_write(LEASE_FILE, json.dumps(lease).encode())
                 with pytest.raises(StoreLockedError, match=f"host {here}, pid {gone.pid}"), store.lease():
                     pass
-            reused = {**live, "pid": later.pid, "start": "1", "space": pid_space()}  # not `later`'s start
+            reused = {
+                **live,
+                "pid": later.pid,
+                "start": "1",  # not `later`'s start: a later process under a dead holder's pid
+                "space": current_process()[3],
+            }
             target.raw_write(LEASE_FILE, json.dumps(reused).encode())
             with store.lease(owner="taker") as mine:
                 assert read_lease(store.loc).token == mine.token
