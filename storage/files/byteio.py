@@ -174,26 +174,23 @@ def _read_local(fs: fsspec.AbstractFileSystem, path: str, ranges: Iterable[ReadR
 HASH_CHUNK = 1 << 20  # read-and-hash step: small enough that the hash reads the bytes from the CPU cache
 
 
-def read_hashed_local(fs: fsspec.AbstractFileSystem, path: str, offset: int, out: memoryview) -> str:
-    """Fill ``out`` with the file's bytes at ``offset`` and return their xxh3-64, in one pass.
+def read_hashed_local(fd: int, path: str, offset: int, out: memoryview) -> str:
+    """Fill ``out`` with the bytes of the file ``fd`` (at ``path``, opened by :func:`open_regular`)
+    at ``offset`` and return their xxh3-64, in one pass.
 
     Each chunk is hashed right after it is read, while it is still in the CPU
     cache: one trip through memory instead of two (a third faster here).
     """
     hasher = new_hasher()
-    fd = open_regular(path, fs)
-    try:
-        for start in range(0, len(out), HASH_CHUNK):
-            view, pos = out[start : start + HASH_CHUNK], offset + start
-            chunk = view
-            while view:
-                n = os.preadv(fd, [view], pos)
-                if n == 0:
-                    raise EOFError(f"{path} ends at byte {pos}, before the data the manifest lists")
-                view, pos = view[n:], pos + n
-            hasher.update(chunk)
-    finally:
-        os.close(fd)
+    for start in range(0, len(out), HASH_CHUNK):
+        view, pos = out[start : start + HASH_CHUNK], offset + start
+        chunk = view
+        while view:
+            n = os.preadv(fd, [view], pos)
+            if n == 0:
+                raise EOFError(f"{path} ends at byte {pos}, before the data the manifest lists")
+            view, pos = view[n:], pos + n
+        hasher.update(chunk)
     return hasher.hexdigest()
 
 

@@ -10,6 +10,8 @@ than the manifest says, or bytes that do not match, raise
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,6 +29,7 @@ from ..files.byteio import (
     read_hashed_local,
     read_ranges,
 )
+from ..files.localfs import open_regular
 from ..files.location import Location
 from ..format.checksum import digest, new_hasher
 from ..format.manifest import Manifest
@@ -80,7 +83,8 @@ def read_blobs(
         and manifest.blobs[i].offset is not None
         and 0 < manifest.blobs[i].nbytes <= FUSED_MAX
     ]
-    rest = [i for i in wanted if i not in set(fused)]
+    fused_set = set(fused)
+    rest = [i for i in wanted if i not in fused_set]
     jobs: list[Callable[[], None]] = []
     for shard_index in sorted({manifest.blobs[i].shard for i in wanted}):
         source = sources[shard_index]
@@ -228,17 +232,23 @@ def _spread(blobs: list[int], manifest: Manifest, bins: int) -> list[list[int]]:
 def _read_and_check(
     fs: Any, sources: list[ShardSource], manifest: Manifest, blobs: list[int], out: dict[int, torch.Tensor]
 ) -> None:
-    for i in blobs:
-        blob = manifest.blobs[i]
-        source = sources[blob.shard]
-        offset = _offset(source, blob.offset)
-        assert offset is not None
+    """Read and hash ``blobs`` (sorted by shard), each shard opened once."""
+    for shard, group in itertools.groupby(blobs, key=lambda i: manifest.blobs[i].shard):
+        source = sources[shard]
         with _shard_errors(source):
-            actual = read_hashed_local(fs, source.path, offset, out[i].numpy().data)
-        if actual != blob.checksum:
-            raise CorruptShardError(
-                f"{source.name} (dataset {blob.dataset})", expected=blob.checksum, actual=actual
-            )
+            fd = open_regular(source.path, fs)
+            try:
+                for i in group:
+                    blob = manifest.blobs[i]
+                    offset = _offset(source, blob.offset)
+                    assert offset is not None
+                    actual = read_hashed_local(fd, source.path, offset, out[i].numpy().data)
+                    if actual != blob.checksum:
+                        raise CorruptShardError(
+                            f"{source.name} (dataset {blob.dataset})", expected=blob.checksum, actual=actual
+                        )
+            finally:
+                os.close(fd)
 
 
 def _offset(source: ShardSource, offset: int | None) -> int | None:
