@@ -52,6 +52,20 @@ def options(endpoint: str, key: str, secret: str) -> dict[str, Any]:
     }
 
 
+def profile_options(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, endpoint: str, profile: str, credential_process: str
+) -> dict[str, Any]:
+    """Storage options naming ``profile``, the only credentials around: an AWS config file in which
+    ``credential_process`` gives its keys, no credentials file, no keys in the environment."""
+    config = tmp_path / "config"
+    config.write_text(f"[profile {profile}]\ncredential_process = {credential_process}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    return {"profile": profile, "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"}}
+
+
 def test_the_right_keys_save_and_load(keyed_server: str) -> None:
     store = CheckpointStore(f"s3://{BUCKET}/right", storage_options=options(keyed_server, KEY, SECRET))
     store.save({"w": torch.arange(4.0)}, epoch=1)
@@ -100,13 +114,9 @@ def test_a_profile_whose_credentials_cannot_be_fetched_says_so(
 ) -> None:
     """A profile whose credential_process fails: the store and the transfers name the profile's
     failure (not "no credentials"), and nothing raw from botocore reaches the caller."""
-    config = tmp_path / "config"
-    config.write_text(f"[profile broken]\ncredential_process = {sys.executable} -c 'raise SystemExit(3)'\n")
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    so = {"profile": "broken", "client_kwargs": {"endpoint_url": keyed_server, "region_name": "us-east-1"}}
+    so = profile_options(
+        monkeypatch, tmp_path, keyed_server, "broken", f"{sys.executable} -c 'raise SystemExit(3)'"
+    )
     src = tmp_path / "src"
     src.write_bytes(b"ckpt")
     url = f"s3://{BUCKET}/broken/a"
@@ -139,16 +149,10 @@ def test_expiring_credentials_of_a_profile_are_fetched_again(
     """A profile (what an AwsCredentials block naming one passes on) whose credentials expire in
     5 minutes, within botocore's refresh window: each transfer, and the store, get fresh ones
     instead of keys frozen when the options were built."""
-    calls, script, config = tmp_path / "calls", tmp_path / "creds.py", tmp_path / "config"
+    calls, script = tmp_path / "calls", tmp_path / "creds.py"
     script.write_text(_CREDENTIAL_PROCESS)
-    config.write_text(
-        f"[profile job]\ncredential_process = {sys.executable} {script} {calls} {KEY} {SECRET}\n"
-    )
-    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
-    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    so = {"profile": "job", "client_kwargs": {"endpoint_url": keyed_server, "region_name": "us-east-1"}}
+    process = f"{sys.executable} {script} {calls} {KEY} {SECRET}"
+    so = profile_options(monkeypatch, tmp_path, keyed_server, "job", process)
     src = tmp_path / "src"
     src.write_bytes(b"ckpt" * 1000)
     upload_file(src, f"s3://{BUCKET}/profile/a", storage_options=so)
