@@ -111,9 +111,7 @@ def plan_for_etag(size: int, etag: str, part_size: int) -> PartPlan | None:
     count = etag_parts(etag)
     if count <= 1:  # one PUT, or a multipart upload of one part
         return PartPlan(size, size, count == 1, (Part(1, 0, size),))
-    from s3transfer.utils import ChunksizeAdjuster
-
-    grown = ChunksizeAdjuster().adjust_chunksize(part_size, size)  # as boto3 grows it past 10,000 parts
+    grown = plan_parts(size, part_size).part_size  # as boto3 grows it past 10,000 parts
     p = guess_part_size(size, count, hints=(part_size, grown))
     return None if p is None else plan_parts(size, p)
 
