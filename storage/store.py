@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .archive.tarballs import archive_location, list_archived
@@ -40,7 +40,7 @@ from .upkeep import Upkeep
 from .versions import catalog, metadata
 from .versions import commit as protocol
 from .versions.lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
-from .versions.lease import StoreLease
+from .versions.lease import LEASE_KEY, StoreLease
 
 if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
     import torch
@@ -201,6 +201,21 @@ class CheckpointStore(ShardedStore, Upkeep):
         """Make this store's commits need ``lease`` (held by this process, e.g. through another
         store object on the same URL); None: commit without one."""
         self._saves.write_under(lease)
+
+    def write_for(self, pids: Collection[int]) -> None:
+        """Let this store commit under a lease that one of ``pids`` (processes of this host) holds:
+        a training process writing for the run that holds the store. Without it, or
+        :meth:`write_under`, a save is refused while any live writer holds the store."""
+        self._saves.write_for(frozenset(pids))
+
+    def committed_by_this_writer(self, version: int) -> bool:
+        """Whether ``version`` is committed under the lease this store writes under (its own save,
+        e.g. one whose answer a retry missed), rather than by another writer."""
+        lease = self._saves.lease
+        found = self.find(version)
+        if lease is None or found is None:
+            return False
+        return self.manifest(version).writer.get(LEASE_KEY) == lease.token
 
     def wait(self) -> VersionInfo | None:
         """Wait for the async save in flight, if any; raise its failure."""

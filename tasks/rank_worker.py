@@ -218,6 +218,8 @@ class Rank:
         timeout = timedelta(seconds=config.rank_timeout_seconds)
         group = RankGroup.create(timeout) if world.size > 1 else None
         store = open_store(config, job["storage_options"], distributed=group)
+        if job.get("writers"):
+            store.write_for(job["writers"])  # commits go under the flow's lease, and no other writer's
         if world.leads and job.get("writers"):
             from ckptflow.storage import refuse_if_held
 

@@ -45,7 +45,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from ckptflow.storage import CheckpointStore, SaveHandle, StateMismatchError, VersionInfo
+from ckptflow.storage import CheckpointError, CheckpointStore, SaveHandle, StateMismatchError, VersionInfo
 
 from . import run_state
 from .config import PipelineConfig, RetentionConfig
@@ -237,6 +237,13 @@ def save_checkpoint(
                 run.writing = None
     existing = run.store.find(epoch)
     if existing is not None:
+        if not run.store.committed_by_this_writer(epoch):  # never report another writer's version as ours
+            raise CheckpointError(
+                f"version {epoch} of {run.store.url} was committed by another writer, not by this run "
+                f"(its manifest carries another lease): epoch {epoch} was not saved. Nothing was "
+                "overwritten; see `ckptflow show` for what it holds, remove it if it is not wanted "
+                "(`ckptflow prune`), and run again"
+            )
         get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
         return SaveResult(existing, committed)
     if run.remote is not None:

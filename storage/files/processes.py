@@ -41,6 +41,20 @@ def start_ticks(pid: int) -> str | None:
     return fields[19]
 
 
+def ancestors(limit: int = 8) -> list[int]:
+    """This process and up to ``limit`` of its ancestors, nearest first (as far as ``/proc`` tells)."""
+    found, pid = [os.getpid()], os.getppid()
+    while pid > 1 and len(found) <= limit:
+        found.append(pid)
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read().decode(errors="replace")
+            pid = int(stat[stat.rfind(")") + 2 :].split()[1])
+        except (OSError, ValueError, IndexError):
+            break
+    return found
+
+
 def pid_space() -> str | None:
     """This process's boot id and pid namespace: the scope in which its pids name processes; None
     where ``/proc`` cannot tell."""

@@ -49,7 +49,7 @@ from ..versions import catalog, claims
 from ..versions import commit as protocol
 from ..versions.catalog import archived_for_writing
 from ..versions.housekeeping import last_change
-from ..versions.lease import DEFAULT_TIMEOUT, StoreLease, read_lease
+from ..versions.lease import DEFAULT_TIMEOUT, LEASE_KEY, StoreLease, commit_lease, read_lease
 from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
 from .planner import Blob, SavePlan, plan_blobs, plan_save
 
@@ -100,6 +100,7 @@ class VersionWriter:
         self.loc, self.options, self.group = loc, options, group
         self.claim = claims.new_claim(uuid.uuid4().hex)  # how this writer claims version numbers
         self.lease: StoreLease | None = None  # the store's lease, when this writer's store holds it
+        self.writes_for: frozenset[int] = frozenset()  # pids of this host whose lease it commits under
 
     @property
     def rank(self) -> int:
@@ -194,9 +195,8 @@ class VersionWriter:
     def _claim_version(self, version: int | None, epoch: int | None = None) -> int:
         """``version``, or by default the epoch's number when it is above every version directory
         (committed or not: a crashed save's name is never reused), else the next number above them;
-        claimed exclusively before any shard is written."""
-        if self.lease is not None:
-            self.lease.check()
+        claimed exclusively before any shard is written. A store another writer holds is refused."""
+        commit_lease(self.loc, self.lease, self.writes_for)
         if version is None:
             floor = epoch if epoch is not None and epoch >= 0 else 0
             number = catalog.next_version(self.loc, at_least=floor)
@@ -283,10 +283,13 @@ class VersionWriter:
             raise self._taken(version, claims.read_claim(self.loc, version))
 
     def _commit(self, manifest: Manifest) -> None:
-        """Commit under this writer's claim (and lease, if it holds one); a failure drops the claim."""
+        """Commit under this writer's claim and under the store's lease, if a writer holds it (this
+        one, or the process it writes for: the manifest records the lease's token); a failure drops
+        the claim. While another writer holds the store, nothing is committed."""
         try:
-            if self.lease is not None:
-                self.lease.check()
+            token = commit_lease(self.loc, self.lease, self.writes_for)
+            if token is not None:
+                manifest = manifest.model_copy(update={"writer": {**manifest.writer, LEASE_KEY: token}})
             protocol.commit(self.loc, manifest, claim=self.claim.token)
         except BaseException:
             self._discard(manifest.version)

@@ -49,6 +49,7 @@ class StoreSaver:
         self._made_writer: VersionWriter | None = None
         self._made_staging: StagingBuffer | None = None
         self._lease: StoreLease | None = None
+        self._writes_for: frozenset[int] = frozenset()
 
     @property
     def writer(self) -> VersionWriter:
@@ -59,6 +60,7 @@ class StoreSaver:
 
                 self._made_writer = VersionWriter(self.loc, self.options, self.group)
                 self._made_writer.lease = self._lease
+                self._made_writer.writes_for = self._writes_for
             return self._made_writer
 
     @property
@@ -147,6 +149,18 @@ class StoreSaver:
             self._lease = lease
             if self._made_writer is not None:
                 self._made_writer.lease = lease
+
+    def write_for(self, pids: frozenset[int]) -> None:
+        """Let commits go under a lease one of ``pids`` (of this host) holds."""
+        with self._lock:
+            self._writes_for = pids
+            if self._made_writer is not None:
+                self._made_writer.writes_for = pids
+
+    @property
+    def lease(self) -> StoreLease | None:
+        """The lease this store's commits go under, if it holds one."""
+        return self._lease
 
     def close(self) -> None:
         """Wait for the async save in flight and release the staging buffer."""

@@ -43,12 +43,13 @@ from ..errors import LeaseLostError, StoreLockedError
 from ..files.atomic import atomic_local_write, exclusive_local_write, exclusive_remote_write
 from ..files.byteio import fsync_dir
 from ..files.location import Location
-from ..files.processes import is_this_space, this_process
+from ..files.processes import ancestors, is_this_space, this_process
 from .lease_info import LeaseInfo, default_owner
 
 log = logging.getLogger(__name__)
 
 LEASE_FILE = "lease.json"
+LEASE_KEY = "lease"  # in a manifest's ``writer``: the token of the lease it was committed under
 DEFAULT_TIMEOUT = 180.0  # seconds without renewal after which a lease may be taken over
 RENEWALS_PER_TIMEOUT = 6  # renew every timeout / 6 seconds (30 s by default)
 
@@ -299,19 +300,41 @@ def read_lease(loc: Location) -> LeaseInfo | None:
     return _read_remote(loc)[1]
 
 
-def refuse_if_held(loc: Location, *, writers: Collection[int] = ()) -> None:
+def refuse_if_held(loc: Location, *, writers: Collection[int] = ()) -> LeaseInfo | None:
     """Raise :class:`StoreLockedError` if another writer holds a live lease on the store.
 
     ``writers``: processes of this host that write on this process's behalf or for which it
     writes (a parent holding the lease for its training process). Nothing is taken: for a
-    process that must not build or write anything before its run holds the store.
+    process that must not build or write anything before its run holds the store. Returns
+    the live lease this process may write under (one of ``writers`` holds it), else None.
     """
     holder = read_lease(loc)
     if holder is None or holder.is_stale():
-        return
+        return None
     if holder.pid in writers and is_this_space(holder.host, holder.space):
-        return
+        return holder
+    family = ancestors()
+    if holder.pid in family and is_this_space(holder.host, holder.space):
+        whose = "this process" if holder.pid == family[0] else f"its parent process {holder.pid}"
+        raise StoreLockedError(
+            f"{loc.display()} is held by the writer lease of {whose} ({holder.owner}); this store "
+            "object does not write under it: save through the store that took the lease, or give this "
+            "one the lease with store.write_under(lease). In a ckptflow run, the pipeline saves at its "
+            "save points (--save-every); a spec does not save to the run's store itself",
+            holder=holder,
+        )
     raise _locked(loc, holder)
+
+
+def commit_lease(loc: Location, lease: StoreLease | None, writers: Collection[int] = ()) -> str | None:
+    """Before a version is claimed or committed: the token of the lease it goes under, or None
+    when no writer holds the store. Raises :class:`LeaseLostError` if ``lease`` (this writer's
+    own) is no longer held, :class:`StoreLockedError` if another writer holds the store."""
+    if lease is not None:
+        lease.check()
+        return lease.token
+    holder = refuse_if_held(loc, writers=writers)
+    return holder.token if holder is not None else None
 
 
 def _locked(loc: Location, holder: LeaseInfo | None) -> StoreLockedError:
@@ -389,4 +412,13 @@ def _read_remote(loc: Location) -> tuple[str | None, LeaseInfo | None]:
     return etag, LeaseInfo.parse(data)
 
 
-__all__ = ["DEFAULT_TIMEOUT", "LEASE_FILE", "LeaseInfo", "StoreLease", "read_lease", "refuse_if_held"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "LEASE_FILE",
+    "LEASE_KEY",
+    "LeaseInfo",
+    "StoreLease",
+    "commit_lease",
+    "read_lease",
+    "refuse_if_held",
+]

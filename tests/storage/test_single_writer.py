@@ -255,6 +255,50 @@ class TestLease:
         finally:
             holder.kill()
 
+    def test_a_save_without_the_lease_is_refused_while_a_live_writer_holds_it(
+        self, target: StoreTarget, tmp_path: Path
+    ):
+        """Bug fixed: the lease kept out only writers that asked for it; a plain ``store.save`` from
+        another process (a spec saving from inside a run) committed under a live holder's lease."""
+        go = tmp_path / "go"
+        go.touch()
+        holder = Writer.start(target, 1, 1, go, "--lease", "30", "--hold", "60")
+        try:
+            holder.wait_line("committed")
+            store = CheckpointStore(target.url, storage_options=target.storage_options)
+            with pytest.raises(StoreLockedError) as caught:
+                store.save({"x": torch.ones(3)}, epoch=2)
+            message = str(caught.value)
+            assert "in use by another writer: writer 1" in message, message
+            assert f"pid {holder.proc.pid}" in message
+            with pytest.raises(StoreLockedError, match="writer 1"):
+                store.save_async({"x": torch.ones(3)}).wait()
+            with pytest.raises(StoreLockedError, match="writer 1"):
+                store.save({"x": torch.ones(3)}, version=7)
+            assert [v.version for v in store.versions()] == [0]  # the holder's own save alone
+            assert [v.user.get("tag") for v in store.versions()] == [1]
+            assert not target.raw_exists("v000007/manifest.json")
+        finally:
+            holder.kill()
+        assert store.save({"x": torch.ones(3)}).version == 1  # its holder is gone: plain saves again
+
+    def test_in_the_holders_process_only_the_store_holding_the_lease_commits(self, target: StoreTarget):
+        """Bug fixed: a second ``CheckpointStore`` on the same URL in the lease holder's own process
+        (a spec's ``CheckpointStore(self.run.storage).save(...)`` in the flow's process) committed
+        versions the holder then took for its own."""
+        holding = CheckpointStore(target.url, storage_options=target.storage_options)
+        other = CheckpointStore(target.url, storage_options=target.storage_options)
+        with holding.lease(owner="the run") as lease:
+            assert holding.save({"x": torch.ones(2)}, epoch=1).version == 1
+            with pytest.raises(StoreLockedError) as caught:
+                other.save({"x": torch.zeros(2)}, epoch=2)
+            message = str(caught.value)
+            assert "the run" in message and "this process" in message, message
+            assert "write_under" in message
+            other.write_under(lease)  # the documented way to share the holder's lease
+            assert other.save({"x": torch.zeros(2)}, epoch=2).version == 2
+        assert [v.version for v in holding.versions()] == [1, 2]
+
     def test_the_holder_renews_its_lease(self, target: StoreTarget, tmp_path: Path):
         go = tmp_path / "go"
         go.touch()
