@@ -185,11 +185,12 @@ def build_run(
                 own = store.load_rank_state(latest.version)
             own = own if own is not None else {k: state.pop(k) for k in ("rng", "spec") if k in state}
             state.update(own)
-        elif "rng" not in state:  # saved by several ranks: their own states are apart
+        elif "rng" not in state and saved_by > 1:  # saved by several ranks: their own states are apart
             warn(f"version {latest.version} was saved by {saved_by} ranks: resuming with rank 0's RNG state")
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RankStateWarning)
                 state.update(store.load_rank_state(latest.version, rank=0, world_size=1) or {})
+        _refuse_foreign(latest.version, store.url, capture(trainable, spec, epoch=0, step=0), state)
         try:
             run.epoch, run.step = restore(trainable, spec, state)
         except (RuntimeError, ValueError) as exc:
@@ -213,6 +214,22 @@ def build_run(
     if writes:
         record_run_identity(store, identity)
     return run
+
+
+def _refuse_foreign(version: int, url: str, wanted: dict[str, Any], saved: dict[str, Any]) -> None:
+    """Refuse to resume from a version that lacks parts of what this run saves (a library save
+    into the run's store, another program's version), naming them, rather than fail in the restore."""
+    missing = [k for k in wanted if k not in saved]
+    extras = saved.get("extras")
+    if "extras" in wanted and isinstance(extras, dict):
+        missing += [f"extras.{k}" for k in wanted["extras"] if k not in extras]
+    if missing:
+        raise StateMismatchError(
+            f"version {version} of {url} does not hold what this run saves (it lacks "
+            f"{', '.join(missing)}): it was not saved by a ckptflow run of this spec, e.g. a library "
+            f"save into the run's store. Remove it (CheckpointStore(url).delete({version})) to resume "
+            "from the version before it, or start the run in a new storage URL"
+        )
 
 
 def _does_not_fit(exc: BaseException) -> bool:

@@ -15,6 +15,10 @@ identity, so a slowed-down or failing run and a clean reference run must share i
 - :class:`FlakyDigitsSpec`: fails the first attempts of chosen epochs *after*
   training them fully (model, optimizer, scheduler and RNGs all moved on), so
   a retry that did not restore the epoch's start state would end elsewhere.
+- :class:`RepeatingFailureSpec`: epoch ``CKPTFLOW_TEST_FAIL_EPOCH`` fails the
+  same way at every attempt, as a deterministic bug does.
+- ``CKPTFLOW_TEST_EXTRA_HIDDEN``: :class:`MarkedDigitsSpec` builds a wider
+  hidden layer than its ``spec_config`` says: a model changed in the code.
 """
 
 from __future__ import annotations
@@ -38,6 +42,9 @@ MARKED_SPEC = "tests.pipeline.specs:MarkedDigitsSpec"
 FLAKY_SPEC = "tests.pipeline.specs:FlakyDigitsSpec"
 FAULTY_SPEC = "tests.pipeline.specs:FaultyDigitsSpec"
 FAULTS_ENV = "CKPTFLOW_TEST_FAULTS"
+REPEATING_SPEC = "tests.pipeline.specs:RepeatingFailureSpec"
+FAIL_EPOCH_ENV = "CKPTFLOW_TEST_FAIL_EPOCH"
+EXTRA_HIDDEN_ENV = "CKPTFLOW_TEST_EXTRA_HIDDEN"
 
 # Small and fast: an epoch of the digits MLP takes a few tens of milliseconds.
 SPEC_CONFIG = {"hidden": 32, "batch_size": 128}
@@ -49,6 +56,12 @@ def marker(directory: Path, epoch: int) -> Path:
 
 class MarkedDigitsSpec(DigitsSpec):
     """DigitsSpec that announces each epoch in a marker directory and may slow down."""
+
+    def build(self) -> Trainable:
+        extra = int(os.environ.get(EXTRA_HIDDEN_ENV, "0"))
+        if extra:  # the code changed, the run's identity did not
+            self.config["hidden"] = int(self.config.get("hidden", 128)) + extra
+        return super().build()
 
     def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
         directory = os.environ.get(MARKERS_ENV)
@@ -148,3 +161,35 @@ class FaultyDigitsSpec(FlakyDigitsSpec):
             (Path(directory) / f"killed-{epoch}").touch()
             os.kill(os.getpid(), signal.SIGKILL)
         return super().train_epoch(trainable, epoch)
+
+
+SELF_SAVING_SPEC = "tests.pipeline.specs:SelfSavingDigitsSpec"
+
+
+class SelfSavingDigitsSpec(DigitsSpec):
+    """DigitsSpec that also saves its model into the run's own store in epoch 2, the natural way to
+    try a mid-epoch save: ``CheckpointStore(self.run.storage).save(...)``."""
+
+    def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
+        metrics = super().train_epoch(trainable, epoch)
+        if epoch == 2:
+            from ckptflow.storage import CheckpointStore
+
+            CheckpointStore(self.run.storage).save({"model": trainable.model.state_dict()}, epoch=epoch)
+        return metrics
+
+
+class RepeatingFailureSpec(DigitsSpec):
+    """DigitsSpec whose epoch ``CKPTFLOW_TEST_FAIL_EPOCH`` fails at every attempt, after training it,
+    with the same error from the same line (as a schedule stepped past its end does). Each
+    attempt appends its epoch to ``<markers>/attempts``, in any process."""
+
+    def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
+        directory = os.environ.get(MARKERS_ENV)
+        if directory:
+            with open(Path(directory) / "attempts", "a") as log:
+                log.write(f"{epoch}\n")
+        metrics = super().train_epoch(trainable, epoch)
+        if epoch == int(os.environ.get(FAIL_EPOCH_ENV, "0")):
+            raise ValueError("Tried to step 97 times. The specified number of total steps is 96")
+        return metrics
