@@ -1,10 +1,16 @@
-"""The ``--storage-options`` option of ckptflow's store commands, parsed in one place.
+"""Options that several ckptflow commands share, defined and checked in one place.
 
-fsspec options (s3 credentials, ``client_kwargs.endpoint_url``) arrive as a JSON
-object, or ``@FILE`` holding one, from the flag or ``CKPTFLOW_STORAGE_OPTIONS``.
-What always holds: the value is never printed, not even in an error message
-(it may hold secrets). This module imports neither the storage library nor
-Prefect, so every command module can import it at the top.
+``--storage-options``: fsspec options (s3 credentials,
+``client_kwargs.endpoint_url``) arrive as a JSON object, or ``@FILE`` holding
+one, from the flag or ``CKPTFLOW_STORAGE_OPTIONS``. What always holds: the
+value is never printed, not even in an error message (it may hold secrets).
+
+``--best-mode`` (``prune`` and ``run``): required with ``--keep-best``; no
+direction is assumed, since keeping the minimum of an accuracy deletes the
+best checkpoint.
+
+This module imports neither the storage library nor Prefect, so every command
+module can import it at the top.
 """
 
 from __future__ import annotations
@@ -50,3 +56,17 @@ def storage_options_option(help: str = HELP) -> Any:
 
 
 StorageOptions = Annotated[Any, storage_options_option()]
+
+
+BEST_MODE_HELP = (
+    "Required with --keep-best: max if a higher METRIC is better (an accuracy), min if a lower one is "
+    "(a loss)."
+)
+
+
+def best_mode_needed(metric: str) -> str:
+    """The usage error for --keep-best without --best-mode (prune and run say the same)."""
+    return (
+        f"--keep-best {metric} needs --best-mode: max if a higher {metric} is better (an accuracy), "
+        "min if a lower one is (a loss)"
+    )

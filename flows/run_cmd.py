@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast, get_origin
 
 import typer
 
+from .options import BEST_MODE_HELP, best_mode_needed
+
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
@@ -86,7 +88,7 @@ def run_command(
     keep_best: Annotated[
         str | None, Opt("--keep-best", metavar="METRIC", help="Retention: keep the best.")
     ] = None,
-    best_mode: Annotated[str, Opt("--best-mode", help="min or max, for --keep-best.")] = "min",
+    best_mode: Annotated[str | None, Opt("--best-mode", help=BEST_MODE_HELP, show_default=False)] = None,
     stop_metric: Annotated[str | None, Opt("--stop-metric", help="Metric for --target/--patience.")] = None,
     stop_mode: Annotated[str, Opt("--stop-mode", help="min or max, for --stop-metric.")] = "min",
     target: Annotated[float | None, Opt("--target", help="Stop when the metric reaches this.")] = None,
@@ -127,6 +129,10 @@ def run_command(
     allow_config_change: Annotated[
         bool, Opt("--allow-config-change", help="Resume even if spec, spec config or seed changed.")
     ] = False,
+    resume_only: Annotated[
+        bool,
+        Opt("--resume-only", help="Fail unless --storage holds a checkpoint to resume from (no new run)."),
+    ] = False,
     in_process: Annotated[
         bool,
         Opt("--in-process", help="Train in this process, not a child (for a debugger; starts slower)."),
@@ -137,6 +143,10 @@ def run_command(
     options = locals()  # every option, by its parameter's name
     if in_process and (nproc > 1 or nnodes > 1):
         raise typer.BadParameter("--in-process trains in this process: leave it out with --nproc or --nnodes")
+    if keep_best is not None and best_mode is None:
+        raise typer.BadParameter(best_mode_needed(keep_best), param_hint="'--best-mode'")
+    if best_mode is not None and keep_best is None:
+        raise typer.BadParameter("--best-mode needs --keep-best", param_hint="'--best-mode'")
     parsed = {
         "storage_options": _json_object("--storage-options", storage_options),
         "spec_config": _json_object("--spec-config", spec_config),
@@ -296,13 +306,14 @@ def _before_the_flow_run(verbose: bool, check: Callable[[], T]) -> T:
     """``check()``; a bad spec or store ends the command before any flow run exists: one ``error:``
     line, exit 1."""
     from ckptflow.storage import CheckpointError
-    from ckptflow.tasks.run_state import ConfigMismatchError
+    from ckptflow.tasks.run_state import ConfigMismatchError, NothingToResumeError
     from ckptflow.tasks.spec import SpecError
     from ckptflow.tasks.trainer import TrainerDiedError, TrainerError
 
+    refused = (CheckpointError, OSError, SpecError, ConfigMismatchError, NothingToResumeError)
     try:
         return check()
-    except (CheckpointError, OSError, SpecError, ConfigMismatchError, TrainerDiedError, TrainerError) as exc:
+    except (*refused, TrainerDiedError, TrainerError) as exc:
         if verbose:
             import traceback
 
@@ -352,6 +363,13 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
             progress.update(task_id, completed=data["first_epoch"] - 1, description="training")
             if data["first_epoch"] > 1:
                 console.print(f"resuming in {data['url']} at epoch {data['first_epoch']}")
+            elif not data.get("committed"):  # a mistyped --storage would otherwise train from scratch unseen
+                console.print(
+                    f"starting a new store in {data['url']}: no committed checkpoint there "
+                    "(--resume-only refuses to start one)",
+                    markup=False,
+                    highlight=False,
+                )
         elif kind == "epoch":
             progress.update(task_id, completed=data["epoch"], description=metrics_text(data["metrics"]))
             console.print(f"epoch {data['epoch']:>4}  {metrics_text(data['metrics'])}")

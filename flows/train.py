@@ -58,7 +58,7 @@ from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.crashed import record_this_run
 from ckptflow.tasks.formatting import metrics_text
 from ckptflow.tasks.monitoring import RunMonitor
-from ckptflow.tasks.run_state import EpochAttempts
+from ckptflow.tasks.run_state import EpochAttempts, nothing_to_resume
 from ckptflow.tasks.steps import (
     commit_checkpoint,
     finalize,
@@ -95,6 +95,8 @@ def _writer_lease(config: PipelineConfig) -> Iterator[tuple[CheckpointStore, Sto
     name = flow_run.get_name() or "local"
     owner = f"ckptflow run (flow run {name}, {flow_run.get_id() or 'no id'})"
     store = open_store(config)
+    if config.resume_only and store.latest() is None:  # before the lease creates anything there
+        raise nothing_to_resume(store.url)
     with store.lease(owner=owner, timeout=config.lease_timeout_seconds) as lease:
         get_run_logger().info("holding the writer lease %s (timeout %gs)", lease.url, lease.info.timeout)
         yield store, lease

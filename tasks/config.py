@@ -34,12 +34,29 @@ class _Strict(BaseModel):
 
 
 class RetentionConfig(_Strict):
-    """Which committed checkpoints to keep at the end of a run (default: all)."""
+    """Which committed checkpoints to keep at the end of a run (default: all).
+
+    ``keep_best`` needs ``best_mode``: no direction is assumed, since keeping the minimum of an
+    accuracy would delete the best checkpoint.
+    """
 
     keep_last: int | None = Field(None, ge=1, description="keep the newest N checkpoints")
     keep_every: int | None = Field(None, ge=1, description="keep every K-th epoch")
     keep_best: str | None = Field(None, description="keep the best checkpoint by this metric")
-    best_mode: Literal["min", "max"] = "min"
+    best_mode: Literal["min", "max"] | None = Field(
+        None,
+        description="with keep_best (required there): max if a higher metric is better (an accuracy), "
+        "min if a lower one is (a loss)",
+    )
+
+    @model_validator(mode="after")
+    def _direction_given(self) -> RetentionConfig:
+        if self.keep_best is not None and self.best_mode is None:
+            raise ValueError(
+                f"retention.keep_best {self.keep_best!r} needs retention.best_mode: 'max' if a higher "
+                f"{self.keep_best} is better (an accuracy), 'min' if a lower one is (a loss)"
+            )
+        return self
 
     def enabled(self) -> bool:
         return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best))
@@ -163,6 +180,11 @@ class PipelineConfig(_Strict):
     stop: StopConfig = Field(default_factory=lambda: StopConfig())
     archive: ArchiveConfig = Field(default_factory=lambda: ArchiveConfig())
     allow_config_change: bool = Field(False, description="resume even if spec/spec_config/seed differ")
+    resume_only: bool = Field(
+        False,
+        description="fail, before anything is built or written, unless the store holds a committed "
+        "version to resume from (a mistyped storage URL then fails instead of training from scratch)",
+    )
     nproc: int = Field(
         1, ge=1, le=256, description="training processes (torch.distributed ranks) launched for this run"
     )

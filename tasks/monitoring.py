@@ -191,7 +191,8 @@ class RunMonitor:
         self._reporter.put(lambda: self._report_unreported(existing))
         self._reporter.put(self._publish_tables if existing else lambda: None)
         self._reporter.soon()
-        notify("start", {"first_epoch": first_epoch, "total": self.total_epochs, "url": self.store_url})
+        start = {"first_epoch": first_epoch, "total": self.total_epochs, "url": self.store_url}
+        notify("start", {**start, "committed": len(existing)})
 
     def epoch_done(self, epoch: int, metrics: dict[str, float]) -> None:
         with self._lock:

@@ -47,6 +47,18 @@ class ConfigMismatchError(ValueError):
     """A resumed run's spec, spec config or seed differs from the stored run's."""
 
 
+class NothingToResumeError(ValueError):
+    """``resume_only`` was asked, and the store holds no committed version."""
+
+
+def nothing_to_resume(url: str) -> NothingToResumeError:
+    return NothingToResumeError(
+        f"nothing to resume in {url}: it holds no committed checkpoint, and resume_only "
+        "(--resume-only) refuses to start a new run there. Check the storage URL (`ckptflow ls URL` "
+        "lists a store), or leave resume_only out to start a new run"
+    )
+
+
 @dataclass
 class RunState:
     """The live objects of one run, shared by the tasks of one flow run (in memory).
@@ -205,8 +217,10 @@ def build_run(
         run.resumed_from = latest
         run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
         info(f"resuming from {latest.url} (epoch {run.epoch})")
+    elif config.resume_only:
+        raise nothing_to_resume(store.url)
     else:
-        info(f"starting a new run in {store.url}")
+        info(f"starting a new run in {store.url}: no committed checkpoint there (resume_only refuses this)")
     if reseed_epoch is not None and rank > 0:  # this rank's own RNG state was not saved
         seed_everything(rank_seed(config.seed, reseed_epoch, rank))
     run.rng = rng_state()

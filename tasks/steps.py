@@ -52,7 +52,7 @@ from .config import PipelineConfig, RetentionConfig
 from .formatting import retention_line
 from .monitoring import notify
 from .retrying import io_task
-from .run_state import RUN_FILE, ConfigMismatchError, EpochAttempts, RunState
+from .run_state import RUN_FILE, ConfigMismatchError, EpochAttempts, NothingToResumeError, RunState
 from .spec import SpecError
 
 
@@ -74,7 +74,7 @@ def _may_pass(task: Any, task_run: Any, state: Any) -> bool:
     """Retry init unless it failed on something only the user can change (config, spec path, a
     model that no longer fits the checkpoint)."""
     error = state.result(raise_on_failure=False)
-    return not isinstance(error, (ConfigMismatchError, SpecError, StateMismatchError))
+    return not isinstance(error, (ConfigMismatchError, NothingToResumeError, SpecError, StateMismatchError))
 
 
 @io_task("init_model", retries=2, retry_condition_fn=_may_pass)

@@ -378,12 +378,13 @@ def _received(conn: Connection) -> Iterator[dict[str, Any]]:
 def _remote_error(error: dict[str, Any]) -> BaseException:
     from ckptflow.storage import StateMismatchError
 
-    from .run_state import ConfigMismatchError
+    from .run_state import ConfigMismatchError, NothingToResumeError
     from .spec import SpecError
 
     known: dict[str, type[Exception]] = {
         "SpecError": SpecError,
         "ConfigMismatchError": ConfigMismatchError,
+        "NothingToResumeError": NothingToResumeError,
         "StateMismatchError": StateMismatchError,  # what only the user can change: not retried
     }
     kind = known.get(error["type"])

@@ -4,6 +4,7 @@ that resumes from the store.
     callback = CkptflowCallback("s3://bucket/run1")
     trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
     start = restore_trainer_checkpoint("s3://bucket/run1", args.output_dir)   # None: a new run
+    # resume_only=True: a store with nothing committed (a mistyped URL) raises instead
     trainer.train(resume_from_checkpoint=start)
 
 The Trainer writes ``checkpoint-N/`` to its output directory file by file, with nothing to
@@ -86,16 +87,25 @@ def restore_trainer_checkpoint(
     *,
     version: int | None = None,
     storage_options: dict[str, Any] | None = None,
+    resume_only: bool = False,
 ) -> str | None:
     """Write ``version`` (default: the newest) as ``output_dir/checkpoint-N``; return its path,
-    or None if the store has no version (a new run). A directory of that name is replaced."""
+    or None if the store has no version (a new run: said in a warning, since a mistyped URL reads
+    the same; ``resume_only`` raises instead). A directory of that name is replaced."""
     store = CheckpointStore(url, storage_options=storage_options)
     try:
         state = store.load(version)
     except VersionNotFoundError:
-        if version is None:  # nothing committed yet: a new run
-            return None
-        raise
+        if version is not None:
+            raise
+        if resume_only:
+            raise VersionNotFoundError(None, store.url, []) from None
+        log.warning(
+            "no checkpoint in %s: starting a new run (check the URL if you meant to resume; "
+            "resume_only=True refuses to start one)",
+            store.url,
+        )
+        return None
     if not isinstance(state, dict) or not isinstance(state.get(KEY), dict):
         which = "the newest version" if version is None else f"version {version}"
         raise ValueError(f"{which} of {store.url} is not a Trainer checkpoint (saved by CkptflowCallback)")

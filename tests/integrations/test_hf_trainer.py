@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptflow.storage import CheckpointStore
+from ckptflow.storage import CheckpointStore, VersionNotFoundError
 from ckptflow.storage.integrations.hf import KEY, restore_trainer_checkpoint
 from tests.children import CHILDREN
 
@@ -112,6 +112,13 @@ def test_a_version_whose_checkpoint_name_leaves_the_output_directory_is_refused(
     assert (tmp_path / "store").is_dir() and (tmp_path / "out").is_dir()
 
 
-def test_an_empty_store_means_a_new_run(tmp_path: Path) -> None:
-    assert restore_trainer_checkpoint(str(tmp_path / "store"), tmp_path / "out") is None
+def test_an_empty_store_means_a_new_run_said_aloud_or_refused(tmp_path: Path, caplog) -> None:
+    """Bug fixed: a URL with nothing there (a typo) returned None in silence, and training started
+    from scratch; now a warning names the URL, and ``resume_only=True`` raises."""
+    with caplog.at_level("WARNING", logger="ckptflow.storage.integrations.hf"):
+        assert restore_trainer_checkpoint(str(tmp_path / "store"), tmp_path / "out") is None
+    assert f"no checkpoint in {tmp_path / 'store'}: starting a new run" in caplog.text
     assert not (tmp_path / "out").exists()
+    with pytest.raises(VersionNotFoundError, match=r"no committed checkpoint in .*stroe"):
+        restore_trainer_checkpoint(str(tmp_path / "stroe"), tmp_path / "out", resume_only=True)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "stroe").exists()
