@@ -39,12 +39,13 @@ import uuid
 from collections.abc import Collection, Iterator
 from dataclasses import replace
 
-from ..errors import LeaseLostError, StoreLockedError
+from ..errors import CheckpointError, LeaseLostError, StoreLockedError, UnsafeFileError
 from ..files.atomic import atomic_local_write, exclusive_local_write, exclusive_remote_write
 from ..files.byteio import fsync_dir
+from ..files.localfs import open_regular
 from ..files.location import Location
 from ..files.processes import ancestors, is_this_space, this_process
-from .lease_info import LeaseInfo, default_owner
+from .lease_info import MAX_LEASE_BYTES, LeaseInfo, default_owner
 
 log = logging.getLogger(__name__)
 
@@ -279,7 +280,7 @@ class StoreLease:
                     _, current = _read_remote(self.loc)
                     if current is not None and current.token == self.token:
                         self.loc.fs.rm_file(self.path)
-            except OSError as exc:  # it times out by itself
+            except (OSError, CheckpointError) as exc:  # it times out by itself
                 log.warning("could not remove the lease %s: %s", self.loc.display(LEASE_FILE), exc)
                 return
         log.info("released the writer lease on %s", self.loc.display())
@@ -372,10 +373,21 @@ def _root_lock(root: str) -> Iterator[None]:
 
 
 def _read_local(path: str) -> LeaseInfo | None:
+    """The lease at ``path``: None if there is none or its bytes are no valid lease (read up to a
+    bound); StoreLockedError if it is no regular file (a FIFO, a directory, a device, a symlink)."""
     try:
-        with open(path, "rb") as f:
-            return LeaseInfo.parse(f.read())
+        fd = open_regular(path)
     except FileNotFoundError:
+        return None
+    except UnsafeFileError as exc:
+        raise StoreLockedError(
+            f"cannot read the writer lease: {exc}. It is no lease a writer made, and no writer can take "
+            "the store while it is there: remove it (no ckptflow writer uses such a file) and try again"
+        ) from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            return LeaseInfo.parse(f.read(MAX_LEASE_BYTES + 1))
+    except OSError:  # e.g. EIO: unreadable, as garbage is
         return None
 
 
@@ -405,7 +417,10 @@ def _read_remote(loc: Location) -> tuple[str | None, LeaseInfo | None]:
     path = loc.path(LEASE_FILE)
     loc.fs.invalidate_cache(path)
     try:
-        etag = loc.fs.info(path).get("ETag") or ""  # "": a store without ETags
+        found = loc.fs.info(path)
+        etag = found.get("ETag") or ""  # "": a store without ETags
+        if found.get("type") == "directory" or (found.get("size") or 0) > MAX_LEASE_BYTES:
+            return etag, None  # no lease (and not read): unreadable, as garbage is
         data = loc.fs.cat_file(path)
     except FileNotFoundError:
         return None, None

@@ -1,9 +1,11 @@
 """What a store's lease object holds, and whether the process holding it still lives.
 
-A lease names its holder (owner, host, pid, start time, pid space), when it started and was last renewed, its
-timeout and a random token. Bytes that are not a lease read as None, and such a lease is
-treated as stale. A holder is gone when its timeout passed without renewal, or at once
-when it was a process of this host and pid space that no longer runs (see files.processes).
+A lease names its holder (owner, host, pid, start time, pid space), when it started and was
+last renewed, its timeout and a random token. The lease file is untrusted input: bytes that
+are not a lease, and fields out of their range (a time or timeout that is not finite, a pid no
+kernel gives, text longer than a lease holds), read as None, and such a lease is treated as
+stale. A holder is gone when its timeout passed without renewal, or at once when it was a
+process of this host and pid space that no longer runs (see files.processes).
 """
 
 from __future__ import annotations
@@ -38,21 +40,28 @@ class LeaseInfo:
     @classmethod
     def parse(cls, data: bytes) -> LeaseInfo | None:
         """The lease in ``data``, or None for bytes that are not one (treated as stale)."""
+        if len(data) > MAX_LEASE_BYTES:
+            return None
         try:
             raw = json.loads(data)
-            return cls(
-                owner=str(raw["owner"]),
-                host=str(raw["host"]),
-                pid=int(raw["pid"]),
-                started=float(raw["started"]),
-                renewed=float(raw["renewed"]),
-                timeout=float(raw["timeout"]),
-                token=str(raw["token"]),
-                start=str(raw.get("start", "")),
-                space=str(raw.get("space", "")),
+            if not isinstance(raw, dict):
+                return None
+            info = cls(
+                owner=_text(raw["owner"], 1024),
+                host=_text(raw["host"], 255),
+                pid=_whole(raw["pid"], 1, MAX_PID),
+                started=_time(raw["started"]),
+                renewed=_time(raw["renewed"]),
+                timeout=_time(raw["timeout"]),
+                token=_text(raw["token"], 128),
+                start=_text(raw.get("start", ""), 1024),
+                space=_text(raw.get("space", ""), 1024),
             )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return None
+        if not info.token or not 0 < info.timeout <= MAX_TIMEOUT:
+            return None
+        return info
 
     def age(self, now: float | None = None) -> float:
         return (time.time() if now is None else now) - self.renewed
@@ -70,6 +79,34 @@ class LeaseInfo:
             f"{self.owner} (host {self.host}, pid {self.pid}, since {_when(self.started)}, "
             f"last renewed {_when(self.renewed)}, {self.age():.0f}s ago)"
         )
+
+
+MAX_LEASE_BYTES = 64 * 1024  # a lease is a few hundred bytes; more is not one (and is not read)
+MAX_PID = 1 << 22  # Linux's PID_MAX_LIMIT
+MAX_TIMEOUT = 7 * 24 * 3600.0  # seconds; a longer timeout would keep a dead writer's lease for weeks
+_LATEST_TIME = float(1 << 33)  # seconds since the epoch: the year 2242
+
+
+def _text(value: object, limit: int) -> str:
+    if not isinstance(value, str) or len(value) > limit:
+        raise ValueError("not a short text")
+    return value
+
+
+def _whole(value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError("not a whole number in range")
+    return value
+
+
+def _time(value: object) -> float:
+    """Seconds: a finite, non-negative number (a time since the epoch, or a timeout)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError("not a number")
+    number = float(value)
+    if not 0 <= number < _LATEST_TIME:  # False for NaN as well
+        raise ValueError("not a time")
+    return number
 
 
 def _when(ts: float) -> str:
