@@ -55,7 +55,11 @@ def build_deployments(args: argparse.Namespace) -> list[Any]:
     train = PipelineConfig.model_validate(
         {"storage": args.storage, "epochs": args.epochs, **({"spec": args.spec} if args.spec else {})}
     )
-    maintenance = MaintenanceConfig(storages=[args.storage], retention={"keep_last": args.keep_last})
+    maintenance = MaintenanceConfig(
+        storages=[args.storage],
+        retention={"keep_last": args.keep_last},
+        skip_missing=True,  # a scheduled run before the first training run there warns, and completes
+    )
     return [
         train_pipeline.to_deployment(
             name="train-served",

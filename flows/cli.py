@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, NoReturn
@@ -30,7 +33,7 @@ from typer.core import TyperGroup
 
 from . import present
 from .archive_cmd import archive_command, extract_command
-from .options import StorageOptions
+from .options import BEST_MODE_HELP, StorageOptions, best_mode_needed
 from .run_cmd import run_command
 from .server_cmd import publish_command, setup_server_command
 
@@ -129,12 +132,16 @@ DryRun = Annotated[bool, typer.Option("--dry-run", help="Only print what would b
 GC_MIN_AGE = 900.0  # seconds: gc spares leftovers younger than this unless told otherwise
 
 
-def _open(url: str, storage_options: dict[str, Any] | None) -> CheckpointStore:
-    """The store at ``url``; fails within seconds when nothing is stored there or it cannot be reached."""
+def _open(url: str, storage_options: dict[str, Any] | None, *, command: str) -> CheckpointStore:
+    """The store at ``url``; fails within seconds when nothing is stored there, it cannot be reached,
+    or it is a version's directory or a directory of stores (naming the store(s) for ``command``)."""
     from ckptflow.storage import CheckpointStore, quick_answer_options
 
     store = CheckpointStore(url, storage_options=quick_answer_options(url, storage_options))
     store.probe(must_exist=True)
+    problem = present.misplaced_message(store.misplaced(), store.url, command=command)
+    if problem is not None:
+        _fail(problem)
     return store
 
 
@@ -148,7 +155,7 @@ def _console() -> Console:
 @app.command("ls")
 def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOptions = None) -> None:
     """List the committed versions of a store, oldest first."""
-    store = _open(url, storage_options)
+    store = _open(url, storage_options, command="ls")
     survey = store.survey()
     infos = [store.info_of(located) for located in survey.committed.values()]
     unreadable = {v: _one_line(e) for v, e in survey.unreadable.items()}
@@ -204,7 +211,7 @@ def show_command(
     url: Url, version: VersionOpt = None, as_json: JsonFlag = False, storage_options: StorageOptions = None
 ) -> None:
     """Show a version's manifest: summary, shards with sizes and checksums, and its tensors."""
-    store = _open(url, storage_options)
+    store = _open(url, storage_options, command="show")
     manifest = store.manifest(version)
     if as_json:
         typer.echo(manifest.to_json().decode())
@@ -232,7 +239,7 @@ def verify_command(
     """
     if all_versions and version is not None:
         raise typer.BadParameter("give either --version or --all, not both", param_hint="'--all'")
-    store = _open(url, storage_options)
+    store = _open(url, storage_options, command="verify")
     if not all_versions:
         typer.echo(f"ok {present.describe(store.verify(version))}")
         return
@@ -321,13 +328,17 @@ def restore_command(
     """Write a version (or part of it) to one torch or safetensors file, or a sharded directory."""
     if max_shard_size is not None and file_format is not Format.safetensors:
         _fail("--max-shard-size writes safetensors shards: add --format safetensors")
+    if out.is_symlink():
+        _fail(
+            f"{out} is a symbolic link (to {os.readlink(out)}): restore writes no file through a link; "
+            "give the path of a real file"
+        )
     if out.exists() and not force:
         _fail(f"{out} exists; pass --force to overwrite it")
     if out.is_dir() and max_shard_size is None:
         _fail(f"{out} is a directory; give a file name (or --max-shard-size for a sharded directory)")
-    if not out.resolve().parent.is_dir():
-        _fail(f"the directory of {out} does not exist")
-    store = _open(url, storage_options)
+    missing_dirs = _missing_directories(out)
+    store = _open(url, storage_options, command="restore")
     manifest = store.manifest(version)
     selected = [k for item in keys or [] for k in item.split(",") if k.strip("/ ")]
     try:
@@ -340,19 +351,55 @@ def restore_command(
     if isinstance(subtree, dict):
         state = subtree  # one subtree: its own keys, as a state_dict has them
     meta = {"format": "pt", "ckptflow.version": str(manifest.version), "ckptflow.source": store.url}
+    with _directories_kept_on_success(missing_dirs):
+        if max_shard_size is not None:
+            tensors, files = write_hf_shards(state, out, max_shard_size=max_shard_size, metadata=meta)
+        else:
+            tensors = write_state(state, out, fmt=file_format.value, metadata=meta)
     if max_shard_size is not None:
-        tensors, files = write_hf_shards(state, out, max_shard_size=max_shard_size, metadata=meta)
         typer.echo(
             f"restored version {manifest.version} (epoch {present.optional(manifest.epoch)}) to {out}/: "
             f"{tensors} tensors in {len([f for f in files if f.endswith('.safetensors')])} shards "
             f"({', '.join(files)})"
         )
         return
-    tensors = write_state(state, out, fmt=file_format.value, metadata=meta)
     typer.echo(
         f"restored version {manifest.version} (epoch {present.optional(manifest.epoch)}) to {out}: "
         f"{tensors} tensors, {present.human_size(out.stat().st_size)}"
     )
+
+
+def _missing_directories(out: Path) -> list[Path]:
+    """The directories above ``out`` that restore creates, outermost first; fails (before the store is
+    read) when the nearest existing one is a file, or a link on the way leads nowhere."""
+    missing: list[Path] = []
+    parent = out.absolute().parent
+    while not parent.exists():
+        if parent.is_symlink():
+            _fail(
+                f"{parent} is a symbolic link to nothing ({os.readlink(parent)}): give --out a real directory"
+            )
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        _fail(f"{parent} is a file, not a directory: give --out a path in a directory")
+    return missing[::-1]
+
+
+@contextmanager
+def _directories_kept_on_success(directories: list[Path]) -> Iterator[None]:
+    """Create ``directories`` (outermost first) for a write; remove them again if it fails."""
+    made: list[Path] = []
+    try:
+        for directory in directories:
+            directory.mkdir()
+            made.append(directory)
+        yield
+    except BaseException:
+        for directory in reversed(made):
+            with suppress(OSError):
+                directory.rmdir()
+        raise
 
 
 # -- prune and gc ---------------------------------------------------------------
@@ -373,7 +420,10 @@ def prune_command(
     keep_best: Annotated[
         str | None, typer.Option("--keep-best", metavar="METRIC", help="Keep the best version by METRIC.")
     ] = None,
-    mode: Annotated[Mode | None, typer.Option("--mode", help="Is the best METRIC the min or max?")] = None,
+    best_mode: Annotated[
+        Mode | None, typer.Option("--best-mode", help=BEST_MODE_HELP, show_default=False)
+    ] = None,
+    old_mode: Annotated[Mode | None, typer.Option("--mode", hidden=True)] = None,  # the old --best-mode
     dry_run: DryRun = False,
     storage_options: StorageOptions = None,
 ) -> None:
@@ -382,17 +432,24 @@ def prune_command(
         raise typer.BadParameter(
             "give at least one of them", param_hint="'--keep-last' / '--keep-every' / '--keep-best'"
         )
-    if mode is not None and keep_best is None:
-        raise typer.BadParameter("--mode needs --keep-best", param_hint="'--mode'")
+    if old_mode is not None:
+        if best_mode is not None and best_mode is not old_mode:
+            raise typer.BadParameter("--mode is the old name of --best-mode: give only --best-mode")
+        typer.echo("note: --mode is deprecated: use --best-mode", err=True)
+        best_mode = old_mode
+    if best_mode is not None and keep_best is None:
+        raise typer.BadParameter("--best-mode needs --keep-best", param_hint="'--best-mode'")
+    if keep_best is not None and best_mode is None:
+        raise typer.BadParameter(best_mode_needed(keep_best), param_hint="'--best-mode'")
     from ckptflow.storage import RetentionPolicy
 
     policy = RetentionPolicy(
         keep_last=keep_last,
         keep_every=keep_every,
         keep_best=keep_best,
-        best_mode="max" if mode is Mode.max else "min",
+        best_mode=best_mode.value if best_mode is not None else None,
     )
-    store = _open(url, storage_options)
+    store = _open(url, storage_options, command="prune")
     survey = store.survey()
     if not survey.committed:
         from ckptflow.storage import VersionNotFoundError
@@ -404,7 +461,7 @@ def prune_command(
         _fail(f"no committed version has the metric {keep_best!r} (metrics: {', '.join(found) or 'none'})")
     infos = {v: store.info_of(x) for v, x in survey.committed.items()}
     plan = store.plan_retention(policy) if dry_run else store.apply_retention(policy)
-    for line in present.prune_lines(plan, infos, dry_run=dry_run):
+    for line in present.prune_lines(plan, infos, dry_run=dry_run, policy=policy):
         typer.echo(line)
 
 
@@ -427,7 +484,7 @@ def gc_command(
 
     A save in progress looks like a crashed one, so leftovers changed in the last --min-age seconds stay.
     """
-    store = _open(url, storage_options)
+    store = _open(url, storage_options, command="gc")
     writing = [v for v, has_manifest in store.version_dirs().items() if not has_manifest]
     removed = store.gc(min_age=min_age, dry_run=dry_run)
     for number in removed:

@@ -7,7 +7,9 @@ complete new file, never half of one. The file is written under a temporary
 name beside the target, fsynced, renamed into place, and the directory is
 fsynced; a failure removes the temporary file. The file gets the mode a plain
 ``open(path, "w")`` would give it (0666 less the umask; an overwritten file
-keeps its own), whichever library wrote it.
+keeps its own), whichever library wrote it. Nothing is written through a
+symbolic link at the target: the rename replaces the link itself, and what it
+points to is left as it was (``ckptflow restore`` refuses such a target first).
 
 - torch: the nested state as saved (dicts, lists, tuples, tensors, numbers,
   strings, bytes, dtypes), numpy arrays turned into tensors, so that
@@ -64,7 +66,7 @@ def write_hf_shards(
             "the sharded layout needs huggingface_hub: pip install 'ckptflow[hf]'"
         ) from None
     tensors = unshared(flat_tensors(state))
-    target = out.resolve()
+    target = _unfollowed(out)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
     old = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.old")
     tmp.mkdir()
@@ -74,8 +76,8 @@ def write_hf_shards(
         for name in files:
             _fsync(tmp / name)
         _fsync(tmp)
-        if target.exists():
-            os.rename(target, old)  # the old directory goes only once the new one is complete
+        if os.path.lexists(target):
+            os.rename(target, old)  # the old directory (or link) goes only once the new one is complete
         os.rename(tmp, target)
         _fsync(target.parent)
     except CheckpointError:
@@ -84,6 +86,8 @@ def write_hf_shards(
         raise CheckpointError(f"writing {out} failed: {type(exc).__name__}: {exc}") from exc
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if old.is_symlink():
+            old.unlink()  # the link only, never what it points to
         shutil.rmtree(old, ignore_errors=True)
     return len(tensors), files
 
@@ -101,7 +105,7 @@ def selected_subtree(state: Any, path: str) -> Any:
 
 def write_atomic(out: Path, write: Callable[[Path], object]) -> None:
     """Run ``write(tmp)`` on a temporary path beside ``out``, then make it ``out`` durably."""
-    target = out.resolve()
+    target = _unfollowed(out)
     tmp = target.with_name(f".{target.name}.{uuid.uuid4().hex[:12]}.tmp")
     try:
         write(tmp)
@@ -117,6 +121,12 @@ def write_atomic(out: Path, write: Callable[[Path], object]) -> None:
     _fsync(target.parent)  # the rename
 
 
+def _unfollowed(out: Path) -> Path:
+    """``out`` made absolute, its directory resolved but not its own name: a link there is
+    replaced, never written through."""
+    return out.absolute().parent.resolve() / out.name
+
+
 def _fsync(path: Path) -> None:
     """Make a file's bytes, or a directory's entries, durable."""
     fd = os.open(path, os.O_RDONLY)
@@ -127,16 +137,20 @@ def _fsync(path: Path) -> None:
 
 
 def _mode_for(target: Path) -> int:
-    """The mode ``open(target, "w")`` would leave: an existing file's own, else 0666 less the umask.
+    """The mode ``open(target, "w")`` would leave: an existing file's own, else (nothing there, or a
+    link the write replaces) 0666 less the umask.
 
     The writers differ (safetensors creates its file 0600, torch.save 0666 less the umask).
     """
     try:
-        return stat.S_IMODE(os.stat(target).st_mode)
+        found = os.lstat(target)
     except FileNotFoundError:
-        mask = os.umask(0)
-        os.umask(mask)
-        return 0o666 & ~mask
+        found = None
+    if found is not None and stat.S_ISREG(found.st_mode):
+        return stat.S_IMODE(found.st_mode)
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def as_torch(node: Any) -> Any:

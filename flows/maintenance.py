@@ -11,6 +11,11 @@ Archiving follows the same policy as in a training run (``archive.every`` /
 versions a store holds: stores written by runs that did not archive, or whose
 archive jobs were cut off, are consolidated and mirrored here. A store that a
 training run is writing to is only published (see ``ckptflow.tasks.maintenance``).
+A URL where nothing is stored fails the run (a mistyped URL), unless the config
+says ``skip_missing``, as the scheduled deployments do: their default store
+appears only with the first training run there, and a user who trains
+elsewhere would otherwise see a Failed run every night. Such a store is
+skipped with a warning in the run's log, and the run completes.
 
 ``publish_store_checkpoints`` publishes one store's table, for
 ``ckptflow publish URL``: it is how to see a store's checkpoints in the UI
@@ -30,10 +35,13 @@ from ckptflow.tasks.maintenance import (
     active_training_runs,
     apply_retention,
     collect_garbage,
+    maintained_store,
     open_maintained_store,
     publish_checkpoints,
     summarize_crashed_runs,
 )
+
+NOT_THERE = "nothing is stored there yet"
 
 
 @flow(name="ckptflow-maintenance", validate_parameters=True)
@@ -43,7 +51,13 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
     source = f"maintenance run `{flow_run.get_name() or 'local'}`"
     report = []
     for url in config.storages:
-        store = open_maintained_store(config, url)
+        store = maintained_store(config, url)
+        if not store.probe(must_exist=not config.skip_missing):
+            logger.warning(
+                "%s: skipped, %s (a store appears with its first training run)", store.url, NOT_THERE
+            )
+            report.append(_skipped(store.url, NOT_THERE))
+            continue
         busy = active_training_runs(store.url)
         if busy:
             logger.warning("%s is being written by %s: retention and gc skipped", store.url, ", ".join(busy))
@@ -57,6 +71,7 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
         report.append(
             {
                 "storage": store.url,
+                "skipped": None,
                 "busy": busy,
                 "archived": [a.versions for a in archives],
                 "uploaded": [a.uploaded for a in archives if a.uploaded],
@@ -69,6 +84,21 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
         )
         logger.info("%s: pruned %s, removed leftovers %s", store.url, pruned or "none", removed or "none")
     return report
+
+
+def _skipped(url: str, why: str) -> dict[str, Any]:
+    """The report of a store the run did not maintain, with the keys of one it did."""
+    lists = (
+        "busy",
+        "archived",
+        "uploaded",
+        "pruned",
+        "gc",
+        "versions",
+        "artifacts",
+        "crashed_runs_summarized",
+    )
+    return {"storage": url, "skipped": why, **{key: [] for key in lists}}
 
 
 def _summarize_crashed(store: Any) -> list[str]:

@@ -8,15 +8,23 @@ comes from the store's ``display`` form, which carries no credentials.
 
 from __future__ import annotations
 
+import shlex
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from ckptflow.tasks.formatting import human_size, metric_value, metrics_text  # noqa: F401 - re-exported
+from ckptflow.tasks.formatting import human_size, metric_value, metrics_text
 
 if TYPE_CHECKING:
-    from ckptflow.storage import Manifest, PrunePlan, VersionInfo
+    from ckptflow.storage import (
+        Manifest,
+        PrunePlan,
+        RetentionPolicy,
+        StoresBelow,
+        VersionDirectory,
+        VersionInfo,
+    )
 
 
 def created_text(iso: str, *, zone: bool = True) -> str:
@@ -39,12 +47,24 @@ def describe(info: VersionInfo) -> str:
     return f"version {info.version} (epoch {optional(info.epoch)}, {human_size(info.size)}) {info.url}"
 
 
-def prune_lines(plan: PrunePlan, infos: dict[int, VersionInfo], *, dry_run: bool) -> list[str]:
-    """What a prune removed (or would remove), kept and held back: the same lines for both modes."""
+def prune_lines(
+    plan: PrunePlan, infos: dict[int, VersionInfo], *, dry_run: bool, policy: RetentionPolicy | None = None
+) -> list[str]:
+    """What a prune removed (or would remove), kept (the best by the metric first, with the policy's
+    direction) and held back: the same lines for both modes."""
     verb, keep_verb, free_verb = (
         ("would remove", "would keep", "would free") if dry_run else ("removed", "kept", "freed")
     )
-    lines = [f"{verb} {describe(infos[v]) if v in infos else f'version {v}'}" for v in plan.remove]
+    lines = []
+    if policy is not None and policy.keep_best is not None:
+        metric = policy.keep_best
+        best = ", ".join(
+            f"version {v} (epoch {optional(info.epoch)}, {metric}={metric_value(info.metrics[metric])})"
+            for v in plan.best
+            if (info := infos.get(v)) is not None and metric in info.metrics
+        )
+        lines.append(f"{keep_verb} the best by {metric} ({policy.best_mode}): {best or 'none'}")
+    lines += [f"{verb} {describe(infos[v]) if v in infos else f'version {v}'}" for v in plan.remove]
     held = plan.describe_held()
     if held:
         lines.append(f"{'would also keep' if dry_run else 'also kept'} {held}")
@@ -52,6 +72,31 @@ def prune_lines(plan: PrunePlan, infos: dict[int, VersionInfo], *, dry_run: bool
     freed = human_size(sum(infos[v].size for v in plan.remove if v in infos))
     lines.append(f"{keep_verb} versions: {kept}; {free_verb} {freed}")
     return lines
+
+
+def misplaced_message(where: VersionDirectory | StoresBelow | None, url: str, *, command: str) -> str | None:
+    """The error for ``ckptflow COMMAND URL`` on a version's directory or a directory of stores
+    (None when URL is a store): where the store is, and the command to run on it."""
+    from ckptflow.storage import VersionDirectory
+
+    if where is None:
+        return None
+    if isinstance(where, VersionDirectory):
+        which = f"version {where.version}" if where.version is not None else "a version"
+        version = where.version if command in ("show", "verify", "restore") else None
+        usage = _usage(command, where.store, version)
+        return f"{url} is the directory of {which} of the store {where.store}, not a store: run `{usage}`"
+    usage = _usage(command, where.stores[0], None)
+    return (
+        f"no store at {url}; it holds the stores {', '.join(where.stores)}: give one of them, e.g. `{usage}`"
+    )
+
+
+def _usage(command: str, store: str, version: int | None) -> str:
+    """``ckptflow COMMAND STORE [--version V]``, and `` ...`` where the command needs more options."""
+    text = f"ckptflow {command} {shlex.quote(store)}"
+    text += f" --version {version}" if version is not None else ""
+    return text + (" ..." if command in ("restore", "prune") else "")
 
 
 def version_json(info: VersionInfo) -> dict[str, Any]:

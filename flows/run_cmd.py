@@ -444,6 +444,16 @@ def _exception_of(state: Any) -> str:
     return state.message or "the run did not complete"
 
 
+def _schedule_note(planned: int | None) -> list[str]:
+    """What training longer does to an LR schedule: it stays the one the run was planned with."""
+    if not planned:
+        return []
+    return [
+        f"    (a longer run keeps its plan: RunFacts.planned_epochs stays {planned}, so a schedule sized "
+        'from it ends there; see the README\'s "Your own model")'
+    ]
+
+
 def _print_next_steps(config: Any, result: dict[str, Any]) -> None:
     url = result["storage"]
     quoted = shlex.quote(url)
@@ -451,6 +461,7 @@ def _print_next_steps(config: Any, result: dict[str, Any]) -> None:
         "",
         f"checkpoints: {url}  (latest: {result['latest_url']})",
         f"  resume / train longer:  {_resume_command(config, url)}",
+        *_schedule_note(result.get("planned_epochs")),
         f"  list checkpoints:       ckptflow ls {quoted}",
         f"  inspect the latest:     ckptflow show {quoted}",
         f"  verify checksums:       ckptflow verify {quoted}",

@@ -182,7 +182,10 @@ def _run_epochs(
     archiver.drain(strict=False)  # a failed job is reported by _finish
     removed = finalize(run.store, config.retention)
     resumed_from = run.resumed_from.version if run.resumed_from else None
-    return _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed, archiver)
+    ended = _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed, archiver)
+    if isinstance(ended, dict):  # what a schedule is sized by (RunFacts.planned_epochs), for the hint
+        ended["planned_epochs"] = run.planned_epochs
+    return ended
 
 
 def _finish(

@@ -44,6 +44,7 @@ from .save.async_save import SaveHandle
 from .store import CheckpointStore, StoreOptions, VersionInfo
 from .versions.commit import VersionState
 from .versions.lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
+from .versions.nearby import StoresBelow, VersionDirectory
 from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:
@@ -81,9 +82,11 @@ __all__ = [
     "StoreLease",
     "StoreLockedError",
     "StoreOptions",
+    "StoresBelow",
     "TarIndex",
     "UnreadableVersionError",
     "UnsupportedValueError",
+    "VersionDirectory",
     "VersionExistsError",
     "VersionInfo",
     "VersionNotFoundError",

@@ -93,6 +93,20 @@ class CorruptShardError(CheckpointError):
         )
 
 
+class CorruptArchiveError(CorruptShardError):
+    """A tarball is not the tar that was archived outside its members' data: a member's header,
+    the padding or the end-of-archive blocks, or its size (what tar and extraction read)."""
+
+    def __init__(self, tar: str, *, part: str, expected: str, actual: str, advice: str) -> None:
+        self.file = tar
+        self.part = part
+        self.expected = expected
+        self.actual = actual
+        CheckpointError.__init__(
+            self, f"corrupt tarball {tar}: {part}: expected {expected}, found {actual}; {advice}"
+        )
+
+
 class StorageUnavailableError(CheckpointError, OSError):
     """The storage URL cannot be used: unknown scheme, missing bucket, no permission, disk full."""
 

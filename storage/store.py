@@ -37,7 +37,7 @@ from .save.async_save import SaveHandle
 from .save.store_saver import SaveRequest, StoreSaver
 from .sharded.api import ShardedStore, holds_sharded
 from .upkeep import Upkeep
-from .versions import catalog, metadata
+from .versions import catalog, metadata, nearby
 from .versions import commit as protocol
 from .versions.lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
 from .versions.lease import LEASE_KEY, StoreLease
@@ -310,7 +310,7 @@ class CheckpointStore(ShardedStore, Upkeep):
         return read_state(self.loc, self.options, located, manifest, keys, map_location, verify, into)
 
     def verify(self, version: int | None = None) -> VersionInfo:
-        """Check every byte of a version (loose or archived) against its shards' and blobs' checksums.
+        """Check every byte of a version (loose or archived) against its checksums, and its tar structure.
 
         With no ``version``, the newest: when the newest version's manifest is unreadable,
         that is the finding (:class:`UnreadableVersionError`), not a reason to check an older one.
@@ -330,6 +330,7 @@ class CheckpointStore(ShardedStore, Upkeep):
     def verify_located(self, located: catalog.Located) -> VersionInfo:
         """Check the shards of a version found by :meth:`survey` (no second look-up)."""
         with translate_errors(self.loc, "verifying"):
+            located.check_tarball(self.loc, whole=True)
             verify_version(self.loc, located.manifest, located.sources(self.loc))
         return self._info(located)
 
@@ -346,6 +347,11 @@ class CheckpointStore(ShardedStore, Upkeep):
         """
         with translate_errors(self.loc, "listing"):
             return protocol.list_dirs(self.loc)
+
+    def misplaced(self) -> nearby.VersionDirectory | nearby.StoresBelow | None:
+        """What the URL is when it is a version's directory or holds stores; None for a store."""
+        with translate_errors(self.loc, "listing"):
+            return nearby.misplaced(self.loc)
 
     def archived(self) -> dict[int, ArchivedVersion]:
         """The versions in committed tarballs, by number, each with its tarball's name and index.

@@ -60,11 +60,15 @@ class Upkeep:
         (see :meth:`apply_retention`, which says which).
         """
         if policy is None:
+            if keep_best is not None and (isinstance(keep_best, str) or len(keep_best) != 2):
+                raise ValueError(
+                    f"keep_best takes (metric, 'min' or 'max'), e.g. ('val_loss', 'min'); got {keep_best!r}"
+                )
             policy = RetentionPolicy(
                 keep_last=keep_last,
                 keep_every=keep_every,
                 keep_best=keep_best[0] if keep_best else None,
-                best_mode=keep_best[1] if keep_best else "min",
+                best_mode=keep_best[1] if keep_best else None,
             )
         return list(self.apply_retention(policy).remove)
 

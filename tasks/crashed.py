@@ -19,6 +19,9 @@ it starts:
    could not write (:func:`summarize_crashed`: the last committed epoch, where
    it is, how to resume). The maintenance flow writes it for Crashed runs
    that have none (marked by the heartbeat automation, on another host).
+   This run logs one line per run it marked; Prefect shows the line after
+   this run's own name, so the line names the earlier run, when it started
+   and its process (:func:`earlier_run_line`).
 
 What must hold: a run is marked only on proof that its process is gone. Runs
 of other hosts or pid spaces (another machine, container or boot), runs
@@ -95,10 +98,22 @@ def record_and_sweep(flow_run_id: UUID, log: Any) -> list[str]:
     except Exception as exc:
         log.warning("could not check for training runs whose process died: %s", exc)
         return []
-    if crashed:
-        names = ", ".join(crashed)
-        log.warning("marked Crashed: flow runs whose process on %s is gone (%s)", here.host, names)
-    return crashed
+    for run, record in crashed:  # logged by this run: each line must name the earlier run it is about
+        log.warning("%s", earlier_run_line(run, record))
+    return [run.name for run, _ in crashed]
+
+
+def earlier_run_line(run: Any, record: ProcessRecord) -> str:
+    """``an earlier flow run 'NAME' (started ..., process PID on HOST) had ended without a final
+    state: marked Crashed``; the log line that this run prints after its own name."""
+    moment = run.start_time or run.created
+    started = (
+        moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if moment else "at an unknown time"
+    )
+    return (
+        f"an earlier flow run '{run.name}' (started {started}, process {record.pid} on {record.host}) had "
+        "ended without a final state: marked Crashed"
+    )
 
 
 def record_this_run() -> threading.Thread | None:
@@ -120,7 +135,8 @@ def record_this_run() -> threading.Thread | None:
     return thread
 
 
-def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[str]:
+def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[tuple[Any, ProcessRecord]]:
+    """Mark Crashed the active runs whose process is gone; return each with its process record."""
     from prefect.states import Crashed
 
     from .maintenance import read_active_train_runs
@@ -135,7 +151,7 @@ def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[str]
             f"marked Crashed by flow run {flow_run_id} on the same host"
         )
         client.set_flow_run_state(run.id, Crashed(message=message), force=True)
-        crashed.append(run.name)
+        crashed.append((run, record))
         versions = _versions_of(run.parameters)
         if versions is not None:
             try:

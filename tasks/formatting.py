@@ -35,7 +35,8 @@ def metrics_text(metrics: dict[str, float]) -> str:
 
 
 def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:
-    """``retention (keep_last=3): removed versions 1, 2; kept 3, 4, 5`` plus what a tarball held back."""
+    """``retention (keep_last=3): removed versions 1, 2; kept 3, 4, 5``, the best by the metric and
+    what a tarball held back."""
     rules = ", ".join(
         f"{name}={value}"
         for name, value in (
@@ -47,5 +48,8 @@ def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:
     )
     removed = ", ".join(map(str, plan.remove)) or "none"
     line = f"retention ({rules}): removed versions {removed}; kept {', '.join(map(str, plan.remaining))}"
+    if policy.keep_best is not None:
+        best = ", ".join(map(str, plan.best)) or "none (no version has the metric)"
+        line += f"; the best by {policy.keep_best} ({policy.best_mode}): {best}"
     held = plan.describe_held()
     return f"{line}; kept beyond the policy: {held}" if held else line

@@ -68,6 +68,12 @@ class MaintenanceConfig(BaseModel):
         description="consolidate (and upload) the loose versions the policy says are due (default: off)",
     )
     publish: bool = Field(True, description="publish each store's checkpoint table and latest checkpoint")
+    skip_missing: bool = Field(
+        False,
+        description="skip a store where nothing is stored yet, with a warning, instead of failing the run "
+        "(the scheduled deployments set it: a store appears with its first training run; off, a "
+        "mistyped URL fails the run)",
+    )
 
     @model_validator(mode="after")
     def _valid_stores(self) -> MaintenanceConfig:
@@ -96,10 +102,15 @@ def private_storage_options(options: dict[str, Any]) -> Iterator[None]:
         _private_options.reset(token)
 
 
+def maintained_store(config: MaintenanceConfig, url: str) -> CheckpointStore:
+    """The store at ``url`` with the config's options (and the private ones); not probed yet."""
+    options = {**config.store_config(url).resolved_storage_options(), **(_private_options.get() or {})}
+    return CheckpointStore(url, storage_options=options)
+
+
 def open_maintained_store(config: MaintenanceConfig, url: str) -> CheckpointStore:
     """The store at ``url``; StorageUnavailableError when nothing is stored there (a mistyped URL)."""
-    options = {**config.store_config(url).resolved_storage_options(), **(_private_options.get() or {})}
-    store = CheckpointStore(url, storage_options=options)
+    store = maintained_store(config, url)
     store.probe(must_exist=True)
     return store
 
@@ -228,6 +239,7 @@ __all__ = [
     "active_training_runs",
     "apply_retention",
     "collect_garbage",
+    "maintained_store",
     "open_maintained_store",
     "private_storage_options",
     "publish_checkpoints",

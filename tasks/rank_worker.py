@@ -24,7 +24,10 @@ RNGs from (seed, epoch, rank), so that ranks do not draw the same numbers.
 
 Failures: a rank whose request fails (other than the leader's answer of an
 error) or that dies ends the world: the launcher stops the other ranks and
-the flow's waiting call fails with the failure record. SIGTERM (the flow was
+the flow's waiting call fails with the failure record. One exception: a build
+that fails on every rank (a model that no longer fits the checkpoint) is the
+leader's answer, typed; the other ranks wait for it and leave quietly, so the
+flow does not take it for a dead rank and retry. SIGTERM (the flow was
 interrupted) stops the epoch in progress; the saves in flight commit before
 the rank exits. No Prefect import here: a rank starts in a second, not five.
 """
@@ -49,6 +52,7 @@ from typing import Any
 log = logging.getLogger("ckptflow.rank")
 
 STORE_PREFIX = "ckptflow"
+BUILD_VERDICT_SECONDS = 30.0  # how long a follower whose build failed waits for the leader's verdict
 
 
 class _Interrupted(BaseException):
@@ -101,6 +105,23 @@ class World:
         )
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         return cls(store, rank, size, local_world)
+
+    def tell_built(self, ok: bool) -> None:
+        """The leader, once it has answered the build: whether it built the run."""
+        if self.size > 1:
+            self.store.set("built", "ok" if ok else "failed")
+
+    def leader_failed_build(self, wait: float) -> bool:
+        """A follower whose build failed: whether the leader's build failed too, waiting up to
+        ``wait`` s for its verdict. Then the flow has the leader's error (a model that does not fit
+        fails every rank the same way), and this rank leaves quietly; ending the world instead
+        would cut the leader's answer off, and the flow would retry as if a rank had died."""
+        deadline = time.monotonic() + wait
+        while not self.store.check(["built"]):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return bytes(self.store.get("built")) == b"failed"
 
     def publish(self, request: dict[str, Any]) -> None:
         """The leader: hand ``request`` to the other ranks (they take them in order)."""
@@ -165,7 +186,14 @@ class Rank:
         except Exception as exc:
             if not self.world.leads:
                 raise
-            error = {"type": type(exc).__name__, "message": str(exc), "traceback": traceback.format_exc()}
+            frames = traceback.extract_tb(exc.__traceback__)
+            place = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""  # tells repeats apart
+            error = {
+                "type": type(exc).__name__,
+                "message": str(exc),
+                "traceback": traceback.format_exc(),
+                "place": place,
+            }
             self.send({"id": call_id, "error": error})
         else:
             self.send({"id": call_id, "ok": result})
@@ -244,6 +272,7 @@ class Rank:
             "metrics": {str(k): v for k, v in self.run.metrics.items()},
             "threads": torch.get_num_threads(),
             "world_size": world.size,
+            "planned_epochs": self.run.planned_epochs,
         }
 
     def serve(self) -> None:
@@ -282,12 +311,12 @@ class Rank:
 
     def capture(self, epoch: int) -> tuple[tuple[dict[str, Any], dict[str, Any] | None], dict[str, Any]]:
         """The state to save (shared, this rank's own), and the save's arguments."""
-        from .run_state import capture_run
+        from .run_state import capture_run, save_options
         from .training_state import is_sharded, split_ranked
 
         run = self.run
-        kwargs = {"epoch": epoch, "step": run.step, "version": epoch, "metrics": run.metrics.get(epoch)}
-        state = capture_run(run)
+        kwargs = save_options(run, epoch)
+        state = capture_run(run, self.log("warning"))
         if self.world.size == 1 and not is_sharded(run.local()[1].model):  # sharded: RNGs stay apart
             return (state, None), kwargs
         return split_ranked(state), kwargs
@@ -384,7 +413,13 @@ def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None)
         else:
             job = json.loads(world.take("job"))
         assert job is not None
-        rank.answer(0, lambda: rank.build(job))
+        try:
+            rank.answer(0, lambda: rank.build(job))
+        except Exception:  # a follower: unless the leader failed too (the flow has its error), end the world
+            if world.leads or not world.leader_failed_build(BUILD_VERDICT_SECONDS):
+                raise
+        if world.leads:
+            world.tell_built(rank.run is not None)
         if rank.run is not None:
             rank.serve()
         stops.raising = False  # from here a stop is counted: the saves in flight commit first

@@ -1,16 +1,27 @@
-"""How ckptflow's I/O tasks retry: exponential backoff with jitter, no result caching.
+"""How ckptflow's tasks retry: exponential backoff with jitter, no result caching, and no retry
+of a failure a retry cannot fix.
 
 Caching stays off: task inputs are live training objects (a store, a model),
 which Prefect must neither hash nor persist.
+
+An epoch's retry replays the epoch from the state it started with, RNGs
+included, so a failure in the spec's own code that repeats the previous
+attempt's exactly (:func:`failure_key`: the same type, message and raising
+line) will repeat again: it is marked (:func:`refuse_retries`) and
+:func:`unless_refused` ends the task instead of spending the other retries.
+A failure that differs (a lost connection, a killed rank) is retried as before.
 """
 
 from __future__ import annotations
 
+import traceback
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
+
+_REFUSED = "ckptflow_not_retried"  # the attribute that marks an exception no retry can fix
 
 
 def io_task(name: str, *, retries: int = 3, backoff: float = 1.0, **options: Any) -> Any:
@@ -23,3 +34,26 @@ def io_task(name: str, *, retries: int = 3, backoff: float = 1.0, **options: Any
         retry_jitter_factor=0.5,
         **options,
     )
+
+
+def failure_key(exc: BaseException) -> tuple[str, str, str]:
+    """What makes two failures the same: the error's type, its message and the line that raised it
+    (in the training process, for an error raised there)."""
+    from .trainer import TrainerError
+
+    if isinstance(exc, TrainerError) and exc.kind:
+        return exc.kind, str(exc), exc.place
+    frames = traceback.extract_tb(exc.__traceback__)
+    place = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
+    return type(exc).__name__, str(exc), place
+
+
+def refuse_retries(exc: BaseException, why: str) -> None:
+    """Mark ``exc`` as a failure no retry can fix (:func:`unless_refused` ends its task), saying why."""
+    setattr(exc, _REFUSED, why)
+    exc.add_note(why)
+
+
+def unless_refused(task: Any, task_run: Any, state: Any) -> bool:
+    """A task's ``retry_condition_fn``: retry, unless the failure was marked by :func:`refuse_retries`."""
+    return getattr(state.result(raise_on_failure=False), _REFUSED, None) is None

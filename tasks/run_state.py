@@ -18,8 +18,9 @@ trained.
 
 from __future__ import annotations
 
+import re
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -78,6 +79,8 @@ class RunState:
     rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
     writing: tuple[int, Future[Any]] | None = None  # (version, sync save) that outlived its task's timeout
     remote: Any = None  # the trainers, a ckptflow.tasks.trainer.TrainerProcess
+    planned_epochs: int = 0  # the epochs the run was started for (RunFacts.planned_epochs)
+    generator_seeds: dict[int, int] | None = None  # the spec's generators' seeds after build; None: checked
     identity: dict[str, Any] | None = None  # what run.json must hold (None: it does already)
 
     def local(self) -> tuple[TrainingSpec, Trainable]:
@@ -159,6 +162,7 @@ def build_run(
     from .spec import RunFacts, load_spec_class, make_spec
     from .training_state import (
         capture,
+        generator_seeds,
         is_sharded,
         rank_seed,
         restore,
@@ -171,6 +175,7 @@ def build_run(
     identity = check_run_identity(store, config, warn)
     facts = RunFacts(
         epochs=config.epochs,
+        planned_epochs=planned_epochs(config, store.latest(), warn),
         save_every=config.save_every,
         world_size=world_size,
         rank=rank,
@@ -178,7 +183,8 @@ def build_run(
     )
     spec = make_spec(config.spec, config.spec_config, seed=config.seed, run=facts)
     seed_everything(config.seed)  # every rank builds the same model
-    run = RunState(config, store, spec, spec.build())
+    run = RunState(config, store, spec, spec.build(), planned_epochs=facts.planned_epochs)
+    run.generator_seeds = generator_seeds(spec) if rank == 0 else None  # rank 0 warns of what saves miss
     if writes:
         set_aside_unreadable(store, warn)
     latest = store.latest()
@@ -208,11 +214,8 @@ def build_run(
         except (RuntimeError, ValueError) as exc:
             if not _does_not_fit(exc):
                 raise
-            raise StateMismatchError(
-                f"version {latest.version} of {store.url} does not fit the model the spec builds: {exc} "
-                "Build it as it was saved (the same spec_config), or start the changed model in a "
-                "new storage URL"
-            ) from None
+            built = capture(trainable, spec, epoch=0, step=0)
+            raise _misfit(latest.version, store.url, exc, state, built) from None
         reseed_epoch = run.epoch if saved_by != world_size else None
         run.resumed_from = latest
         run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
@@ -246,6 +249,53 @@ def _refuse_foreign(version: int, url: str, wanted: dict[str, Any], saved: dict[
         )
 
 
+PLANNED_EPOCHS = "planned_epochs"  # in each manifest's user data: the epochs its run was started for
+
+
+def planned_epochs(config: PipelineConfig, latest: VersionInfo | None, warn: Log) -> int:
+    """The epochs the run was started for: what the newest version records (so every resume keeps
+    it), or, for a new run, its own target."""
+    if latest is None:
+        return config.epochs
+    recorded = latest.user.get(PLANNED_EPOCHS)
+    if isinstance(recorded, int) and recorded >= 1:
+        return recorded
+    warn(
+        f"version {latest.version} does not record the epochs its run was started for (an older "
+        f"ckptflow saved it): RunFacts.planned_epochs is this run's target, {config.epochs}"
+    )
+    return config.epochs
+
+
+def _misfit(
+    version: int, url: str, exc: BaseException, saved: Mapping[str, Any], built: Mapping[str, Any]
+) -> StateMismatchError:
+    """A saved state torch refused, in a few lines: the keys and shapes that differ, and what to do."""
+    from .training_state import state_differences
+
+    extras = saved.get("extras") or {}
+    parts = [("model", saved.get("model"), built.get("model"))]
+    parts += [(f"extras.{k}", extras.get(k), v) for k, v in built.get("extras", {}).items()]
+    lines = [
+        f"  {name}: {line}"
+        for name, old, new in parts
+        if isinstance(old, Mapping) and isinstance(new, Mapping)
+        for line in state_differences(old, new)
+    ]
+    if not lines:  # not a module's keys or shapes (an optimizer's parameter groups): torch's first line
+        lines = ["  " + (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]]
+    return StateMismatchError(
+        "\n".join(
+            [
+                f"version {version} of {url} does not fit the model the spec builds:",
+                *lines,
+                "Build the model as it was saved (the same code and spec_config), or train the changed "
+                "model in a new storage URL.",
+            ]
+        )
+    )
+
+
 def _does_not_fit(exc: BaseException) -> bool:
     """Whether torch refused a saved state for the objects it was to go into (a module's keys or
     shapes, an optimizer's parameter groups), rather than failing for another reason."""
@@ -273,7 +323,11 @@ def set_aside_unreadable(store: CheckpointStore, warn: Log) -> None:
 
 
 class EpochAttempts:
-    """Tracks attempts of one epoch; from the second on, the start state is restored first."""
+    """Tracks attempts of one epoch; from the second on, the start state is restored first.
+
+    ``failure``: how the last attempt failed (:func:`~ckptflow.tasks.retrying.failure_key`, in
+    the flow), so that the same failure twice ends the epoch's retries.
+    """
 
     def __init__(self, run: RunState, *, keep_snapshot: bool) -> None:
         self.snapshot: Snapshot | None = None
@@ -285,6 +339,7 @@ class EpochAttempts:
             spec, trainable = run.local()
             self.snapshot = Snapshot(trainable, spec, epoch=run.epoch, step=run.step)
         self.count = 0
+        self.failure: tuple[str, str, str] | None = None
 
 
 def train_attempt(run: RunState, epoch: int, attempts: EpochAttempts, warn: Log) -> dict[str, float]:
@@ -303,9 +358,42 @@ def train_attempt(run: RunState, epoch: int, attempts: EpochAttempts, warn: Log)
     return clean
 
 
-def capture_run(run: RunState) -> dict[str, Any]:
-    """The state to checkpoint now (references to live tensors), with the RNGs of the last epoch."""
-    from .training_state import capture
+def capture_run(run: RunState, warn: Log | None = None) -> dict[str, Any]:
+    """The state to checkpoint now (references to live tensors), with the RNGs of the last epoch.
+
+    The first capture of a run given ``warn`` (on rank 0) warns of the spec's generators it
+    leaves out.
+    """
+    from .training_state import capture, unsaved_generators
 
     spec, trainable = run.local()
-    return capture(trainable, spec, epoch=run.epoch, step=run.step, rng=run.rng)
+    state = capture(trainable, spec, epoch=run.epoch, step=run.step, rng=run.rng)
+    if warn is not None and run.generator_seeds is not None:
+        seeds, run.generator_seeds = run.generator_seeds, None
+        lost = unsaved_generators(spec, state, seeds, epoch=run.epoch)
+        if lost:
+            warn(_unsaved_generators_note(lost))
+    return state
+
+
+def _unsaved_generators_note(lost: list[list[str]]) -> str:
+    named = "; ".join(p[0] + (f" (also {', '.join(p[1:])})" if p[1:] else "") for p in lost)
+    path = lost[0][0]
+    key = re.sub(r"\W+", "_", path.removeprefix("self.")).strip("_")
+    return (
+        f"the spec keeps a torch.Generator that its checkpoints do not restore: {named}. A resumed "
+        "run would draw from it as build() left it, unlike the run that never stopped: put it in "
+        f'Trainable.extras (extras={{"{key}": {path}, ...}}), or make it afresh each epoch with '
+        "epoch_generator(self.seed, epoch)"
+    )
+
+
+def save_options(run: RunState, epoch: int) -> dict[str, Any]:
+    """The arguments of the save of ``epoch`` (version ``epoch``), whichever process saves it."""
+    return {
+        "epoch": epoch,
+        "step": run.step,
+        "metrics": run.metrics.get(epoch),
+        "version": epoch,
+        "user": {PLANNED_EPOCHS: run.planned_epochs},
+    }

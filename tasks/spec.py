@@ -8,18 +8,23 @@ Everything the pipeline saves comes from the objects the spec builds, plus the
 spec's own ``state_dict`` for anything else (a data-loader position, say).
 
 The spec also learns facts of the run it trains in (:class:`RunFacts`, as
-``self.run``, set before ``build``): the epoch the run trains until, the save
-cadence, the number of ranks and its own rank, the store's URL. They are not
-part of the run's identity: an LR schedule sized from ``self.run.epochs`` (say,
-OneCycleLR's total steps) follows ``--epochs``, and training longer resumes the
-same run. (A scheduler's saved state is restored over the one ``build`` made,
-so a schedule whose state holds its length keeps it on a resume.)
+``self.run``, set before ``build``): the epoch the run trains until, the epochs
+it was started for, the save cadence, the number of ranks and its own rank,
+the store's URL. They are not part of the run's identity: training longer
+resumes the same run. A schedule is sized from ``planned_epochs``, which every
+checkpoint records and every resume keeps: a scheduler's saved state is
+restored over the one ``build`` made, so the schedule ``build`` makes must be
+the one that state belongs to, whatever ``--epochs`` a resume is given.
 
-For a resumed run to be bitwise identical to an uninterrupted one, an epoch
-must depend only on the restored state and the epoch number: shuffle data with
-a generator seeded from ``(seed, epoch)`` (see :func:`epoch_generator`), and
-draw any other randomness from the global RNGs, which ckptflow saves and
-restores.
+The contract (the README's "Your own model" shows it whole): a checkpoint
+holds the Trainable's objects (their ``state_dict``), ``Trainable.extras``
+(objects with ``state_dict``, and ``torch.Generator`` objects), the spec's own
+``state_dict``, the global RNGs (torch, CUDA, numpy, Python) and the epoch and
+step; nothing else. For a resumed run to be bitwise identical to an
+uninterrupted one, an epoch must depend only on that state and the epoch
+number: every generator the spec keeps (a DataLoader's) goes in ``extras``, or
+is made afresh each epoch from ``(seed, epoch)`` (see :func:`epoch_generator`);
+other randomness comes from the global RNGs.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class RunFacts:
     """What a spec knows of the run it trains in; none of it is part of the run's identity."""
 
     epochs: int = 1  # the epoch the run trains until (its target, counted from 1, not the epochs left)
+    planned_epochs: int = 1  # the target the run was started with, kept by every resume: size schedules by it
     save_every: int = 1  # a checkpoint every N epochs (and at the end)
     world_size: int = 1  # training processes (torch.distributed ranks)
     rank: int = 0  # this process's rank
@@ -53,7 +59,7 @@ class Trainable:
     optimizer: torch.optim.Optimizer | None = None
     scheduler: Any = None  # anything with state_dict()/load_state_dict(), e.g. an LRScheduler
     scaler: Any = None  # e.g. torch.amp.GradScaler
-    extras: dict[str, Any] = field(default_factory=dict)  # more objects with state_dict()
+    extras: dict[str, Any] = field(default_factory=dict)  # more: objects with state_dict(), torch.Generators
 
 
 class TrainingSpec(ABC):

@@ -51,9 +51,10 @@ from . import run_state
 from .config import PipelineConfig, RetentionConfig
 from .formatting import retention_line
 from .monitoring import notify
-from .retrying import io_task
+from .retrying import failure_key, io_task, refuse_retries, unless_refused
 from .run_state import RUN_FILE, ConfigMismatchError, EpochAttempts, NothingToResumeError, RunState
 from .spec import SpecError
+from .trainer import TrainerDiedError
 
 
 class SaveTimeoutError(TimeoutError):
@@ -122,6 +123,7 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
         resumed_from=VersionInfo(**resumed) if resumed is not None else None,
         metrics={int(k): v for k, v in built["metrics"].items()},
         remote=process,
+        planned_epochs=built["planned_epochs"],
     )
 
 
@@ -171,14 +173,34 @@ def _live_trainers(run: RunState) -> bool:
     return True
 
 
-@task(name="train_epoch", cache_policy=NO_CACHE)
+@task(name="train_epoch", cache_policy=NO_CACHE, retry_condition_fn=unless_refused)
 def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str, float]:
     """Run the spec's epoch (and evaluation); return finite float metrics.
 
     With trainers, a retry after they died starts new ones from the last commit (see
     :func:`_live_trainers`); a retry after an error in the epoch restores the epoch's start state.
+    An error that repeats the previous attempt's exactly is not retried (see :mod:`.retrying`).
     """
     attempts.count += 1
+    try:
+        return _train_attempt(run, epoch, attempts)
+    except Exception as exc:
+        if isinstance(exc, TrainerDiedError):  # a process that died is not a failure of the epoch's code
+            attempts.failure = None
+            raise
+        key = failure_key(exc)
+        if key == attempts.failure:
+            why = (
+                f"epoch {epoch} failed as its previous attempt did ({key[0]} at {os.path.basename(key[2])}): "
+                "not retried, since a retry replays the epoch from the same state"
+            )
+            get_run_logger().warning(why)
+            refuse_retries(exc, why)
+        attempts.failure = key
+        raise
+
+
+def _train_attempt(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str, float]:
     warn = get_run_logger().warning
     if run.remote is None:
         return run_state.train_attempt(run, epoch, attempts, warn)
@@ -249,13 +271,8 @@ def save_checkpoint(
     if run.remote is not None:
         _live_trainers(run)
         return _save_remote(run, epoch, async_save, timeout, committed)
-    state = run_state.capture_run(run)
-    kwargs: dict[str, Any] = {
-        "epoch": epoch,
-        "step": run.step,
-        "metrics": run.metrics.get(epoch),
-        "version": epoch,
-    }
+    state = run_state.capture_run(run, get_run_logger().warning)
+    kwargs = run_state.save_options(run, epoch)
     if async_save:
         return SaveResult(run.store.save_async(state, **kwargs), committed)
     future = _in_thread(lambda: run.store.save(state, **kwargs))
@@ -272,9 +289,10 @@ def _save_remote(
     from .trainer import RemoteSave
 
     if async_save:
-        version = run.remote.call("save", epoch=epoch, **{"async": True}).result()
+        log = _log_to(get_run_logger())  # its notes (a generator it does not save) show on this task
+        version = run.remote.call("save", log, epoch=epoch, **{"async": True}).result()
         return SaveResult(cast(SaveHandle, RemoteSave(run.remote, version, run.store)), committed)
-    answer = run.remote.call("save", epoch=epoch, **{"async": False})
+    answer = run.remote.call("save", _log_to(get_run_logger()), epoch=epoch, **{"async": False})
     future: Future[Any] = Future()
     answer.add_done_callback(lambda f: _chain(f, future))
     run.writing = (epoch, future)

@@ -65,7 +65,15 @@ class TrainerDiedError(RuntimeError):
 
 
 class TrainerError(RuntimeError):
-    """An error raised in the training process (its type and message; its traceback as a note)."""
+    """An error raised in the training process (its type and message; its traceback as a note).
+
+    ``kind``: the error's own type name; ``place``: the file and line that raised it.
+    """
+
+    def __init__(self, message: str, *, kind: str = "", place: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.place = place
 
 
 # -- the flow's side -----------------------------------------------------------------------------
@@ -388,6 +396,10 @@ def _remote_error(error: dict[str, Any]) -> BaseException:
         "StateMismatchError": StateMismatchError,  # what only the user can change: not retried
     }
     kind = known.get(error["type"])
-    exc = kind(error["message"]) if kind else TrainerError(f"{error['type']}: {error['message']}")
+    if kind is not None:
+        exc: BaseException = kind(error["message"])
+    else:
+        message = f"{error['type']}: {error['message']}"
+        exc = TrainerError(message, kind=error["type"], place=error.get("place", ""))
     exc.add_note(f"in the training process:\n{error['traceback']}")
     return exc

@@ -1,9 +1,12 @@
 """The full training state: what is saved, and how it is put back.
 
-A checkpoint holds the model, optimizer, scheduler, grad scaler, extra objects,
-the spec's own state, the epoch and step, and the RNG states of torch (CPU and
-every CUDA device), numpy and Python. Restoring all of it is what makes a
-resumed run bitwise identical to one that never stopped.
+A checkpoint holds the model, optimizer, scheduler, grad scaler, extra objects
+(anything with ``state_dict()``, and ``torch.Generator`` objects), the spec's
+own state, the epoch and step, and the RNG states of torch (CPU and every CUDA
+device), numpy and Python. Restoring all of it is what makes a resumed run
+bitwise identical to one that never stopped; :func:`unsaved_generators` finds
+the generators a spec keeps outside of it (a DataLoader's), which a resume
+would not restore.
 
 :class:`Snapshot` is an in-memory copy of that state, taken at the start of an
 epoch so that a retried epoch starts from the same state, never from a
@@ -13,6 +16,7 @@ half-updated model.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 import random
 import sys
@@ -22,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .spec import Trainable, TrainingSpec
+from .spec import Trainable, TrainingSpec, epoch_generator
 
 
 def seed_everything(seed: int) -> None:
@@ -85,7 +89,7 @@ def capture(
         if obj is not None:
             state[name] = obj.state_dict()
     if trainable.extras:
-        state["extras"] = {k: v.state_dict() for k, v in trainable.extras.items()}
+        state["extras"] = {k: _extra_state(v) for k, v in trainable.extras.items()}
     state["spec"] = spec.state_dict()
     state["rng"] = dict(rng) if rng is not None else rng_state()
     state["progress"] = {"epoch": epoch, "step": step}
@@ -113,10 +117,20 @@ def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) 
         if obj is not None and name in state:
             obj.load_state_dict(state[name])
     for key, obj in trainable.extras.items():
-        obj.load_state_dict(state["extras"][key])
+        if isinstance(obj, torch.Generator):
+            obj.set_state(state["extras"][key][GENERATOR_STATE])
+        else:
+            obj.load_state_dict(state["extras"][key])
     spec.load_state_dict(state.get("spec", {}))
     set_rng_state(state["rng"])
     return int(state["progress"]["epoch"]), int(state["progress"]["step"])
+
+
+GENERATOR_STATE = "generator_state"  # a torch.Generator in extras is saved as {this: get_state()}
+
+
+def _extra_state(obj: Any) -> Any:
+    return {GENERATOR_STATE: obj.get_state()} if isinstance(obj, torch.Generator) else obj.state_dict()
 
 
 def _keyed_by_name(optimizer: Any) -> bool:
@@ -152,6 +166,110 @@ def run_epoch(
     steps = int(metrics.pop("steps", 0))
     clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
     return clean, steps, after
+
+
+def state_differences(saved: Mapping[str, Any], built: Mapping[str, Any], *, show: int = 3) -> list[str]:
+    """How a saved module state's keys and shapes differ from a built module's, one line per kind
+    (shapes, missing keys, unexpected keys), naming the first ``show`` of each."""
+    shapes = [(k, _shape(saved[k]), _shape(v)) for k, v in built.items() if k in saved]
+    changed = [f"{k} saved {a}, built {b}" for k, a, b in shapes if a != b]
+    kinds = [  # (one, several, what, items)
+        ("tensor differs", "tensors differ", "in shape", changed),
+        ("key", "keys", "of the model not in the checkpoint", [k for k in built if k not in saved]),
+        ("key", "keys", "of the checkpoint not in the model", [k for k in saved if k not in built]),
+    ]
+    lines = []
+    for one, several, what, items in kinds:
+        if items:
+            more = f"; and {len(items) - show} more" if len(items) > show else ""
+            counted = f"{len(items)} {one if len(items) == 1 else several}"
+            lines.append(f"{counted} {what}: {'; '.join(items[:show])}{more}.")
+    return lines
+
+
+def _shape(value: Any) -> list[int] | None:
+    return list(value.shape) if hasattr(value, "shape") else None
+
+
+def generator_seeds(spec: TrainingSpec) -> dict[int, int]:
+    """The seed (``initial_seed()``) of each generator the spec keeps, by identity: taken after
+    ``build()``, so that :func:`unsaved_generators` can tell a generator the spec seeds again."""
+    return {id(g): g.initial_seed() for g, _ in _generators_of(spec)}
+
+
+def unsaved_generators(
+    spec: TrainingSpec, state: Mapping[str, Any], seeds: Mapping[int, int], *, epoch: int
+) -> list[list[str]]:
+    """The generators the spec keeps that ``state`` (a capture) will not restore, each as the
+    attribute paths that reach it (``self.order``, ``self.loader.generator``).
+
+    A generator is restored if its state is among the captured tensors (in ``extras``, or in the
+    spec's own ``state_dict``). One that ``build()`` made and the spec has seeded again since
+    (``seeds``: the seeds after ``build()``), or one made in ``epoch`` by
+    :func:`~ckptflow.tasks.spec.epoch_generator`, needs no saving.
+    """
+    found = _generators_of(spec)
+    if not found:
+        return []
+    per_epoch = epoch_generator(spec.seed, epoch).initial_seed()
+    sizes = {g.get_state().numel() for g, _ in found}
+    captured = {t.numpy().tobytes() for t in _byte_tensors(state) if t.numel() in sizes}
+    lost = []
+    for generator, paths in found:
+        seed, built = generator.initial_seed(), seeds.get(id(generator))
+        reseeded = seed != built if built is not None else seed == per_epoch
+        if reseeded:  # the spec seeds it each epoch: its state at a save does not matter
+            continue
+        if generator.get_state().numpy().tobytes() not in captured:
+            lost.append(paths)
+    return lost
+
+
+_REACH = ("generator", "sampler.generator")  # a DataLoader's (or a sampler's), its sampler's
+_ITEMS = 32  # how many items of a list, tuple or dict attribute are looked into (more is data)
+
+
+def _generators_of(spec: TrainingSpec) -> list[tuple[torch.Generator, list[str]]]:
+    """The torch generators the spec's attributes hold, and the attribute paths to each: an
+    attribute itself, one level into a list, tuple or dict, and a DataLoader's or sampler's."""
+    found: dict[int, tuple[torch.Generator, list[str]]] = {}
+
+    def note(value: Any, path: str) -> None:
+        if isinstance(value, torch.Generator):
+            found.setdefault(id(value), (value, []))[1].append(path)
+            return
+        if isinstance(value, (torch.Tensor, torch.nn.Module, str, bytes, int, float)):
+            return
+        for chain in _REACH:
+            reached: Any = value
+            for name in chain.split("."):
+                try:
+                    reached = getattr(reached, name, None)
+                except Exception:  # a property that fails: nothing to find there
+                    reached = None
+            if isinstance(reached, torch.Generator):
+                note(reached, f"{path}.{chain}")
+
+    for name, value in vars(spec).items():
+        note(value, f"self.{name}")
+        if isinstance(value, dict):
+            items: list[tuple[Any, Any]] = list(itertools.islice(value.items(), _ITEMS))
+        else:
+            items = list(enumerate(value[:_ITEMS])) if isinstance(value, (list, tuple)) else []
+        for key, item in items:
+            note(item, f"self.{name}[{key!r}]")
+    return list(found.values())
+
+
+def _byte_tensors(value: Any) -> list[torch.Tensor]:
+    """The uint8 tensors in a captured state (a generator's state is one)."""
+    if isinstance(value, torch.Tensor):
+        return [value.detach().cpu()] if value.dtype == torch.uint8 and value.dim() == 1 else []
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _byte_tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _byte_tensors(v)]
+    return []
 
 
 class Snapshot:

@@ -122,6 +122,37 @@ class TestArchive:
         assert proc.stderr.startswith("error: ") and f"{TAR}[v000002/shard-r0-00.h5]" in proc.stderr
         assert run_cli("verify", str(root), "--version", "1").returncode == 0  # its neighbour is intact
 
+    def test_verify_all_fails_on_a_flipped_bit_in_a_member_header(self, archived, tmp_path):
+        """Issue 34: a flipped bit in a member's tar header made GNU tar refuse the tarball, and
+        ``verify --all`` still said ok for its versions; each now fails naming the tarball and member."""
+        root, _ = archived
+        tar = root / "archive" / TAR
+        assert run_cli("verify", str(root), "--all").returncode == 0
+        entry = list_archived(CheckpointStore(str(root)).loc)[2].index.entry("v000002/manifest.json")
+        data = bytearray(tar.read_bytes())
+        data[entry.offset - 512 + 2] ^= 0x01  # in the member's name
+        tar.write_bytes(bytes(data))
+        listed = subprocess.run(["tar", "-tf", str(tar)], capture_output=True, text=True)
+        assert listed.returncode != 0 and "Skipping to next header" in listed.stderr
+        proc = run_cli("verify", str(root), "--all")
+        assert proc.returncode == 1
+        lines = proc.stderr.splitlines()
+        assert [line.split(":", 1)[0] for line in lines] == ["error"] * 3, proc.stderr
+        for version, line in zip((1, 2, 3), lines, strict=True):
+            assert line.startswith(f"error: version {version}: corrupt tarball {tar}: ")
+            assert "the header of member v000002/manifest.json" in line and "archive them again" in line
+        assert proc.stdout.splitlines() == [line for line in proc.stdout.splitlines() if "v000004" in line]
+        assert len(proc.stdout.splitlines()) == 1 and proc.stdout.startswith("ok version 4")
+
+        out = tmp_path / "out"
+        proc = run_cli("extract", str(tar), "--epoch", "2", "--out", str(out))
+        assert proc.returncode == 1
+        assert proc.stderr.splitlines() == [proc.stderr.strip()]
+        assert proc.stderr.startswith(
+            f"error: corrupt tarball {tar}: the header of member v000002/manifest.json"
+        )
+        assert not out.exists() or os.listdir(out) == []
+
     def test_without_drop_loose_both_copies_stay_and_the_loose_one_is_read(self, store):
         root, _ = store
         result = invoke("archive", str(root), "--versions", "2,3")

@@ -495,6 +495,65 @@ class TestRestore:
         assert sorted(p.name for p in outdir.iterdir()) == ["old.safetensors"]
         assert (outdir / "old.safetensors").read_bytes() == b"old"
 
+    def test_missing_parent_directories_are_created(self, store, tmp_path):
+        """Bug fix (issue 34): ``restore --out dir/file`` failed when ``dir`` did not exist."""
+        url, states = store
+        out = tmp_path / "exports" / "run1" / "model.pt"
+        result = invoke("restore", url, "--version", "1", "--out", str(out))
+        assert result.exit_code == 0, result.output
+        assert f"restored version 1 (epoch 1) to {out}" in result.stdout
+        assert_same_state(torch.load(out, weights_only=True), as_torch(states[1]))
+        shards = tmp_path / "hf" / "run1" / "export"
+        args = ["--format", "safetensors", "--keys", "model", "--max-shard-size", "1KB"]
+        result = invoke("restore", url, "--out", str(shards), *args)
+        assert result.exit_code == 0, result.output
+        assert list(shards.glob("*.safetensors")), sorted(p.name for p in shards.iterdir())
+
+    def test_a_failed_restore_leaves_no_directory_it_created(self, store, tmp_path):
+        url, _ = store
+        out = tmp_path / "new" / "deeper" / "x.pt"
+        result = invoke("restore", url, "-o", str(out), "--keys", "modle")
+        assert result.exit_code == 1
+        assert result.stderr.startswith("error: no key 'modle' in the checkpoint")
+        assert not (tmp_path / "new").exists()
+
+    def test_a_file_in_the_way_of_the_directory_is_named(self, store, tmp_path):
+        url, _ = store
+        (tmp_path / "notes.txt").write_text("mine")
+        result = invoke("restore", url, "-o", str(tmp_path / "notes.txt" / "sub" / "x.pt"))
+        assert result.exit_code == 1
+        assert result.stderr.strip() == (
+            f"error: {tmp_path / 'notes.txt'} is a file, not a directory: give --out a path in a directory"
+        )
+        assert (tmp_path / "notes.txt").read_text() == "mine"
+
+    @pytest.mark.parametrize("dangling", [False, True])
+    def test_a_symlinked_out_is_refused_and_nothing_is_written_through_it(self, store, tmp_path, dangling):
+        url, _ = store
+        target = tmp_path / "elsewhere" / "precious.pt"
+        target.parent.mkdir()
+        if not dangling:
+            target.write_bytes(b"precious")
+        link = tmp_path / "out" / "model.pt"
+        link.parent.mkdir()
+        link.symlink_to(target)
+        result = invoke("restore", url, "-o", str(link), "--force")
+        assert result.exit_code == 1, result.output
+        assert result.stderr.strip() == (
+            f"error: {link} is a symbolic link (to {target}): restore writes no file through a link; "
+            "give the path of a real file"
+        )
+        assert link.is_symlink()
+        assert sorted(p.name for p in target.parent.iterdir()) == ([] if dangling else ["precious.pt"])
+        if not dangling:
+            assert target.read_bytes() == b"precious"
+        through_dir = tmp_path / "linked-dir"
+        through_dir.symlink_to(tmp_path / "nowhere")  # a dangling link on the way to OUT
+        result = invoke("restore", url, "-o", str(through_dir / "sub" / "x.pt"))
+        assert result.exit_code == 1
+        assert f"error: {through_dir} is a symbolic link to nothing" in result.stderr
+        assert not (tmp_path / "nowhere").exists()
+
     def test_unknown_key_fails(self, store, tmp_path):
         url, _ = store
         out = tmp_path / "x.pt"
@@ -533,7 +592,7 @@ class TestPrune:
     def test_keep_best_and_every(self, tmp_path):
         url = str(tmp_path / "store")
         many_versions(url, 6, losses=[5.0, 0.1, 4.0, 3.0, 2.0, 1.0])
-        result = invoke("prune", url, "--keep-last", "1", "--keep-best", "loss", "--mode", "min")
+        result = invoke("prune", url, "--keep-last", "1", "--keep-best", "loss", "--best-mode", "min")
         assert result.exit_code == 0, result.output
         assert committed(url) == [1, 5]
         many_versions(url2 := str(tmp_path / "other"), 6)
@@ -543,10 +602,86 @@ class TestPrune:
     def test_unknown_metric_removes_nothing(self, tmp_path):
         url = str(tmp_path / "store")
         many_versions(url, 3)
-        result = invoke("prune", url, "--keep-last", "1", "--keep-best", "lsos")
+        result = invoke("prune", url, "--keep-last", "1", "--keep-best", "lsos", "--best-mode", "min")
         assert result.exit_code == 1
         assert "no committed version has the metric 'lsos' (metrics: loss)" in result.stderr
         assert committed(url) == [0, 1, 2]
+
+
+def accuracy_versions(url: str) -> None:
+    """Versions 1-7 (epochs 1-7) as the demo makes them: val_acc rising, 0.599 at version 1, best at 6."""
+    accs = [0.599, 0.71, 0.82, 0.88, 0.9, 0.953, 0.95]
+    with CheckpointStore(url, options=StoreOptions(shards=1, threads=1)) as s:
+        for epoch, acc in enumerate(accs, start=1):
+            s.save({"w": torch.full((4,), float(epoch))}, epoch=epoch, metrics={"val_acc": acc})
+
+
+class TestPruneBestMode:
+    """Bug fix (issue 34): ``prune --keep-best val_acc`` without ``--mode`` silently took the minimum:
+    it kept version 1 (val_acc 0.599) as "best" and removed the best one, without saying which mode
+    it used; and the option was ``--mode`` on prune but ``--best-mode`` on run."""
+
+    @pytest.mark.parametrize("extra", [[], ["--dry-run"]])
+    def test_keep_best_without_a_direction_is_refused_and_removes_nothing(self, tmp_path, extra):
+        url = str(tmp_path / "store")
+        accuracy_versions(url)
+        result = invoke("prune", url, "--keep-last", "1", "--keep-best", "val_acc", *extra, env=WIDE)
+        assert result.exit_code == 2, result.output
+        assert "--keep-best val_acc needs --best-mode" in result.output
+        assert "max" in result.output and "min" in result.output
+        assert committed(url) == [1, 2, 3, 4, 5, 6, 7]
+
+    def test_the_best_by_max_is_kept_and_the_output_names_the_mode(self, tmp_path):
+        url = str(tmp_path / "store")
+        accuracy_versions(url)
+        dry = invoke(
+            "prune", url, "--keep-last", "1", "--keep-best", "val_acc", "--best-mode", "max", "--dry-run"
+        )
+        assert dry.exit_code == 0, dry.output
+        assert "would keep the best by val_acc (max): version 6 (epoch 6, val_acc=0.953)" in dry.stdout
+        real = invoke("prune", url, "--keep-last", "1", "--keep-best", "val_acc", "--best-mode", "max")
+        assert real.exit_code == 0, real.output
+        assert "kept the best by val_acc (max): version 6 (epoch 6, val_acc=0.953)" in real.stdout
+        assert committed(url) == [6, 7]
+
+    def test_min_is_said_too(self, tmp_path):
+        url = str(tmp_path / "store")
+        many_versions(url, 4, losses=[3.0, 0.5, 2.0, 1.0])
+        result = invoke("prune", url, "--keep-best", "loss", "--best-mode", "min")
+        assert result.exit_code == 0, result.output
+        assert "kept the best by loss (min): version 1 (epoch 1, loss=0.5)" in result.stdout
+        assert committed(url) == [1, 3]
+
+    def test_the_old_mode_option_still_works_hidden_and_says_so(self, tmp_path):
+        url = str(tmp_path / "store")
+        accuracy_versions(url)
+        result = invoke("prune", url, "--keep-last", "1", "--keep-best", "val_acc", "--mode", "max")
+        assert result.exit_code == 0, result.output
+        assert "--mode is deprecated: use --best-mode" in result.stderr
+        assert committed(url) == [6, 7]
+        clash = invoke("prune", url, "--keep-best", "val_acc", "--mode", "max", "--best-mode", "min")
+        assert clash.exit_code == 2
+        assert "--mode is the old name of --best-mode" in clash.output
+        help_text = invoke("prune", "--help", env=WIDE).stdout
+        assert "--best-mode" in help_text and "--mode " not in help_text
+        assert "Required with --keep-best" in help_text
+
+    def test_best_mode_needs_keep_best(self, tmp_path):
+        url = str(tmp_path / "store")
+        accuracy_versions(url)
+        result = invoke("prune", url, "--keep-last", "1", "--best-mode", "max")
+        assert result.exit_code == 2
+        assert "--best-mode needs --keep-best" in result.output
+        assert committed(url) == [1, 2, 3, 4, 5, 6, 7]
+
+    def test_run_refuses_keep_best_without_a_direction_before_anything_starts(self, tmp_path):
+        store = tmp_path / "s"
+        result = CliRunner().invoke(app, ["run", "--storage", str(store), "--keep-best", "val_acc"], env=WIDE)
+        assert result.exit_code == 2, result.output
+        assert "--keep-best val_acc needs --best-mode" in result.output
+        assert not store.exists()
+        help_text = CliRunner().invoke(app, ["run", "--help"], env=WIDE).stdout
+        assert "Required with --keep-best" in help_text
 
 
 class TestGc:
@@ -679,6 +814,7 @@ class TestRunOptions:
         "storage_options": ["--storage-options", '{"auto_mkdir": true}'],
         "storage_secret": ["--storage-secret", "secret/store"],
         "allow_config_change": ["--allow-config-change"],
+        "resume_only": ["--resume-only"],
         "in_process": ["--in-process"],
         "verbose": ["--verbose"],  # not a field: it also keeps this process's environment as it is
     }
@@ -707,6 +843,7 @@ class TestRunOptions:
             "upload_versions": False,
         },
         "allow_config_change": True,
+        "resume_only": True,
         "nproc": 2,
         "nnodes": 2,
         "rdzv_endpoint": "10.0.0.1:29400",

@@ -244,3 +244,61 @@ class TestStoreCommands:
         result.assert_one_error_line(f"no store at {missing}")
         assert not missing.exists()
         assert not (ckptflow.work / "model.pt").exists()
+
+    @pytest.mark.parametrize("command", list(COMMANDS))
+    def test_a_version_directory_names_its_store(self, ckptflow, command):
+        """Bug fix (issue 34): a command given a version directory (``ckptflow ls STORE/v000003``) said
+        "no committed versions" with exit 0 (or "no committed checkpoint"), not where the store is."""
+        store = _small_store(ckptflow.work / "store", versions=(1, 2, 3))
+        before = _files(store)
+        vdir = store / "v000003"
+        args = [str(vdir) if a == "{url}" else a for a in COMMANDS[command]]
+        result = ckptflow(*args)
+        version = " --version 3" if command in ("show", "verify", "restore") else ""
+        result.assert_one_error_line(
+            f"{vdir} is the directory of version 3 of the store {store}, not a store",
+            f"`ckptflow {command} {store}{version}",
+        )
+        assert _files(store) == before
+        assert not (ckptflow.work / "model.pt").exists()
+
+    @pytest.mark.parametrize("command", list(COMMANDS))
+    def test_a_directory_of_stores_names_them(self, ckptflow, command):
+        """Bug fix (issue 34): a command given the directory that holds stores said "no committed
+        versions" with exit 0 instead of naming the stores in it."""
+        parent = ckptflow.work / "checkpoints"
+        _small_store(parent / "run-a", versions=(1,))
+        _small_store(parent / "run-b", versions=(1, 2))
+        (parent / "notes").mkdir()
+        (parent / "notes" / "todo.txt").write_text("not a store")
+        (parent / "README").write_text("not a store either")
+        before = _files(parent)
+        args = [str(parent) if a == "{url}" else a for a in COMMANDS[command]]
+        result = ckptflow(*args)
+        result.assert_one_error_line(
+            f"no store at {parent}; it holds the stores {parent}/run-a, {parent}/run-b",
+            f"`ckptflow {command} {parent}/run-a",
+        )
+        assert _files(parent) == before
+
+    def test_an_empty_store_is_still_listed_as_empty(self, ckptflow):
+        empty = ckptflow.work / "empty"
+        empty.mkdir()
+        result = ckptflow("ls", str(empty))
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == f"no committed versions in {empty}"
+
+
+def _small_store(path: Path, *, versions: tuple[int, ...]) -> Path:
+    import torch
+
+    from ckptflow.storage import CheckpointStore
+
+    store = CheckpointStore(str(path))
+    for version in versions:
+        store.save({"w": torch.full((2,), float(version))}, epoch=version, version=version)
+    return path
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}

@@ -2,7 +2,8 @@
 
 - The resume hint printed at the end of ``ckptflow run`` omitted ``--spec`` and
   ``--spec-config``, so the command it suggested was refused as a
-  configuration change.
+  configuration change; it said nothing of what training longer does to a
+  schedule.
 - ``--help`` was cut off on narrow terminals (the default of ``--spec`` showed
   as ``ckptflow.flows.…``).
 - Restored safetensors files were created 0600 while torch files were 0644.
@@ -76,6 +77,19 @@ class TestResumeHint:
         for other in [x for x in out.splitlines() if x.strip().startswith(("list", "inspect", "verify"))]:
             assert shlex.split(other.split(":", 1)[1])[-1] == storage
 
+    def test_it_says_a_longer_run_keeps_the_schedule_it_was_planned_for(self, tmp_path, capsys):
+        """Bug fix: the hint offered ``--epochs N`` (train longer) without a word on schedules, and
+        the README's OneCycleLR, sized from the run's epochs, failed on it (``Tried to step 97
+        times``). It now says which epochs a schedule stays planned for, and where to read more."""
+        storage = str(tmp_path / "s")
+        result = {"storage": storage, "latest_url": "x", "planned_epochs": 10}
+        _print_next_steps(PipelineConfig(storage=storage, epochs=10), result)
+        out = capsys.readouterr().out.splitlines()
+        at = next(i for i, x in enumerate(out) if "resume / train longer:" in x)
+        assert "--epochs 15" in out[at]
+        note = out[at + 1]
+        assert "RunFacts.planned_epochs stays 10" in note and "Your own model" in note, note
+
     def test_defaults_are_left_out(self, tmp_path, capsys):
         storage = str(tmp_path / "s")
         _print_next_steps(PipelineConfig(storage=storage, epochs=2), {"storage": storage, "latest_url": "x"})
@@ -97,6 +111,8 @@ class TestHelpOnNarrowTerminals:
         joined = "".join(proc.stdout.split())
         click_command = get_command(app).commands[command]  # type: ignore[attr-defined]
         for param in click_command.params:
+            if getattr(param, "hidden", False):  # a deprecated alias (prune's --mode) is not shown
+                continue
             for name in param.opts:
                 assert name in joined, f"{name} missing from {command} --help"
         if command == "run":

@@ -142,7 +142,7 @@ class TestPruneDryRunIsThePrune:
         _fill_archived(url, loose_tail=3)  # 1-3 in a tarball, 4-6 loose
         store = CheckpointStore(url)
         store.save({"w": torch.zeros(8)}, epoch=7, metrics={"val_loss": 9.5})  # worse than 2-6
-        dry, real = self._both(url, "--keep-last", "1", "--keep-best", "val_loss")
+        dry, real = self._both(url, "--keep-last", "1", "--keep-best", "val_loss", "--best-mode", "min")
         self._same(dry, real)
         # keeps 7 (newest) and 6 (best); 1-3 share a tarball with no kept version: all removed
         assert [line.split()[2] for line in real if line.startswith("removed")] == ["1", "2", "3", "4", "5"]

@@ -18,9 +18,11 @@ so extraction trusts nothing in it:
   the commit protocol, so ``out_dir`` can be opened as a store. On any error
   the temporary files are removed and nothing is renamed.
 
-With an index, each member is read by range (its header block, checked to be a
-regular file of the right size, and its data), and nothing else of the tar is
-read. Without one, the tar is read once as a stream. :func:`extract_epoch`
+With an index, the version's members are read by range: first their header
+blocks, checked against the index (:func:`.tarcheck.check_members`: a damaged
+header is refused, naming the tarball and the member), then their data; nothing
+else of the tar is read, so an intact version can be extracted from a tarball
+damaged elsewhere. Without one, the tar is read once as a stream. :func:`extract_epoch`
 finds the version of an epoch in the index (what ``ckptflow extract`` asks for).
 """
 
@@ -49,11 +51,10 @@ from ..files.location import Location, open_location
 from ..format.checksum import new_hasher
 from ..format.manifest import MANIFEST_FILE, parse_manifest
 from ..format.names import parse_version_dir, version_dir
-from .tarindex import BLOCK, IndexEntry, TarIndex, check_member_name, read_index
+from .tarcheck import check_members
+from .tarindex import TarIndex, check_member_name, read_index
 
 log = logging.getLogger(__name__)
-
-_PAX_SIZE_LIMIT = 8**11  # sizes from here on live in a PAX record; the ustar field says 0
 
 
 def extract_epoch(
@@ -113,48 +114,17 @@ def extract_version(
 def _from_index(src: Location, tar_name: str, index: TarIndex, prefix: str, out: _Staging) -> set[str]:
     if index.tar != tar_name:
         raise CheckpointError(f"the index given describes {index.tar!r}, not {src.display(tar_name)}")
-    try:
-        size = f"{src.fs.size(src.path(tar_name))} bytes"
-    except FileNotFoundError:
-        size = "no file"
-    if size != f"{index.size} bytes":
-        raise CorruptShardError(
-            src.display(tar_name), expected=f"{index.size} bytes", actual=size, what="size"
-        )
     for entry in index.under(prefix):
         check_member_name(entry.name, src.display(tar_name))
-        chunks = _member_chunks(src, tar_name, entry)
+    check_members(src, index, prefix)  # the tarball's size, and these members' headers
+    for entry in index.under(prefix):
+        chunks = _range_chunks(src, tar_name, entry.offset, entry.size, entry.name)
         actual = out.write(entry.name, chunks)
         if actual != entry.checksum:
             raise CorruptShardError(
                 _member(src, tar_name, entry.name), expected=entry.checksum, actual=actual
             )
     return {e.name for e in index.members}
-
-
-def _member_chunks(src: Location, tar_name: str, entry: IndexEntry) -> Iterator[memoryview]:
-    """The member's header block, checked, then its data in chunks."""
-    first = True
-    for chunk in _range_chunks(src, tar_name, entry.offset - BLOCK, entry.size + BLOCK, entry.name):
-        if first:
-            _check_header(chunk[:BLOCK], entry, _member(src, tar_name, entry.name))
-            chunk, first = chunk[BLOCK:], False
-        yield chunk
-
-
-def _check_header(block: memoryview, entry: IndexEntry, where: str) -> None:
-    try:
-        info = tarfile.TarInfo.frombuf(bytes(block), "utf-8", "surrogateescape")
-    except tarfile.HeaderError as exc:
-        raise CorruptShardError(
-            where, expected="a tar header before its data", actual=str(exc), what="header"
-        ) from None
-    if not info.isreg():
-        raise UnsafeArchiveError(f"{where}: the tar header says type {info.type!r}, not a regular file")
-    if info.size != entry.size and not (info.size == 0 and entry.size >= _PAX_SIZE_LIMIT):
-        raise CorruptShardError(
-            where, expected=f"{entry.size} bytes", actual=f"{info.size} bytes", what="header size"
-        )
 
 
 def _range_chunks(src: Location, tar_name: str, start: int, length: int, name: str) -> Iterator[memoryview]:

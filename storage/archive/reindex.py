@@ -8,8 +8,9 @@ tar holds each version's shards *and* its ``manifest.json``. This module walks
 the tar's headers (never extracting anything), checks every member as
 extraction would (a plain relative name inside ``v%06d/``, a regular file),
 hashes each member, parses and checks every archived manifest, and checks each
-shard member against its manifest's size and checksum. Only a tarball whose
-every version passes gets a new index; the damaged index is kept beside it
+shard member against its manifest's size and checksum, then the tar's structure
+as ``verify`` does (:mod:`.tarcheck`, which also gives each member's header
+checksum). Only a tarball whose every version passes gets a new index; the damaged index is kept beside it
 under a name nothing reads (``<name>.index.json.unreadable-<time>-<hex>``), copied
 there before the new index replaces it in one atomic write.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 import logging
 import tarfile
 
-from ..errors import CheckpointError, ManifestError, UnsafeArchiveError
+from ..errors import CheckpointError, CorruptArchiveError, ManifestError, UnsafeArchiveError
 from ..files.byteio import hash_range
 from ..files.location import Location
 from ..format.checksum import digest, new_hasher
@@ -27,6 +28,7 @@ from ..format.manifest import MANIFEST_FILE, Manifest, parse_manifest, utc_now
 from ..format.manifest_checks import MAX_BYTES
 from ..format.names import is_plain_name
 from ..versions.commit import aside_name, parse_version_dir
+from .tarcheck import check_tarball
 from .tarindex import IndexEntry, TarIndex, check_member_name, index_name, write_index
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,16 @@ def rebuild_index(aloc: Location, tar: str) -> TarIndex:
         created=utc_now(),
         members=list(entries.values()),
         extra={"manifests": {str(v): m.model_dump(mode="json") for v, m in sorted(manifests.items())}},
+    )
+    try:  # tarfile stops quietly at a damaged header mid-tar, as if the archive ended there
+        headers = check_tarball(aloc, index)
+    except CorruptArchiveError as exc:
+        raise CheckpointError(
+            f"cannot rebuild the index of {where}: {exc.part}: expected {exc.expected}, found {exc.actual}; "
+            "the tarball is damaged: restore it from a copy"
+        ) from None
+    index = index.model_copy(
+        update={"members": [e.model_copy(update={"header_checksum": headers[e.name]}) for e in index.members]}
     )
     _keep_damaged(aloc, tar)
     write_index(aloc, index)

@@ -2,9 +2,10 @@
 
 ``epochs-000000-000009.tar`` is described by ``epochs-000000-000009.index.json``
 next to it: the tar's size and xxh3, and for every member its name, the offset
-of its data in the tar, its size and xxh3, plus ``extra`` (free-form; the
-archiver puts the archived versions' manifests there, so listing an archive
-reads one small file).
+of its data in the tar, its size and xxh3 and the xxh3 of its header blocks
+(format 3; :mod:`.tarcheck` checks an older index's headers by parsing them),
+plus ``extra`` (free-form; the archiver puts the archived versions' manifests
+there, so listing an archive reads one small file).
 
 What must always hold: the index is the tarball's commit, as the manifest is a
 version's. It is written (atomically: temp, fsync, rename, directory fsync on
@@ -50,8 +51,9 @@ from ..format.names import parse_version_dir, relative_name_problem
 log = logging.getLogger(__name__)
 
 INDEX_FORMAT = "ckptflow-archive-index"
-INDEX_FORMAT_VERSION = 2  # 2 added ``index_checksum``, the index's checksum of itself
+INDEX_FORMAT_VERSION = 3  # 2 added ``index_checksum``, 3 each member's ``header_checksum``
 SEALED_INDEX_VERSION = 2
+HEADER_CHECKSUM_VERSION = 3
 INDEX_SEAL_KEY = "index_checksum"
 INDEX_SUFFIX = ".index.json"
 BLOCK = tarfile.BLOCKSIZE  # 512: tar headers and data are laid out in blocks
@@ -66,6 +68,9 @@ class IndexEntry(_Model):
     offset: int = Field(ge=BLOCK)  # first byte of the member's data in the tar (after its header)
     size: int = Field(ge=0)
     checksum: str
+    # xxh3 of its header blocks (from the block after the previous member's data to ``offset``);
+    # None in an index older than format 3, whose headers are checked by parsing alone
+    header_checksum: str | None = None
 
 
 class TarIndex(_Model):
@@ -113,7 +118,13 @@ class TarIndex(_Model):
     def to_json(self) -> bytes:
         """The index as written, sealed with its own checksum (the archived manifests included)."""
         raw = self.model_dump(mode="json")
-        raw["format_version"] = max(self.format_version, SEALED_INDEX_VERSION)
+        for member in raw["members"]:  # an older index stays in its own format
+            if member["header_checksum"] is None:
+                del member["header_checksum"]
+        has_headers = any("header_checksum" in m for m in raw["members"])
+        raw["format_version"] = max(
+            self.format_version, SEALED_INDEX_VERSION, HEADER_CHECKSUM_VERSION if has_headers else 0
+        )
         return json.dumps(seal(raw, INDEX_SEAL_KEY), indent=1, allow_nan=False).encode()
 
 

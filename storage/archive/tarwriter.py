@@ -15,7 +15,9 @@ What must always hold:
   the caller expects. One mismatch aborts the tar and removes what was written,
   so a corrupt shard is never archived, and the error names the source file.
 - The index gives the offset of every member's data in the tar, so a reader
-  fetches one shard, or one blob of it, with a range read instead of a scan.
+  fetches one shard, or one blob of it, with a range read instead of a scan,
+  and the checksum of every member's header blocks, so ``verify`` checks the
+  tar's structure (:mod:`.tarcheck`) without reading the data twice.
 - A committed tarball is immutable: ``write_tar`` refuses a name that has an index.
 
 Speed: each source is read into one reused 8 MiB buffer, and each 1 MiB slice
@@ -50,7 +52,7 @@ from ..errors import ArchiveExistsError, CorruptShardError, UnsafeArchiveError
 from ..files.byteio import CHUNK, MAX_REQUEST, LocalSink, Sink, open_sink
 from ..files.localfs import open_regular
 from ..files.location import Location
-from ..format.checksum import new_hasher
+from ..format.checksum import digest, new_hasher
 from ..format.manifest import utc_now
 from .tarindex import (
     BLOCK,
@@ -201,7 +203,8 @@ class _TarWriter:
             self.flushed = self.pos
 
     def add(self, src: Location, member: Member, mtime: int) -> IndexEntry:
-        self.put(tar_header(member.name, member.size, mtime))
+        header = tar_header(member.name, member.size, mtime)
+        self.put(header)
         offset = self.pos
         member_hash = new_hasher()
         for chunk in source_chunks(src, member, self.buf):
@@ -213,7 +216,9 @@ class _TarWriter:
         if member.checksum is not None and actual != member.checksum:
             raise CorruptShardError(_display(src, member.source), expected=member.checksum, actual=actual)
         self.put(bytes(-member.size % BLOCK))
-        return IndexEntry(name=member.name, offset=offset, size=member.size, checksum=actual)
+        return IndexEntry(
+            name=member.name, offset=offset, size=member.size, checksum=actual, header_checksum=digest(header)
+        )
 
     def finish(self) -> None:
         """Two zero blocks end the archive; zeros pad it to a whole record, as GNU tar does."""

@@ -20,6 +20,18 @@ the numpy types of the RNG states allowed, as the Trainer does) and stored as te
 JSON; other files (JSON, tokenizer files) are stored as their bytes. ``training_args.bin`` is
 a pickled ``TrainingArguments``, which ``weights_only`` refuses: it is skipped (the Trainer
 does not read it to resume; the arguments come from the resuming script).
+
+What is stored of the directory, and how its names come back (:func:`file_name_problem` is the
+one rule, applied on both sides):
+
+- a symbolic link is never followed out of the directory: a link to a file inside it is stored
+  as that file, under the link's name; a link to anything else (outside, nowhere, a directory)
+  is skipped with a warning naming it, as is anything that is not a regular file;
+- file names are stored as they are (dots, spaces, any Unicode), since they are values in the
+  manifest, never names in the store; the restore writes them inside a fresh directory, and a
+  name that could leave it (``..``, an absolute path, a separator) is refused there. A name
+  that cannot be written back the same (not UTF-8, or with ``\\`` or ``:``) is skipped at save
+  time with a warning: a name never stops training.
 """
 
 from __future__ import annotations
@@ -27,8 +39,10 @@ from __future__ import annotations
 import logging
 import math
 import os
+import posixpath
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +53,7 @@ from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import VersionNotFoundError
-from ..format.names import is_plain_name, relative_name_problem
+from ..format.names import is_plain_name
 from ..store import CheckpointStore
 
 log = logging.getLogger(__name__)
@@ -129,11 +143,11 @@ def restore_trainer_checkpoint(
 def read_checkpoint_dir(path: Path) -> dict[str, Any]:
     """A checkpoint directory as a state a store holds (see the module docstring)."""
     files = []
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = _check_path(f.relative_to(path).as_posix())  # what the restore would refuse is not saved
-        if f.suffix == ".safetensors":
+    for rel, f in sorted(_regular_files(path)):
+        suffix = posixpath.splitext(rel)[1]  # the name it comes back as, a link's too
+        if suffix == ".safetensors":
             files.append({"path": rel, "kind": "safetensors", "tensors": load_file(f)})
-        elif f.suffix in _TORCH_SUFFIXES:
+        elif suffix in _TORCH_SUFFIXES:
             try:
                 with safe_globals():
                     value = torch.load(f, map_location="cpu", weights_only=True)
@@ -152,6 +166,64 @@ def read_checkpoint_dir(path: Path) -> dict[str, Any]:
     return {"name": path.name, "files": files}
 
 
+def _regular_files(root: Path) -> Iterator[tuple[str, Path]]:
+    """The regular files under ``root``: each one's relative POSIX path and where to read it.
+
+    Symbolic links are not followed out of ``root``; what is not stored is said in a warning."""
+    inside = os.path.realpath(root)
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_skipped_unreadable):
+        here = Path(dirpath)
+        for name in [d for d in dirnames if (here / d).is_symlink()]:
+            dirnames.remove(name)  # os.walk does not enter it either; say so
+            link = here / name
+            log.warning("%s is skipped: a symbolic link to a directory (%s)", link, os.readlink(link))
+        for name in filenames:
+            f = here / name
+            rel = f.relative_to(root).as_posix()
+            problem = file_name_problem(rel)
+            if problem:
+                shown = os.fsencode(f).decode("utf-8", "backslashreplace")  # a name that is no UTF-8 too
+                log.warning("%s is skipped: its name %s", shown, problem)
+            elif f.is_symlink():
+                target = os.path.realpath(f)
+                if os.path.commonpath([inside, target]) == inside and os.path.isfile(target):
+                    yield rel, Path(target)
+                else:
+                    where = (
+                        "outside the checkpoint directory"
+                        if os.path.exists(target)
+                        else "which does not exist"
+                    )
+                    log.warning("%s is skipped: a symbolic link to %s, %s", f, os.readlink(f), where)
+            elif f.is_file():
+                yield rel, f
+            else:
+                log.warning("%s is skipped: not a regular file", f)
+
+
+def _skipped_unreadable(exc: OSError) -> None:
+    log.warning("%s is skipped: %s", exc.filename, exc.strerror)
+
+
+def file_name_problem(path: Any) -> str | None:
+    """Why the relative path ``path`` cannot be stored, or written back the same inside the
+    checkpoint directory (None: it can). Any Unicode name is fine, dots and spaces included."""
+    if not isinstance(path, str) or not path:
+        return "is empty"
+    if path.startswith("/"):
+        return "is an absolute path"
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        return "has an empty, '.' or '..' component"
+    bad = sorted({c for c in path if c in "\\:\0"})
+    if bad:
+        return f"has {' and '.join(map(repr, bad))}, a path separator or drive on some systems"
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        return "is not valid UTF-8"
+    return None
+
+
 def _check_name(name: Any) -> None:
     """A crafted manifest must not make the restore write outside the output directory."""
     if not is_plain_name(name):
@@ -159,8 +231,8 @@ def _check_name(name: Any) -> None:
 
 
 def _check_path(path: Any) -> str:
-    """``path`` if it is a relative path of plain names, one that stays inside the checkpoint directory."""
-    problem = relative_name_problem(path)
+    """``path`` if it is a relative path that stays inside the checkpoint directory."""
+    problem = file_name_problem(path)
     if problem:
         raise ValueError(f"refusing to write {path!r} outside the checkpoint directory: it {problem}")
     return str(path)

@@ -13,6 +13,12 @@ own directory unless the plugin is given one URL for all of them. What always ho
   moment leaves every pointer naming a committed version (at worst an older one);
 - a version is deleted only after the pointer that named it was overwritten or removed, and
   each save makes a version of its own, so no other pointer names it;
+- the plugin deletes only a version it saved for that very path in the store it saves that path
+  to: the pointer records its store, the path it was written for and a random token, the
+  version's manifest the same path and token, and all of them must match. A pointer copied from
+  another run's directory, or crafted, deletes nothing (the version is kept, with a warning);
+- a pointer is read only if the version it names carries its token: a pointer copied away from
+  the directory of its store (which it names as ``.``) would name another checkpoint, and is refused;
 - the dict Lightning hands over is stored without pickling (tensors as datasets, the rest as
   JSON); namespaces, paths and sets in hyper-parameters are tagged and come back as they were;
   any other object is refused, naming its key path (see :mod:`.pyvalues`).
@@ -26,13 +32,15 @@ from __future__ import annotations
 
 import logging
 import posixpath
+import secrets
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ..errors import CheckpointError, ManifestError
-from ..files.location import Location, open_location, translate_errors
+from ..files.location import Location, open_location, redact, translate_errors
 from ..save.async_save import SaveHandle
 from ..store import CheckpointStore
 from ..versions.metadata import read_json, write_json
@@ -40,8 +48,19 @@ from .pyvalues import from_storable, to_storable
 
 log = logging.getLogger(__name__)
 
-POINTER_FORMAT = 1
+POINTER_FORMAT = 1  # "path" and "token" were added later: a pointer without them is an earlier one's
 _SAME_DIR = "."  # a pointer's store when it is the pointer's own directory
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A pointer as read: its store's URL (resolved), the version it names, the path it was written
+    for and its token (both None in a pointer an earlier ckptflow wrote)."""
+
+    store_url: str
+    version: int
+    written_for: str | None
+    token: str | None
 
 
 class CkptflowCheckpointIO(CheckpointIO):
@@ -78,33 +97,56 @@ class CkptflowCheckpointIO(CheckpointIO):
         state = to_storable(checkpoint)
         self._finish_inflight()
         store, store_ref = self._store_for(path)
+        written_for, token = self._written_for(path, store_ref), secrets.token_hex(16)
         facts: dict[str, Any] = {
             "epoch": _count(checkpoint.get("epoch")),
             "step": _count(checkpoint.get("global_step")),
-            "user": {"lightning_path": posixpath.basename(path)},
+            "user": {
+                "lightning_path": posixpath.basename(path),
+                "lightning_pointer": written_for,
+                "lightning_token": token,
+            },
         }
+        new = {"store": store_ref, "path": written_for, "token": token}
         if not self.async_save:
             info = store.save(state, **facts)
-            self._point(path, store_ref, info.version)
+            self._point(path, {**new, "version": info.version})
             return
         handle = store.save_async(state, **facts)
         pointed = threading.Event()  # a future's waiters wake before its callbacks have run
-        handle.on_commit(lambda info: self._point_in_background(path, store_ref, info.version, pointed))
+        handle.on_commit(
+            lambda info: self._point_in_background(path, {**new, "version": info.version}, pointed)
+        )
         self._inflight = (handle, pointed)
 
     def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: bool | None = None) -> dict:
-        """The checkpoint a pointer names (``weights_only`` is moot: nothing here unpickles)."""
+        """The checkpoint a pointer names, in whichever store (``weights_only`` is moot: nothing here
+        unpickles). Refused if the version it names does not carry its token (see the module note)."""
         self._finish_inflight()
         path = str(path)
         pointer = self._read_pointer(path)
         if pointer is None:
             raise FileNotFoundError(f"no checkpoint at {path}")
-        store = self._open(pointer["store_url"])
-        state = store.load(pointer["version"], map_location=_device(map_location))
+        store = self._open(pointer.store_url)
+        if pointer.token is not None:
+            info = store.find(pointer.version)
+            if info is None:
+                raise CheckpointError(
+                    f"{path} names version {pointer.version} of {store.url}, which is not committed "
+                    "there: it was deleted, or the pointer was copied away from its store"
+                )
+            if info.user.get("lightning_token") != pointer.token:
+                raise CheckpointError(
+                    f"{path} names version {pointer.version} of {store.url}, which was not saved for "
+                    "it: the pointer was copied away from its store, or not written by "
+                    "CkptflowCheckpointIO; copy a checkpoint's directory whole, with its store"
+                )
+        state = store.load(pointer.version, map_location=_device(map_location))
         return from_storable(state)
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the pointer at ``path``, then the version it names."""
+        """Remove the pointer at ``path``, then the version it names if the plugin saved it for
+        that path in its store (otherwise the version is kept, with a warning)."""
         path = str(path)
         self._finish_inflight()
         pointer = self._read_pointer(path)
@@ -126,26 +168,27 @@ class CkptflowCheckpointIO(CheckpointIO):
 
     # -- pointers ----------------------------------------------------------------
 
-    def _point(self, path: str, store_ref: str, version: int) -> None:
-        """Make ``path`` name ``version``, then delete the version it named before, if any.
+    def _point(self, path: str, new: dict[str, Any]) -> None:
+        """Write the pointer ``new`` (store, version, path, token) at ``path``, then delete the version
+        the pointer there named before, if the plugin saved it for that path in that store.
 
         Runs in the caller's thread (sync saves) or the writer's (async ones); every call from
         Lightning first waits for the one in flight, so two never overlap."""
         old = self._read_pointer(path)
         loc, name = _pointer_location(path, self.storage_options)
-        write_json(loc, name, {"ckptflow_pointer": POINTER_FORMAT, "store": store_ref, "version": version})
-        if old is not None and old != {"store_url": self._resolve(path, store_ref), "version": version}:
+        write_json(loc, name, {"ckptflow_pointer": POINTER_FORMAT, **new})
+        if old is not None and old.token != new["token"]:
             self._delete_version(old, path)
 
-    def _point_in_background(self, path: str, store_ref: str, version: int, pointed: threading.Event) -> None:
+    def _point_in_background(self, path: str, new: dict[str, Any], pointed: threading.Event) -> None:
         try:
-            self._point(path, store_ref, version)
+            self._point(path, new)
         except BaseException as exc:  # raised by the next call from Lightning's thread
             self._failure = exc
         finally:
             pointed.set()
 
-    def _read_pointer(self, path: str) -> dict[str, Any] | None:
+    def _read_pointer(self, path: str) -> Pointer | None:
         """The pointer at ``path`` with its store's URL resolved, or None if there is no file."""
         loc, name = _pointer_location(path, self.storage_options)
         try:
@@ -159,22 +202,47 @@ class CkptflowCheckpointIO(CheckpointIO):
             or pointer.get("ckptflow_pointer") != POINTER_FORMAT
             or not isinstance(pointer.get("store"), str)
             or not isinstance(pointer.get("version"), int)
+            or not isinstance(pointer.get("path", ""), str)
+            or not isinstance(pointer.get("token", ""), str)
         ):
             raise CheckpointError(
                 f"{path} is not a ckptflow checkpoint pointer (a small JSON file written by "
                 "CkptflowCheckpointIO); load a torch.save checkpoint without the plugin"
             )
-        return {"store_url": self._resolve(path, pointer["store"]), "version": pointer["version"]}
+        return Pointer(
+            self._resolve(path, pointer["store"]),
+            pointer["version"],
+            pointer.get("path"),
+            pointer.get("token"),
+        )
 
-    def _delete_version(self, pointer: dict[str, Any], path: str) -> None:
-        """Delete the version a pointer at ``path`` named, if this plugin saved it for that path: a
-        pointer someone else wrote, naming any version of any store, deletes nothing."""
-        store = self._open(pointer["store_url"])
-        info = store.find(pointer["version"])
-        if info is not None and info.user.get("lightning_path") == posixpath.basename(path):
-            store.delete(pointer["version"])
-        elif info is not None:
-            log.warning("%s named version %d of %s, not saved for it: kept", path, info.version, store.url)
+    def _delete_version(self, pointer: Pointer, path: str) -> None:
+        """Delete the version the pointer at ``path`` named, if this plugin saved it for that path in
+        its own store for that path; else keep it and say why (a copied or crafted pointer)."""
+        store, store_ref = self._store_for(path)
+        try:
+            named = self._open(pointer.store_url).url
+        except CheckpointError:  # a URL no filesystem opens: not this plugin's store
+            named = redact(pointer.store_url)
+        written_for = self._written_for(path, store_ref)
+        if pointer.token is None:
+            why = "the pointer was written by an earlier ckptflow, which recorded no token"
+        elif named != store.url:
+            why = f"it is not the store this plugin saves {path} to ({store.url})"
+        elif pointer.written_for != written_for:
+            why = f"the pointer was written for {pointer.written_for}"
+        else:
+            info = store.find(pointer.version)
+            if info is None:
+                return  # gone already
+            if (
+                info.user.get("lightning_token") == pointer.token
+                and info.user.get("lightning_pointer") == written_for
+            ):
+                store.delete(pointer.version)
+                return
+            why = "that version was not saved for this pointer"
+        log.warning("%s named version %d of %s, which is kept: %s", path, pointer.version, named, why)
 
     # -- stores ------------------------------------------------------------------
 
@@ -187,6 +255,14 @@ class CkptflowCheckpointIO(CheckpointIO):
 
     def _resolve(self, path: str, store_ref: str) -> str:
         return _directory(path) if store_ref == _SAME_DIR else store_ref
+
+    def _written_for(self, path: str, store_ref: str) -> str:
+        """What a pointer at ``path`` and its version record as the path: its name beside a store
+        in its own directory (which may be moved whole), else its full URL."""
+        if store_ref == _SAME_DIR:
+            return posixpath.basename(path)
+        loc, name = _pointer_location(path, self.storage_options)
+        return loc.display(name)
 
     def _open(self, url: str) -> CheckpointStore:
         if url not in self._stores:

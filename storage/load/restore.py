@@ -86,6 +86,8 @@ def read_state(
         )
 
     with translate_errors(loc, "loading from"):
+        if check:
+            located.check_tarball(loc, whole=False)
         raw = read(
             [b for b in wanted if b not in to_gpu],
             {blob: as_bytes(t) for blob, t in targets.items() if not t.is_cuda},

@@ -49,7 +49,7 @@ from ..versions import catalog, claims
 from ..versions import commit as protocol
 from ..versions.catalog import archived_for_writing
 from ..versions.housekeeping import last_change
-from ..versions.lease import DEFAULT_TIMEOUT, LEASE_KEY, StoreLease, commit_lease, read_lease
+from ..versions.lease import DEFAULT_TIMEOUT, LEASE_KEY, StoreLease, commit_lease, fence, read_lease
 from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
 from .planner import Blob, SavePlan, plan_blobs, plan_save
 
@@ -287,10 +287,11 @@ class VersionWriter:
         one, or the process it writes for: the manifest records the lease's token); a failure drops
         the claim. While another writer holds the store, nothing is committed."""
         try:
-            token = commit_lease(self.loc, self.lease, self.writes_for)
-            if token is not None:
-                manifest = manifest.model_copy(update={"writer": {**manifest.writer, LEASE_KEY: token}})
-            protocol.commit(self.loc, manifest, claim=self.claim.token)
+            with fence(self.loc):  # no takeover between the lease's check and the manifest's link
+                token = commit_lease(self.loc, self.lease, self.writes_for)
+                if token is not None:
+                    manifest = manifest.model_copy(update={"writer": {**manifest.writer, LEASE_KEY: token}})
+                protocol.commit(self.loc, manifest, claim=self.claim.token)
         except BaseException:
             self._discard(manifest.version)
             raise

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..archive.tarballs import ArchivedVersion, archive_location, archived_sources, list_archived
+from ..archive.tarcheck import check_members, check_tarball
 from ..archive.tarindex import index_name
 from ..errors import CheckpointError, VersionNotFoundError
 from ..files.location import Location
@@ -41,6 +42,17 @@ class Located:
         if self.archived is not None:
             return archived_sources(loc, self.archived)
         return loose_sources(loc, version_dir(self.version), self.manifest)
+
+    def check_tarball(self, loc: Location, *, whole: bool) -> None:
+        """An archived version: check its tarball's tar structure, all of it (``whole``: what verify
+        checks) or the headers of this version's members (what a load checks). Loose: nothing."""
+        if self.archived is None:
+            return
+        aloc = archive_location(loc)
+        if whole:
+            check_tarball(aloc, self.archived.index)
+        else:
+            check_members(aloc, self.archived.index, f"{version_dir(self.version)}/")
 
     def url(self, loc: Location) -> str:
         if self.archived is not None:

@@ -282,13 +282,18 @@ def aside_name(name: str) -> str:
     return f"{name}.unreadable-{stamp}-{uuid.uuid4().hex[:6]}"
 
 
+def is_set_aside_dir(name: str) -> bool:
+    """Whether ``name`` is a directory :func:`set_aside` made."""
+    return _SET_ASIDE_DIR.fullmatch(name) is not None
+
+
 def list_set_aside(loc: Location) -> list[str]:
     """Names of the directories that writers set aside as unreadable (see :func:`set_aside`)."""
     try:
         names = [p.rstrip("/").rsplit("/", 1)[-1] for p in loc.fs.ls(loc.root, detail=False)]
     except FileNotFoundError:
         return []
-    return sorted(n for n in names if _SET_ASIDE_DIR.fullmatch(n))
+    return sorted(n for n in names if is_set_aside_dir(n))
 
 
 def clear_leftovers(loc: Location, version: int) -> None:

@@ -116,6 +116,15 @@ class StoreLease:
                 "committed by this one"
             )
 
+    def confirm(self) -> None:
+        """:meth:`check`, then read the lease: it must still carry this holder's token (a takeover
+        this holder has not seen yet marks the lease lost). Called by a commit, under :func:`fence`."""
+        self.check()
+        current = read_lease(self.loc)
+        if current is None or current.token != self.token:
+            self._lose(current)  # not under self._io: a renewal holds it while it waits for the fence
+            raise LeaseLostError(self._lost)
+
     # -- acquire --------------------------------------------------------------
 
     def acquire(self) -> StoreLease:
@@ -332,10 +341,23 @@ def commit_lease(loc: Location, lease: StoreLease | None, writers: Collection[in
     when no writer holds the store. Raises :class:`LeaseLostError` if ``lease`` (this writer's
     own) is no longer held, :class:`StoreLockedError` if another writer holds the store."""
     if lease is not None:
-        lease.check()
+        lease.confirm()
         return lease.token
     holder = refuse_if_held(loc, writers=writers)
     return holder.token if holder is not None else None
+
+
+@contextlib.contextmanager
+def fence(loc: Location) -> Iterator[None]:
+    """Hold off every change of the lease while the block runs: a commit checks the lease and links
+    its manifest in one block, so no takeover falls between the two. Local stores only (the root's
+    flock, which every acquire, renewal, takeover and release takes); on object stores the lease is
+    read just before the manifest's PUT, a window of one request."""
+    if loc.is_local:
+        with _root_lock(loc.root):
+            yield
+    else:
+        yield
 
 
 def _locked(loc: Location, holder: LeaseInfo | None) -> StoreLockedError:
@@ -434,6 +456,7 @@ __all__ = [
     "LeaseInfo",
     "StoreLease",
     "commit_lease",
+    "fence",
     "read_lease",
     "refuse_if_held",
 ]

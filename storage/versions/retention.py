@@ -3,6 +3,9 @@
 Pure functions over the list of committed versions; the store deletes what
 they do not keep. The newest committed version is always kept, whatever the
 policy says: pruning never takes away the checkpoint a run would resume from.
+"The best" has no default direction: a policy that keeps the best by a metric
+says whether its min or its max is best (a loss or an accuracy), since a wrong
+guess would delete the very version the policy means to keep.
 
 A tarball is removed whole (members cannot be cut out of a tar), so a version
 the policy drops stays while its tarball holds a version the policy keeps: it
@@ -26,7 +29,7 @@ class RetentionPolicy:
     keep_last: int | None = None
     keep_every: int | None = None
     keep_best: str | None = None
-    best_mode: Literal["min", "max"] = "min"
+    best_mode: Literal["min", "max"] | None = None  # required with keep_best: no direction is assumed
     best_count: int = 1
 
     def __post_init__(self) -> None:
@@ -36,8 +39,13 @@ class RetentionPolicy:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if self.best_count < 1:
             raise ValueError(f"best_count must be >= 1, got {self.best_count}")
-        if self.best_mode not in ("min", "max"):
+        if self.best_mode is not None and self.best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {self.best_mode!r}")
+        if self.keep_best is not None and self.best_mode is None:
+            raise ValueError(
+                f"keep_best={self.keep_best!r} needs best_mode: 'max' if a higher {self.keep_best} is "
+                "better (an accuracy), 'min' if a lower one is (a loss)"
+            )
         if self.keep_last is None and self.keep_every is None and self.keep_best is None:
             raise ValueError("a retention policy needs at least one of keep_last, keep_every, keep_best")
 
@@ -52,13 +60,19 @@ def versions_to_keep(manifests: list[Manifest], policy: RetentionPolicy) -> set[
         keep.update(m.version for m in ordered[-policy.keep_last :])
     if policy.keep_every:
         keep.update(m.version for m in ordered if _epoch(m) % policy.keep_every == 0)
-    metric = policy.keep_best
-    if metric:
-        scored = [m for m in ordered if metric in m.metrics]
-        sign = 1 if policy.best_mode == "min" else -1
-        scored.sort(key=lambda m: (sign * m.metrics[metric], -m.version))
-        keep.update(m.version for m in scored[: policy.best_count])
+    keep.update(best_versions(ordered, policy))
     return keep
+
+
+def best_versions(manifests: list[Manifest], policy: RetentionPolicy) -> list[int]:
+    """The versions the policy keeps as the best by its metric, best first (none without keep_best)."""
+    metric = policy.keep_best
+    if not metric:
+        return []
+    scored = [m for m in manifests if metric in m.metrics]
+    sign = 1 if policy.best_mode == "min" else -1
+    scored.sort(key=lambda m: (sign * m.metrics[metric], -m.version))
+    return [m.version for m in scored[: policy.best_count]]
 
 
 def _epoch(m: Manifest) -> int:
@@ -75,6 +89,7 @@ class PrunePlan:
     tarballs: tuple[str, ...]  # tarballs removed whole
     loose: tuple[int, ...]  # version directories removed (loose copies of held versions included)
     kept_in: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # tarball -> kept versions in it
+    best: tuple[int, ...] = ()  # the versions kept as the best by the policy's metric, best first
 
     @property
     def remaining(self) -> tuple[int, ...]:
@@ -118,6 +133,7 @@ def plan_prune(
         tarballs=tuple(doomed),
         loose=tuple(v for v in numbers if v not in keep and v in loose),
         kept_in={tar: tuple(v for v in versions if v in keep) for tar, versions in members.items()},
+        best=tuple(best_versions(manifests, policy)),
     )
 
 

@@ -13,12 +13,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from transformers import TrainerCallback
 
 from ckptflow.storage import CheckpointStore, VersionNotFoundError
-from ckptflow.storage.integrations.hf import KEY, restore_trainer_checkpoint
+from ckptflow.storage.integrations.hf import KEY, CkptflowCallback, restore_trainer_checkpoint
 from tests.children import CHILDREN
 
 CHILD = CHILDREN / "hf_child.py"
@@ -122,3 +124,85 @@ def test_an_empty_store_means_a_new_run_said_aloud_or_refused(tmp_path: Path, ca
     with pytest.raises(VersionNotFoundError, match=r"no committed checkpoint in .*stroe"):
         restore_trainer_checkpoint(str(tmp_path / "stroe"), tmp_path / "out", resume_only=True)
     assert not (tmp_path / "out").exists() and not (tmp_path / "stroe").exists()
+
+
+# -- what else a checkpoint directory holds: odd names, symlinks -----------------------------
+
+ODD_NAMES = {
+    ".hidden.json": b'{"dot": 1}',
+    "notes with spaces.txt": b"spaces",
+    "caf\u00e9-\u00fcber.txt": "non-ASCII \u00e9".encode(),
+    "sub dir/.cfg": b"nested",
+    "alias-of-config.json": None,  # a symlink to config.json, inside the directory
+}
+
+UNWRITABLE = [b"back\\slash.txt", b"not-utf8-\xff.txt"]  # a Windows separator; bytes no UTF-8 name holds
+
+
+class Planter(TrainerCallback):
+    """Runs before CkptflowCallback's on_save: adds files with odd names and symlinks to the
+    checkpoint directory the Trainer just wrote (as a user's own save code or a tool might)."""
+
+    def __init__(self, outside: Path) -> None:
+        self.outside = outside
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        ckpt = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        for name, data in ODD_NAMES.items():
+            (ckpt / name).parent.mkdir(exist_ok=True)
+            if data is None:
+                (ckpt / name).symlink_to("config.json")
+            else:
+                (ckpt / name).write_bytes(data)
+        (ckpt / "leak.txt").symlink_to(self.outside / "secret.txt")
+        (ckpt / "gone.txt").symlink_to(self.outside / "nothing-here.txt")
+        (ckpt / "linked-dir").symlink_to(self.outside, target_is_directory=True)
+        for name in UNWRITABLE:
+            with open(os.path.join(os.fsencode(ckpt), name), "wb") as f:
+                f.write(b"kept out")
+
+
+def test_odd_names_are_stored_and_symlinks_out_of_the_checkpoint_are_not_followed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug fix: a dotfile, a space or a non-ASCII name in ``checkpoint-N`` made ``on_save`` raise a
+    ValueError that stopped training; a symlink was followed, committing a file from outside the
+    directory; a symlinked directory was left out without a word."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from tests.children.hf_child import dataset
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_bytes(b"SECRET-OUTSIDE-BYTES")
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    training = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        save_steps=2,
+        per_device_train_batch_size=8,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+    )
+    store = tmp_path / "store"
+    callbacks = [Planter(outside), CkptflowCallback(str(store), async_save=False)]
+    trainer = Trainer(model=model, args=training, train_dataset=dataset(), callbacks=callbacks)
+    with caplog.at_level("WARNING", logger="ckptflow.storage.integrations.hf"):
+        trainer.train()
+
+    written = tmp_path / "out" / "checkpoint-2"
+    restored = Path(restore_trainer_checkpoint(str(store), tmp_path / "again"))
+    for name, data in ODD_NAMES.items():
+        assert (restored / name).read_bytes() == (data or (written / "config.json").read_bytes()), name
+    assert not (restored / "alias-of-config.json").is_symlink()
+    for link in ("leak.txt", "gone.txt", "linked-dir"):
+        assert not (restored / link).exists() and not (restored / link).is_symlink(), link
+        assert f"{written / link} is skipped: a symbolic link" in caplog.text, link
+    assert "a directory" in caplog.text.split(str(written / "linked-dir"))[1].splitlines()[0]
+    assert f"{written}/back\\slash.txt is skipped: its name has '\\\\'" in caplog.text
+    assert f"{written}/not-utf8-\\xff.txt is skipped: its name is not valid UTF-8" in caplog.text
+    assert [p for p in restored.rglob("*") if p.is_file() and p.read_bytes() == b"kept out"] == []
+    for f in store.rglob("*"):
+        assert not f.is_file() or b"SECRET-OUTSIDE-BYTES" not in f.read_bytes(), f"{f} holds the outside file"

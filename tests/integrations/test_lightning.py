@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptflow.storage import CheckpointStore, UnsupportedValueError
+from ckptflow.storage import CheckpointError, CheckpointStore, UnsupportedValueError
 from ckptflow.storage.integrations.lightning import CkptflowCheckpointIO
 from ckptflow.storage.integrations.pyvalues import TAG
 from tests.children import CHILDREN
@@ -262,3 +262,127 @@ def test_a_crafted_pointer_cannot_make_a_removal_delete_another_version(tmp_path
     io.save_checkpoint(checkpoint(), tmp_path / "ckpt" / "last.ckpt")  # overwrites the crafted pointer
     assert not (tmp_path / "ckpt" / "epoch=1.ckpt").exists()
     assert [v.version for v in CheckpointStore(tmp_path / "other").versions()] == [victim]
+
+
+# -- pointers copied between runs, or crafted ---------------------------------------------
+
+
+def fit_here(dirpath: Path, io: CkptflowCheckpointIO, *, epochs: int, ckpt_path: str | None = None) -> Any:
+    """A real Lightning fit in this process (top-1 and last.ckpt in ``dirpath``); its model. No version
+    counter: a ``last.ckpt`` found in ``dirpath`` is overwritten, not kept beside ``last-v1.ckpt``."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from tests.children.lightning_child import Regressor, data
+
+    pl.seed_everything(0, verbose=False)
+    model = Regressor(argparse.Namespace(width=32), pathlib.Path("/data"))
+    trainer = pl.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        devices=1,
+        plugins=[io],
+        callbacks=[
+            pl.callbacks.ModelCheckpoint(
+                dirpath=dirpath,
+                save_last=True,
+                save_top_k=1,
+                monitor="val_loss",
+                enable_version_counter=False,
+            )
+        ],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loaders = DataLoader(data(), batch_size=16), DataLoader(data(1), batch_size=32)
+    trainer.fit(model, *loaders, ckpt_path=ckpt_path)
+    return model
+
+
+def committed(url: Path) -> list[int]:
+    return [v.version for v in CheckpointStore(url).versions()]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["another-store", "the-same-store"])
+def test_a_last_ckpt_copied_into_another_run_deletes_nothing_of_the_run_it_came_from(
+    tmp_path: Path, shared: bool
+) -> None:
+    """Bug fix: a ``last.ckpt`` copied from one run's directory into another's (one-URL stores)
+    made the second run's next save of ``last.ckpt`` delete the first run's version: the plugin
+    checked only the file's base name against the version's record."""
+    store_a, run_a, run_b = tmp_path / "store-a", tmp_path / "run-a", tmp_path / "run-b"
+    fit_here(run_a, CkptflowCheckpointIO(str(store_a)), epochs=2)
+    kept_a = pointers(run_a)
+    versions_a = committed(store_a)
+    run_b.mkdir()
+    (run_b / "last.ckpt").write_bytes((run_a / "last.ckpt").read_bytes())
+
+    store_b = store_a if shared else tmp_path / "store-b"
+    fit_here(run_b, CkptflowCheckpointIO(str(store_b)), epochs=4, ckpt_path=str(run_b / "last.ckpt"))
+
+    assert set(versions_a) <= set(committed(store_a)), "a version of the first run was deleted"
+    assert pointers(run_a) == kept_a
+    reader = CkptflowCheckpointIO()
+    assert reader.load_checkpoint(run_a / "last.ckpt")["epoch"] == 1
+    resumed = json.loads((run_b / "last.ckpt").read_text())
+    assert resumed["store"] == str(store_b) and not (shared and resumed["version"] in versions_a)
+    assert reader.load_checkpoint(run_b / "last.ckpt")["epoch"] > 1  # run b went on from run a's epoch 1
+
+
+def test_a_crafted_pointer_naming_another_stores_last_ckpt_deletes_nothing(tmp_path: Path, caplog) -> None:
+    """Bug fix: a pointer naming a version another store saved for a path of the same name
+    (``last.ckpt``) made ``remove_checkpoint`` and the next save of that path delete it."""
+    other, mine = tmp_path / "other", tmp_path / "mine"
+    CkptflowCheckpointIO().save_checkpoint(checkpoint(), other / "last.ckpt")
+    victim = json.loads((other / "last.ckpt").read_text())
+    crafted = json.dumps({**victim, "store": str(other)})  # its token and path, another store
+    mine.mkdir()
+    (mine / "last.ckpt").write_text(crafted)
+    (mine / "epoch=1.ckpt").write_text(crafted.replace('"last.ckpt"', '"epoch=1.ckpt"'))
+    io = CkptflowCheckpointIO()
+    with caplog.at_level("WARNING", logger="ckptflow.storage.integrations.lightning"):
+        io.remove_checkpoint(mine / "epoch=1.ckpt")
+        io.save_checkpoint(checkpoint(), mine / "last.ckpt")  # overwrites the crafted pointer
+        (mine / "odd.ckpt").write_text(json.dumps({**victim, "store": "nosuch://bucket/x"}))
+        io.remove_checkpoint(mine / "odd.ckpt")  # a store no filesystem opens: kept, said, no error
+    assert not (mine / "epoch=1.ckpt").exists() and not (mine / "odd.ckpt").exists()
+    assert committed(other) == [victim["version"]]
+    assert "odd.ckpt named version 2 of nosuch://bucket/x, which is kept" in caplog.text
+    assert f"{mine / 'last.ckpt'} named version {victim['version']} of {other}, which is kept" in caplog.text
+    assert io.load_checkpoint(other / "last.ckpt")["epoch"] == 2
+
+
+def test_a_pointer_copied_away_from_its_store_is_refused_not_read_from_the_wrong_one(tmp_path: Path) -> None:
+    """Bug fix: a pointer naming its own directory's store, copied into another run's directory,
+    loaded that directory's version of the same number, another checkpoint, without a word."""
+    CkptflowCheckpointIO().save_checkpoint(checkpoint(), tmp_path / "a" / "last.ckpt")
+    CkptflowCheckpointIO().save_checkpoint(checkpoint(global_step=99), tmp_path / "b" / "last.ckpt")
+    (tmp_path / "b" / "from-a.ckpt").write_bytes((tmp_path / "a" / "last.ckpt").read_bytes())
+    io = CkptflowCheckpointIO()
+    with pytest.raises(
+        CheckpointError, match=r"from-a.ckpt names version 2 of .*b, which was not saved for it"
+    ):
+        io.load_checkpoint(tmp_path / "b" / "from-a.ckpt")
+    io.remove_checkpoint(tmp_path / "b" / "from-a.ckpt")
+    assert committed(tmp_path / "b") == [2]
+    assert io.load_checkpoint(tmp_path / "b" / "last.ckpt")["global_step"] == 99
+
+
+def test_trainer_ckpt_path_reads_a_pointer_to_a_store_of_another_plugin(tmp_path: Path) -> None:
+    """Lightning's habit kept: ``trainer.validate(model, ckpt_path=...)`` with a plugin given no URL
+    (or another one) reads a pointer a one-URL run wrote, from that run's store."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from tests.children.lightning_child import Regressor, data
+
+    trained = fit_here(tmp_path / "run", CkptflowCheckpointIO(str(tmp_path / "store")), epochs=2)
+    model = Regressor(argparse.Namespace(width=32), pathlib.Path("/data"))
+    for io in (CkptflowCheckpointIO(), CkptflowCheckpointIO(str(tmp_path / "elsewhere"))):
+        trainer = pl.Trainer(accelerator="cpu", plugins=[io], logger=False, enable_progress_bar=False)
+        trainer.validate(
+            model, DataLoader(data(1), batch_size=32), ckpt_path=str(tmp_path / "run" / "last.ckpt")
+        )
+        assert_bitwise_equal(model.state_dict(), trained.state_dict())
+    assert not (tmp_path / "elsewhere").exists()

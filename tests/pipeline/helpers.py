@@ -223,6 +223,18 @@ def committed_events(store_url: str) -> list[Any]:
         return client.read_events(query, limit=50).events
 
 
+def run_logs(flow_run_id: UUID) -> list[str]:
+    """The messages a flow run (and its task runs) logged, as the API has them so far."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    with get_client(sync_client=True) as client:
+        logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+    return [log.message for log in logs]
+
+
 def task_runs(flow_run_id: UUID) -> list[Any]:
     """The task runs of a flow run, read through the Prefect API."""
     from prefect.client.orchestration import get_client

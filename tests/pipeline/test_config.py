@@ -27,7 +27,7 @@ from tests.pipeline.helpers import (
     run_summary,
     task_runs,
 )
-from tests.pipeline.specs import MARKED_SPEC, MARKERS_ENV, SPEC_CONFIG
+from tests.pipeline.specs import EXTRA_HIDDEN_ENV, MARKED_SPEC, MARKERS_ENV, SPEC_CONFIG
 
 pytestmark = pytest.mark.prefect
 
@@ -99,19 +99,34 @@ class TestRunIdentity:
         summary, _ = run_summary(make_config(store, epochs=3, seed=1))
         assert summary["resumed_from"] == 2
 
-    def test_a_model_that_no_longer_fits_is_refused_once(self, store, markers):
-        """A changed spec_config allowed through, whose model no longer fits the checkpoint (a wider
-        hidden layer): the run fails on init at once, naming the version and the tensor's shapes;
-        retrying cannot help, and nothing committed is touched."""
-        wider = make_config(
-            store, epochs=2, spec_config={**SPEC_CONFIG, "hidden": 48}, allow_config_change=True
-        )
-        state, run_id = run_flow(wider)
+    @pytest.mark.parametrize(
+        ("how", "mode"),
+        [("config", "in-process"), ("code", "in-process"), ("code", "trainers"), ("config", "2 ranks")],
+    )
+    def test_a_model_that_no_longer_fits_is_refused_once(self, store, markers, monkeypatch, how, mode):
+        """Bug fix: a wider model (in the code, or a spec_config change let through) failed after
+        33-38 s, as one multi-kilobyte line holding torch's whole size-mismatch list. With two
+        ranks, the other rank failed first and ended the world before rank 0 answered, so init
+        was retried (trainers started again) as if a rank had died. Now it fails at once, naming
+        the first keys that differ and their shapes, and what to do; nothing committed is touched."""
+        change: dict = {"spec_config": {**SPEC_CONFIG, "hidden": 48}, "allow_config_change": True}
+        if how == "code":
+            monkeypatch.setenv(EXTRA_HIDDEN_ENV, "16")  # the spec builds hidden 48 from the same config
+            change = {}
+        trainers = {"in-process": {}, "trainers": {"train_process": True}, "2 ranks": {"nproc": 2}}[mode]
+        state, run_id = run_flow(make_config(store, epochs=2, **change, **trainers))
 
         assert state.is_failed()
-        message = str(state.result(raise_on_failure=False))
-        assert "version 1 of" in message and "does not fit the model the spec builds" in message, message
-        assert "size mismatch for" in message and "torch.Size([32, 64])" in message, message
+        error = state.result(raise_on_failure=False)
+        assert type(error).__name__ == "StateMismatchError", repr(error)
+        message = str(error)
+        lines = message.splitlines()
+        assert lines[0] == f"version 1 of {store} does not fit the model the spec builds:", message
+        assert "model: 3 tensors differ in shape: 0.weight saved [32, 64], built [48, 64]; " in message
+        assert "0.bias saved [32], built [48]; 3.weight saved [10, 32], built [10, 48]" in message
+        assert "new storage URL" in lines[-1], message  # what to do
+        assert len(lines) <= 6 and len(message) < 800, message  # not torch's list
+        assert "size mismatch for" not in message and "training ranks ended" not in message, message
         assert list(markers.iterdir()) == []  # no epoch started
         assert assert_only_committed(store) == [1]
         runs = poll(lambda: task_runs(run_id), lambda rs: rs and all(t.state.is_final() for t in rs))
@@ -136,8 +151,21 @@ class TestBadParameters:
             ({"stop": {"patience": 2}}, "stop.target and stop.patience need stop.metric"),
             ({"stop": {"metric": "val_acc", "mode": "maximum"}}, "config.stop.mode"),
             ({"spec": "tests.pipeline.specs.MarkedDigitsSpec"}, "must look like 'package.module:ClassName'"),
+            # issue 34: keep_best without best_mode silently meant min (the worst accuracy kept)
+            (
+                {"retention": {"keep_best": "val_acc"}},
+                "retention.keep_best 'val_acc' needs retention.best_mode",
+            ),
         ],
-        ids=["epochs-0", "shards-0", "unknown-field", "patience-without-metric", "bad-mode", "spec-no-colon"],
+        ids=[
+            "epochs-0",
+            "shards-0",
+            "unknown-field",
+            "patience-without-metric",
+            "bad-mode",
+            "spec-no-colon",
+            "keep-best-without-mode",
+        ],
     )
     def test_invalid_parameters_fail_before_any_work(self, prefect_server, tmp_path, bad, named):
         storage = tmp_path / "never-created"
@@ -148,3 +176,19 @@ class TestBadParameters:
             state.result()
         assert named in str(err.value)
         assert not storage.exists()
+
+    def test_maintenance_refuses_keep_best_without_a_direction(self, tmp_path):
+        """Bug fix (issue 34): the maintenance flow's retention took the minimum when keep_best came
+        without best_mode, pruning the best checkpoint by an accuracy every night."""
+        from pydantic import ValidationError
+
+        from ckptflow.tasks.maintenance import MaintenanceConfig
+
+        with pytest.raises(
+            ValidationError, match=r"retention\.keep_best 'val_acc' needs retention\.best_mode"
+        ):
+            MaintenanceConfig(storages=[str(tmp_path)], retention={"keep_best": "val_acc"})
+        config = MaintenanceConfig(
+            storages=[str(tmp_path)], retention={"keep_best": "val_acc", "best_mode": "max"}
+        )
+        assert config.retention.policy().best_mode == "max"

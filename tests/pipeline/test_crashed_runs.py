@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 from dataclasses import replace
+from datetime import timezone
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -206,6 +207,45 @@ def test_a_killed_run_is_marked_crashed_by_the_next_ckptflow_run(prefect_server,
     url = CheckpointStore(str(store)).url
     events = poll(lambda: committed_events(url), lambda evs: len(evs) >= 3, timeout=30)
     assert sorted(e.payload["version"] for e in events) == [1, 2, 3]
+
+
+class _Lines:
+    """A logger that keeps the lines it is given."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def warning(self, message: str, *args: Any) -> None:
+        self.lines.append(message % args if args else message)
+
+
+@pytest.mark.prefect
+def test_the_sweep_line_names_the_earlier_run_not_this_one(prefect_server, tmp_path):
+    """Bug fix (issue 34): the run that marks an earlier one logged "marked Crashed: flow runs whose
+    process on HOST is gone (NAME)", shown as "Flow run 'THIS-RUN' - marked Crashed ...": it read as
+    if the current run had crashed. The line now names the earlier run, when it started and its process."""
+    from ckptflow.tasks.crashed import record_and_sweep
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    gone = replace(here(), pid=ended.pid, start="1")
+    earlier = decoy_run(gone.labels(), tmp_path / "earlier")
+    current = decoy_run({}, tmp_path / "current")
+    log = _Lines()
+    try:
+        marked = record_and_sweep(current, log)
+        old = read_run(earlier)
+    finally:
+        finish([current])
+    assert old.name in marked and read_run(current).name not in marked
+    assert old.state.type.value == "CRASHED"
+    started = (old.start_time or old.created).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+    line = (
+        f"an earlier flow run '{old.name}' (started {started}, process {ended.pid} on {gone.host}) had ended "
+        "without a final state: marked Crashed"
+    )
+    assert line in log.lines, log.lines
+    assert not [x for x in log.lines if x.startswith("marked Crashed")], log.lines
 
 
 def summary_of(run_id: str) -> Any:

@@ -8,6 +8,10 @@
   save (sync) or the commit (async) task; the store ends with one committed
   version per epoch, no leftovers, and the same bytes as a clean run.
 
+- An epoch that fails the same way twice (the same exception, message and
+  line) is not retried again: a retry replays the epoch from the same state,
+  so it can only fail again.
+
 Attempts are counted both by the fault injector and by Prefect's API (the task
 run's ``run_count``).
 """
@@ -27,11 +31,20 @@ from tests.pipeline.helpers import (
     assert_same_checkpoint,
     assert_same_metrics,
     make_config,
+    poll,
     run_counts,
     run_flow,
+    run_logs,
     run_summary,
 )
-from tests.pipeline.specs import FLAKY_SPEC, EpochFailure, FlakyDigitsSpec
+from tests.pipeline.specs import (
+    FAIL_EPOCH_ENV,
+    FLAKY_SPEC,
+    MARKERS_ENV,
+    REPEATING_SPEC,
+    EpochFailure,
+    FlakyDigitsSpec,
+)
 
 pytestmark = pytest.mark.prefect
 
@@ -84,6 +97,31 @@ class TestEpochRetry:
             state.result()
         assert flaky.attempts == {1: 1, 2: 2}
         assert assert_only_committed(config.storage) == [1]
+
+
+class TestFailuresARetryCannotFix:
+    @pytest.mark.parametrize("trainers", [False, True], ids=["in-process", "trainers"])
+    def test_the_same_failure_twice_ends_the_run(self, prefect_server, tmp_path, monkeypatch, trainers):
+        """Bug fix: an epoch failing on a bug (OneCycleLR stepped past its end: ``ValueError: Tried
+        to step 97 times``) spent every epoch retry, each replaying the epoch from the same state
+        only to fail the same way. The second identical failure now ends the run."""
+        markers = tmp_path / "markers"
+        markers.mkdir()
+        monkeypatch.setenv(MARKERS_ENV, str(markers))
+        monkeypatch.setenv(FAIL_EPOCH_ENV, "2")
+        config = make_config(
+            tmp_path / "s", spec=REPEATING_SPEC, epochs=EPOCHS, epoch_retries=3, train_process=trainers
+        )
+        state, run_id = run_flow(config)
+
+        assert state.is_failed()
+        assert "Tried to step 97 times" in str(state.result(raise_on_failure=False))
+        assert (markers / "attempts").read_text().split() == ["1", "2", "2"]  # not 4 attempts of epoch 2
+        assert run_counts(run_id, "train_epoch", 2) == [1, 2]
+        assert assert_only_committed(config.storage, garbage_allowed=True) == [1]
+        said = poll(lambda: run_logs(run_id), lambda logs: any("not retried" in x for x in logs))
+        line = next(x for x in said if "not retried" in x)
+        assert "epoch 2 failed as its previous attempt did" in line and "ValueError" in line, line
 
 
 class FailOnceSink:

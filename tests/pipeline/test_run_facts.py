@@ -48,6 +48,7 @@ class FactsSpec(DigitsSpec):
             **metrics,
             "built_for": float(self.built_for),
             "target": float(facts.epochs),
+            "planned": float(facts.planned_epochs),
             "save_every": float(facts.save_every),
             "world_size": float(facts.world_size),
             "rank": float(facts.rank),
@@ -56,14 +57,17 @@ class FactsSpec(DigitsSpec):
 
 
 def facts_by_epoch(storage: Path) -> dict[int, dict[str, float]]:
-    keys = ("built_for", "target", "save_every", "world_size", "rank", "storage_known")
+    keys = ("built_for", "target", "planned", "save_every", "world_size", "rank", "storage_known")
     return {v.epoch: {k: v.metrics[k] for k in keys} for v in CheckpointStore(str(storage)).versions()}
 
 
-def facts(target: float, *, world: float = 1.0, save_every: float = 1.0) -> dict[str, float]:
+def facts(
+    target: float, *, world: float = 1.0, save_every: float = 1.0, planned: float | None = None
+) -> dict[str, float]:
     return {
         "built_for": target,
         "target": target,
+        "planned": target if planned is None else planned,
         "save_every": save_every,
         "world_size": world,
         "rank": 0.0,
@@ -72,7 +76,8 @@ def facts(target: float, *, world: float = 1.0, save_every: float = 1.0) -> dict
 
 
 def test_training_longer_is_the_same_run_and_the_spec_sees_the_new_target(prefect_server, tmp_path):
-    """Through ``ckptflow run`` (a training process): --epochs 2, then --epochs 4 resumes it."""
+    """Through ``ckptflow run`` (a training process): --epochs 2, then --epochs 4 resumes it; the
+    epochs the run was started for (``planned_epochs``) stay 2, so a schedule sized by them holds."""
     storage = tmp_path / "store"
     env = {**os.environ, **prefect_server.env(), "PYTHONPATH": str(REPO)}
     base = [CKPTFLOW, "run", "--storage", str(storage), "--spec", FACTS_SPEC, "--shards", "1"]
@@ -83,7 +88,8 @@ def test_training_longer_is_the_same_run_and_the_spec_sees_the_new_target(prefec
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
     assert "configuration" not in proc.stderr  # no change of configuration was reported
-    assert facts_by_epoch(storage) == {1: facts(2), 2: facts(2), 3: facts(4), 4: facts(4)}
+    longer = facts(4, planned=2)
+    assert facts_by_epoch(storage) == {1: facts(2), 2: facts(2), 3: longer, 4: longer}
     stored = json.loads((storage / "run.json").read_text())
     assert "epochs" not in stored and stored["spec"] == FACTS_SPEC
 
@@ -111,5 +117,12 @@ def test_on_every_rank(prefect_server, tmp_path, monkeypatch):
     assert facts_by_epoch(storage) == {1: facts(2, world=2), 2: facts(2, world=2)}  # rank 0's metrics
     for rank in (0, 1):
         told = json.loads((tmp_path / f"rank-{rank}.json").read_text())
-        assert told == {"epochs": 2, "save_every": 1, "world_size": 2, "rank": rank, "storage": str(storage)}
+        assert told == {
+            "epochs": 2,
+            "planned_epochs": 2,
+            "save_every": 1,
+            "world_size": 2,
+            "rank": rank,
+            "storage": str(storage),
+        }
     assert json.loads((storage / "run.json").read_text()) == config.identity()

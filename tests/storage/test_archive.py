@@ -27,8 +27,9 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore, CorruptShardError, StoreOptions, VersionNotFoundError
-from ckptflow.storage.archive.extract import extract_version
-from ckptflow.storage.archive.tarindex import INDEX_SEAL_KEY, parse_index
+from ckptflow.storage.archive.extract import extract_epoch, extract_version
+from ckptflow.storage.archive.tarcheck import Gap, check_tarball, gap_finding
+from ckptflow.storage.archive.tarindex import INDEX_SEAL_KEY, IndexEntry, parse_index
 from ckptflow.storage.archive.tarwriter import (
     ArchiveState,
     Member,
@@ -36,12 +37,15 @@ from ckptflow.storage.archive.tarwriter import (
     archive_state,
     index_name,
     read_index,
+    tar_header,
     write_index,
     write_tar,
 )
 from ckptflow.storage.errors import (
     ArchiveExistsError,
     ArchiveNotCommittedError,
+    CheckpointError,
+    CorruptArchiveError,
     FormatVersionError,
     ManifestError,
     UnsafeArchiveError,
@@ -569,6 +573,276 @@ class TestCorruption:
             with pytest.raises(CorruptShardError):
                 extract_version(copy, TAR, str(tmp_path / "out"), version_prefix="v000009", index=given)
         assert files_under(tmp_path / "out") == []
+
+
+# -- the tarball's tar structure: what GNU tar and extraction read ------------------------------------
+
+STORE_TAR = "epochs-000001-000002.tar"
+
+
+@pytest.fixture
+def archived_store(store_url):
+    """Versions 1 and 2 only in the store's tarball (loose copies dropped), version 3 loose; on
+    every backend (S3: the SeaweedFS server)."""
+    store = store_url.open(shards=2, threads=2)
+    for epoch in (1, 2, 3):
+        store.save(make_state(epoch), epoch=epoch, version=epoch)
+    store.archive([1, 2])
+    store.drop_loose([1, 2])
+    return store_url, store
+
+
+def tar_lists(tmp_path: Path, data: bytes) -> subprocess.CompletedProcess[str]:
+    """``tar -tf`` of these bytes: what GNU tar makes of the tarball."""
+    path = tmp_path / "listed.tar"
+    path.write_bytes(data)
+    return subprocess.run([gnu_tar(), "-tf", str(path)], capture_output=True, text=True)
+
+
+def store_members(target) -> list[dict[str, Any]]:
+    """The members of the store's tarball, from its index: v000001's shards and manifest, then v000002's."""
+    return json.loads(target.raw_read(f"archive/{index_name(STORE_TAR)}"))["members"]
+
+
+def store_member(target, name: str) -> dict[str, Any]:
+    return next(m for m in store_members(target) if m["name"] == name)
+
+
+def flip_bit(target, position: int) -> None:
+    data = bytearray(target.raw_read(f"archive/{STORE_TAR}"))
+    data[position] ^= 0x01
+    target.raw_write(f"archive/{STORE_TAR}", bytes(data))
+
+
+class TestTarStructure:
+    @pytest.mark.parametrize(
+        ("member", "field"),
+        [
+            ("v000001/shard-r0-00.h5", 3),
+            ("v000001/manifest.json", 124 + 8),
+            ("v000002/manifest.json", 148 + 2),
+            ("v000002/shard-r0-00.h5", 100 + 4),
+        ],
+        ids=["first-name", "manifest-size", "chksum", "mode"],
+    )
+    def test_a_flipped_bit_in_a_member_header_fails_verify(self, archived_store, tmp_path, member, field):
+        """Issue 34: one flipped bit in a member's tar header, and verify said ok for both archived
+        versions while GNU tar refused the file; verify now names the tarball and the member."""
+        target, store = archived_store
+        original = target.raw_read(f"archive/{STORE_TAR}")
+        listed = tar_lists(tmp_path, original)
+        assert listed.returncode == 0 and listed.stderr == ""
+        assert [store.verify(v).version for v in (1, 2, 3)] == [1, 2, 3]  # undamaged: all verify
+        entry = store_member(target, member)
+        flip_bit(target, entry["offset"] - 512 + field)
+        assert tar_lists(tmp_path, target.raw_read(f"archive/{STORE_TAR}")).returncode != 0  # tar agrees
+        for version in (1, 2):
+            with pytest.raises(
+                CorruptArchiveError, match=rf"{STORE_TAR}: the header of member {entry['name']}"
+            ):
+                CheckpointStore(target.url, storage_options=target.storage_options).verify(version)
+        assert store.verify(3).version == 3  # a loose version is not in the tarball
+
+    @pytest.mark.parametrize(
+        ("damage", "message"),
+        [
+            (lambda data, end: flip(data, end + 700), "the end of the archive .* other bytes from byte {at}"),
+            (
+                lambda data, end: flip(data, len(data) - 1),
+                "the end of the archive .* other bytes from byte {at}",
+            ),
+            (lambda data, end: flip(data, end + 3), "the end of the archive .* other bytes from byte {at}"),
+            (lambda data, end: data[:-1024], "its size: expected {size} bytes, found {new} bytes"),
+            (lambda data, end: data + bytes(512), "its size: expected {size} bytes, found {new} bytes"),
+        ],
+        ids=["end-block", "record-padding", "last-member-padding", "truncated", "grown"],
+    )
+    def test_a_damaged_end_or_size_fails_verify(self, archived_store, damage, message):
+        """The end-of-archive blocks (and the padding around them) and the tarball's size are checked."""
+        target, store = archived_store
+        last = store_members(target)[-1]
+        original = target.raw_read(f"archive/{STORE_TAR}")
+        data = damage(original, last["offset"] + last["size"])
+        target.raw_write(f"archive/{STORE_TAR}", data)
+        at = next((i for i, (a, b) in enumerate(zip(original, data, strict=False)) if a != b), None)
+        expected = message.format(at=at, size=len(original), new=len(data))
+        for version in (1, 2):
+            with pytest.raises(CorruptArchiveError, match=rf"{STORE_TAR}: {expected}"):
+                store.verify(version)
+
+    def test_a_version_with_a_damaged_member_header_does_not_load_and_its_neighbour_does(
+        self, archived_store
+    ):
+        """A load checks the headers of the members it reads: the damaged version is refused, naming
+        the tarball and the member; an intact version of the same tarball still loads (to be rescued)."""
+        target, _ = archived_store
+        entry = store_member(target, "v000001/manifest.json")
+        flip_bit(target, entry["offset"] - 512 + 1)
+        fresh = CheckpointStore(target.url, storage_options=target.storage_options)
+        with pytest.raises(CorruptArchiveError, match=rf"{STORE_TAR}: the header of member v000001/manifest"):
+            fresh.load(1)
+        assert_same_state(fresh.load(1, verify=False), make_state(1))  # checks nothing, as ever
+        assert_same_state(fresh.load(2), make_state(2))
+
+    def test_extract_refuses_a_damaged_member_header(self, archived_store, tmp_path):
+        """``ckptflow extract`` (extract_epoch) names the tarball and the member and writes nothing."""
+        target, _ = archived_store
+        entry = store_member(target, "v000002/shard-r0-00.h5")
+        flip_bit(target, entry["offset"] - 512 + 130)
+        tar_url = f"{target.url.rstrip('/')}/archive/{STORE_TAR}"
+        out = tmp_path / "out"
+        with pytest.raises(
+            CorruptArchiveError, match=r"the header of member v000002/shard-r0-00\.h5"
+        ) as caught:
+            extract_epoch(tar_url, str(out), epoch=2, storage_options=target.storage_options)
+        assert "restore it from the mirror" in str(caught.value)
+        assert files_under(out) == []
+        version, _ = extract_epoch(
+            tar_url, str(tmp_path / "one"), epoch=1, storage_options=target.storage_options
+        )
+        assert_same_state(CheckpointStore(str(tmp_path / "one")).load(version), make_state(1))
+
+
+@pytest.fixture
+def local_archived(tmp_path: Path) -> tuple[Path, CheckpointStore]:
+    """Versions 1 and 2 archived in a local store (loose copies dropped); (the tarball, the store)."""
+    store = CheckpointStore(str(tmp_path / "store"), options=StoreOptions(shards=2))
+    for epoch in (1, 2):
+        store.save(make_state(epoch), epoch=epoch, version=epoch)
+    store.archive([1, 2])
+    store.drop_loose([1, 2])
+    return tmp_path / "store" / "archive" / STORE_TAR, store
+
+
+def flip(data: bytes, position: int) -> bytes:
+    changed = bytearray(data)
+    changed[position] ^= 0x01
+    return bytes(changed)
+
+
+def rewrite_header(tar: Path, offset: int, **fields: Any) -> None:
+    """Replace the ustar header before ``offset`` with one whose ``fields`` differ, its tar checksum
+    recomputed: a change the tar checksum cannot see."""
+    data = bytearray(tar.read_bytes())
+    info = tarfile.TarInfo.frombuf(bytes(data[offset - 512 : offset]), "utf-8", "surrogateescape")
+    for name, value in fields.items():
+        setattr(info, name, value)
+    data[offset - 512 : offset] = info.tobuf(tarfile.USTAR_FORMAT, "utf-8", "surrogateescape")
+    tar.write_bytes(bytes(data))
+
+
+def as_format_2(index_path: Path) -> None:
+    """Rewrite an index as an older ckptflow wrote it: format 2, no header checksums."""
+    raw = json.loads(index_path.read_bytes())
+    raw.pop(INDEX_SEAL_KEY)
+    raw["format_version"] = 2
+    for member in raw["members"]:
+        member.pop("header_checksum")
+    index_path.write_text(json.dumps(seal(raw, INDEX_SEAL_KEY)))
+
+
+class TestHeaderChecksums:
+    def test_a_header_rewritten_with_a_valid_tar_checksum_fails_against_the_recorded_one(
+        self, local_archived
+    ):
+        """The index records each member's header blocks: a change that keeps the tar checksum valid
+        (GNU tar lists the file) is still found."""
+        tar, store = local_archived
+        entry = read_index(open_location(str(tar.parent)), STORE_TAR).entry("v000001/manifest.json")
+        assert entry.header_checksum == digest(tar.read_bytes()[entry.offset - 512 : entry.offset])
+        rewrite_header(tar, entry.offset, mode=0o600)
+        subprocess.run([gnu_tar(), "-tf", str(tar)], check=True, capture_output=True)
+        with pytest.raises(
+            CorruptArchiveError, match=r"member v000001/manifest.json .*header blocks written"
+        ):
+            store.verify(1)
+
+    def test_an_index_of_format_2_is_read_and_its_headers_checked_by_parsing(self, local_archived):
+        """Old indexes stay readable: without header checksums, verify parses the headers."""
+        tar, store = local_archived
+        index_path = tar.parent / index_name(STORE_TAR)
+        as_format_2(index_path)
+        old = read_index(open_location(str(tar.parent)), STORE_TAR)
+        again = json.loads(old.to_json())  # written again, it stays in its format
+        assert again["format_version"] == 2 and all("header_checksum" not in m for m in again["members"])
+        assert [CheckpointStore(store.url).verify(v).version for v in (1, 2)] == [1, 2]
+        entry = old.entry("v000002/manifest.json")
+        assert entry.header_checksum is None
+        original = tar.read_bytes()
+        rewrite_header(tar, entry.offset, mode=0o600)  # parsing cannot tell: the tar is still sound
+        assert CheckpointStore(store.url).verify(2).version == 2
+        for damaged, message in [
+            (flip(original, entry.offset - 512 + 40), "tar checksum"),
+            (flip(original, entry.offset - 512 + 124 + 9), "tar checksum"),
+        ]:
+            tar.write_bytes(damaged)
+            with pytest.raises(CorruptArchiveError, match=rf"member v000002/manifest.json .*{message}"):
+                CheckpointStore(store.url).verify(2)
+        tar.write_bytes(original)
+        rewrite_header(tar, entry.offset, size=entry.size + 1)
+        with pytest.raises(CorruptArchiveError, match=rf"a size of {entry.size + 1} bytes"):
+            CheckpointStore(store.url).verify(1)
+        tar.write_bytes(original)
+        rewrite_header(tar, entry.offset, name="v000002/manifest.jsoN")
+        with pytest.raises(CorruptArchiveError, match=r"the name 'v000002/manifest\.jsoN'"):
+            CheckpointStore(store.url).verify(1)
+        tar.write_bytes(original)
+        rewrite_header(tar, entry.offset, type=tarfile.SYMTYPE)
+        with pytest.raises(CorruptArchiveError, match="not a regular file"):
+            CheckpointStore(store.url).verify(1)
+
+    @pytest.mark.parametrize("with_checksums", [True, False], ids=["format-3", "format-2"])
+    def test_a_flipped_bit_in_a_pax_path_record_is_found(self, tmp_path, with_checksums):
+        """A long name lives in a PAX extended header, whose records have no tar checksum."""
+        names = ["v000001/" + "long-" * 30 + "name.h5", "v000001/short.h5"]
+        members = []
+        for i, name in enumerate(names):
+            path = tmp_path / f"src-{i}"
+            path.write_bytes(os.urandom(1000 + 777 * i))
+            members.append(Member(name, str(path), path.stat().st_size, None))
+        out = open_location(str(tmp_path / "out"))
+        written = write_tar(open_location(str(tmp_path)), members, out, TAR)
+        index = written
+        if not with_checksums:
+            index = written.model_copy(
+                update={"members": [e.model_copy(update={"header_checksum": None}) for e in written.members]}
+            )
+        assert check_tarball(out, index) == {e.name: e.header_checksum for e in written.members}
+        data = Path(out.path(TAR)).read_bytes()
+        record = data.index(b" path=v000001/long-")
+        Path(out.path(TAR)).write_bytes(flip(data, record + 20))
+        assert (
+            subprocess.run([gnu_tar(), "-tf", out.path(TAR)], capture_output=True, text=True).stdout.split()[
+                0
+            ]
+            != names[0]
+        )
+        with pytest.raises(CorruptArchiveError, match=rf"member {names[0]} .*the name"):
+            check_tarball(out, index)
+
+    def test_a_size_past_the_ustar_field_is_read_from_its_pax_record(self):
+        """A member of 9 GiB: the ustar size field says 0 and a PAX record holds the size."""
+        name = "v000001/huge.h5"
+        header = tar_header(name, 9 << 30, MTIME)
+        assert len(header) > 512  # the PAX header, then the ustar one
+        entry = IndexEntry(name=name, offset=len(header), size=9 << 30, checksum="0" * 16)
+        assert gap_finding(Gap(0, entry, None), header) is None
+        other = entry.model_copy(update={"size": (9 << 30) + 1})
+        assert "a size of 9663676416 bytes" in str(gap_finding(Gap(0, other, None), header))
+
+    def test_reindex_refuses_a_tarball_with_a_damaged_header(self, local_archived):
+        """Python's tarfile stops at a damaged header mid-tar as if the archive ended there, so a
+        rebuilt index silently lost the versions behind it; the rebuilt index is now checked first."""
+        tar, store = local_archived
+        index_path = tar.parent / index_name(STORE_TAR)
+        entry = read_index(open_location(str(tar.parent)), STORE_TAR).entry("v000002/shard-r0-00.h5")
+        tar.write_bytes(flip(tar.read_bytes(), entry.offset - 512 + 5))
+        index_path.write_text("{damaged")
+        with pytest.raises(
+            CheckpointError, match=rf"index of .*: the end .* from byte {entry.offset - 512};"
+        ):
+            store.reindex()
+        assert index_path.read_text() == "{damaged"
 
 
 @pytest.mark.crash

@@ -70,7 +70,7 @@ class TestPrune:
 
     def test_best_count(self, store):
         _fill(store, 6, metrics=[{"loss": x} for x in (5, 3, 1, 4, 2, 6)])
-        store.prune(RetentionPolicy(keep_best="loss", best_count=3))
+        store.prune(RetentionPolicy(keep_best="loss", best_mode="min", best_count=3))
         assert _listed(store) == [1, 2, 4, 5]
 
     def test_the_newest_is_always_kept(self, store):
@@ -107,6 +107,18 @@ class TestPrune:
         with pytest.raises(ValueError, match=message):
             store.prune(**kwargs)
         assert _listed(store) == [0, 1, 2]
+
+    def test_keep_best_without_a_direction_is_refused_before_deleting(self, store):
+        """Bug fix (issue 34): a keep-best without best_mode silently meant min, so keeping the best
+        by an accuracy kept the worst version and deleted the best one."""
+        _fill(store, 3, metrics=[{"val_acc": x} for x in (0.6, 0.95, 0.9)])
+        with pytest.raises(ValueError, match="keep_best='val_acc' needs best_mode: 'max' if a higher"):
+            RetentionPolicy(keep_best="val_acc")
+        with pytest.raises(ValueError, match=r"keep_best takes \(metric, 'min' or 'max'\)"):
+            store.prune(keep_best="val_acc")  # type: ignore[arg-type]
+        assert _listed(store) == [0, 1, 2]
+        assert store.prune(keep_best=("val_acc", "max")) == [0]
+        assert _listed(store) == [1, 2]
 
 
 class TestPruneOnEveryBackend:

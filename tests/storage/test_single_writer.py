@@ -450,3 +450,46 @@ def test_a_lease_not_renewed_within_its_timeout_fences_its_own_writer(tmp_path) 
         with pytest.raises(LeaseLostError, match="last renewed"):
             store.save({"w": torch.ones(2)}, epoch=1)
     assert store.versions() == []
+
+
+def test_a_holder_frozen_before_its_commit_never_commits_after_a_takeover(tmp_path, monkeypatch) -> None:
+    """Bug fixed: a holder frozen between its commit's lease check and the manifest's link still
+    committed, seconds after another writer had taken the lease over. On a local disk the check and
+    the link now happen under the root's flock, which every takeover takes too: a version is
+    committed only before the takeover, or not at all."""
+    from ckptflow.storage.save import saving
+
+    store = CheckpointStore(tmp_path / "store")
+    events: list[str] = []
+    real_commit = saving.protocol.commit
+
+    def frozen_commit(loc, manifest, **kwargs):  # type: ignore[no-untyped-def]
+        stale = dataclasses.replace(read_lease(loc), renewed=time.time() - 600)  # as if frozen long
+        (tmp_path / "store" / LEASE_FILE).write_bytes(stale.to_json())
+        taker = StoreLease(loc, owner="the next run", timeout=60)
+
+        def take_over() -> None:
+            taker.acquire()
+            events.append("taken over")
+
+        thread = threading.Thread(target=take_over, daemon=True)
+        thread.start()
+        thread.join(2.0)  # the freeze: a takeover that can happen now does
+        takers.append((thread, taker))
+        real_commit(loc, manifest, **kwargs)
+        events.append("committed")
+
+    takers: list[tuple[threading.Thread, StoreLease]] = []
+    with store.lease(owner="frozen", timeout=60):
+        monkeypatch.setattr(saving.protocol, "commit", frozen_commit)
+        try:
+            store.save({"x": torch.ones(2)}, epoch=1)
+        except LeaseLostError:
+            events.append("refused")
+        monkeypatch.setattr(saving.protocol, "commit", real_commit)
+        [(thread, taker)] = takers
+        thread.join(30)
+        taker.release()
+    assert "taken over" in events, events
+    assert events[0] != "taken over" or "committed" not in events, events
+    assert [v.version for v in store.versions()] == ([1] if "committed" in events else [])
