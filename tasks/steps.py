@@ -45,7 +45,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
 from prefect.tasks import exponential_backoff
 
-from ckptflow.storage import CheckpointError, CheckpointStore, SaveHandle, StateMismatchError, VersionInfo
+from ckptflow.storage import (
+    CheckpointError,
+    CheckpointStore,
+    LeaseLostError,
+    SaveHandle,
+    StateMismatchError,
+    StoreLockedError,
+    VersionInfo,
+)
 
 from . import run_state
 from .config import PipelineConfig, RetentionConfig
@@ -97,6 +105,8 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
     process.set_log(_log_to(logger))  # what the build noted (resuming from, config changes)
     try:
         built = process.built().result()
+        if prestarted:  # built before this flow held the store: another run may have committed since
+            process, built = _built_from_the_newest(config, process, built, logger)
     except BaseException:
         process.close(interrupted=True)
         raise
@@ -125,6 +135,35 @@ def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
         remote=process,
         planned_epochs=built["planned_epochs"],
     )
+
+
+def _built_from_the_newest(
+    config: PipelineConfig, process: Any, built: dict[str, Any], logger: Any
+) -> tuple[Any, dict[str, Any]]:
+    """The trainers and their build, restored from the store's newest version now that this flow
+    holds the lease: trainers that restored an older one (another run committed in between) are
+    replaced, so that a run never continues from a version that is no longer the newest."""
+    from .trainer import relaunch
+
+    latest = open_store(config).latest()
+    restored = built["resumed_from"]["version"] if built["resumed_from"] is not None else None
+    if (latest.version if latest is not None else None) == restored:
+        return process, built
+    logger.warning(
+        "the training process restored %s before this run held the store, and another run has "
+        "committed since (newest: %s): building it again from the newest",
+        f"version {restored}" if restored is not None else "nothing",
+        latest.url if latest is not None else "none",
+    )
+    options = process.storage_options
+    process.close(interrupted=True)
+    process = relaunch(config, options)
+    process.set_log(_log_to(logger))
+    try:
+        return process, process.built().result()
+    except BaseException:
+        process.close(interrupted=True)
+        raise
 
 
 def _tell_flow_run(process: Any) -> None:
@@ -225,7 +264,17 @@ class SaveResult:
     previous: VersionInfo | None = None
 
 
-@io_task("save_checkpoint")
+def _save_may_pass(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry a save unless another writer has the store or the version: a retry cannot change that."""
+    error = state.result(raise_on_failure=False)
+    return not isinstance(error, (StoreLockedError, LeaseLostError, ForeignVersionError))
+
+
+class ForeignVersionError(CheckpointError):
+    """The version a save would write is committed already, by another writer than this run."""
+
+
+@io_task("save_checkpoint", retry_condition_fn=_save_may_pass)
 def save_checkpoint(
     run: RunState,
     epoch: int,
@@ -260,7 +309,7 @@ def save_checkpoint(
     existing = run.store.find(epoch)
     if existing is not None:
         if not run.store.committed_by_this_writer(epoch):  # never report another writer's version as ours
-            raise CheckpointError(
+            raise ForeignVersionError(
                 f"version {epoch} of {run.store.url} was committed by another writer, not by this run "
                 f"(its manifest carries another lease): epoch {epoch} was not saved. Nothing was "
                 "overwritten; see `ckptflow show` for what it holds, remove it if it is not wanted "

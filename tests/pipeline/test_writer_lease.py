@@ -117,3 +117,25 @@ def test_the_cli_builds_nothing_on_a_store_another_run_holds(tmp_path):
     )
     assert sorted(p.name for p in store.iterdir()) == [LEASE_FILE]  # no run.json, no version
     assert read_lease(CheckpointStore(str(store)).loc) == held
+
+
+def test_a_training_process_built_before_the_lease_resumes_from_the_newest_version(prefect_server, tmp_path):
+    """Bug fixed: two runs started at the same instant spliced history. The second's training
+    process, started before its flow held the store, restored the newest version of that moment
+    (v1); the first run then committed v2 and v3 and ended; the second flow took the lease and
+    trained on from v1, "resuming from v000001" while v3 was committed. Now a flow that takes the
+    lease checks what its training process restored, and builds it again from the newest version."""
+    from ckptflow.tasks import trainer
+
+    run_summary(make_config(tmp_path / "store", epochs=1, train_process=True))
+    late = make_config(tmp_path / "store", epochs=4, train_process=True)
+    trainer.prestart(late)  # as `ckptflow run` does, before Prefect and before the lease
+    assert trainer._prestarted is not None
+    assert trainer._prestarted.built().result(timeout=120)["resumed_from"]["version"] == 1
+    run_summary(make_config(tmp_path / "store", epochs=3))  # the other run: v2 and v3, then it ends
+
+    summary, _ = run_summary(late)
+    assert (summary["resumed_from"], summary["last_epoch"]) == (3, 4)
+    assert assert_only_committed(late.storage, garbage_allowed=True) == [1, 2, 3, 4]
+    store = CheckpointStore(late.storage)
+    assert store.manifest(4).step == store.manifest(3).step + (store.manifest(3).step // 3)  # continues v3
