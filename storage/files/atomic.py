@@ -8,6 +8,7 @@ on object stores one PUT is atomic. A killed writer leaves only a temporary file
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import uuid
@@ -63,16 +64,21 @@ def exclusive_local_write(directory: str, name: str, data: bytes) -> None:
 
 
 def durable_temp(directory: str, name: str, data: bytes) -> str:
-    """A new temporary file beside ``name`` holding ``data``, fsynced."""
+    """A new temporary file beside ``name`` holding ``data``, fsynced; none left if it fails (a full disk)."""
     tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return tmp
 
 

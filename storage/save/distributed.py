@@ -164,6 +164,22 @@ def _collective(what: str | None = None) -> Iterator[None]:
         ) from exc
 
 
+def collective_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a torch.distributed collective: a rank died or it timed out.
+
+    gloo raises a plain RuntimeError for a peer that closed its connection, or for a timeout, from
+    inside the collective; a RuntimeError of anything else (a library's own check) is not one.
+    """
+    if isinstance(exc, dist.DistError):
+        return True
+    tb = exc.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__") == dist.distributed_c10d.__name__:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def _encode(value: Any) -> torch.Tensor:
     raw = json.dumps(value, allow_nan=False).encode()
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
@@ -293,4 +309,13 @@ def tensor_entries(leaves: list[Leaf], refs: list[TensorRef]) -> list[TensorEntr
     ]
 
 
-__all__ = ["RankFailedError", "RankGroup", "RankPlan", "assemble", "plan_rank", "report", "staged_blobs"]
+__all__ = [
+    "RankFailedError",
+    "RankGroup",
+    "RankPlan",
+    "assemble",
+    "collective_failed",
+    "plan_rank",
+    "report",
+    "staged_blobs",
+]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -201,7 +202,7 @@ class VersionWriter:
             floor = epoch if epoch is not None and epoch >= 0 else 0
             number = catalog.next_version(self.loc, at_least=floor)
             for _ in range(CLAIM_TRIES):
-                if claims.claim_version(self.loc, number, self.claim):
+                if self._claim_exclusively(number):
                     return number
                 number = max(number + 1, catalog.next_version(self.loc, at_least=floor))  # taken meanwhile
             raise VersionTakenError(
@@ -215,9 +216,20 @@ class VersionWriter:
             raise VersionExistsError(version, self.loc.display())
         if record is not None:
             self.clear_leftovers(version)
-        if not claims.claim_version(self.loc, version, self.claim):
+        if not self._claim_exclusively(version):
             raise self._taken(version, claims.read_claim(self.loc, version))
         return version
+
+    def _claim_exclusively(self, version: int) -> bool:
+        """Create ``version``'s claim (False: another writer's is there). A claim that could not be
+        written (a full disk) leaves no empty version directory, which would keep its number taken."""
+        try:
+            return claims.claim_version(self.loc, version, self.claim)
+        except BaseException:
+            if self.loc.is_local:
+                with contextlib.suppress(OSError):  # only an empty one: nothing anyone wrote
+                    os.rmdir(self.loc.path(version_dir(version)))
+            raise
 
     # -- for other save paths (a DCP save, :mod:`..sharded.writer`) --
 
@@ -279,7 +291,7 @@ class VersionWriter:
         found = claims.read_claim(self.loc, version)
         if found is not None and found.token == self.claim.token:
             return
-        if found is not None or not claims.claim_version(self.loc, version, self.claim):
+        if found is not None or not self._claim_exclusively(version):
             raise self._taken(version, claims.read_claim(self.loc, version))
 
     def _commit(self, manifest: Manifest) -> None:

@@ -96,7 +96,7 @@ class ShardedStore:
         writer = self._writer_for(request)
         _refuse_split_without_group(state, self.group)
         writer.keep_own(request.rank_state)
-        with _one_process(self.group), _collector_paused(), self._failures_unwrapped("the save"):
+        with _one_process(self.group), _collector_paused(), self._save_failures(writer):
             dcp.save(
                 _as_dict(state),
                 storage_writer=writer,
@@ -126,7 +126,7 @@ class ShardedStore:
 
         def write() -> VersionInfo:
             writer.reset()
-            with self._failures_unwrapped("the save"):
+            with self._save_failures(writer):
                 dcp.save(staged, storage_writer=writer, process_group=group, no_dist=self.group is None)
             return self._version_committed(writer)
 
@@ -162,7 +162,7 @@ class ShardedStore:
 
         def load_from(found: Callable[[], catalog.Located]) -> None:
             reader = self._reader_of(found(), verify)
-            with _no_dist_warning(), _failures_unwrapped(0, "the load"):  # a job of one, to DCP
+            with _no_dist_warning(), _failures_unwrapped("the load"):  # a job of one, to DCP
                 dcp.load(plain, storage_reader=reader, planner=reader.fitting_planner(), no_dist=True)
 
         def put_back() -> None:
@@ -201,8 +201,30 @@ class ShardedStore:
         newest = max(self.group.together(find, "finding the version to load"))
         return mine[0], newest
 
-    def _failures_unwrapped(self, what: str) -> contextlib.AbstractContextManager[None]:
-        return _failures_unwrapped(self.group.rank if self.group is not None else 0, what)
+    @contextlib.contextmanager
+    def _save_failures(self, writer: DcpWriter) -> Iterator[None]:
+        """A failed save: rank 0 removes its partial files once no rank writes any more, and every
+        rank raises an error a user can act on, not DCP's wrapper nor gloo's bare RuntimeError.
+
+        DCP raises its CheckpointException only after gathering every rank's outcome, so every rank
+        has stopped writing then. A collective that failed (a rank died, or it timed out) says
+        nothing of the other ranks: their files stay, for a retry of the version or ``gc``.
+        """
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        from ..save.distributed import collective_failed
+
+        rank = self.group.rank if self.group is not None else 0
+        try:
+            yield
+        except CheckpointException as wrapper:
+            if rank == 0:
+                writer.discard()
+            raise _unwrapped(wrapper, rank, "the save") from None
+        except RuntimeError as exc:
+            if not collective_failed(exc):
+                raise
+            raise _rank_lost(writer, exc) from exc
 
     def _process_group(self) -> Any:
         return self.group.group if self.group is not None else None
@@ -290,20 +312,41 @@ def _collector_paused() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _failures_unwrapped(rank: int, what: str) -> Iterator[None]:
-    """DCP's CheckpointException (every rank's errors, gathered) as this rank's own error, or as
-    RankFailedError naming the rank that failed: the error a user can act on, not DCP's wrapper."""
+def _failures_unwrapped(what: str) -> Iterator[None]:
+    """A DCP call of this process alone: its CheckpointException as the error inside it."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
     except CheckpointException as wrapper:
-        failures = wrapper.failures
-        if rank in failures:
-            raise failures[rank][0] from None
-        other = min(failures)
-        error = failures[other][0]
-        raise RankFailedError(f"{what} failed on rank {other}: {type(error).__name__}: {error}") from None
+        raise _unwrapped(wrapper, 0, what) from None
+
+
+def _unwrapped(wrapper: Any, rank: int, what: str) -> BaseException:
+    """DCP's CheckpointException (every rank's errors, gathered) as this rank's own error, or as
+    RankFailedError naming the rank that failed: the error a user can act on, not DCP's wrapper."""
+    failures = wrapper.failures
+    if rank in failures:
+        return failures[rank][0]
+    other = min(failures)
+    error = failures[other][0]
+    return RankFailedError(f"{what} failed on rank {other}: {type(error).__name__}: {error}")
+
+
+def _rank_lost(writer: DcpWriter, exc: RuntimeError) -> RankFailedError:
+    """A collective of the save failed: a rank died or timed out (gloo's error in ``exc``)."""
+    version = writer.number
+    save = f"the save of version {version}" if version is not None else "the save"
+    if writer.is_committed():
+        return RankFailedError(
+            f"version {version} was committed, but a rank of the checkpoint group died or timed out "
+            f"after it ({exc}); restart every rank of the job to go on"
+        )
+    return RankFailedError(
+        f"a rank of the checkpoint group died or timed out during {save} ({exc}); nothing was "
+        "committed and the previous committed version is intact: restart every rank of the job and "
+        "save again"
+    )
 
 
 def _as_dict(state: object) -> dict[str, Any]:

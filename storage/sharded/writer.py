@@ -13,7 +13,14 @@ stores the result as an ordinary committed version:
 3. ``finish`` (the coordinator, after every rank's write succeeded): one
    manifest from DCP's metadata and every rank's results, written last: the
    commit. A rank that failed or died means no manifest, so the previous
-   version stays the latest; the coordinator removes the partial files.
+   version stays the latest.
+
+A failed save's partial files (every rank's shards, the claim) are removed by
+the coordinator only once no rank writes any more: in ``finish`` when the
+commit fails, and in :meth:`DcpWriter.discard`, which the store calls after
+DCP raised a failure it gathered from every rank. DCP tells a StorageWriter
+only of success, so after a failed ``dcp.save`` of the caller's own the files
+stay for ``gc``. A rank that died tells no one: the others' files stay too.
 
 DCP's own collectives carry the plans and results between ranks (in memory,
 as DCP does); nothing written to the store is a pickle.
@@ -51,6 +58,7 @@ from ..format.structure import decode, encode
 from ..info import VersionInfo
 from ..save.planner import Blob, assign_shards, dataset_name
 from ..save.planner import SavePlan as BlobPlan
+from ..versions.commit import read_record
 from .layout import chunk_entry, path_text, sharded_structure
 
 if TYPE_CHECKING:
@@ -179,6 +187,32 @@ class DcpWriter(StorageWriter):
         vdir = version_dir(self.version)
         self.info = VersionInfo.from_manifest(manifest, self.versions.loc.display(vdir))
         log.info("committed %s (%d ranks, sharded)", self.info.url, self.world_size)
+
+    # -- after a failed save -------------------------------------------------------
+
+    @property
+    def number(self) -> int | None:
+        """The version this save writes, once known (claimed, or planned)."""
+        return self.version if self.version is not None else self.claimed
+
+    def discard(self) -> None:
+        """The coordinator, after a failed save that no rank writes any more: remove its partial
+        files and its claim, so that a full disk is freed at once."""
+        if self.number is not None:
+            self.versions.discard(self.number)
+
+    def is_committed(self) -> bool:
+        """Whether this save's version is committed (asked after a rank was lost: rank 0 may have
+        committed just before)."""
+        if self.info is not None:
+            return True
+        if self.number is None:
+            return False
+        try:
+            record = read_record(self.versions.loc, self.number)
+        except Exception:  # the store cannot tell now: say what is known
+            return False
+        return record is not None and record.is_committed()
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.versions.loc.display())

@@ -327,6 +327,27 @@ def scenario_failing(r: Rank) -> None:
     r.save("retry1", 1, explicit=True, own=None)
 
 
+def scenario_full_disk(r: Rank) -> None:
+    """Save ``--version`` on a disk the test filled, then the same with save_async; after each, rank 0
+    records the store's files and the disk's free bytes (once its save has raised: all ranks reported)."""
+    from tests.disks import files_under, free_bytes
+
+    root = Path(r.args.url)
+    version, seed = r.args.version, r.args.seed
+    r.save("save", version, explicit=True)
+    if r.rank == 0:
+        r.steps.run("after_save", lambda: [files_under(root), free_bytes(root)])
+    own = make_rank_state(seed, version, r.rank)
+
+    def save_async() -> dict[str, Any]:
+        handle = r.store.save_async(make_state(seed, version), version=version, rank_state=own)
+        return info_dict(handle.wait())
+
+    r.steps.run("save_async", save_async)
+    if r.rank == 0:
+        r.steps.run("after_save_async", lambda: [files_under(root), free_bytes(root)])
+
+
 def scenario_mismatch(r: Rank) -> None:
     """Commit v0; rank 1 passes a replicated state of another shape; then a matching save works."""
     r.save("save0", 0, own=None)
@@ -354,6 +375,7 @@ SCENARIOS = {
     "crash": scenario_crash,
     "save": scenario_save,
     "failing": scenario_failing,
+    "full_disk": scenario_full_disk,
     "mismatch": scenario_mismatch,
     "bad_rank_state": scenario_bad_rank_state,
 }

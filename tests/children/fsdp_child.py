@@ -23,7 +23,11 @@ tensors, gloo for the store's CPU collectives.
   again as version 2 (``second.json``);
 - ``kill_in_save``: like ``save`` at seed 1, but rank 1 blocks in the middle
   of writing its shard (after creating ``OUTDIR/blocked``) until the test
-  SIGKILLs it.
+  SIGKILLs it; rank 0 records the error its save raised (``save``: type, message,
+  type of the cause) before it exits with it;
+- ``full_disk``: like ``fail_in_save``, on a disk that is really full (the test
+  fills it): each rank's error from a ``save`` and a ``save_async``, and rank 0's
+  view of the store's files and of the disk's free bytes after each (``left``).
 
 Rank 0 then writes ``OUTDIR/full.json``: the digest of the full (gathered)
 model and optimizer state (``full_state_dict=True``): per key path, dtype,
@@ -252,7 +256,7 @@ def main() -> None:
     if args.rank0_looks_early and rank == 0:
         locate = store._locate
         store._locate = lambda version: locate(1 if version is None else version)  # type: ignore[method-assign]
-    saving = args.scenario in ("save", "dcp_save", "kill_in_save", "save_async", "fail_in_save")
+    saving = args.scenario in ("save", "dcp_save", "kill_in_save", "save_async", "fail_in_save", "full_disk")
     model, opt = (
         build(0 if args.scenario != "kill_in_save" else 1, args.mesh, args.device)
         if saving
@@ -264,16 +268,28 @@ def main() -> None:
         if args.scenario == "kill_in_save" and rank == 1:
             block_in_write(args.out / "blocked")
         start = time.perf_counter()
-        if args.scenario == "fail_in_save":  # each rank's error, from a save and from an async save
+        if args.scenario in ("fail_in_save", "full_disk"):  # each rank's error, from a save and an async save
             from ckptflow.storage import CheckpointError
+            from tests.disks import files_under, free_bytes
 
-            if rank == 1:
+            if rank == 1 and args.scenario == "fail_in_save":
                 fail_in_write()
             for name, save in (("save", store.save), ("save_async", lambda s: store.save_async(s).wait())):
                 try:
                     save(state)
                 except CheckpointError as exc:
                     result[name] = [type(exc).__name__, str(exc)]
+                if args.scenario == "full_disk" and rank == 0:  # the files once its save has raised
+                    root = Path(args.url)
+                    result.setdefault("left", {})[name] = [files_under(root), free_bytes(root)]
+        elif args.scenario == "kill_in_save":
+            try:
+                store.save(state, epoch=1, rank_state=own_state(rank))
+            except Exception as exc:
+                cause = type(exc.__cause__).__name__ if exc.__cause__ else None
+                result["save"] = [type(exc).__name__, str(exc), cause]
+                (args.out / f"result-r{rank}.json").write_text(json.dumps(result))
+                raise
         elif args.scenario == "save_async":  # twice: the second reuses the first one's host copy
             handle = store.save_async(state, epoch=1, metrics={"loss": 1.5}, rank_state=own_state(rank))
             full = full_digest(model, opt)  # what was saved: the training steps below must not change it

@@ -14,6 +14,7 @@ import pytest
 
 from ckptflow.storage import CheckpointStore, CorruptShardError, ManifestError
 from ckptflow.storage.format.manifest import SEAL_KEY, seal
+from tests.disks import files_under, fill, free_bytes, small_tmpfs
 from tests.sharded.conftest import FsdpJob, Saved, digest
 
 pytestmark = pytest.mark.timeout(300)
@@ -66,6 +67,64 @@ def test_a_rank_killed_mid_save_leaves_the_previous_version_latest(
     finally:
         job.reap()
     assert job.procs[0].returncode != 0
+    reopened = CheckpointStore(store)
+    assert [v.version for v in reopened.versions()] == [saved_by_store.version]
+    assert digest(reopened.load()) == saved_by_store.full
+
+
+def test_a_rank_killed_mid_save_is_a_rank_failure_on_the_others(
+    saved_by_store: Saved, tmp_path: Path
+) -> None:
+    """Bug: rank 1 SIGKILLed in a sharded sync save made rank 0 raise gloo's raw ``RuntimeError:
+    [...pair.cc] Read error ... Connection reset by peer`` instead of RankFailedError (as the async
+    path and replicated saves do), saying neither what failed nor that nothing was committed."""
+    store = copy_store(saved_by_store, tmp_path)
+    job = FsdpJob.start("kill_in_save", 2, str(store), tmp_path / "job")
+    try:
+        job.wait_for("blocked")
+        job.kill(1)
+        job.wait(timeout=120)
+    finally:
+        job.reap()
+    kind, message, cause = job.result(0)["save"]
+    assert (kind, cause) == ("RankFailedError", "RuntimeError"), job.logs()
+    assert "a rank of the checkpoint group died or timed out" in message, message
+    assert f"the save of version {saved_by_store.version + 1}" in message, message
+    assert "nothing was committed" in message, message
+    assert [v.version for v in CheckpointStore(store).versions()] == [saved_by_store.version]
+
+
+@pytest.fixture(params=[96 << 10, 0], ids=["part-written", "nothing-free"])
+def full_disk(saved_by_store: Saved, tmp_path: Path, request: pytest.FixtureRequest) -> Any:
+    """``saved_by_store`` copied onto a real 2 MiB tmpfs, filled up but for 96 KiB (less than the
+    ranks' chunks of one more version, about 200 KiB, more than a claim and a shard's start), or
+    for nothing (the claim itself fails)."""
+    with small_tmpfs(tmp_path / "disk", "2m") as disk:
+        shutil.copytree(saved_by_store.url, disk / "store")
+        fill(disk, leave=request.param)
+        yield disk
+
+
+def test_a_save_that_fills_the_disk_removes_its_partial_files(
+    saved_by_store: Saved, full_disk: Path, tmp_path: Path
+) -> None:
+    """Bug: a sharded save (sync or async) that failed on a full disk left its shards and its
+    ``.claim.json`` (the disk stayed full) while the error said a failed save removes its partial
+    files. Rank 0 now removes them once DCP has gathered every rank's outcome (every rank stopped
+    writing), so the disk has its free space back and the committed version is intact. With
+    nothing free, the claim itself fails and leaves neither its temporary file nor its directory."""
+    store = full_disk / "store"
+    before, free = files_under(store), free_bytes(full_disk)
+    job = FsdpJob.run("full_disk", 2, str(store), tmp_path / "job")
+    results = [job.result(0), job.result(1)]
+    for name in ("save", "save_async"):
+        kinds = sorted(r[name][0] for r in results)
+        assert kinds[0] in ("RankFailedError", "SaveFailedError", "StorageUnavailableError"), results
+        assert any("no space left on the device" in r[name][1] for r in results), results
+        left, free_after = results[0]["left"][name]
+        assert left == before, f"{name} left {sorted(set(left) - set(before))}"
+        assert free_after == free, (name, free_after, free)
+    assert files_under(store) == before and free_bytes(full_disk) == free
     reopened = CheckpointStore(store)
     assert [v.version for v in reopened.versions()] == [saved_by_store.version]
     assert digest(reopened.load()) == saved_by_store.full

@@ -12,6 +12,8 @@ plain (non-distributed) store. What must hold:
 - a rank SIGKILLed mid-save, a rank whose write fails, ranks whose states
   differ: nothing is committed, every surviving rank raises (none hangs), the
   previous version stays the latest, and a retry commits;
+- a save on a full disk (a real tmpfs) frees it: rank 0 removes every rank's
+  partial files once all reported;
 - an async save runs beside the training loop's own collectives;
 - a single-process save stays format 1 unless it carries per-rank state.
 """
@@ -32,6 +34,7 @@ from ckptflow.storage.versions.commit import list_dirs
 from tests.children import CHILDREN
 from tests.children.dist_child import digest, make_rank_state, make_state
 from tests.conftest import assert_same_state, tensor_bits
+from tests.disks import files_under, fill, free_bytes, small_tmpfs
 from tests.jobs import RankJob
 
 pytestmark = pytest.mark.timeout(120)
@@ -342,6 +345,29 @@ class TestRankFailures:
         store = CheckpointStore(url)
         assert [v.version for v in store.versions()] == [0, 1]
         assert_same_state(store.load(1), make_state(SEED, 1))
+
+    @pytest.mark.parametrize("leave", [96 << 10, 0], ids=["part-written", "nothing-free"])
+    def test_a_save_that_fills_the_disk_removes_every_ranks_partial_files(self, tmp_path, leave):
+        """On a real full disk (a tmpfs) at W=2, a save and a save_async of the replicated state fail
+        with the disk's error, and once every rank has reported, rank 0 removes every rank's partial
+        files and the claim: the disk has its free space back and version 0 is intact. Nothing free
+        at all: the claim itself fails, and leaves neither its temporary file nor its directory."""
+        with small_tmpfs(tmp_path / "disk", "2m") as disk:
+            url = str(disk / "store")
+            Job.run("save", 2, url, tmp_path / "first", "--version", "0")
+            fill(disk, leave=leave)
+            before, free = files_under(disk / "store"), free_bytes(disk)
+            results = Job.run("full_disk", 2, url, tmp_path / "job", "--version", "1")
+            for step in ("save", "save_async"):
+                errors = [failed(result, step) for result in results]
+                assert any("no space left on the device" in e["message"] for e in errors), errors
+                left, free_after = ok(results[0], f"after_{step}")
+                assert left == before, f"{step} left {sorted(set(left) - set(before))}"
+                assert free_after == free, (step, free_after, free)
+            assert files_under(disk / "store") == before and free_bytes(disk) == free
+            store = CheckpointStore(url)
+            assert [v.version for v in store.versions()] == [0]
+            assert_same_state(store.load(0), make_state(SEED, 0))
 
     def test_different_replicated_states_are_refused_before_writing(self, tmp_path):
         url = str(tmp_path / "store")
