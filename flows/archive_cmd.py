@@ -5,7 +5,8 @@ index (and, with ``--drop-loose``, then removes their loose copies).
 ``extract`` safely unpacks one epoch of a tarball, local or remote, into a
 directory that opens as a store: with the tarball's index it reads only that
 epoch's byte ranges; absolute paths, ``..``, links, devices and members of
-other versions are refused, and checksums are verified.
+other versions are refused, and checksums are verified. It writes only into a
+new or empty directory that is no symbolic link, never into an existing store.
 """
 
 from __future__ import annotations
@@ -63,7 +64,9 @@ def extract_command(
         str, typer.Argument(metavar="TAR_URL", help="A tarball made by ckptflow (path or URL).")
     ],
     epoch: Annotated[int, typer.Option("--epoch", "-e", min=0, help="The epoch to extract.")],
-    out: Annotated[Path, typer.Option("--out", "-o", help="Directory to extract into (created).")],
+    out: Annotated[
+        Path, typer.Option("--out", "-o", help="A new or empty directory to extract into (created).")
+    ],
     storage_options: StorageOptionsOpt = None,
 ) -> None:
     """Safely extract one epoch of a tarball into DIR (verified; DIR then opens as a store)."""

@@ -450,17 +450,20 @@ def prune_command(
         best_mode=best_mode.value if best_mode is not None else None,
     )
     store = _open(url, storage_options, command="prune")
-    survey = store.survey()
-    if not survey.committed:
-        from ckptflow.storage import VersionNotFoundError
+    with _writer_lease(store, command="prune", dry_run=dry_run):
+        survey = store.survey()
+        if not survey.committed:
+            from ckptflow.storage import VersionNotFoundError
 
-        raise VersionNotFoundError(None, store.url, [])
-    manifests = [x.manifest for x in survey.committed.values()]
-    if keep_best is not None and not any(keep_best in m.metrics for m in manifests):
-        found = sorted({name for m in manifests for name in m.metrics})
-        _fail(f"no committed version has the metric {keep_best!r} (metrics: {', '.join(found) or 'none'})")
-    infos = {v: store.info_of(x) for v, x in survey.committed.items()}
-    plan = store.plan_retention(policy) if dry_run else store.apply_retention(policy)
+            raise VersionNotFoundError(None, store.url, [])
+        manifests = [x.manifest for x in survey.committed.values()]
+        if keep_best is not None and not any(keep_best in m.metrics for m in manifests):
+            found = sorted({name for m in manifests for name in m.metrics})
+            _fail(
+                f"no committed version has the metric {keep_best!r} (metrics: {', '.join(found) or 'none'})"
+            )
+        infos = {v: store.info_of(x) for v, x in survey.committed.items()}
+        plan = store.plan_retention(policy) if dry_run else store.apply_retention(policy)
     for line in present.prune_lines(plan, infos, dry_run=dry_run, policy=policy):
         typer.echo(line)
 
@@ -482,21 +485,41 @@ def gc_command(
 ) -> None:
     """Remove the uncommitted leftovers of interrupted saves and archive jobs.
 
-    A save in progress looks like a crashed one, so leftovers changed in the last --min-age seconds stay.
+    It holds the store's writer lease (refused while a run or another writer holds it). A save
+    without the lease looks like a crashed one, so leftovers changed in the last --min-age seconds stay.
     """
     store = _open(url, storage_options, command="gc")
-    writing = [v for v, has_manifest in store.version_dirs().items() if not has_manifest]
-    removed = store.gc(min_age=min_age, dry_run=dry_run)
-    for number in removed:
-        typer.echo(f"{'would remove' if dry_run else 'removed'} uncommitted {store.version_url(number)}")
-    spared = [v for v in writing if v not in removed]
-    for number in spared:
+    with _writer_lease(store, command="gc", dry_run=dry_run):
+        report = store.collect_garbage(min_age=min_age, dry_run=dry_run)
+    done = "would remove" if dry_run else "removed"
+    for number in report.removed.versions:
+        typer.echo(f"{done} uncommitted {store.version_url(number)}")
+    for tar in report.removed.tarballs:
         typer.echo(
-            f"left {store.version_url(number)}: changed in the last {min_age:g}s, a save may be writing "
-            "it (--min-age 0 removes it)"
+            f"{done} {store.tarball_url(tar)}: a tarball without an index (an interrupted archive job)"
         )
-    if not writing:
+    for name in report.removed.temp_files:
+        typer.echo(f"{done} {store.loc.display(name)}: a temporary file of an interrupted write")
+    recent, again = f"changed in the last {min_age:g}s", "(--min-age 0 removes it)"
+    for number in report.spared.versions:
+        typer.echo(f"left {store.version_url(number)}: {recent}, a save may be writing it {again}")
+    for tar in report.spared.tarballs:
+        typer.echo(f"left {store.tarball_url(tar)}: {recent}, an archive job may be writing it {again}")
+    for name in report.spared.temp_files:
+        typer.echo(f"left {store.loc.display(name)}: {recent}, a write may be in progress {again}")
+    if not (report.removed or report.spared):
         typer.echo(f"no uncommitted leftovers in {store.url}")
+
+
+@contextmanager
+def _writer_lease(store: CheckpointStore, *, command: str, dry_run: bool) -> Iterator[None]:
+    """Hold the store's writer lease while ``command`` removes things (a dry run only reads); fails
+    naming the holder while a run or another writer holds the store."""
+    if dry_run:
+        yield
+        return
+    with store.lease(owner=f"ckptflow {command}"):
+        yield
 
 
 # -- run ------------------------------------------------------------------------

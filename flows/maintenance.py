@@ -10,7 +10,8 @@ Archiving follows the same policy as in a training run (``archive.every`` /
 ``archive.target_bytes``, ``upload_to``, ``upload_versions``), over the loose
 versions a store holds: stores written by runs that did not archive, or whose
 archive jobs were cut off, are consolidated and mirrored here. A store that a
-training run is writing to is only published (see ``ckptflow.tasks.maintenance``).
+training run (or any writer holding the store's lease) is writing to is only
+published; the rest runs under the store's writer lease (see ``ckptflow.tasks.maintenance``).
 A URL where nothing is stored fails the run (a mistyped URL), unless the config
 says ``skip_missing``, as the scheduled deployments do: their default store
 appears only with the first training run there, and a user who trains
@@ -24,6 +25,7 @@ without a training run.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -35,6 +37,7 @@ from ckptflow.tasks.maintenance import (
     active_training_runs,
     apply_retention,
     collect_garbage,
+    holding_store,
     maintained_store,
     open_maintained_store,
     publish_checkpoints,
@@ -49,6 +52,7 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
     """Archive and upload what is due, apply retention, remove leftovers and publish each store's table."""
     logger = get_run_logger()
     source = f"maintenance run `{flow_run.get_name() or 'local'}`"
+    owner = f"ckptflow maintenance (flow run {flow_run.get_name() or 'local'})"
     report = []
     for url in config.storages:
         store = maintained_store(config, url)
@@ -61,9 +65,15 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
         busy = active_training_runs(store.url)
         if busy:
             logger.warning("%s is being written by %s: retention and gc skipped", store.url, ", ".join(busy))
-        archives = _archive(store, config) if not busy else []
-        pruned = apply_retention(store, config.retention) if config.retention.enabled() and not busy else []
-        removed = collect_garbage(store) if config.gc and not busy else []
+        with nullcontext(None) if busy else holding_store(store, owner=owner) as holder:
+            if holder is not None:
+                logger.warning("%s is held by the writer %s: retention and gc skipped", store.url, holder)
+                busy = [holder]
+            archives = _archive(store, config) if not busy else []
+            pruned = (
+                apply_retention(store, config.retention) if config.retention.enabled() and not busy else []
+            )
+            removed = collect_garbage(store) if config.gc and not busy else []
         artifacts = publish_checkpoints(store, source=source) if config.publish else {}
         summarized = _summarize_crashed(store) if config.publish else []
         if summarized:

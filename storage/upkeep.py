@@ -5,12 +5,21 @@ stored after it was committed; each waits for the store's async save in flight
 first and names the store in its errors. They are for one process (rank 0, or
 a job that is not running); the mechanism is in :mod:`.versions.housekeeping`
 and :mod:`.remote.mirror`.
+
+What always holds: whatever deletes (delete, prune, gc, dropping loose copies)
+runs under the store's writer lease, since a save in flight looks like garbage
+and a version being archived like one to prune. A store that holds the lease
+(or was given it with ``write_under``, or writes for the process that holds it)
+uses that one, checked first; any other store takes the lease for the call and
+releases it after. While another live writer holds the store the call is
+refused with :class:`StoreLockedError` naming the holder, and removes nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .archive.tarindex import TarIndex
@@ -19,11 +28,15 @@ from .files.location import Location, translate_errors
 from .remote import mirror
 from .versions import catalog, housekeeping
 from .versions import commit as protocol
+from .versions.housekeeping import GarbageReport
+from .versions.lease import refuse_if_held
 from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:
     from .format.manifest import Manifest
     from .save.async_save import AsyncSaver
+    from .save.store_saver import StoreSaver
+    from .versions.lease import StoreLease
 
 log = logging.getLogger("ckptflow.storage.store")
 
@@ -33,6 +46,7 @@ class Upkeep:
 
     loc: Location
     _saver: AsyncSaver
+    _saves: StoreSaver
 
     if TYPE_CHECKING:
 
@@ -40,10 +54,36 @@ class Upkeep:
 
         def manifest(self, version: int | None = None) -> Manifest: ...
 
+        def lease(
+            self, *, owner: str | None = None, timeout: float = ...
+        ) -> contextlib.AbstractContextManager[StoreLease]: ...
+
+    @contextlib.contextmanager
+    def _removing(self) -> Iterator[None]:
+        """Hold the store's writer lease while the block deletes (see the module docstring).
+
+        Waits for the async save in flight first. Raises :class:`StoreLockedError` naming the
+        holder while another live writer has the store, :class:`LeaseLostError` if this store's
+        own lease was taken over.
+        """
+        self._saver.wait_previous()
+        own = self._saves.lease
+        if own is not None:
+            with translate_errors(self.loc, "checking the writer lease of"):
+                own.confirm()
+            yield
+            return
+        with translate_errors(self.loc, "reading the writer lease of"):
+            writes_for = refuse_if_held(self.loc, writers=self._saves.writes_for) is not None
+        if writes_for:  # a training process of the run that holds the store
+            yield
+            return
+        with self.lease():
+            yield
+
     def delete(self, version: int) -> None:
         """Delete a committed version (its manifest first, so a crash leaves only garbage)."""
-        self._saver.wait_previous()
-        with translate_errors(self.loc, "deleting from"):
+        with self._removing(), translate_errors(self.loc, "deleting from"):
             housekeeping.delete_version(self.loc, version)
 
     def prune(
@@ -79,8 +119,7 @@ class Upkeep:
 
     def apply_retention(self, policy: RetentionPolicy) -> PrunePlan:
         """Delete what the policy does not keep; return the plan carried out (kept, removed, held)."""
-        self._saver.wait_previous()
-        with translate_errors(self.loc, "pruning"):
+        with self._removing(), translate_errors(self.loc, "pruning"):
             return housekeeping.prune(self.loc, policy)
 
     def archive(self, versions: Sequence[int], *, name: str | None = None) -> TarIndex:
@@ -103,21 +142,28 @@ class Upkeep:
 
     def drop_loose(self, versions: Sequence[int]) -> list[int]:
         """Remove the loose copies of archived versions; they load from their tarball after."""
-        with translate_errors(self.loc, "removing loose files from"):
+        with self._removing(), translate_errors(self.loc, "removing loose files from"):
             return housekeeping.drop_loose(self.loc, list(versions))
 
     def gc(self, *, min_age: float = 0.0, dry_run: bool = False) -> list[int]:
-        """Remove what interrupted saves and archiving left: versions without manifest, tars without index.
+        """Remove what interrupted saves and archiving left (see :meth:`collect_garbage`).
 
-        Return the versions removed. ``min_age`` seconds: spare what changed more
-        recently (another process may be saving to this store). ``dry_run``: remove
-        nothing, return the versions it would remove.
+        Return the versions removed (``dry_run``: that it would remove).
+        """
+        return list(self.collect_garbage(min_age=min_age, dry_run=dry_run).removed.versions)
+
+    def collect_garbage(self, *, min_age: float = 0.0, dry_run: bool = False) -> GarbageReport:
+        """Remove what interrupted saves and archive jobs left: version directories without a
+        manifest, tarballs without an index, temp files of atomic writes. Return what was
+        removed and what was spared.
+
+        ``min_age`` seconds: spare what changed more recently (a writer without the lease may
+        still be writing it). ``dry_run``: remove nothing, report what it would remove.
         """
         if dry_run:
             with translate_errors(self.loc, "listing"):
-                return housekeeping.garbage_versions(self.loc, min_age)
-        self._saver.wait_previous()
-        with translate_errors(self.loc, "collecting garbage in"):
+                return housekeeping.find_garbage(self.loc, min_age)
+        with self._removing(), translate_errors(self.loc, "collecting garbage in"):
             return housekeeping.collect_garbage(self.loc, min_age=min_age)
 
     # -- mirroring --------------------------------------------------------------

@@ -9,10 +9,13 @@ What must hold:
   never pruned or collected: ``gc`` cannot tell a save in progress from a
   crashed one, and retention during a run is that run's own ``finalize``
   step. "Writing right now" means a ``ckptflow-train`` flow run in Pending,
-  Running or Cancelling whose ``config.storage`` names the same store. A run
-  whose process died stays Running until the heartbeat automation (``ckptflow
-  setup-server``) or the next training run on its host marks it Crashed
-  (:mod:`.crashed`), and holds its store until then.
+  Running or Cancelling whose ``config.storage`` names the same store, or any
+  live writer holding the store's lease (a run, a training script, ``ckptflow
+  gc``). A run whose process died stays Running until the heartbeat automation
+  (``ckptflow setup-server``) or the next training run on its host marks it
+  Crashed (:mod:`.crashed`), and holds its store until then.
+- Archiving, retention and gc run under the store's writer lease
+  (:func:`holding_store`), so no writer starts on the store meanwhile.
 - Credentials are never parameters, as for the training pipeline:
   ``storage_options`` refuse them; they come from the environment, an AWS
   profile, a credential block (``storage_secret``: a Secret block or
@@ -24,7 +27,7 @@ What must hold:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from datetime import datetime, timezone
 from typing import Any
@@ -35,7 +38,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from ckptflow.storage import CheckpointStore
+from ckptflow.storage import CheckpointStore, StoreLockedError
 
 from .config import ArchiveConfig, PipelineConfig, RetentionConfig
 from .formatting import retention_line
@@ -113,6 +116,21 @@ def open_maintained_store(config: MaintenanceConfig, url: str) -> CheckpointStor
     store = maintained_store(config, url)
     store.probe(must_exist=True)
     return store
+
+
+@contextmanager
+def holding_store(store: CheckpointStore, *, owner: str) -> Iterator[str | None]:
+    """Hold the store's writer lease for the block and yield None; while another live writer
+    holds the store, hold nothing and yield who it is (then nothing may be removed)."""
+    held = ExitStack()
+    try:
+        held.enter_context(store.lease(owner=owner))
+    except StoreLockedError as exc:
+        holder = getattr(exc.holder, "owner", None) or "another writer"
+    else:
+        holder = None
+    with held:
+        yield holder
 
 
 def active_training_runs(store_url: str) -> list[str]:
@@ -219,11 +237,20 @@ def apply_retention(store: CheckpointStore, policy: RetentionConfig) -> list[int
 
 @task(name="collect_garbage", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))
 def collect_garbage(store: CheckpointStore) -> list[int]:
-    """Remove the version directories that interrupted saves left without a manifest."""
-    removed = store.gc()
-    if removed:
-        get_run_logger().info("%s: removed the leftovers of interrupted saves %s", store.url, removed)
-    return removed
+    """Remove what interrupted saves and archive jobs left; return the versions removed."""
+    removed = store.collect_garbage().removed
+    if removed.versions:
+        get_run_logger().info(
+            "%s: removed the leftovers of interrupted saves %s", store.url, removed.versions
+        )
+    if removed.tarballs or removed.temp_files:
+        get_run_logger().info(
+            "%s: removed tarballs without an index %s and temporary files %s",
+            store.url,
+            list(removed.tarballs),
+            list(removed.temp_files),
+        )
+    return list(removed.versions)
 
 
 @task(
@@ -239,6 +266,7 @@ __all__ = [
     "active_training_runs",
     "apply_retention",
     "collect_garbage",
+    "holding_store",
     "maintained_store",
     "open_maintained_store",
     "private_storage_options",

@@ -9,6 +9,11 @@ so extraction trusts nothing in it:
   is in the tar: a tar holding one such member is not one ckptflow wrote.
   Python's ``tarfile`` data filter checks every member too, as a second opinion.
 - Members outside the requested version are skipped, never written.
+- Nothing already there is replaced or mixed with: :func:`extract_epoch` writes
+  only into a new or empty directory, and :func:`extract_version` refuses a
+  version directory that exists; ``out_dir`` must not be a symbolic link
+  (dangling or not), and a file is placed by a hard link, which never replaces
+  a name that appeared meanwhile.
 - Files are written to temporary names inside ``out_dir`` (``O_EXCL |
   O_NOFOLLOW``, in directories created one level at a time, refusing any
   existing symlink on the way), so nothing lands outside ``out_dir``. Each is
@@ -66,6 +71,7 @@ def extract_epoch(
     byte ranges are read; a tarball without one (made elsewhere) is read as a stream, and its
     version is taken to be numbered as the epoch. Returns (version, paths written).
     """
+    check_new_target(out_dir)
     url, slash, name = str(tar_url).rstrip("/").rpartition("/")
     src = open_location(url or slash or ".", storage_options)  # its directory: the index is beside it
     try:
@@ -75,6 +81,38 @@ def extract_epoch(
     version = _version_of_epoch(index, epoch, src.display(name)) if index is not None else epoch
     written = extract_version(src, name, out_dir, version_prefix=f"{version_dir(version)}/", index=index)
     return version, written
+
+
+def check_new_target(out_dir: str) -> None:
+    """Refuse ``out_dir`` unless it is missing or an empty directory, and no symbolic link."""
+    _refuse_link_or_file(out_dir)
+    try:
+        names = sorted(os.listdir(out_dir))
+    except FileNotFoundError:
+        return
+    if names:
+        listing = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise CheckpointError(
+            f"{out_dir} is not empty (it holds {listing}): extract writes only into a new or empty "
+            "directory, so that it never replaces or mixes with files there; choose a new directory"
+        )
+
+
+def _refuse_link_or_file(out_dir: str) -> None:
+    try:
+        mode = os.lstat(out_dir).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise CheckpointError(
+            f"{out_dir} is a symbolic link (to {os.readlink(out_dir)}): extract writes only into a real "
+            "directory; choose a new directory"
+        )
+    if not stat.S_ISDIR(mode):
+        raise CheckpointError(
+            f"{out_dir} is a file, not a directory: extract writes into a new or empty directory; "
+            "choose a new directory"
+        )
 
 
 def _version_of_epoch(index: TarIndex, epoch: int, where: str) -> int:
@@ -95,6 +133,15 @@ def extract_version(
     """
     prefix = check_member_name(version_prefix.rstrip("/"), "version prefix") + "/"
     where = src.display(tar_name)
+    _refuse_link_or_file(out_dir)
+    existing = os.path.join(out_dir, prefix.rstrip("/"))
+    if os.path.islink(existing):
+        raise UnsafeArchiveError(f"{existing} is a symlink, not a directory: refusing to extract through it")
+    if os.path.lexists(existing):
+        raise CheckpointError(
+            f"{existing} exists: extract never replaces or adds to a version already there; "
+            "choose a new directory"
+        )
     out = _Staging(out_dir)
     try:
         if index is not None:
@@ -246,7 +293,14 @@ class _Staging:
     made: list[str] = field(default_factory=list)  # directories created, to remove on failure
 
     def __post_init__(self) -> None:
-        os.makedirs(self.out_dir, exist_ok=True)
+        missing, path = [], os.path.abspath(self.out_dir)
+        while not os.path.lexists(path):
+            missing.append(path)
+            path = os.path.dirname(path)
+        for directory in reversed(missing):  # removed again if the extraction fails
+            os.mkdir(directory, 0o755)
+            self.made.append(directory)
+        _refuse_link_or_file(self.out_dir)
         self.root = os.path.realpath(self.out_dir)
 
     def write(self, name: str, chunks: Iterable[memoryview]) -> str:
@@ -291,7 +345,7 @@ class _Staging:
         is_manifest = [s for s in self.files.values() if os.path.basename(s.final) == MANIFEST_FILE]
         for group in ([s for s in self.files.values() if s not in is_manifest], is_manifest):
             for staged in group:
-                os.replace(staged.temp, staged.final)
+                _place(staged.temp, staged.final)
             for directory in sorted({os.path.dirname(s.final) for s in group}):
                 fsync_dir(directory)
         self.made.clear()
@@ -305,6 +359,22 @@ class _Staging:
         for path in reversed(self.made):
             with contextlib.suppress(OSError):  # not empty: not ours to remove
                 os.rmdir(path)
+
+
+def _place(temp: str, final: str) -> None:
+    """Rename ``temp`` to ``final`` unless ``final`` exists: a hard link never replaces a name."""
+    try:
+        os.link(temp, final)
+    except FileExistsError:
+        raise CheckpointError(
+            f"{final} appeared while extracting; nothing there is replaced: choose a new directory"
+        ) from None
+    except OSError:  # no hard links on this filesystem: a rename, after a last look
+        if os.path.lexists(final):
+            raise CheckpointError(f"{final} appeared while extracting; choose a new directory") from None
+        os.rename(temp, final)
+        return
+    os.unlink(temp)
 
 
 def _member(src: Location, tar_name: str, name: str) -> str:

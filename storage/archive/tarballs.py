@@ -11,7 +11,9 @@ The order that keeps every committed version loadable at every instant: the
 tar is written and durable, then its index (the tarball's commit), then (when
 an upload is configured) the upload is verified, and only then are the loose
 files removed, manifest first. Between the index and the removal a version
-exists twice; loading prefers the loose copy. A tar without an index is
+exists twice; loading prefers the loose copy. An archive that fails removes
+what it wrote (the tarball, and its index if that was written after all), as a
+failed save does: its versions are still loose. A tar without an index is
 garbage from a crash and ``gc`` removes it.
 """
 
@@ -135,7 +137,11 @@ def archive_versions(loc: Location, manifests: list[Manifest], *, name: str | No
     aloc = archive_location(loc)
     extra = {"manifests": {str(m.version): m.model_dump(mode="json") for m in ordered}}
     index = write_tar(loc, members, aloc, name or tar_name(ordered), extra=extra)
-    write_index(aloc, index)
+    try:
+        write_index(aloc, index)
+    except BaseException:
+        _discard(loc, index.tar)
+        raise
     log.info("archived versions %s into %s", [m.version for m in ordered], aloc.display(index.tar))
     return index
 
@@ -154,6 +160,16 @@ def archived_sources(loc: Location, archived: ArchivedVersion) -> list[ShardSour
         name = f"{aloc.display(archived.tar)}[{entry.name}]"
         sources.append(ShardSource(aloc.path(archived.tar), entry.offset, archived.index.size, name))
     return sources
+
+
+def _discard(loc: Location, tar: str) -> None:
+    """Remove a tarball whose index failed (a full disk): its versions are still loose."""
+    try:
+        remove_tarball(loc, tar)
+    except Exception as exc:  # garbage either way (gc removes it); keep the first error
+        log.warning(
+            "could not remove the uncommitted tarball %s: %s", archive_location(loc).display(tar), exc
+        )
 
 
 def remove_tarball(loc: Location, tar: str) -> None:

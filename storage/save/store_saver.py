@@ -162,6 +162,11 @@ class StoreSaver:
         """The lease this store's commits go under, if it holds one."""
         return self._lease
 
+    @property
+    def writes_for(self) -> frozenset[int]:
+        """The processes (of this host) under whose lease this store may commit."""
+        return self._writes_for
+
     def close(self) -> None:
         """Wait for the async save in flight and release the staging buffer."""
         try:

@@ -6,15 +6,20 @@ midway leaves garbage, never a broken version); a tarball loses its index
 first; loose files of an archived version go only once its tarball is
 committed; a tarball goes only when none of its versions is kept (members
 cannot be cut out of a tar). ``gc`` removes what crashes leave: version
-directories without a manifest, tarballs without an index, temp files.
+directories without a manifest, tarballs without an index, temp files of
+atomic writes (in the root and in ``archive/``), and says which it removed and
+which it spared as too recent (:class:`GarbageReport`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import logging
 import os
 import time
+from typing import TypeVar
 
 from ..archive.tarballs import (
     archive_location,
@@ -23,7 +28,7 @@ from ..archive.tarballs import (
     list_tarballs,
     remove_tarball,
 )
-from ..archive.tarindex import TarIndex
+from ..archive.tarindex import TarIndex, index_name
 from ..errors import CheckpointError, VersionNotFoundError
 from ..files.atomic import stale_temp_files
 from ..files.location import Location
@@ -33,6 +38,8 @@ from . import commit as protocol
 from .retention import PrunePlan, RetentionPolicy, plan_prune
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def delete_version(loc: Location, version: int) -> None:
@@ -106,36 +113,70 @@ def drop_loose(loc: Location, versions: list[int]) -> list[int]:
     return removed
 
 
-def collect_garbage(loc: Location, *, min_age: float = 0.0) -> list[int]:
+@dataclasses.dataclass(frozen=True)
+class Leftovers:
+    """What interrupted saves and archive jobs left behind."""
+
+    versions: tuple[int, ...] = ()  # version directories without a manifest
+    tarballs: tuple[str, ...] = ()  # tarballs without an index (names under ``archive/``)
+    temp_files: tuple[str, ...] = ()  # temp files of atomic writes (paths under the root; local only)
+
+    def __bool__(self) -> bool:
+        return bool(self.versions or self.tarballs or self.temp_files)
+
+
+@dataclasses.dataclass(frozen=True)
+class GarbageReport:
+    """What gc removed (in a dry run: would remove), and what it spared as changed too recently."""
+
+    removed: Leftovers
+    spared: Leftovers
+
+
+def find_garbage(loc: Location, min_age: float = 0.0) -> GarbageReport:
+    """Every leftover, split by ``min_age`` into those gc removes and those it spares (reads only)."""
+    aloc = archive_location(loc)
+    _, partial = list_tarballs(loc)
+    temps = [os.path.relpath(p, loc.root) for p in (*stale_temp_files(loc), *stale_temp_files(aloc))]
+    versions = _by_age(
+        loc, [(v, loc.path(version_dir(v))) for v, ok in protocol.list_dirs(loc).items() if not ok], min_age
+    )
+    tarballs = _by_age(loc, [(tar, aloc.path(tar)) for tar in partial], min_age)
+    temp_files = _by_age(loc, [(name, loc.path(name)) for name in temps], min_age)
+    return GarbageReport(
+        Leftovers(versions[0], tarballs[0], temp_files[0]), Leftovers(versions[1], tarballs[1], temp_files[1])
+    )
+
+
+def _by_age(loc: Location, items: list[tuple[T, str]], min_age: float) -> tuple[tuple[T, ...], tuple[T, ...]]:
+    """The items of (item, path) pairs unchanged for ``min_age`` seconds, and those changed since."""
+    ages = [(item, settled(loc, path, min_age)) for item, path in items]
+    return tuple(item for item, ok in ages if ok), tuple(item for item, ok in ages if not ok)
+
+
+def collect_garbage(loc: Location, *, min_age: float = 0.0) -> GarbageReport:
     """Remove version directories without a manifest, tarballs without an index and temp files.
 
     ``min_age`` (seconds): leave alone what changed more recently, since a save or
     an archive job in another process may still be writing it.
     """
-    garbage = garbage_versions(loc, min_age)
-    for v in garbage:
+    report = find_garbage(loc, min_age)
+    for v in report.removed.versions:
         loc.remove_tree(loc.path(version_dir(v)))
-    _, partial = list_tarballs(loc)
     aloc = archive_location(loc)
-    for tar in partial:
-        if settled(loc, aloc.path(tar), min_age):
-            log.info("removing %s: a tarball without an index (archiving was interrupted)", tar)
-            remove_tarball(loc, tar)
+    tarballs = []
+    for tar in report.removed.tarballs:
+        if aloc.fs.exists(aloc.path(index_name(tar))):
+            continue  # committed since it was listed: no leftover
+        log.info("removing %s: a tarball without an index (archiving was interrupted)", tar)
+        aloc.remove_file(aloc.path(tar))
+        tarballs.append(tar)
     for v in claims.stray_claims(loc):  # a writer killed between its commit and removing its claim
         claims.drop_claim(loc, v)
-    for path in stale_temp_files(loc):
-        if settled(loc, path, min_age):
-            os.remove(path)
-    return garbage
-
-
-def garbage_versions(loc: Location, min_age: float = 0.0) -> list[int]:
-    """Version directories without a manifest that ``gc(min_age=...)`` removes (one listing)."""
-    return [
-        v
-        for v, has_manifest in protocol.list_dirs(loc).items()
-        if not has_manifest and settled(loc, loc.path(version_dir(v)), min_age)
-    ]
+    for name in report.removed.temp_files:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(loc.path(name))
+    return dataclasses.replace(report, removed=dataclasses.replace(report.removed, tarballs=tuple(tarballs)))
 
 
 def settled(loc: Location, path: str, min_age: float) -> bool:
