@@ -16,11 +16,21 @@ seeded RNG so a failing run can be replayed, it injects one fault:
   the client an interim ``100 Continue`` of its own and then stalls as above:
   a server that took the request and went silent, after an interim answer
   that came late (moto sends two ``100 Continue``, the second one at random
-  before or after the body is out).
+  before or after the body is out);
+- ``answer-reset``, ``answer-stall``, ``answer-500`` (only when asked for): the
+  request reaches the server whole and the server acts on it, but its answer
+  never reaches the client, which gets a reset, a stall (then a reset) or a
+  ``500 InternalError`` instead: a PUT that was stored although the client
+  saw it fail;
+- ``error-500`` (only when asked for): the request never reaches the server;
+  the client gets a ``500 InternalError`` (queue many for a server that keeps
+  failing, as one restarting does).
 
 ``force(kind, n, offset, match)`` queues ``n`` faults regardless of the rate;
 each is taken by the first connection that reaches ``offset`` bytes (and
-carries a request whose target contains ``match``), for tests that need a
+carries a request whose head contains ``match``: ``"PUT /bucket/key?query"``
+then one ``"\\nname: value"`` line per header, names in lower case; a tuple
+must all be in one request's head), for tests that need a
 fault at a known point. A connection gets at most one fault. Note that moto's
 server closes every connection after one response.
 
@@ -46,8 +56,17 @@ from urllib.parse import urlsplit
 import pytest
 
 KINDS = ("drop", "reset", "stall")  # the kinds drawn at random by default
-ALL_KINDS = (*KINDS, "corrupt", "late-continue")
+ANSWER_KINDS = ("answer-reset", "answer-stall", "answer-500")  # the server acts, the client never hears
+ALL_KINDS = (*KINDS, "corrupt", "late-continue", *ANSWER_KINDS, "error-500")
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_ERROR_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>InternalError</Code>'
+    b"<Message>We encountered an internal error. Please try again.</Message></Error>"
+)
+_INTERNAL_ERROR = (
+    b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/xml\r\n"
+    b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(_ERROR_BODY) + _ERROR_BODY
+)
 _CHUNK = 256 << 10
 _POLL = 0.1
 
@@ -56,8 +75,9 @@ _POLL = 0.1
 class Fault:
     kind: str
     offset: int  # after this many bytes (both directions) of the connection
-    match: str = ""  # only on a connection with a request whose target contains this
+    match: str | tuple[str, ...] = ""  # only on a connection with a request whose head contains this
     fired: bool = False
+    request: int = 0  # answer and error kinds: the number of the request (on its connection) they hit
 
 
 @dataclass
@@ -115,16 +135,22 @@ class FaultProxy:
     def faults(self) -> int:
         return sum(self.counts[k] for k in ALL_KINDS)
 
-    def force(self, kind: str, n: int = 1, offset: int | None = None, match: str = "") -> None:
+    def force(
+        self, kind: str, n: int = 1, offset: int | None = None, match: str | tuple[str, ...] = ""
+    ) -> None:
         """Queue ``n`` ``kind`` faults, each after ``offset`` bytes (default: drawn) of a connection.
 
         A queued fault waits for a connection that gets that far and, if ``match``
-        is given, that carries a request whose target contains it (``"partNumber=3"``).
+        is given, that carries a request whose head contains it (``"partNumber=3"``,
+        ``("PUT /bucket/key", "\\nif-match:")``).
+        The answer and error kinds hit that request, and match only the newest request's head.
         """
         assert kind in ALL_KINDS, kind
         with self._lock:
             for _ in range(n):
                 at = offset if offset is not None else self._rng.randint(1, self.max_offset)
+                if offset is None and (kind in ANSWER_KINDS or kind == "error-500"):
+                    at = 0
                 self._forced.append(Fault(kind, at, match))
 
     def reseed(self, seed: int) -> None:
@@ -179,13 +205,18 @@ class FaultProxy:
         """The first queued fault this connection has reached (offset and match), taken off the queue."""
         with self._lock:
             for i, f in enumerate(self._forced):
+                heads = targets[-1:] if f.kind in ANSWER_KINDS or f.kind == "error-500" else targets
                 if (
                     f.kind != "drop"
                     and moved >= f.offset
-                    and (not f.match or any(f.match in t for t in targets))
+                    and (not f.match or any(_matches(f.match, t) for t in heads))
                 ):
                     return self._forced.pop(i)
         return None
+
+    def _errors_queued(self) -> bool:
+        with self._lock:
+            return any(f.kind == "error-500" for f in self._forced)
 
     def _next_offset(self, fault: Fault | None, moved: int) -> int | None:
         """The nearest byte count at which a fault may fire: reads stop there."""
@@ -225,6 +256,7 @@ class FaultProxy:
             s.settimeout(5)
         open_ = set(peer)  # sides still sending
         moved, parser, targets = 0, RequestParser(), []
+        held = b""  # the start of a request head, forwarded once the request is known not to be failed
         while open_ and not self._stop.is_set():
             ready, _, _ = select.select(list(open_), [], [], _POLL)
             for src in ready:
@@ -236,10 +268,37 @@ class FaultProxy:
                     continue
                 if src is client:
                     found = parser.feed(data)
-                    targets += [t for _, t in found]
+                    targets += parser.heads[len(targets) :]
                     self._record(found)
                 moved += len(data)
-                fault = fault or self._claim(moved, targets)
+                if fault is None and (fault := self._claim(moved, targets)) is not None:
+                    fault.request = len(targets)
+                if fault is not None and fault.kind == "error-500" and not fault.fired and src is client:
+                    held = b""  # no byte of the failed request reaches the server
+                    waits = "\nexpect: 100-continue" in targets[fault.request - 1].lower()
+                    if parser.ended >= fault.request or waits:  # received whole, or waiting: answer it
+                        fault.fired = True
+                        self._count(fault.kind)
+                        client.sendall(_INTERNAL_ERROR)
+                        return False
+                    continue
+                if src is client and (held or (parser.in_head() and self._errors_queued())):
+                    held += data
+                    if parser.in_head():
+                        continue
+                    data, held = held, b""
+                if fault is not None and fault.kind in ANSWER_KINDS and not fault.fired:
+                    if src is upstream and parser.ended >= fault.request:  # the answer: lose it
+                        fault.fired = True
+                        self._count(fault.kind)
+                        if fault.kind == "answer-500":
+                            client.sendall(_INTERNAL_ERROR)
+                            return False
+                        if fault.kind == "answer-stall":
+                            self._stop.wait(self.stall_seconds)
+                        return True
+                    peer[src].sendall(data)
+                    continue
                 if _due(fault, moved, request_over=src is client and parser.ended > 0):
                     assert fault is not None
                     fault.fired = True
@@ -270,6 +329,10 @@ class FaultProxy:
             self.counts[kind] += 1
 
 
+def _matches(match: str | tuple[str, ...], head: str) -> bool:
+    return all(m in head for m in ((match,) if isinstance(match, str) else match))
+
+
 def _due(fault: Fault | None, moved: int, *, request_over: bool) -> bool:
     """Whether ``fault`` fires now (a late-continue waits for the end of a request past its offset)."""
     if fault is None or fault.fired or moved < fault.offset:
@@ -285,6 +348,11 @@ class RequestParser:
         self.body = 0  # body bytes still to skip
         self.chunked = False
         self.ended = 0  # requests received whole, body included
+        self.heads: list[str] = []  # "METHOD target" and "\nname: value" per header, one per request
+
+    def in_head(self) -> bool:
+        """Whether the bytes fed so far end inside a request head."""
+        return not self.body and not self.chunked and bool(self.buf)
 
     def feed(self, data: bytes) -> list[tuple[str, str]]:
         """Request lines (method, target) completed by ``data``."""
@@ -311,6 +379,7 @@ class RequestParser:
         method, target, *_ = [*line.split(" "), "", ""]
         found.append((method, target))
         headers = {k.strip().lower(): v.strip() for k, _, v in (f.partition(":") for f in fields)}
+        self.heads.append(f"{method} {target}" + "".join(f"\n{k}: {v}" for k, v in headers.items()))
         self.chunked = "chunked" in headers.get("transfer-encoding", "").lower()
         self.body = 0 if self.chunked else int(headers.get("content-length") or 0)
         if not self.chunked and not self.body:

@@ -7,7 +7,8 @@ filesystem layer are translated into :class:`StorageUnavailableError` with a
 message that says what to do; URLs in messages never carry credentials.
 
 Object stores fail in ways a local disk does not: no credentials, credentials
-refused, an endpoint that does not answer. Those come from botocore or aiohttp
+refused, an endpoint that does not answer, a server that answers 500 (or 503)
+to every retry, as one restarting does. Those come from botocore or aiohttp
 (through s3fs), and are recognised by the names of their classes, so that this
 module imports neither: a store on a local disk never loads them.
 :func:`probe` asks one question of a store (is anything there?) with bounded
@@ -181,6 +182,7 @@ _REFUSED = {
     "Forbidden",
     "403",
 }
+_SERVER_FAILED = {"InternalError", "ServiceUnavailable", "SlowDown"}  # also any HTTP status >= 500
 
 
 def remote_failure(loc: Location, action: str, exc: BaseException) -> StorageUnavailableError | None:
@@ -223,6 +225,13 @@ def store_failure(
                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the profile, or key and secret in the storage "
                 "options) and the bucket's policy"
             )
+        status = _status_code(error)
+        if code in _SERVER_FAILED or status >= 500:
+            return StorageUnavailableError(
+                f"the object store{at} failed while {action} {where} ({code or f'HTTP {status}'}, after "
+                "retries): the server is down, restarting or overloaded; committed versions are intact. "
+                "Try again once it answers"
+            )
     return None
 
 
@@ -245,6 +254,15 @@ def _error_code(exc: BaseException) -> str:
     if not isinstance(response, dict) or "botocore" not in sys.modules:
         return ""
     return str(response.get("Error", {}).get("Code", ""))
+
+
+def _status_code(exc: BaseException) -> int:
+    """The HTTP status of a botocore error's answer (0: none)."""
+    response = getattr(exc, "response", None)
+    if not isinstance(response, dict) or "botocore" not in sys.modules:
+        return 0
+    status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return status if isinstance(status, int) else 0
 
 
 def _endpoint(loc: Location) -> str | None:

@@ -20,10 +20,12 @@ and is found with its size by one listing just before (a shard removed mid-save 
 on local disks the manifest goes to a temporary name, is fsynced and hard-linked into place, and the
 directory is fsynced; on object stores one PUT is atomic. Either way the manifest is created only if
 absent (a link never replaces a name; the PUT carries ``If-None-Match: *``), so no commit replaces
-another writer's. Before its first shard, a writer claims the version number with a claim file
-created the same exclusive way; the commit checks the claim is still its own and removes it. The
-``latest`` pointer is updated after the commit and is only a hint for other tools: the truth is "the
-highest committed version".
+another writer's. A PUT can be stored while its answer is lost: a writer that is told the manifest
+exists, or whose PUT failed, reads it back, and a manifest holding its own bytes is its commit.
+Before its first shard, a writer claims the version number with a claim file created the same
+exclusive way; the commit checks the claim is still its own and removes it. The ``latest`` pointer
+is updated after the commit and is only a hint for other tools: the truth is "the highest committed
+version", and a ``latest`` that could not be written fails no save.
 """
 
 from __future__ import annotations
@@ -170,33 +172,63 @@ def commit(loc: Location, manifest: Manifest, *, claim: str | None = None) -> No
         check_claim(loc, manifest.version, claim)
     check_shards_present(loc, manifest)
     create_manifest(loc, manifest)
+    # Committed. What follows only tidies up: a failure is logged, never raised (the save succeeded).
     if claim is not None:
-        drop_claim(loc, manifest.version)
+        try:
+            drop_claim(loc, manifest.version)
+        except Exception as exc:  # ``gc`` removes the claim of a committed version
+            log.warning("committed %s, but could not remove its claim: %s", loc.display(vdir), exc)
     if _is_newest(loc, manifest.version):  # a save with an explicit, lower version leaves latest alone
         _write_latest(loc, vdir)
 
 
 def create_manifest(loc: Location, manifest: Manifest) -> None:
-    """Create ``manifest.json`` of a version if it does not exist yet; raise VersionTakenError if it does."""
+    """Create ``manifest.json`` of a version if it does not exist yet; raise VersionTakenError if it does.
+
+    On an object store a PUT can be stored while its answer is lost (a reset, a 500, a timeout): the
+    client's retry then finds the manifest, or every attempt fails. Either way, the manifest stored
+    is read back, and if it holds this writer's bytes the commit is this writer's and stands.
+    """
     vdir = version_dir(manifest.version)
+    path = loc.path(vdir, MANIFEST_FILE)
     data = manifest.to_json()
     try:
         if loc.is_local:
             exclusive_local_write(loc.path(vdir), MANIFEST_FILE, data)
         else:
-            exclusive_remote_write(loc.fs, loc.path(vdir, MANIFEST_FILE), data)
+            exclusive_remote_write(loc.fs, path, data)
         return
     except FileExistsError:
-        pass
-    try:
-        if loc.fs.cat_file(loc.path(vdir, MANIFEST_FILE)) == data:
+        if _stored(loc, path) == data:
             return  # our own PUT, retried by the client after a lost answer
-    except FileNotFoundError:
-        pass
+    except Exception:
+        if loc.is_local or not _stored_anyway(loc, path, data):
+            raise
+        log.info("committed %s: its manifest was stored though no answer said so", loc.display(vdir))
+        return
     raise VersionTakenError(
         f"not committing {loc.display(vdir)}: another writer committed version {manifest.version} while "
         "this one was writing it; that commit stands. Only one writer may use a store at a time"
     )
+
+
+def _stored(loc: Location, path: str) -> bytes | None:
+    """The manifest at ``path`` as stored now (None: none), past fsspec's caches: s3fs would answer
+    from its listing of the version directory, taken before the manifest was written."""
+    loc.fs.invalidate_cache(path)
+    try:
+        return bytes(loc.fs.cat_file(path, start=0, end=MAX_BYTES + 1))
+    except FileNotFoundError:
+        return None
+
+
+def _stored_anyway(loc: Location, path: str, data: bytes) -> bool:
+    """After a failed PUT of the manifest ``data``: whether it was stored all the same."""
+    try:
+        return _stored(loc, path) == data
+    except Exception as exc:  # the store still fails: the PUT's own error says more
+        log.debug("could not read back %s: %s", path, exc)
+        return False
 
 
 def check_shards_present(loc: Location, manifest: Manifest) -> None:
@@ -231,7 +263,7 @@ def _is_newest(loc: Location, version: int) -> bool:
         names = loc.fs.ls(loc.root, detail=False)
         higher = [v for name in names if (v := parse_version_dir(name)) is not None and v > version]
         return not any(loc.fs.exists(loc.path(version_dir(v), MANIFEST_FILE)) for v in higher)
-    except OSError as exc:  # the commit stands; update the pointer as if this were the newest
+    except Exception as exc:  # the commit stands; update the pointer as if this were the newest
         log.warning("could not list %s: %s", loc.display(), exc)
         return True
 
@@ -239,8 +271,14 @@ def _is_newest(loc: Location, version: int) -> bool:
 def _write_latest(loc: Location, vdir: str) -> None:
     try:
         write_file_atomic(loc, LATEST_FILE, f"{vdir}\n".encode())
-    except OSError as exc:  # the commit stands; the pointer is only a hint
-        log.warning("could not update %s: %s", loc.display(LATEST_FILE), exc)
+    except Exception as exc:  # the commit stands; the pointer is only a hint, which readers never trust
+        log.warning(
+            "could not update %s (to %s): %s; it is only a hint, readers find the newest committed "
+            "version without it",
+            loc.display(LATEST_FILE),
+            vdir,
+            exc,
+        )
 
 
 def refresh_latest(loc: Location, committed: list[int]) -> None:

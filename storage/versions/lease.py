@@ -8,6 +8,8 @@ is not a version, a tarball or a metadata name the store would read back.
   complete, fsynced temporary file (fails if the name exists), on object
   stores a PUT with ``If-None-Match: *``. A lease whose holder is alive is
   never taken: the caller gets :class:`StoreLockedError` naming the holder.
+  An object store may store a PUT and lose its answer: a writer recognises
+  its own lease by its token, read back (on create and on takeover).
 - **Renew**: every ``timeout / 6`` seconds a daemon thread rewrites
   ``renewed``, but only while the lease still carries this holder's token
   (on S3 a PUT with ``If-Match: <etag of our last write>``). A renewal that
@@ -36,8 +38,9 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import replace
+from typing import Any
 
 from ..errors import CheckpointError, LeaseLostError, StoreLockedError, UnsafeFileError
 from ..files.atomic import atomic_local_write, exclusive_local_write, exclusive_remote_write
@@ -53,6 +56,9 @@ LEASE_FILE = "lease.json"
 LEASE_KEY = "lease"  # in a manifest's ``writer``: the token of the lease it was committed under
 DEFAULT_TIMEOUT = 180.0  # seconds without renewal after which a lease may be taken over
 RENEWALS_PER_TIMEOUT = 6  # renew every timeout / 6 seconds (30 s by default)
+# Tokens of this process's leases whose PUT failed and may have been stored all the same (an object
+# store's answer lost, and reading it back failed too): no live StoreLease holds them.
+_UNANSWERED: set[str] = set()
 
 
 class StoreLease:
@@ -162,7 +168,7 @@ class StoreLease:
         fs, data = self.loc.fs, self.info.to_json()
         for _ in range(2):
             try:
-                self._etag = _etag_of(exclusive_remote_write(fs, self.path, data))
+                self._put_own(exclusive_remote_write, fs, self.path, data)
                 return
             except FileExistsError:
                 pass
@@ -172,18 +178,53 @@ class StoreLease:
             if current is not None and current.token == self.token:  # our create, retried by the client
                 self._etag = etag
                 return
-            if current is not None and not current.is_stale():
+            orphan = current.token if current is not None and current.token in _UNANSWERED else None
+            if current is not None and not current.is_stale() and orphan is None:
                 raise _locked(self.loc, current)
-            self._log_takeover(current)
+            if orphan is not None:
+                log.info("replacing the lease %s that a failed take of this process stored", self.url)
+            else:
+                self._log_takeover(current)
             if not self.loc.is_s3:
                 fs.pipe_file(self.path, data)
                 return
             try:
-                self._etag = _etag_of(fs.pipe_file(self.path, data, IfMatch=etag))
-                return
+                self._put_own(fs.pipe_file, self.path, data, IfMatch=etag)
             except (FileNotFoundError, OSError):  # another writer took, renewed or removed it since
                 break
+            _UNANSWERED.discard(orphan or "")
+            return
         raise _locked(self.loc, _read_remote(self.loc)[1])
+
+    def _put_own(self, put: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        """Store this writer's lease with ``put(*args, **kwargs)`` (a PUT) and keep its ETag.
+
+        A PUT can be stored while its answer is lost (a reset, a 500, a timeout; a retry of it then
+        fails its own condition): a failed PUT is this writer's all the same when the stored lease
+        carries its token. A token whose PUT could not be told either way is remembered, so that a
+        later take by this process replaces that lease instead of waiting for it to time out.
+        """
+        try:
+            self._etag = _etag_of(put(*args, **kwargs))
+        except FileExistsError:
+            raise
+        except Exception:
+            if not self._stored_anyway():
+                raise
+        _UNANSWERED.discard(self.token)
+
+    def _stored_anyway(self) -> bool:
+        """After a failed PUT of this writer's lease: whether it was stored all the same."""
+        try:
+            etag, current = _read_remote(self.loc)
+        except Exception as exc:  # the store still fails: the PUT's own error says more
+            log.debug("could not read back %s: %s", self.url, exc)
+            _UNANSWERED.add(self.token)
+            return False
+        if current is None or current.token != self.token:
+            return False
+        self._etag = etag
+        return True
 
     def _log_takeover(self, stale: LeaseInfo | None) -> None:
         if stale is None:
@@ -324,7 +365,8 @@ def refuse_if_held(loc: Location, *, writers: Collection[int] = ()) -> LeaseInfo
     if holder.pid in writers and is_this_space(holder.host, holder.space):
         return holder
     family = ancestors()
-    if holder.pid in family and is_this_space(holder.host, holder.space):
+    ours = holder.pid == family[0] or (holder.pid in family and holder.owner.startswith("ckptflow run"))
+    if ours and is_this_space(holder.host, holder.space):  # this process, or the run it trains for
         whose = "this process" if holder.pid == family[0] else f"its parent process {holder.pid}"
         raise StoreLockedError(
             f"{loc.display()} is held by the writer lease of {whose} ({holder.owner}); this store "
@@ -397,6 +439,8 @@ def _root_lock(root: str) -> Iterator[None]:
 def _read_local(path: str) -> LeaseInfo | None:
     """The lease at ``path``: None if there is none or its bytes are no valid lease (read up to a
     bound); StoreLockedError if it is no regular file (a FIFO, a directory, a device, a symlink)."""
+    if not os.path.isdir(os.path.dirname(path)):  # no store there (yet): no lease; the caller says why
+        return None
     try:
         fd = open_regular(path)
     except FileNotFoundError:
