@@ -17,7 +17,6 @@ import errno
 import json
 import os
 import shutil
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,6 +31,7 @@ from ckptflow.storage import CheckpointStore, StorageUnavailableError
 from ckptflow.storage.archive import tarindex
 from ckptflow.storage.archive.tarindex import index_name
 from tests.conftest import StoreTarget, assert_same_state
+from tests.disks import free_bytes, small_tmpfs
 
 TAR = "epochs-000000-000001.tar"
 PARTIAL = "epochs-000002-000003.tar"
@@ -51,26 +51,11 @@ def pages(size: int) -> int:
     return -(-size // PAGE) * PAGE
 
 
-def free_bytes(path: Path) -> int:
-    stat = os.statvfs(path)
-    return stat.f_bavail * stat.f_frsize
-
-
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A real 4 MiB tmpfs: writes past its size fail with ENOSPC (needs root: mount)."""
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mountpoint)], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "4m") as mountpoint:
         yield mountpoint
-    finally:
-        if subprocess.run(["umount", str(mountpoint)]).returncode != 0:
-            subprocess.run(["umount", "-l", str(mountpoint)], check=True)
 
 
 def archive_listing(root: Path) -> list[str]:
@@ -124,15 +109,6 @@ class TestAFailedArchiveLeavesNothing:
         assert target.raw_listdir("archive") == []
         assert store.survey().bad_archives == {}
         assert [(v.version, v.archived) for v in store.versions()] == [(0, False), (1, False)]
-
-
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreTarget]:
-    if request.param == "local":
-        yield StoreTarget("local", str(tmp_path / "store"), None)
-    else:
-        bucket, options = request.getfixturevalue("s3_bucket")
-        yield StoreTarget("s3", f"s3://{bucket}/run1", options)
 
 
 @pytest.fixture

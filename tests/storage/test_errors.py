@@ -26,6 +26,7 @@ from ckptflow.storage import (
     VersionNotFoundError,
 )
 from tests.conftest import S3_SECRET, assert_same_state
+from tests.disks import small_tmpfs
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
 
@@ -217,18 +218,8 @@ class TestVersionErrors:
 @pytest.fixture
 def small_disk(tmp_path):
     """A real 1 MiB tmpfs, so writes fail with ENOSPC (needs root: mount)."""
-    mountpoint = tmp_path / "disk"
-    mountpoint.mkdir()
-    proc = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mountpoint)], capture_output=True, text=True
-    )
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here (needs root): {proc.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "1m") as mountpoint:
         yield mountpoint
-    finally:
-        if subprocess.run(["umount", str(mountpoint)]).returncode != 0:
-            subprocess.run(["umount", "-l", str(mountpoint)], check=True)
 
 
 class TestDiskFull:

@@ -32,15 +32,6 @@ from tests.storage.test_single_writer import Writer, committed_lines
 LEFTOVER = "v000050/shard-r0-00.h5"  # what a save in flight has written so far, as gc sees it
 
 
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreTarget]:
-    if request.param == "local":
-        yield StoreTarget("local", str(tmp_path / "store"), None)
-    else:
-        bucket, options = request.getfixturevalue("s3_bucket")
-        yield StoreTarget("s3", f"s3://{bucket}/run1", options)
-
-
 @pytest.fixture
 def held(target: StoreTarget, tmp_path: Path) -> Iterator[Writer]:
     """A writer process that committed three versions and holds the lease (renewed) for a minute."""

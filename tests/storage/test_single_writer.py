@@ -22,7 +22,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -51,16 +50,6 @@ from tests.conftest import StoreTarget, assert_same_state
 CHILD = CHILDREN / "writer_child.py"
 ROOT_DIR = Path(__file__).resolve().parents[2]
 SAVES = 6
-
-
-@pytest.fixture(params=["local", pytest.param("s3", marks=pytest.mark.s3)])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreTarget]:
-    """A store several processes can share: a local directory, or a bucket on the S3 server."""
-    if request.param == "local":
-        yield StoreTarget("local", str(tmp_path / "store"), None)
-    else:
-        bucket, options = request.getfixturevalue("s3_bucket")
-        yield StoreTarget("s3", f"s3://{bucket}/run1", options)
 
 
 @dataclass
