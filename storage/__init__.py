@@ -18,6 +18,7 @@ from .archive.extract import extract_epoch
 from .archive.tarindex import TarIndex
 from .errors import (
     CheckpointError,
+    CorruptArchiveError,
     CorruptShardError,
     FormatVersionError,
     LeaseLostError,
@@ -63,6 +64,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointError",
     "CheckpointStore",
+    "CorruptArchiveError",
     "CorruptShardError",
     "FormatVersionError",
     "LeaseInfo",
