@@ -62,11 +62,11 @@ class Upkeep:
     def _removing(self) -> Iterator[None]:
         """Hold the store's writer lease while the block deletes (see the module docstring).
 
-        Waits for the async save in flight first. Raises :class:`StoreLockedError` naming the
-        holder while another live writer has the store, :class:`LeaseLostError` if this store's
-        own lease was taken over.
+        Waits for the async save in flight to end first (its outcome stays the saver's). Raises
+        :class:`StoreLockedError` naming the holder while another live writer has the store,
+        :class:`LeaseLostError` if this store's own lease was taken over.
         """
-        self._saver.wait_previous()
+        self._saves.join_inflight()  # not wait_previous: its failure is the saving thread's to raise
         own = self._saves.lease
         if own is not None:
             with translate_errors(self.loc, "checking the writer lease of"):

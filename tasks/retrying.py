@@ -48,6 +48,22 @@ def failure_key(exc: BaseException) -> tuple[str, str, str]:
     return type(exc).__name__, str(exc), place
 
 
+TRANSIENT = (OSError, TimeoutError, ConnectionError)  # a data loader's network or disk: may pass
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether ``exc`` may pass on its own however often it repeats (I/O of the epoch's data), so
+    that a repetition does not end the retries."""
+    from .trainer import TrainerError
+
+    if isinstance(exc, TrainerError) and exc.kind:
+        import builtins
+
+        kind = getattr(builtins, exc.kind, None)
+        return isinstance(kind, type) and issubclass(kind, TRANSIENT)
+    return isinstance(exc, TRANSIENT)
+
+
 def refuse_retries(exc: BaseException, why: str) -> None:
     """Mark ``exc`` as a failure no retry can fix (:func:`unless_refused` ends its task), saying why."""
     setattr(exc, _REFUSED, why)

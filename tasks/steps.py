@@ -59,7 +59,7 @@ from . import run_state
 from .config import PipelineConfig, RetentionConfig
 from .formatting import retention_line
 from .monitoring import notify
-from .retrying import failure_key, io_task, refuse_retries, unless_refused
+from .retrying import failure_key, io_task, is_transient, refuse_retries, unless_refused
 from .run_state import RUN_FILE, ConfigMismatchError, EpochAttempts, NothingToResumeError, RunState
 from .spec import SpecError
 from .trainer import TrainerDiedError
@@ -228,7 +228,7 @@ def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str,
             attempts.failure = None
             raise
         key = failure_key(exc)
-        if key == attempts.failure:
+        if key == attempts.failure and not is_transient(exc):
             why = (
                 f"epoch {epoch} failed as its previous attempt did ({key[0]} at {os.path.basename(key[2])}): "
                 "not retried, since a retry replays the epoch from the same state"
@@ -266,8 +266,12 @@ class SaveResult:
 
 def _save_may_pass(task: Any, task_run: Any, state: Any) -> bool:
     """Retry a save unless another writer has the store or the version: a retry cannot change that."""
-    error = state.result(raise_on_failure=False)
-    return not isinstance(error, (StoreLockedError, LeaseLostError, ForeignVersionError))
+    error: BaseException | None = state.result(raise_on_failure=False)
+    while error is not None:  # an async save's SaveFailedError carries the refusal as its cause
+        if isinstance(error, (StoreLockedError, LeaseLostError, ForeignVersionError)):
+            return False
+        error = error.__cause__
+    return True
 
 
 class ForeignVersionError(CheckpointError):

@@ -384,7 +384,7 @@ def _received(conn: Connection) -> Iterator[dict[str, Any]]:
 
 
 def _remote_error(error: dict[str, Any]) -> BaseException:
-    from ckptflow.storage import StateMismatchError
+    from ckptflow.storage import LeaseLostError, StateMismatchError, StoreLockedError
 
     from .run_state import ConfigMismatchError, NothingToResumeError
     from .spec import SpecError
@@ -394,6 +394,8 @@ def _remote_error(error: dict[str, Any]) -> BaseException:
         "ConfigMismatchError": ConfigMismatchError,
         "NothingToResumeError": NothingToResumeError,
         "StateMismatchError": StateMismatchError,  # what only the user can change: not retried
+        "StoreLockedError": StoreLockedError,  # another writer has the store: not retried either
+        "LeaseLostError": LeaseLostError,
     }
     kind = known.get(error["type"])
     if kind is not None:

@@ -422,18 +422,43 @@ def _locked(loc: Location, holder: LeaseInfo | None) -> StoreLockedError:
 
 @contextlib.contextmanager
 def _root_lock(root: str) -> Iterator[None]:
-    """An exclusive flock of the root directory: every change of a local lease happens under it."""
-    fd = os.open(root, os.O_RDONLY)
+    """An exclusive flock of the root directory: every change of a local lease happens under it.
+
+    Released with ``LOCK_UN`` before the descriptor is closed: a flock belongs to the open file,
+    which a process forked meanwhile (a DataLoader worker) shares, and closing our descriptor alone
+    would leave it locked until that child exits."""
+    import fcntl
+
+    fd = os.open(root, os.O_RDONLY | os.O_CLOEXEC)
+    locked = False
     try:
         try:
-            import fcntl
-
             fcntl.flock(fd, fcntl.LOCK_EX)
-        except (ImportError, OSError) as exc:  # no flock here: exclusive creation still holds
-            log.debug("no flock on %s: %s", root, exc)
+            locked = True
+        except OSError as exc:  # NFS, some FUSE mounts: exclusive creation still holds, the fence does not
+            _warn_no_flock(root, exc)
         yield
     finally:
-        os.close(fd)  # releases the flock
+        try:
+            if locked:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+
+_NO_FLOCK_WARNED: set[str] = set()
+
+
+def _warn_no_flock(root: str, exc: OSError) -> None:
+    if root not in _NO_FLOCK_WARNED:
+        _NO_FLOCK_WARNED.add(root)
+        log.warning(
+            "no flock on %s (%s): leases are still created exclusively, but a takeover and a commit "
+            "are not fenced against each other on this filesystem (see the README's 'The commit and "
+            "the lease')",
+            root,
+            exc,
+        )
 
 
 def _read_local(path: str) -> LeaseInfo | None:

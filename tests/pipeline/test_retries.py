@@ -249,3 +249,42 @@ class TestSaveTimeout:
         # sync: the save of epoch 2 waited past its timeout; async: the save of 3, committing 2 first
         counts = run_counts(run_id, "save_checkpoint", EPOCHS)
         assert counts[:2] == [1, 1] and counts[2] >= 2, counts
+
+
+class TestWhatIsNotRetried:
+    """Which failures a retry is spent on; pure checks of the conditions the tasks use."""
+
+    def test_a_repeated_io_error_of_the_data_is_still_retried(self):
+        """Bug fixed: a transient error of the epoch's data (a reset connection, a read timeout at the
+        same line) repeated once ended the epoch's retries as if it were a bug in the spec."""
+        from ckptflow.tasks.retrying import is_transient
+        from ckptflow.tasks.trainer import TrainerError
+
+        assert is_transient(ConnectionResetError(104, "reset"))
+        assert is_transient(TimeoutError("read timed out"))
+        assert is_transient(TrainerError("reset", kind="ConnectionResetError"))
+        assert not is_transient(ValueError("Tried to step 97 times"))
+        assert not is_transient(TrainerError("Tried to step", kind="ValueError"))
+        assert not is_transient(TrainerError("custom", kind="MyOwnError"))
+
+    def test_a_save_another_writer_refuses_is_not_retried_however_it_is_wrapped(self):
+        """Bug fixed: a lease refusal wrapped by an async save (SaveFailedError from it) or sent by a
+        training process (TrainerError) was retried, rewriting every shard to be refused again."""
+        from ckptflow.storage import LeaseLostError, SaveFailedError, StoreLockedError
+        from ckptflow.tasks.steps import _save_may_pass
+        from ckptflow.tasks.trainer import _remote_error
+
+        class State:
+            def __init__(self, error: BaseException) -> None:
+                self.error = error
+
+            def result(self, raise_on_failure: bool) -> BaseException:
+                return self.error
+
+        wrapped = SaveFailedError("the async save failed")
+        wrapped.__cause__ = LeaseLostError("taken over")
+        sent = _remote_error({"type": "StoreLockedError", "message": "in use", "traceback": ""})
+        assert isinstance(sent, StoreLockedError)
+        assert not _save_may_pass(None, None, State(wrapped))
+        assert not _save_may_pass(None, None, State(sent))
+        assert _save_may_pass(None, None, State(SaveFailedError("the disk failed")))

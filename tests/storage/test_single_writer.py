@@ -482,3 +482,57 @@ def test_a_holder_frozen_before_its_commit_never_commits_after_a_takeover(tmp_pa
     assert "taken over" in events, events
     assert events[0] != "taken over" or "committed" not in events, events
     assert [v.version for v in store.versions()] == ([1] if "committed" in events else [])
+
+
+def test_a_child_forked_while_the_root_is_locked_does_not_keep_it_locked(tmp_path) -> None:
+    """Bug fixed: the root's flock was released only by closing its descriptor, but a flock belongs
+    to the open file, which a process forked meanwhile shares (DataLoader workers forked while an
+    async save committed): the store stayed locked until the child exited, and renewals and commits
+    hung. The lock is now released explicitly."""
+    import fcntl
+    import signal
+
+    root = tmp_path / "store"
+    root.mkdir()
+    with lease_module._root_lock(str(root)):
+        pid = os.fork()
+        if pid == 0:  # the worker: lives on after the lock's block
+            time.sleep(30)
+            os._exit(0)
+    try:
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError while the child holds it
+        finally:
+            os.close(fd)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+
+
+def test_maintenance_in_another_thread_leaves_an_async_saves_failure_to_the_saver(tmp_path, monkeypatch):
+    """Bug fixed: gc, prune or an archive job's drop_loose in a background thread waited for the async
+    save in flight by taking its result: its failure was raised there (the archive job failed, for
+    the save's reason) and the saving thread never heard of it."""
+    from ckptflow.storage import SaveFailedError
+    from ckptflow.storage.save import writer
+
+    store = CheckpointStore(tmp_path / "store")
+    store.save({"x": torch.ones(2)}, epoch=1)
+    gate = threading.Event()
+
+    def failing(*args, **kwargs):  # type: ignore[no-untyped-def]
+        gate.wait(10)
+        raise OSError(5, "the disk failed")
+
+    monkeypatch.setattr(writer, "_write_shard", failing)
+    handle = store.save_async({"x": torch.zeros(2)}, epoch=2)
+    outcome: list[object] = []
+    thread = threading.Thread(target=lambda: outcome.append(store.gc(min_age=0)))
+    thread.start()
+    gate.set()
+    thread.join(30)
+    assert outcome == [[]], outcome  # gc ran, after the save ended, and raised nothing of it
+    with pytest.raises(SaveFailedError):
+        handle.wait()
+    assert [v.version for v in store.versions()] == [1]
