@@ -1,7 +1,9 @@
 """`ckptflow archive` and `ckptflow extract`: tarballs of committed versions from the command line.
 
 ``archive`` consolidates committed versions of a store into one tarball with its
-index (and, with ``--drop-loose``, then removes their loose copies).
+index (and, with ``--drop-loose``, then removes their loose copies), under the
+store's writer lease: refused, naming the holder, while a run or another writer
+holds the store.
 ``extract`` safely unpacks one epoch of a tarball, local or remote, into a
 directory that opens as a store: with the tarball's index it reads only that
 epoch's byte ranges; absolute paths, ``..``, links, devices and members of
@@ -39,24 +41,27 @@ def archive_command(
 
     if reindex == (versions is not None):
         raise typer.BadParameter("give either --versions or --reindex", param_hint="'--versions'")
+    numbers = _parse_versions(versions) if versions is not None else []
     store = CheckpointStore(url, storage_options=storage_options)
-    if reindex:
-        rebuilt = store.reindex()
-        for index in rebuilt:
-            listed = ", ".join(sorted(index.extra.get("manifests", {}), key=int))
-            typer.echo(f"rebuilt the index of {store.url}/archive/{index.tar}: versions {listed}")
-        if not rebuilt:
-            typer.echo(f"every tarball index in {store.url} is readable: nothing to rebuild")
-        return
-    assert versions is not None
-    numbers = _parse_versions(versions)
-    index = store.archive(numbers)
-    typer.echo(
-        f"archived versions {_span(numbers)} into {store.url}/archive/{index.tar} ({index.size} bytes)"
-    )
-    if drop_loose:
-        dropped = store.drop_loose(numbers)
-        typer.echo(f"removed the loose copies of versions {_span(dropped) or 'none'}")
+    # It writes tarballs and indexes (and removes loose copies): under the store's writer lease,
+    # refused naming the holder while a run (whose own archive jobs may write the same tarball)
+    # or another writer holds the store.
+    with store.lease(owner="ckptflow archive"):
+        if reindex:
+            rebuilt = store.reindex()
+            for index in rebuilt:
+                listed = ", ".join(sorted(index.extra.get("manifests", {}), key=int))
+                typer.echo(f"rebuilt the index of {store.url}/archive/{index.tar}: versions {listed}")
+            if not rebuilt:
+                typer.echo(f"every tarball index in {store.url} is readable: nothing to rebuild")
+            return
+        index = store.archive(numbers)
+        typer.echo(
+            f"archived versions {_span(numbers)} into {store.url}/archive/{index.tar} ({index.size} bytes)"
+        )
+        if drop_loose:
+            dropped = store.drop_loose(numbers)
+            typer.echo(f"removed the loose copies of versions {_span(dropped) or 'none'}")
 
 
 def extract_command(

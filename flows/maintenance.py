@@ -11,7 +11,10 @@ Archiving follows the same policy as in a training run (``archive.every`` /
 versions a store holds: stores written by runs that did not archive, or whose
 archive jobs were cut off, are consolidated and mirrored here. A store that a
 training run (or any writer holding the store's lease) is writing to is only
-published; the rest runs under the store's writer lease (see ``ckptflow.tasks.maintenance``).
+published. The steps that write or remove store files (tarballs, dropping loose
+copies, retention, gc) run under the store's writer lease, each only for its own
+span; uploads hold no lease, so a training run starting meanwhile is not refused:
+then the steps after the upload are skipped and the store reported busy.
 A URL where nothing is stored fails the run (a mistyped URL), unless the config
 says ``skip_missing``, as the scheduled deployments do: their default store
 appears only with the first training run there, and a user who trains
@@ -25,13 +28,13 @@ without a training run.
 
 from __future__ import annotations
 
-from contextlib import nullcontext
 from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from ckptflow.tasks.archiving import ArchiveQueue
+from ckptflow.tasks.archiving import ArchiveQueue, next_groups
+from ckptflow.tasks.config import ArchiveConfig
 from ckptflow.tasks.maintenance import (
     MaintenanceConfig,
     active_training_runs,
@@ -65,15 +68,14 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
         busy = active_training_runs(store.url)
         if busy:
             logger.warning("%s is being written by %s: retention and gc skipped", store.url, ", ".join(busy))
-        with nullcontext(None) if busy else holding_store(store, owner=owner) as holder:
+            archives: list[Any] = []
+            pruned: list[int] = []
+            removed: list[int] = []
+        else:
+            holder, archives, pruned, removed = _upkeep(store, config, owner=owner)
             if holder is not None:
                 logger.warning("%s is held by the writer %s: retention and gc skipped", store.url, holder)
                 busy = [holder]
-            archives = _archive(store, config) if not busy else []
-            pruned = (
-                apply_retention(store, config.retention) if config.retention.enabled() and not busy else []
-            )
-            removed = collect_garbage(store) if config.gc and not busy else []
         artifacts = publish_checkpoints(store, source=source) if config.publish else {}
         summarized = _summarize_crashed(store) if config.publish else []
         if summarized:
@@ -120,11 +122,57 @@ def _summarize_crashed(store: Any) -> list[str]:
         return []
 
 
-def _archive(store: Any, config: MaintenanceConfig) -> list[Any]:
+def _upkeep(
+    store: Any, config: MaintenanceConfig, *, owner: str
+) -> tuple[str | None, list[Any], list[int], list[int]]:
+    """Archive, upload, prune and collect: (holder, archive results, pruned, removed).
+
+    The steps that write or remove store files hold the store's writer lease, each only for
+    its own span; uploads, which may take long, hold nothing, so a training run may start
+    meanwhile. Once another live writer holds the store, the rest is skipped and it is
+    returned as the holder (what is left is the next maintenance run's).
+    """
+    archive = config.archive
+    with holding_store(store, owner=owner) as holder:
+        if holder is not None:
+            return holder, [], [], []
+        if not archive.upload_to:  # no upload: archiving only writes and removes store files
+            return None, _drained(store, archive), *_remove(store, config)
+        _write_tarballs(store, archive)
+    archives = _drained(store, archive.model_copy(update={"keep_loose": True}))  # uploads, no lease
+    with holding_store(store, owner=owner) as holder:
+        if holder is not None:
+            return holder, archives, [], []
+        if not archive.keep_loose:  # their uploads are verified: the loose copies may go
+            store.drop_loose(sorted({v for a in archives for v in a.versions}))
+        return None, archives, *_remove(store, config)
+
+
+def _remove(store: Any, config: MaintenanceConfig) -> tuple[list[int], list[int]]:
+    """Retention and gc (the caller holds the store's lease): (pruned, removed)."""
+    pruned = apply_retention(store, config.retention) if config.retention.enabled() else []
+    removed = collect_garbage(store) if config.gc else []
+    return pruned, removed
+
+
+def _write_tarballs(store: Any, config: ArchiveConfig) -> None:
+    """Write the tarball (and index) of each group the policy says is due, unless an earlier
+    attempt committed it; their uploads and the loose copies' removal come later."""
+    if not config.enabled():
+        return
+    archived = store.archived()
+    loose = [v for v in store.versions() if not v.archived]
+    for group in next_groups(loose, config, set()):
+        tars = {archived[v].tar if v in archived else None for v in group}
+        if len(tars) != 1 or None in tars:  # not yet one committed tarball
+            store.archive(group)
+
+
+def _drained(store: Any, config: ArchiveConfig) -> list[Any]:
     """The archive (and upload) jobs the policy says are due, run to the end."""
-    if not (config.archive.enabled() or config.archive.mirrors_versions()):
+    if not (config.enabled() or config.mirrors_versions()):
         return []
-    queue = ArchiveQueue(store, config.archive, store.versions())
+    queue = ArchiveQueue(store, config, store.versions())
     queue.catch_up()
     return queue.drain()
 

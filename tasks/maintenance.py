@@ -14,8 +14,9 @@ What must hold:
   gc``). A run whose process died stays Running until the heartbeat automation
   (``ckptflow setup-server``) or the next training run on its host marks it
   Crashed (:mod:`.crashed`), and holds its store until then.
-- Archiving, retention and gc run under the store's writer lease
-  (:func:`holding_store`), so no writer starts on the store meanwhile.
+- Writing tarballs, dropping loose copies, retention and gc run under the store's
+  writer lease (:func:`holding_store`), so no writer starts on the store meanwhile;
+  uploads hold no lease, so a training run can start while a big tarball goes up.
 - Credentials are never parameters, as for the training pipeline:
   ``storage_options`` refuse them; they come from the environment, an AWS
   profile, a credential block (``storage_secret``: a Secret block or

@@ -208,7 +208,7 @@ def build_run(
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RankStateWarning)
                 state.update(store.load_rank_state(latest.version, rank=0, world_size=1) or {})
-        _refuse_foreign(latest.version, store.url, capture(trainable, spec, epoch=0, step=0), state)
+        _check_saved_parts(latest.version, store.url, capture(trainable, spec, epoch=0, step=0), state, warn)
         try:
             run.epoch, run.step = restore(trainable, spec, state)
         except (RuntimeError, ValueError) as exc:
@@ -233,19 +233,32 @@ def build_run(
     return run
 
 
-def _refuse_foreign(version: int, url: str, wanted: dict[str, Any], saved: dict[str, Any]) -> None:
-    """Refuse to resume from a version that lacks parts of what this run saves (a library save
-    into the run's store, another program's version), naming them, rather than fail in the restore."""
-    missing = [k for k in wanted if k not in saved]
+SAVED_BY_EVERY_RUN = ("model", "spec", "rng", "progress")  # what capture() writes whatever the spec builds
+
+
+def _check_saved_parts(
+    version: int, url: str, wanted: Mapping[str, Any], saved: Mapping[str, Any], warn: Log
+) -> None:
+    """Refuse to resume from a version that lacks what every ckptflow save holds (a library save
+    into the run's store, another program's version), naming what it lacks, rather than fail in
+    the restore. The parts a spec may gain after a save (optimizer, scheduler, scaler, extras)
+    start fresh where the version lacks them: a warning names them."""
+    missing = [k for k in wanted if k != "extras" and k not in saved]
     extras = saved.get("extras")
-    if "extras" in wanted and isinstance(extras, dict):
-        missing += [f"extras.{k}" for k in wanted["extras"] if k not in extras]
-    if missing:
+    extras = extras if isinstance(extras, Mapping) else {}
+    missing += [f"extras.{k}" for k in wanted.get("extras", {}) if k not in extras]
+    if any(k in missing for k in SAVED_BY_EVERY_RUN):
         raise StateMismatchError(
             f"version {version} of {url} does not hold what this run saves (it lacks "
             f"{', '.join(missing)}): it was not saved by a ckptflow run of this spec, e.g. a library "
             f"save into the run's store. Remove it (CheckpointStore(url).delete({version})) to resume "
             "from the version before it, or start the run in a new storage URL"
+        )
+    if missing:
+        starts = "it starts" if len(missing) == 1 else "they start"
+        warn(
+            f"version {version} holds no saved state for {', '.join(missing)} (added to the spec "
+            f"since it was saved?): {starts} fresh, as build() made it"
         )
 
 

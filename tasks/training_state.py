@@ -97,7 +97,9 @@ def capture(
 
 
 def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) -> tuple[int, int]:
-    """Put a captured state back; return its (epoch, step)."""
+    """Put a captured state back; return its (epoch, step).
+
+    An optimizer, scheduler, scaler or extras entry the state lacks is left as built."""
     if is_sharded(trainable.model) or _keyed_by_name(state.get("optimizer")):
         from torch.distributed.checkpoint.state_dict import set_state_dict  # names, DTensors: torch's own
 
@@ -116,11 +118,14 @@ def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) 
         obj = getattr(trainable, name)
         if obj is not None and name in state:
             obj.load_state_dict(state[name])
+    extras = state.get("extras", {})
     for key, obj in trainable.extras.items():
+        if key not in extras:  # added to the spec since the save: left as build() made it
+            continue
         if isinstance(obj, torch.Generator):
-            obj.set_state(state["extras"][key][GENERATOR_STATE])
+            obj.set_state(extras[key][GENERATOR_STATE])
         else:
-            obj.load_state_dict(state["extras"][key])
+            obj.load_state_dict(extras[key])
     spec.load_state_dict(state.get("spec", {}))
     set_rng_state(state["rng"])
     return int(state["progress"]["epoch"]), int(state["progress"]["step"])

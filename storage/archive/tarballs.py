@@ -13,7 +13,8 @@ an upload is configured) the upload is verified, and only then are the loose
 files removed, manifest first. Between the index and the removal a version
 exists twice; loading prefers the loose copy. An archive that fails removes
 what it wrote (the tarball, and its index if that was written after all), as a
-failed save does: its versions are still loose. A tar without an index is
+failed save does: its versions are still loose. It never removes a tarball that
+was there before it started, nor an index another writer committed. A tar without an index is
 garbage from a crash and ``gc`` removes it.
 """
 
@@ -136,11 +137,13 @@ def archive_versions(loc: Location, manifests: list[Manifest], *, name: str | No
         )
     aloc = archive_location(loc)
     extra = {"manifests": {str(m.version): m.model_dump(mode="json") for m in ordered}}
-    index = write_tar(loc, members, aloc, name or tar_name(ordered), extra=extra)
+    tar = name or tar_name(ordered)
+    tar_existed = aloc.fs.exists(aloc.path(tar))  # e.g. a crash's leftover: not ours to remove
+    index = write_tar(loc, members, aloc, tar, extra=extra)
     try:
         write_index(aloc, index)
     except BaseException:
-        _discard(loc, index.tar)
+        _discard(aloc, index, tar_existed=tar_existed)
         raise
     log.info("archived versions %s into %s", [m.version for m in ordered], aloc.display(index.tar))
     return index
@@ -162,14 +165,25 @@ def archived_sources(loc: Location, archived: ArchivedVersion) -> list[ShardSour
     return sources
 
 
-def _discard(loc: Location, tar: str) -> None:
-    """Remove a tarball whose index failed (a full disk): its versions are still loose."""
+def _discard(aloc: Location, index: TarIndex, *, tar_existed: bool) -> None:
+    """Remove what an archive call whose index failed (a full disk) wrote: its index, if written
+    after all, then its tarball unless that was there before the call. An index with other bytes
+    is another writer's commit: then nothing is removed. Its versions are still loose."""
+    tar, name = aloc.path(index.tar), aloc.path(index_name(index.tar))
     try:
-        remove_tarball(loc, tar)
+        aloc.fs.invalidate_cache(name)
+        try:
+            found: bytes | None = aloc.fs.cat_file(name)
+        except FileNotFoundError:
+            found = None
+        if found is not None and found != index.to_json():
+            return  # another writer committed this tarball: its files, not this call's
+        if found is not None:
+            aloc.remove_file(name)
+        if not tar_existed and aloc.fs.exists(tar):
+            aloc.remove_file(tar)
     except Exception as exc:  # garbage either way (gc removes it); keep the first error
-        log.warning(
-            "could not remove the uncommitted tarball %s: %s", archive_location(loc).display(tar), exc
-        )
+        log.warning("could not remove the uncommitted tarball %s: %s", aloc.display(index.tar), exc)
 
 
 def remove_tarball(loc: Location, tar: str) -> None:

@@ -110,6 +110,26 @@ class TestAFailedArchiveLeavesNothing:
         assert store.survey().bad_archives == {}
         assert [(v.version, v.archived) for v in store.versions()] == [(0, False), (1, False)]
 
+    def test_a_failed_index_never_removes_another_writers_commit(self, store_url, monkeypatch):
+        """Bug: the failure path removed the index and tarball, which could be another writer's
+        commit of the same tarball (written meanwhile)."""
+        target = store_url
+        store = target.open()
+        for v in (0, 1):
+            store.save(make_state(v), epoch=v)
+        theirs = b'{"another": "writer"}'
+        real = tarindex.write_file_atomic
+
+        def committed_meanwhile(loc, name, data):
+            real(loc, name, theirs)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(tarindex, "write_file_atomic", committed_meanwhile)
+        with pytest.raises(StorageUnavailableError, match="no space left"):
+            store.archive([0, 1])
+        assert target.raw_listdir("archive") == sorted([TAR, index_name(TAR)])
+        assert target.raw_read(f"archive/{index_name(TAR)}") == theirs
+
 
 @pytest.fixture
 def leftovers(target: StoreTarget) -> StoreTarget:

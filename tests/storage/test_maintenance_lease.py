@@ -91,6 +91,21 @@ class TestRefusedUnderALiveWriter:
         assert "would remove uncommitted" in gc.stdout and "v000050" in gc.stdout
         assert state(target) == before
 
+    def test_archive_is_refused_naming_the_holder_and_writes_nothing(self, target, held):
+        """Bug: ``ckptflow archive`` ran without the lease, beside a run whose own archive jobs may
+        write the same tarball."""
+        before = state(target)
+        for args in (("--versions", "0-1", "--drop-loose"), ("--reindex",)):
+            result = cli(target, "archive", *args)
+            assert result.exit_code == 1, result.output
+            assert result.stderr.startswith(
+                f"error: {target.url} is in use by another writer: writer 1 (host "
+            )
+            assert f"pid {held.proc.pid}" in result.stderr
+            assert state(target) == before
+        assert not target.raw_exists("archive")
+        assert read_lease(target.open().loc).pid == held.proc.pid
+
     def test_the_library_refuses_prune_gc_and_delete(self, target, held):
         store = target.open()
         before = state(target)
