@@ -45,7 +45,7 @@ from ..errors import CorruptArchiveError
 from ..files.localfs import open_regular
 from ..files.location import Location
 from ..format.checksum import digest
-from .tarindex import BLOCK, IndexEntry, TarIndex
+from .tarindex import BLOCK, IndexEntry, TarIndex, stored_size
 
 _REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE)
 _PAX = (tarfile.XHDTYPE, tarfile.SOLARIS_XHDTYPE)  # extended header of the next member
@@ -238,12 +238,7 @@ def header_blocks(gap: Gap, data: bytes) -> bytes:
 
 
 def _check_size(aloc: Location, index: TarIndex) -> None:
-    path = aloc.path(index.tar)
-    aloc.fs.invalidate_cache(path)
-    try:
-        size = aloc.fs.size(path)
-    except FileNotFoundError:
-        size = None
+    size = stored_size(aloc, index.tar)
     if size != index.size:
         found = "no file" if size is None else f"{size} bytes"
         _fail(aloc, index, Finding("its size", f"{index.size} bytes", found))

@@ -174,14 +174,20 @@ def _check_layout(index: TarIndex, where: str) -> None:
             )
 
 
+def stored_size(loc: Location, name: str) -> int | None:
+    """The size of ``loc/name`` as stored now (not from a listing cache); None if it is not there."""
+    path = loc.path(name)
+    loc.fs.invalidate_cache(path)
+    try:
+        found: int | None = loc.fs.size(path)
+        return found
+    except FileNotFoundError:
+        return None
+
+
 def write_index(dst: Location, index: TarIndex) -> None:
     """Commit ``dst/index.tar``: check the tar is there whole, then write its index atomically."""
-    path = dst.path(index.tar)
-    dst.fs.invalidate_cache(path)
-    try:
-        size = dst.fs.size(path)
-    except FileNotFoundError:
-        size = None
+    size = stored_size(dst, index.tar)
     if size != index.size:
         found = "no file" if size is None else f"{size} bytes"
         raise CorruptShardError(

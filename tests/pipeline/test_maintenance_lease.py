@@ -9,8 +9,6 @@ holds is only published, the holder named in the report and the run's log.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ from ckptflow.flows.maintenance import maintain_stores
 from ckptflow.storage import CheckpointStore, read_lease
 from ckptflow.storage.versions.lease import LEASE_FILE
 from tests.conftest import StoreTarget
-from tests.storage.test_single_writer import Writer, committed_lines
+from tests.storage.test_single_writer import Writer
 
 pytestmark = pytest.mark.prefect
 
@@ -27,16 +25,8 @@ CONFIG = {"retention": {"keep_last": 1}, "gc": True, "publish": False}
 
 def test_a_store_held_by_a_writer_is_not_pruned_or_collected(prefect_server, tmp_path):
     target = StoreTarget("local", str(tmp_path / "store"), None)
-    go = tmp_path / "go"
-    writer = Writer.start(target, 1, 3, go, "--lease", "30", "--hold", "120")
+    writer = Writer.holding(target, tmp_path / "go")
     try:
-        writer.wait_line("ready")
-        go.touch()
-        writer.wait_line("leased")
-        deadline = time.monotonic() + 120
-        while len(committed_lines(writer.lines())) < 3:
-            assert time.monotonic() < deadline and writer.proc.poll() is None, writer.out.read_text()
-            time.sleep(0.05)
         target.raw_write("v000050/shard-r0-00.h5", b"a save in flight")
 
         [report] = maintain_stores({"storages": [target.url], **CONFIG})

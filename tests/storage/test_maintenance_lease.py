@@ -15,7 +15,6 @@ directory and on a SeaweedFS S3 server; the CLI runs through typer's CliRunner.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from ckptflow.flows.cli import app
 from ckptflow.storage import CheckpointStore, StoreLease, StoreLockedError, read_lease
 from ckptflow.storage.versions.lease import LEASE_FILE
 from tests.conftest import StoreTarget
-from tests.storage.test_single_writer import Writer, committed_lines
+from tests.storage.test_single_writer import Writer
 
 LEFTOVER = "v000050/shard-r0-00.h5"  # what a save in flight has written so far, as gc sees it
 
@@ -35,17 +34,8 @@ LEFTOVER = "v000050/shard-r0-00.h5"  # what a save in flight has written so far,
 @pytest.fixture
 def held(target: StoreTarget, tmp_path: Path) -> Iterator[Writer]:
     """A writer process that committed three versions and holds the lease (renewed) for a minute."""
-    go = tmp_path / "go"
-    writer = Writer.start(target, 1, 3, go, "--lease", "30", "--hold", "120")
+    writer = Writer.holding(target, tmp_path / "go")
     try:
-        writer.wait_line("ready")
-        go.touch()
-        writer.wait_line("leased")
-        deadline = time.monotonic() + 120
-        while len(committed_lines(writer.lines())) < 3:
-            assert time.monotonic() < deadline, writer.out.read_text()
-            assert writer.proc.poll() is None, writer.out.read_text()
-            time.sleep(0.05)
         target.raw_write(LEFTOVER, b"partial shard")
         yield writer
     finally:

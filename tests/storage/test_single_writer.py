@@ -67,6 +67,24 @@ class Writer:
             proc = subprocess.Popen(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=ROOT_DIR)
         return cls(proc, out)
 
+    @classmethod
+    def holding(cls, target: StoreTarget, go: Path, saves: int = 3) -> Writer:
+        """A writer that committed ``saves`` versions and holds the lease (renewed) for two minutes."""
+        writer = cls.start(target, 1, saves, go, "--lease", "30", "--hold", "120")
+        try:
+            writer.wait_line("ready")
+            go.touch()
+            writer.wait_line("leased")
+            deadline = time.monotonic() + 120
+            while len(committed_lines(writer.lines())) < saves:
+                assert time.monotonic() < deadline, writer.out.read_text()
+                assert writer.proc.poll() is None, writer.out.read_text()
+                time.sleep(0.05)
+        except BaseException:
+            writer.kill()
+            raise
+        return writer
+
     def lines(self) -> list[str]:
         return self.out.read_text(errors="replace").splitlines()
 
