@@ -70,11 +70,24 @@ def claim_version(loc: Location, version: int, claim: Claim) -> bool:
     except FileExistsError:
         found = read_claim(loc, version)
         return found is not None and found.token == claim.token  # our create, retried by the client
+    except Exception:  # every answer lost (a reset, a stall): the claim may be stored all the same
+        found = None if loc.is_local else _read_back(loc, version)
+        if found is None or found.token != claim.token:
+            raise
+        log.info("the claim of %s was stored although its answers were lost", loc.display(vdir))
     loc.fs.invalidate_cache(loc.path(vdir))
     if loc.fs.exists(loc.path(vdir, MANIFEST_FILE)):
         drop_claim(loc, version)
         return False
     return True
+
+
+def _read_back(loc: Location, version: int) -> Claim | None:
+    """The claim as stored now, or None when even reading it fails."""
+    try:
+        return read_claim(loc, version)
+    except Exception:
+        return None
 
 
 def read_claim(loc: Location, version: int) -> Claim | None:

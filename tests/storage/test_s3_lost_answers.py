@@ -169,3 +169,17 @@ class TestLatestHint:
         fresh = s3.store()
         assert [v.version for v in fresh.versions()] == [1, 2] and fresh.latest().version == 2
         assert_same_state(fresh.load(), state(2))
+
+
+class TestClaimAnswerLost:
+    """A writer whose version claim was stored recognises it by its token."""
+
+    def test_a_claim_stored_although_every_attempt_failed_is_this_writers(self, s3: Setup):
+        """Bug: when no answer of the claim's PUT came back, the save failed (StorageUnavailableError)
+        and left its stored claim behind for gc, although the claim was this writer's."""
+        store = s3.store()
+        s3.proxy.force("answer-reset", EVERY_ATTEMPT, match=s3.put("v000001/.claim.json"))
+        info = store.save(state(1), epoch=1)
+        assert s3.proxy.counts["answer-reset"] == EVERY_ATTEMPT
+        assert info.version == 1 and [v.version for v in store.versions()] == [1]
+        assert_same_state(store.load(), state(1))
