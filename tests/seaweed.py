@@ -60,10 +60,30 @@ class SeaweedServer:
             return ""
 
 
+PORT_TRIES = 3  # a free port picked can be taken by another process before weed binds it
+
+
 def start_seaweed(
     root: Path, *, access_key: str | None = None, secret_key: str | None = None
 ) -> SeaweedServer:
-    """A SeaweedFS server with its S3 gateway, data under ``root``; returns once S3 answers."""
+    """A SeaweedFS server with its S3 gateway, data under ``root``; returns once S3 answers.
+
+    Started again on new ports when one it was given was taken meanwhile (xdist workers and the
+    servers of other tests pick free ports at the same time)."""
+    for attempt in range(PORT_TRIES):
+        try:
+            return _start_seaweed(root, access_key=access_key, secret_key=secret_key)
+        except PortTakenError:
+            if attempt == PORT_TRIES - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+class PortTakenError(RuntimeError):
+    """weed exited at start because a port it was given was taken meanwhile."""
+
+
+def _start_seaweed(root: Path, *, access_key: str | None, secret_key: str | None) -> SeaweedServer:
     root.mkdir(parents=True, exist_ok=True)
     (root / "data").mkdir(exist_ok=True)
     ports = {name: free_port() for name in ("master", "volume", "filer", "s3")}
@@ -122,7 +142,9 @@ def _wait_for_s3(server: SeaweedServer) -> None:
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
-            raise RuntimeError(f"weed exited early with code {server.process.returncode}:\n{server.tail()}")
+            tail = server.tail()
+            kind = PortTakenError if "address already in use" in server.tail(100_000) else RuntimeError
+            raise kind(f"weed exited early with code {server.process.returncode}:\n{tail}")
         try:
             with urllib.request.urlopen(server.endpoint + "/", timeout=2):
                 return
