@@ -267,11 +267,8 @@ class TestLease:
     ):
         """Bug fixed: the lease kept out only writers that asked for it; a plain ``store.save`` from
         another process (a spec saving from inside a run) committed under a live holder's lease."""
-        go = tmp_path / "go"
-        go.touch()
-        holder = Writer.start(target, 1, 1, go, "--lease", "30", "--hold", "60")
+        holder = Writer.holding(target, tmp_path / "go", saves=1)
         try:
-            holder.wait_line("committed")
             store = CheckpointStore(target.url, storage_options=target.storage_options)
             with pytest.raises(StoreLockedError) as caught:
                 store.save({"x": torch.ones(3)}, epoch=2)
