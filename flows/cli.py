@@ -77,7 +77,7 @@ Verbose = Annotated[bool, typer.Option("--verbose", "-v", help="Log what the sto
 
 def _print_version(value: bool) -> None:
     if value:
-        from .launch import version
+        from .version import version
 
         typer.echo(f"ckptflow {version()}")
         raise typer.Exit()
@@ -165,7 +165,7 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
             "versions": [present.version_json(i) for i in infos],
             "uncommitted": survey.writing,
             "unreadable": [{"version": v, "error": e} for v, e in unreadable.items()],
-            "set_aside": [store.loc.display(name) for name in survey.set_aside],
+            "set_aside": [store.display(name) for name in survey.set_aside],
             "unreadable_archives": [
                 {"tar": t, "error": _one_line(e)} for t, e in survey.bad_archives.items()
             ],
@@ -196,7 +196,7 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
         )
     for name in survey.set_aside:
         console.print(
-            f"note: {store.loc.display(name)} was set aside as unreadable by a run that resumed past it; "
+            f"note: {store.display(name)} was set aside as unreadable by a run that resumed past it; "
             "nothing reads or removes it: inspect it, then delete it by hand",
             markup=False,
             soft_wrap=True,
@@ -499,14 +499,14 @@ def gc_command(
             f"{done} {store.tarball_url(tar)}: a tarball without an index (an interrupted archive job)"
         )
     for name in report.removed.temp_files:
-        typer.echo(f"{done} {store.loc.display(name)}: a temporary file of an interrupted write")
+        typer.echo(f"{done} {store.display(name)}: a temporary file of an interrupted write")
     recent, again = f"changed in the last {min_age:g}s", "(--min-age 0 removes it)"
     for number in report.spared.versions:
         typer.echo(f"left {store.version_url(number)}: {recent}, a save may be writing it {again}")
     for tar in report.spared.tarballs:
         typer.echo(f"left {store.tarball_url(tar)}: {recent}, an archive job may be writing it {again}")
     for name in report.spared.temp_files:
-        typer.echo(f"left {store.loc.display(name)}: {recent}, a write may be in progress {again}")
+        typer.echo(f"left {store.display(name)}: {recent}, a write may be in progress {again}")
     if not (report.removed or report.spared):
         typer.echo(f"no uncommitted leftovers in {store.url}")
 

@@ -18,17 +18,9 @@ import importlib.util
 import os
 import sys
 
+from .version import version
+
 PIPELINE_PACKAGES = ("prefect", "typer", "rich")
-
-
-def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
-    try:
-        return installed("ckptflow")
-    except PackageNotFoundError:
-        return "unknown (not installed)"
 
 
 def trains_in_a_child(args: list[str]) -> bool:

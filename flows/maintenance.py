@@ -35,6 +35,7 @@ from prefect.runtime import flow_run
 
 from ckptflow.tasks.archiving import ArchiveQueue, next_groups
 from ckptflow.tasks.config import ArchiveConfig
+from ckptflow.tasks.crashed import summarize_crashed_runs
 from ckptflow.tasks.maintenance import (
     MaintenanceConfig,
     active_training_runs,
@@ -44,7 +45,6 @@ from ckptflow.tasks.maintenance import (
     maintained_store,
     open_maintained_store,
     publish_checkpoints,
-    summarize_crashed_runs,
 )
 
 NOT_THERE = "nothing is stored there yet"

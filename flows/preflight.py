@@ -110,7 +110,7 @@ def _binds(tree: ast.Module, name: str) -> bool:
 
 def check_store(config: PipelineConfig) -> None:
     """List the run's store (bounded attempts); refuse a resumed run whose identity changed."""
-    from ckptflow.storage import CheckpointStore, quick_answer_options, refuse_if_held
+    from ckptflow.storage import CheckpointStore, quick_answer_options
     from ckptflow.tasks.run_state import check_run_identity, nothing_to_resume
 
     if config.storage_secret is not None:
@@ -120,7 +120,7 @@ def check_store(config: PipelineConfig) -> None:
     options = quick_answer_options(config.storage, config.storage_options)
     store = CheckpointStore(config.storage, storage_options=options)
     if store.probe(must_exist=False):
-        refuse_if_held(store.loc)  # another live run holds the store: say so before Prefect starts
+        store.refuse_if_held()  # another live run holds the store: say so before Prefect starts
         check_run_identity(store, config, lambda message: None)  # the build logs the warning
     if config.resume_only and store.latest() is None:
         raise nothing_to_resume(store.url)

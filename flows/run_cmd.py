@@ -9,6 +9,16 @@ away (:mod:`.api_server`), so its start-up overlaps all of that too.
 Prefect's own console log lines are shown from WARNING up unless --verbose
 (they all still reach the Prefect API and its UI).
 
+Each option sets one :class:`~ckptflow.tasks.config.PipelineConfig` field,
+named beside it: its default is :func:`config_field`, which says which field
+(``retention.keep_last`` for ``--keep-last``) and how the flag's text becomes
+the field's value. What must hold: every field has a flag
+(tests/test_cli_config_flags.py), and the config is the one place for a
+field's default (shown in ``--help``) and its bounds (a value out of them is
+a usage error naming the flag and the bound). Only ``--verbose`` is this
+process's own. The config is imported when ``run`` parses or shows its help,
+never for the other commands.
+
 Before any of that starts, :mod:`.preflight` checks the spec and the store: a
 bad spec or storage URL, a missing bucket, missing credentials or an
 unreachable endpoint end the command within seconds with one ``error:`` line
@@ -19,6 +29,7 @@ before the flow run is created.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -28,173 +39,84 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast, get_origin
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 import typer
 
 from .options import BEST_MODE_HELP, best_mode_needed
 
 if TYPE_CHECKING:
-    from pydantic import BaseModel
+    from pydantic import BaseModel, ValidationError
+
+    from ckptflow.tasks.config import PipelineConfig
 
 Opt = typer.Option
 T = TypeVar("T")
 
 
-def run_command(
-    storage: Annotated[
-        str, Opt("--storage", "-s", help="Where checkpoints live (path, file://, s3://...).")
-    ] = ("./checkpoints"),
-    epochs: Annotated[int, Opt("--epochs", "-e", min=1, help="Train until this epoch.")] = 5,
-    spec: Annotated[str, Opt("--spec", help="TrainingSpec as package.module:Class.")] = (
-        "ckptflow.flows.demo:DigitsSpec"
-    ),
-    spec_config: Annotated[str, Opt("--spec-config", metavar="JSON", help="The spec's config.")] = "{}",
-    seed: Annotated[int, Opt("--seed")] = 0,
-    shards: Annotated[int, Opt("--shards", min=1, help="HDF5 shard files per checkpoint.")] = 4,
-    async_save: Annotated[
-        bool, Opt("--async-save/--no-async-save", help="Save while the next epoch runs.")
-    ] = True,
-    save_every: Annotated[int, Opt("--save-every", min=1, help="Save every N epochs (and at the end).")] = 1,
-    archive_every: Annotated[
-        int | None, Opt("--archive-every", min=1, help="Consolidate each K committed epochs into a tarball.")
-    ] = None,
-    archive_size: Annotated[
-        str | None,
-        Opt("--archive-size", metavar="SIZE", help="Or: once loose checkpoints reach SIZE (1GiB)."),
-    ] = None,
-    keep_loose: Annotated[bool, Opt("--keep-loose", help="Keep loose files of archived versions.")] = False,
-    upload_to: Annotated[
-        str | None, Opt("--upload-to", metavar="URL", help="Mirror versions and archives to URL (s3://...).")
-    ] = None,
-    upload_options: Annotated[
-        str, Opt("--upload-options", metavar="JSON", help="fsspec options for --upload-to (no credentials).")
-    ] = "{}",
-    upload_secret: Annotated[
-        str | None,
-        Opt("--upload-secret", metavar="BLOCK", help="Credentials for --upload-to, as --storage-secret."),
-    ] = None,
-    upload_versions: Annotated[
-        bool | None,
-        Opt(
-            "--upload-versions/--no-upload-versions",
-            help="With --upload-to: each version as it commits (default), or archives only.",
-        ),
-    ] = None,
-    keep_last: Annotated[int | None, Opt("--keep-last", min=1, help="Retention: keep the newest N.")] = None,
-    keep_every: Annotated[
-        int | None, Opt("--keep-every", min=1, help="Retention: keep every K-th epoch.")
-    ] = None,
-    keep_best: Annotated[
-        str | None, Opt("--keep-best", metavar="METRIC", help="Retention: keep the best.")
-    ] = None,
-    best_mode: Annotated[str | None, Opt("--best-mode", help=BEST_MODE_HELP, show_default=False)] = None,
-    stop_metric: Annotated[str | None, Opt("--stop-metric", help="Metric for --target/--patience.")] = None,
-    stop_mode: Annotated[str, Opt("--stop-mode", help="min or max, for --stop-metric.")] = "min",
-    target: Annotated[float | None, Opt("--target", help="Stop when the metric reaches this.")] = None,
-    patience: Annotated[
-        int | None, Opt("--patience", min=1, help="Stop after N epochs without gain.")
-    ] = None,
-    max_seconds: Annotated[float | None, Opt("--max-seconds", help="Wall-clock budget.")] = None,
-    epoch_retries: Annotated[int, Opt("--epoch-retries", min=0, help="Retries of a failed epoch.")] = 1,
-    nproc: Annotated[
-        int, Opt("--nproc", min=1, help="Training processes (torch.distributed ranks) on this machine.")
-    ] = 1,
-    nnodes: Annotated[
-        int, Opt("--nnodes", min=1, help="Machines; the others join with torchrun (see README).")
-    ] = 1,
-    rdzv_endpoint: Annotated[
-        str | None, Opt("--rdzv-endpoint", metavar="HOST:PORT", help="The ranks' rendezvous (with --nnodes).")
-    ] = None,
-    rdzv_id: Annotated[
-        str | None, Opt("--rdzv-id", help="Rendezvous id the other machines' torchrun give.")
-    ] = None,
-    dist_backend: Annotated[str, Opt("--dist-backend", help="auto, gloo or nccl (with --nproc).")] = "auto",
-    torch_threads: Annotated[
-        int | None,
-        Opt("--torch-threads", min=1, help="torch intra-op threads (default: all cores but one)."),
-    ] = None,
-    storage_options: Annotated[
-        str,
-        Opt("--storage-options", metavar="JSON", envvar="CKPTFLOW_STORAGE_OPTIONS", help="fsspec options."),
-    ] = "{}",
-    storage_secret: Annotated[
-        str | None,
-        Opt(
-            "--storage-secret",
-            metavar="BLOCK",
-            help="Prefect block with credentials: a Secret block NAME or aws-credentials/NAME.",
-        ),
-    ] = None,
-    allow_config_change: Annotated[
-        bool, Opt("--allow-config-change", help="Resume even if spec, spec config or seed changed.")
-    ] = False,
-    resume_only: Annotated[
-        bool,
-        Opt("--resume-only", help="Fail unless --storage holds a checkpoint to resume from (no new run)."),
-    ] = False,
-    in_process: Annotated[
-        bool,
-        Opt("--in-process", help="Train in this process, not a child (for a debugger; starts slower)."),
-    ] = False,
-    verbose: Annotated[bool, Opt("--verbose", "-v", help="Show Prefect's log lines.")] = False,
-) -> None:
-    """Train with checkpoints (resuming from the newest committed one in --storage)."""
-    options = locals()  # every option, by its parameter's name
-    if in_process and (nproc > 1 or nnodes > 1):
-        raise typer.BadParameter("--in-process trains in this process: leave it out with --nproc or --nnodes")
-    if keep_best is not None and best_mode is None:
-        raise typer.BadParameter(best_mode_needed(keep_best), param_hint="'--best-mode'")
-    if best_mode is not None and keep_best is None:
-        raise typer.BadParameter("--best-mode needs --keep-best", param_hint="'--best-mode'")
-    parsed = {
-        "storage_options": _json_object("--storage-options", storage_options),
-        "spec_config": _json_object("--spec-config", spec_config),
-        "archive_target_bytes": _size(archive_size) if archive_size else None,
-        "upload_options": _json_object("--upload-options", upload_options),
-        "train_process": not in_process,
-    }
-    if not verbose:
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
-    from pydantic import ValidationError
+@dataclass(frozen=True)
+class FlagText:
+    """How a flag's text becomes its field's value (``parse(flag, text)``), and the field's default
+    back into the flag's terms (``show``)."""
 
+    parse: Callable[[str, Any], Any]
+    show: Callable[[Any], Any]
+
+
+class ConfigField:
+    """The default of a ``run`` option that sets the config field ``path``: the config's default
+    for that field (in the flag's terms), which ``--help`` shows and which parsing gives when the
+    flag is left out. Click calls a callable default; reading it imports the config."""
+
+    def __init__(self, path: str, text: FlagText | None = None, own_default: Any = None) -> None:
+        self.path = path
+        self.text = text
+        self.own_default = own_default  # a default of the CLI's own, for a field the config requires
+
+    def __call__(self) -> Any:
+        value = self.own_default if self.own_default is not None else _config_default(self.path)
+        return value if value is None or self.text is None else self.text.show(value)
+
+    def __str__(self) -> str:  # the default in --help (none shown for None)
+        value = self()
+        return "" if value is None else str(value)
+
+    def __bool__(self) -> bool:  # what a boolean flag's --help takes for its default
+        return bool(self())
+
+    def __repr__(self) -> str:
+        return f"config_field({self.path!r})"
+
+    def value(self, flag: str, given: Any) -> Any:
+        """The field's value for the flag's parsed value ``given``."""
+        return given if given is None or self.text is None else self.text.parse(flag, given)
+
+
+def config_field(path: str, text: FlagText | None = None, *, own_default: Any = None) -> Any:
+    """The default of an option that sets the PipelineConfig field ``path`` (see :class:`ConfigField`)."""
+    return ConfigField(path, text, own_default)
+
+
+@functools.cache
+def _config_defaults() -> BaseModel:
     from ckptflow.tasks.config import PipelineConfig
 
-    from . import preflight
+    return PipelineConfig.model_construct(storage="")  # every default; storage has none (the CLI's own)
 
-    raw = _config_fields(PipelineConfig, {**options, **parsed})
+
+def _config_default(path: str) -> Any:
+    return functools.reduce(getattr, path.split("."), _config_defaults())
+
+
+def _json_object(option: str, text: str) -> dict[str, Any]:
     try:
-        config = PipelineConfig.model_validate(raw)
-    except ValidationError as exc:
-        raise typer.BadParameter(_validation_message(exc)) from None
-    spec_defined = _before_the_flow_run(verbose, lambda: preflight.spec_defined(config.spec))
-    _before_the_flow_run(verbose, lambda: preflight.check_store(config))
-    if config.uses_trainers:
-        from ckptflow.tasks.trainer import prestart
-
-        prestart(config)  # torch, the spec and the model, while this process imports Prefect
-    if not spec_defined:  # only importing it can tell
-        _before_the_flow_run(verbose, lambda: preflight.import_spec(config))
-    warmup = _warm_up_api()
-    result = _run_with_progress(config, warmup, verbose=verbose)
-    _print_next_steps(config, result)
-
-
-def _config_fields(model: type[BaseModel], options: dict[str, Any], section: str = "") -> dict[str, Any]:
-    """The fields of ``model`` that options give, by name: ``--seed`` gives ``seed``; a section's
-    field comes from ``<section>_<field>`` or else ``<field>`` (``--stop-metric``, ``--keep-last``)."""
-    from pydantic import BaseModel
-
-    raw: dict[str, Any] = {}
-    for name, field in model.model_fields.items():
-        kind = field.annotation
-        if get_origin(kind) is None and isinstance(kind, type) and issubclass(kind, BaseModel):
-            raw[name] = _config_fields(kind, options, name)
-            continue
-        given = [key for key in ((f"{section}_{name}", name) if section else (name,)) if key in options]
-        if given:
-            raw[name] = options[given[0]]
-    return raw
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise typer.BadParameter(f"{option} is not valid JSON ({exc.msg})") from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter(f"{option} must be a JSON object")
+    return value
 
 
 _UNITS = {
@@ -215,31 +137,245 @@ _UNITS = {
 }
 
 
-def _size(text: str) -> int:
+def _size(option: str, text: str) -> int:
     """``"1GiB"`` -> 1073741824; ``"500MB"`` -> 500000000."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in _UNITS:
-        raise typer.BadParameter(f"--archive-size {text!r} is not a size like 512MiB or 1GiB")
+        raise typer.BadParameter(f"{option} {text!r} is not a size like 512MiB or 1GiB")
     return int(float(match.group(1)) * _UNITS[unit])
 
 
-def _json_object(option: str, text: str) -> dict[str, Any]:
+JSON = FlagText(parse=_json_object, show=json.dumps)
+SIZE = FlagText(parse=_size, show=str)  # a number of bytes is a size too
+NEGATED = FlagText(parse=lambda _flag, on: not on, show=lambda on: not on)
+
+
+def run_command(
+    ctx: typer.Context,
+    storage: Annotated[
+        str, Opt("--storage", "-s", help="Where checkpoints live (path, file://, s3://...).")
+    ] = config_field("storage", own_default="./checkpoints"),
+    epochs: Annotated[int, Opt("--epochs", "-e", help="Train until this epoch.")] = config_field("epochs"),
+    spec: Annotated[str, Opt("--spec", help="TrainingSpec as package.module:Class.")] = config_field("spec"),
+    spec_config: Annotated[
+        str, Opt("--spec-config", metavar="JSON", help="The spec's config.")
+    ] = config_field("spec_config", JSON),
+    seed: Annotated[
+        int, Opt("--seed", help="The run's seed (with --spec and --spec-config, its identity).")
+    ] = (config_field("seed")),
+    shards: Annotated[
+        int, Opt("--shards", help="HDF5 shard files per version, in all (at every world size).")
+    ] = config_field("shards"),
+    async_save: Annotated[
+        bool, Opt("--async-save/--no-async-save", help="Save while the next epoch runs.")
+    ] = config_field("async_save"),
+    save_every: Annotated[
+        int, Opt("--save-every", help="Save every N epochs (and at the end).")
+    ] = config_field("save_every"),
+    save_retries: Annotated[
+        int, Opt("--save-retries", help="Retries of a failed save or commit task.")
+    ] = config_field("save_retries"),
+    save_timeout: Annotated[
+        float | None,
+        Opt(
+            "--save-timeout",
+            metavar="SECONDS",
+            help="Fail a save or commit task that waits longer (it is retried; the write goes on).",
+        ),
+    ] = config_field("save_timeout_seconds"),
+    archive_every: Annotated[
+        int | None, Opt("--archive-every", help="Consolidate each K committed epochs into a tarball.")
+    ] = config_field("archive.every"),
+    archive_size: Annotated[
+        str | None,
+        Opt("--archive-size", metavar="SIZE", help="Or: once loose checkpoints reach SIZE (1GiB)."),
+    ] = config_field("archive.target_bytes", SIZE),
+    keep_loose: Annotated[
+        bool, Opt("--keep-loose", help="Keep loose files of archived versions.")
+    ] = config_field("archive.keep_loose"),
+    max_pending: Annotated[
+        int,
+        Opt("--max-pending", help="Archive and upload jobs run at once (more wait; a commit never waits)."),
+    ] = config_field("archive.max_pending"),
+    upload_to: Annotated[
+        str | None, Opt("--upload-to", metavar="URL", help="Mirror versions and archives to URL (s3://...).")
+    ] = config_field("archive.upload_to"),
+    upload_options: Annotated[
+        str, Opt("--upload-options", metavar="JSON", help="fsspec options for --upload-to (no credentials).")
+    ] = config_field("archive.upload_options", JSON),
+    upload_secret: Annotated[
+        str | None,
+        Opt("--upload-secret", metavar="BLOCK", help="Credentials for --upload-to, as --storage-secret."),
+    ] = config_field("archive.upload_secret"),
+    upload_versions: Annotated[
+        bool | None,
+        Opt(
+            "--upload-versions/--no-upload-versions",
+            help="With --upload-to: each version as it commits (default), or archives only.",
+            show_default=False,
+        ),
+    ] = config_field("archive.upload_versions"),
+    keep_last: Annotated[int | None, Opt("--keep-last", help="Retention: keep the newest N.")] = config_field(
+        "retention.keep_last"
+    ),
+    keep_every: Annotated[
+        int | None, Opt("--keep-every", help="Retention: keep every K-th epoch.")
+    ] = config_field("retention.keep_every"),
+    keep_best: Annotated[
+        str | None, Opt("--keep-best", metavar="METRIC", help="Retention: keep the best.")
+    ] = config_field("retention.keep_best"),
+    best_mode: Annotated[
+        str | None, Opt("--best-mode", help=BEST_MODE_HELP, show_default=False)
+    ] = config_field("retention.best_mode"),
+    best_count: Annotated[
+        int, Opt("--best-count", help="Retention: keep the best N by --keep-best's METRIC.")
+    ] = config_field("retention.best_count"),
+    stop_metric: Annotated[
+        str | None, Opt("--stop-metric", help="Metric for --target/--patience.")
+    ] = config_field("stop.metric"),
+    stop_mode: Annotated[str, Opt("--stop-mode", help="min or max, for --stop-metric.")] = config_field(
+        "stop.mode"
+    ),
+    target: Annotated[
+        float | None, Opt("--target", help="Stop when the metric reaches this.")
+    ] = config_field("stop.target"),
+    patience: Annotated[
+        int | None, Opt("--patience", help="Stop after N epochs without gain.")
+    ] = config_field("stop.patience"),
+    max_seconds: Annotated[float | None, Opt("--max-seconds", help="Wall-clock budget.")] = config_field(
+        "stop.max_seconds"
+    ),
+    epoch_retries: Annotated[int, Opt("--epoch-retries", help="Retries of a failed epoch.")] = config_field(
+        "epoch_retries"
+    ),
+    nproc: Annotated[
+        int, Opt("--nproc", help="Training processes (torch.distributed ranks) on this machine.")
+    ] = config_field("nproc"),
+    nnodes: Annotated[
+        int, Opt("--nnodes", help="Machines; the others join with torchrun (see README).")
+    ] = config_field("nnodes"),
+    rdzv_endpoint: Annotated[
+        str | None, Opt("--rdzv-endpoint", metavar="HOST:PORT", help="The ranks' rendezvous (with --nnodes).")
+    ] = config_field("rdzv_endpoint"),
+    rdzv_id: Annotated[
+        str | None, Opt("--rdzv-id", help="Rendezvous id the other machines' torchrun give.")
+    ] = config_field("rdzv_id"),
+    dist_backend: Annotated[
+        str, Opt("--dist-backend", help="auto, gloo or nccl (with --nproc).")
+    ] = config_field("dist_backend"),
+    rank_timeout: Annotated[
+        float,
+        Opt(
+            "--rank-timeout",
+            metavar="SECONDS",
+            help="How long a rank waits for the others in a collective before failing.",
+        ),
+    ] = config_field("rank_timeout_seconds"),
+    torch_threads: Annotated[
+        int | None,
+        Opt("--torch-threads", help="torch intra-op threads (default: all cores but one)."),
+    ] = config_field("torch_threads"),
+    storage_options: Annotated[
+        str,
+        Opt("--storage-options", metavar="JSON", envvar="CKPTFLOW_STORAGE_OPTIONS", help="fsspec options."),
+    ] = config_field("storage_options", JSON),
+    storage_secret: Annotated[
+        str | None,
+        Opt(
+            "--storage-secret",
+            metavar="BLOCK",
+            help="Prefect block with credentials: a Secret block NAME or aws-credentials/NAME.",
+        ),
+    ] = config_field("storage_secret"),
+    lease_timeout: Annotated[
+        float,
+        Opt(
+            "--lease-timeout",
+            metavar="SECONDS",
+            help="The store's writer lease, renewed every sixth of this; another run may take over "
+            "a lease left unrenewed this long.",
+        ),
+    ] = config_field("lease_timeout_seconds"),
+    allow_config_change: Annotated[
+        bool, Opt("--allow-config-change", help="Resume even if spec, spec config or seed changed.")
+    ] = config_field("allow_config_change"),
+    resume_only: Annotated[
+        bool,
+        Opt("--resume-only", help="Fail unless --storage holds a checkpoint to resume from (no new run)."),
+    ] = config_field("resume_only"),
+    in_process: Annotated[
+        bool,
+        Opt("--in-process", help="Train in this process, not a child (for a debugger; starts slower)."),
+    ] = config_field("train_process", NEGATED),
+    verbose: Annotated[bool, Opt("--verbose", "-v", help="Show Prefect's log lines.")] = False,
+) -> None:
+    """Train with checkpoints (resuming from the newest committed one in --storage)."""
+    if in_process and (nproc > 1 or nnodes > 1):
+        raise typer.BadParameter("--in-process trains in this process: leave it out with --nproc or --nnodes")
+    if keep_best is not None and best_mode is None:
+        raise typer.BadParameter(best_mode_needed(keep_best), param_hint="'--best-mode'")
+    if best_mode is not None and keep_best is None:
+        raise typer.BadParameter("--best-mode needs --keep-best", param_hint="'--best-mode'")
+    if not verbose:
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    from . import preflight
+
+    config = config_of(ctx)
+    spec_defined = _before_the_flow_run(verbose, lambda: preflight.spec_defined(config.spec))
+    _before_the_flow_run(verbose, lambda: preflight.check_store(config))
+    if config.uses_trainers:
+        from ckptflow.tasks.trainer import prestart
+
+        prestart(config)  # torch, the spec and the model, while this process imports Prefect
+    if not spec_defined:  # only importing it can tell
+        _before_the_flow_run(verbose, lambda: preflight.import_spec(config))
+    warmup = _warm_up_api()
+    result = _run_with_progress(config, warmup, verbose=verbose)
+    _print_next_steps(config, result)
+
+
+def config_flags(ctx: typer.Context) -> dict[str, tuple[str, ConfigField]]:
+    """The options of ``ctx``'s command that set config fields: parameter name -> (flag, its ConfigField)."""
+    return {
+        str(p.name): (max(p.opts, key=len), p.default)  # --storage, not -s
+        for p in ctx.command.params
+        if isinstance(p.default, ConfigField)  # the others are this process's own (--verbose)
+    }
+
+
+def config_of(ctx: typer.Context) -> PipelineConfig:
+    """The PipelineConfig that ``run``'s parsed options give, each flag to its field. A value the
+    config refuses is a usage error naming the flag (the config holds the bounds)."""
+    from pydantic import ValidationError
+
+    from ckptflow.tasks.config import PipelineConfig
+
+    raw: dict[str, Any] = {}
+    flags = config_flags(ctx)
+    for name, (flag, field) in flags.items():
+        *sections, key = field.path.split(".")
+        into = raw
+        for section in sections:
+            into = into.setdefault(section, {})
+        into[key] = field.value(flag, ctx.params[name])
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"{option} is not valid JSON ({exc.msg})") from None
-    if not isinstance(value, dict):
-        raise typer.BadParameter(f"{option} must be a JSON object")
-    return value
+        return PipelineConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise _usage_error(exc, {field.path: flag for flag, field in flags.values()}) from None
 
 
-def _validation_message(exc: Any) -> str:
-    parts = []
+def _usage_error(exc: ValidationError, flag_of: dict[str, str]) -> typer.BadParameter:
+    """``Invalid value for '--shards': Input should be less than or equal to 256``; an error of no
+    one flag (options that do not fit together) names the config's field, or ``config``."""
+    errors = []
     for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "config"
-        parts.append(f"{where}: {err['msg']}")
-    return "; ".join(parts)
+        where = ".".join(str(p) for p in err["loc"])
+        errors.append((flag_of.get(where), where, err["msg"]))
+    if len(errors) == 1 and errors[0][0]:
+        flag, _, message = errors[0]
+        return typer.BadParameter(message, param_hint=f"'{flag}'")
+    return typer.BadParameter("; ".join(f"{flag or where or 'config'}: {msg}" for flag, where, msg in errors))
 
 
 class _ApiWarmup:

@@ -132,9 +132,9 @@ def setup_server_command(
 ) -> None:
     """Create the work pool and the crashed-run automation on the Prefect server (idempotent)."""
     _, ui = _api_settings()
-    from prefect.client.orchestration import get_client
+    from ckptflow.tasks.prefect_runs import prefect_client
 
-    with get_client(sync_client=True) as client:
+    with prefect_client() as client:
         done = ensure_work_pool(client, pool)
         typer.echo(f"work pool {pool!r} (process): {done}  {ui}/work-pools/work-pool/{pool}")
         if automation:

@@ -35,12 +35,12 @@ from .errors import (
     VersionNotFoundError,
     VersionTakenError,
 )
-from .files.location import quick_answer_options, redact
+from .files.location import redact
 from .files.processes import has_ended as process_ended
 from .files.processes import this_process as current_process
 from .format.manifest import FORMAT_VERSION, Manifest
 from .load.restore import RankStateWarning
-from .remote.mirror import upload_storage_options
+from .remote.options import quick_answer_options, upload_storage_options
 from .save.async_save import SaveHandle
 from .store import CheckpointStore, StoreOptions, VersionInfo
 from .versions.commit import VersionState

@@ -16,7 +16,7 @@ from .format.manifest import Manifest
 class StoreOptions:
     """How a store writes and reads; the defaults suit a local disk or S3."""
 
-    shards: int = 4
+    shards: int = 4  # shard files per version, in all, at every world size (at least one per rank)
     threads: int = 4
     verify_on_load: bool = True
 
@@ -25,6 +25,18 @@ class StoreOptions:
             raise ValueError(f"shards must be >= 1, got {self.shards}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+
+
+@dataclass(frozen=True)
+class SaveRequest:
+    """What a save records besides the state: :meth:`CheckpointStore.save`'s keyword arguments."""
+
+    epoch: int | None = None
+    step: int | None = None
+    metrics: dict[str, float] | None = None
+    version: int | None = None
+    user: dict[str, Any] | None = None
+    rank_state: object = None
 
 
 @dataclass(frozen=True)

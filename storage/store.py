@@ -1,11 +1,13 @@
 """CheckpointStore: save, load, list, verify, prune and collect garbage at one URL.
 
-This is the library's front door. It composes the pure parts (structure,
-planner, retention) with the mechanism (:mod:`.saving` plans, numbers, writes
-and commits a version; reader, catalog) and holds the state a store needs in
-memory: the async save in flight, its staging buffer, and, in
-a torch.distributed job, the checkpoint's process group. Deleting, pruning,
-archiving, collecting garbage and mirroring are in :mod:`.upkeep`.
+This is the library's front door, a facade over three parts with one job each:
+a :class:`~.save.store_saver.StoreSaver` (the save path, its staging buffer and
+the async save in flight: every save, plain, from ranks or of sharded state,
+runs the same phases), a :class:`~.load.store_reader.StoreReader` (the catalog
+of versions and reading states back, DCP's loads included) and an
+:class:`~.upkeep.Upkeep` (delete, prune, archive, gc, mirror). The store holds
+what they share: the location, the options, the writer lease and, in a
+torch.distributed job, the checkpoint's process group.
 
 What always holds: ``save`` returns only after the version is committed;
 ``save_async`` returns once the state is copied, and the version is committed
@@ -17,43 +19,39 @@ one process (or one rank group) may write to a store at a time.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 from collections.abc import Collection, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
-from .archive.tarballs import archive_location, list_archived
-from .errors import (
-    ManifestError,
-    UnreadableVersionError,
-    VersionNotFoundError,
-)
+from .archive.tarballs import archive_location
+from .errors import CheckpointError
 from .files.location import open_location, probe, translate_errors
 from .format.manifest import Manifest
-from .info import StoreOptions, VersionInfo
-from .load.restore import rank_manifest, read_state
-from .load.verifying import verify_version
+from .info import SaveRequest, StoreOptions, VersionInfo
+from .load.store_reader import StoreReader
 from .save.async_save import SaveHandle
-from .save.store_saver import SaveRequest, StoreSaver
-from .sharded.api import ShardedStore, holds_sharded
+from .save.store_saver import StoreSaver
+from .sharded.kinds import holds_sharded
 from .upkeep import Upkeep
 from .versions import catalog, metadata, nearby
 from .versions import commit as protocol
 from .versions.lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
-from .versions.lease import LEASE_KEY, StoreLease
+from .versions.lease import LEASE_KEY, StoreLease, refuse_if_held
 
 if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
     import torch
 
     from .archive.tarballs import ArchivedVersion
+    from .archive.tarindex import TarIndex
     from .save.distributed import RankGroup
-    from .save.saving import VersionWriter
-    from .save.staging import StagingBuffer
+    from .sharded.reader import DcpReader
+    from .sharded.writer import DcpWriter
+    from .versions.housekeeping import GarbageReport
+    from .versions.lease_info import LeaseInfo
+    from .versions.retention import PrunePlan, RetentionPolicy
 
-log = logging.getLogger(__name__)
 
-
-class CheckpointStore(ShardedStore, Upkeep):
+class CheckpointStore:
     """Checkpoints of one training run under an fsspec URL (path, file://, s3://, memory://).
 
     ``distributed=True`` (or a :class:`RankGroup`): a store shared by every rank of a
@@ -79,16 +77,8 @@ class CheckpointStore(ShardedStore, Upkeep):
 
             self.group = distributed if isinstance(distributed, RankGroup) else RankGroup.create()
         self._saves = StoreSaver(self.loc, self.options, self.group)
-        self._saver = self._saves.saver
-
-    @property
-    def _writer(self) -> VersionWriter:
-        """The save path (made on the first save, with torch)."""
-        return self._saves.writer
-
-    @property
-    def _staging(self) -> StagingBuffer:
-        return self._saves.staging
+        self._reads = StoreReader(self.loc, self.options, self.group)
+        self._upkeep = Upkeep(self.loc, self._saves, self._reads, self.lease)
 
     @property
     def rank(self) -> int:
@@ -119,6 +109,10 @@ class CheckpointStore(ShardedStore, Upkeep):
         """The URL (without credentials) of a version's own directory, whether or not it exists."""
         return self.loc.display(protocol.version_dir(version))
 
+    def display(self, name: str = "") -> str:
+        """The URL (without credentials) of ``name`` inside the store (e.g. a set-aside directory)."""
+        return self.loc.display(name)
+
     def tarball_url(self, tar: str) -> str:
         """The URL (without credentials) of the tarball named ``tar`` in the store's ``archive/``."""
         return archive_location(self.loc).display(tar)
@@ -142,10 +136,7 @@ class CheckpointStore(ShardedStore, Upkeep):
         from ``state``; in a distributed store ``state`` is the replicated state, the
         same on every rank, and each rank passes its own ``rank_state``.
         """
-        request = SaveRequest(epoch, step, metrics, version, user, rank_state)
-        if holds_sharded(state):  # DTensors, or objects with state_dict(): DCP plans the save
-            return self._save_sharded(state, request)
-        return self._saves.save(state, request)
+        return self._saves.save(state, SaveRequest(epoch, step, metrics, version, user, rank_state))
 
     def save_async(
         self,
@@ -165,10 +156,19 @@ class CheckpointStore(ShardedStore, Upkeep):
         raises its failure, if it failed and nobody called ``wait()``. In a
         distributed store each rank copies only the share it writes.
         """
-        request = SaveRequest(epoch, step, metrics, version, user, rank_state)
-        if holds_sharded(state):
-            return self._save_sharded_async(state, request)
-        return self._saves.save_async(state, request)
+        return self._saves.save_async(state, SaveRequest(epoch, step, metrics, version, user, rank_state))
+
+    def dcp_writer(
+        self,
+        *,
+        epoch: int | None = None,
+        step: int | None = None,
+        metrics: dict[str, float] | None = None,
+        version: int | None = None,
+        user: dict[str, Any] | None = None,
+    ) -> DcpWriter:
+        """A StorageWriter for one ``dcp.save``/``dcp.async_save``: it becomes a committed version."""
+        return self._saves.dcp_writer(SaveRequest(epoch, step, metrics, version, user))
 
     # -- one writer per store ---------------------------------------------------
 
@@ -208,6 +208,12 @@ class CheckpointStore(ShardedStore, Upkeep):
         :meth:`write_under`, a save is refused while any live writer holds the store."""
         self._saves.write_for(frozenset(pids))
 
+    def refuse_if_held(self, *, writers: Collection[int] = ()) -> LeaseInfo | None:
+        """Raise :class:`StoreLockedError` naming the holder if another live writer holds the store;
+        the lease's holder if it is one of ``writers`` (processes this one writes for), else None."""
+        with translate_errors(self.loc, "reading the writer lease of"):
+            return refuse_if_held(self.loc, writers=set(writers))
+
     def committed_by_this_writer(self, version: int) -> bool:
         """Whether ``version`` is committed under the lease this store writes under (its own save,
         e.g. one whose answer a retry missed), rather than by another writer."""
@@ -219,34 +225,29 @@ class CheckpointStore(ShardedStore, Upkeep):
 
     def wait(self) -> VersionInfo | None:
         """Wait for the async save in flight, if any; raise its failure."""
-        return self._saver.wait_previous()
+        return self._saves.saver.wait_previous()
 
     # -- reading --------------------------------------------------------------
 
     def versions(self) -> list[VersionInfo]:
         """Committed versions, loose and archived, oldest first."""
-        with translate_errors(self.loc, "listing"):
-            return [self._info(x) for x in catalog.committed(self.loc)]
+        return self._reads.versions()
 
     def latest(self) -> VersionInfo | None:
         """The newest committed version (the one a resumed run starts from), or None."""
-        with translate_errors(self.loc, "listing"):
-            found = catalog.newest(self.loc)
-        return self._info(found) if found else None
+        return self._reads.latest()
 
     def info(self, version: int | None = None) -> VersionInfo:
         """One committed version (the newest when ``version`` is None); raises if not committed."""
-        return self._info(self._locate(version))
+        return self._reads.info(version)
 
     def find(self, version: int) -> VersionInfo | None:
         """A committed version, or None if ``version`` is not committed (without listing the others)."""
-        with translate_errors(self.loc, "reading"):
-            found = catalog.lookup(self.loc, version)
-        return self._info(found) if found is not None else None
+        return self._reads.find(version)
 
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a committed version (the newest when ``version`` is None)."""
-        return self._locate(version).manifest
+        return self._reads.manifest(version)
 
     def load(
         self,
@@ -270,9 +271,11 @@ class CheckpointStore(ShardedStore, Upkeep):
         if into is not None and holds_sharded(into):  # DTensors: every rank reads the parts it holds
             if keys:
                 raise ValueError("keys cannot select parts of a sharded load: pass only those parts in into")
-            return self._load_sharded(version, into, verify)
-        located = self._locate(version)
-        return self._read(located, located.manifest, keys, map_location, verify, into)
+            from .sharded import dcp_calls
+
+            self._saves.join_inflight()  # an async save's collectives use the same group: not beside these
+            return dcp_calls.load(self.loc, self.options, self.group, self._locate, version, into, verify)
+        return self._reads.load(version, keys=keys, map_location=map_location, verify=verify, into=into)
 
     def load_rank_state(
         self,
@@ -290,24 +293,9 @@ class CheckpointStore(ShardedStore, Upkeep):
         the caller decides what must differ per rank (the pipeline reseeds the RNGs of
         ranks above 0 from the run's seed, the epoch and the rank).
         """
-        located = self._locate(version)
-        rank = self.rank if rank is None else rank
-        world = self.world_size if world_size is None else world_size
-        manifest = rank_manifest(located.manifest, rank, world, stacklevel=2)
-        if manifest is None:
-            return None
-        return self._read(located, manifest, None, map_location, verify, None)
-
-    def _read(
-        self,
-        located: catalog.Located,
-        manifest: Manifest,
-        keys: Sequence[str] | None,
-        map_location: str | torch.device,
-        verify: bool | None,
-        into: Any,
-    ) -> Any:
-        return read_state(self.loc, self.options, located, manifest, keys, map_location, verify, into)
+        return self._reads.load_rank_state(
+            version, rank=rank, world_size=world_size, map_location=map_location, verify=verify
+        )
 
     def verify(self, version: int | None = None) -> VersionInfo:
         """Check every byte of a version (loose or archived) against its checksums, and its tar structure.
@@ -315,29 +303,15 @@ class CheckpointStore(ShardedStore, Upkeep):
         With no ``version``, the newest: when the newest version's manifest is unreadable,
         that is the finding (:class:`UnreadableVersionError`), not a reason to check an older one.
         """
-        if version is None:
-            with translate_errors(self.loc, "reading"):
-                found, above = catalog.newest_and_above(self.loc)
-            if above:
-                top = max(above)
-                error = above[top].error or ManifestError(f"manifest of version {top} cannot be read")
-                raise UnreadableVersionError(top, self.url, error, found.version if found else None)
-            if found is None:
-                raise VersionNotFoundError(None, self.url, [])
-            return self.verify_located(found)
-        return self.verify_located(self._locate(version))
+        return self._reads.verify(version)
 
     def verify_located(self, located: catalog.Located) -> VersionInfo:
         """Check the shards of a version found by :meth:`survey` (no second look-up)."""
-        with translate_errors(self.loc, "verifying"):
-            located.check_tarball(self.loc, whole=True)
-            verify_version(self.loc, located.manifest, located.sources(self.loc))
-        return self._info(located)
+        return self._reads.verify_located(located)
 
     def survey(self) -> catalog.Survey:
         """Every version by state: committed (loose or archived), unreadable, being written, set aside."""
-        with translate_errors(self.loc, "listing"):
-            return catalog.survey(self.loc)
+        return self._reads.survey()
 
     def version_dirs(self) -> dict[int, bool]:
         """Every version directory, by number, and whether it holds a manifest file.
@@ -345,13 +319,11 @@ class CheckpointStore(ShardedStore, Upkeep):
         One listing, no manifest read: one without a manifest is being written or was left by an
         interrupted save; one with a manifest is committed unless its manifest is unreadable.
         """
-        with translate_errors(self.loc, "listing"):
-            return protocol.list_dirs(self.loc)
+        return self._reads.version_dirs()
 
     def misplaced(self) -> nearby.VersionDirectory | nearby.StoresBelow | None:
         """What the URL is when it is a version's directory or holds stores; None for a store."""
-        with translate_errors(self.loc, "listing"):
-            return nearby.misplaced(self.loc)
+        return self._reads.misplaced()
 
     def archived(self) -> dict[int, ArchivedVersion]:
         """The versions in committed tarballs, by number, each with its tarball's name and index.
@@ -359,32 +331,109 @@ class CheckpointStore(ShardedStore, Upkeep):
         Reads only the tarball indexes; a tarball whose index cannot be read is left out (with a
         warning in the log; :meth:`survey` names it).
         """
-        with translate_errors(self.loc, "listing"):
-            return list_archived(self.loc)
+        return self._reads.archived()
+
+    def dcp_reader(self, *, version: int | None = None, verify: bool | None = None) -> DcpReader:
+        """A StorageReader of a committed version (the newest when ``version`` is None) for ``dcp.load``."""
+        from .sharded import dcp_calls
+
+        return dcp_calls.new_reader(self.loc, self.options, self._locate(version), verify)
 
     def info_of(self, located: catalog.Located) -> VersionInfo:
         """The listing entry of a version found by :meth:`survey`."""
-        return self._info(located)
-
-    def _info(self, located: catalog.Located) -> VersionInfo:
-        return VersionInfo.from_manifest(
-            located.manifest, located.url(self.loc), archived=located.is_archived
-        )
-
-    def _committed(self) -> list[Manifest]:
-        """Manifests of the committed versions (loose and archived), oldest first."""
-        with translate_errors(self.loc, "listing"):
-            return [x.manifest for x in catalog.committed(self.loc)]
+        return self._reads.info_of(located)
 
     def _locate(self, version: int | None) -> catalog.Located:
         """A committed version and where it lives; raise a clear error for any other state."""
-        with translate_errors(self.loc, "reading"):
-            if version is None:
-                found = catalog.newest(self.loc)
-                if found is None:
-                    raise VersionNotFoundError(None, self.url, [])
-                return found
-            return catalog.find(self.loc, version)
+        return self._reads.locate(version)
+
+    # -- upkeep -------------------------------------------------------------------
+
+    def delete(self, version: int) -> None:
+        """Delete a committed version (its manifest first, so a crash leaves only garbage)."""
+        return self._upkeep.delete(version)
+
+    def prune(
+        self,
+        policy: RetentionPolicy | None = None,
+        *,
+        keep_last: int | None = None,
+        keep_every: int | None = None,
+        keep_best: tuple[str, Literal["min", "max"]] | None = None,
+    ) -> list[int]:
+        """Delete committed versions the policy does not keep; return the numbers of those gone.
+
+        A tarball is removed whole: a version it shares with a kept version stays
+        (see :meth:`apply_retention`, which says which).
+        """
+        return self._upkeep.prune(policy, keep_last=keep_last, keep_every=keep_every, keep_best=keep_best)
+
+    def plan_retention(self, policy: RetentionPolicy) -> PrunePlan:
+        """What :meth:`apply_retention` would do now; changes nothing (a dry run)."""
+        return self._upkeep.plan_retention(policy)
+
+    def apply_retention(self, policy: RetentionPolicy) -> PrunePlan:
+        """Delete what the policy does not keep; return the plan carried out (kept, removed, held)."""
+        return self._upkeep.apply_retention(policy)
+
+    def archive(self, versions: Sequence[int], *, name: str | None = None) -> TarIndex:
+        """Consolidate committed loose versions into ``archive/<name>.tar`` plus its index.
+
+        The loose copies stay until :meth:`drop_loose`: remove them only once the
+        tarball is where it must be (uploaded and verified, when you upload).
+        """
+        return self._upkeep.archive(versions, name=name)
+
+    def reindex(self) -> list[TarIndex]:
+        """Rebuild, from the tarball itself, the index of every tarball whose index cannot be read."""
+        return self._upkeep.reindex()
+
+    def drop_loose(self, versions: Sequence[int]) -> list[int]:
+        """Remove the loose copies of archived versions; they load from their tarball after."""
+        return self._upkeep.drop_loose(versions)
+
+    def gc(self, *, min_age: float = 0.0, dry_run: bool = False) -> list[int]:
+        """Remove what interrupted saves and archiving left (see :meth:`collect_garbage`).
+
+        Return the versions removed (``dry_run``: that it would remove).
+        """
+        return self._upkeep.gc(min_age=min_age, dry_run=dry_run)
+
+    def collect_garbage(self, *, min_age: float = 0.0, dry_run: bool = False) -> GarbageReport:
+        """Remove what interrupted saves and archive jobs left: version directories without a
+        manifest, tarballs without an index, temp files of atomic writes. Return what was
+        removed and what was spared.
+
+        ``min_age`` seconds: spare what changed more recently (a writer without the lease may
+        still be writing it). ``dry_run``: remove nothing, report what it would remove.
+        """
+        return self._upkeep.collect_garbage(min_age=min_age, dry_run=dry_run)
+
+    def mirror_version(self, version: int, url: str, *, storage_options: dict[str, Any]) -> str:
+        """Upload a committed loose version to the store at ``url``: each shard uploaded and verified,
+        then its manifest, the version's commit there. Returns the version's URL on the mirror.
+
+        Copies from a local store; a copy already there and verified is skipped. Give
+        ``storage_options`` made by :func:`upload_storage_options`.
+        """
+        return self._upkeep.mirror_version(version, url, storage_options=storage_options)
+
+    def mirror_archive(self, tar: str, url: str, *, storage_options: dict[str, Any]) -> str:
+        """Upload a committed tarball to ``url``'s ``archive/``, then its index (its commit there).
+
+        Returns the tarball's URL on the mirror. As :meth:`mirror_version`, from a local store.
+        """
+        return self._upkeep.mirror_archive(tar, url, storage_options=storage_options)
+
+    def set_aside_unreadable(self) -> list[tuple[int, str, CheckpointError]]:
+        """Move aside the unreadable versions above the newest committed one, so a writer can go on.
+
+        Returns (version, new directory URL, why) for each. Their directories are renamed, never
+        deleted (see :func:`.commit.set_aside`). A version written by a newer ckptflow is not moved:
+        that raises its FormatVersionError (upgrade instead). Nothing is moved while a tarball's
+        index cannot be read: its versions, maybe the newest, are unknown (CheckpointError).
+        """
+        return self._upkeep.set_aside_unreadable()
 
     # -- run metadata ---------------------------------------------------------
 

@@ -1,7 +1,7 @@
 """A store's upkeep: delete, prune, archive, collect garbage, mirror and set aside versions.
 
-These are the :class:`~.store.CheckpointStore` methods that change what is
-stored after it was committed; each waits for the store's async save in flight
+:class:`Upkeep` does what a :class:`~.store.CheckpointStore` is asked to change
+in what is stored after it was committed; each waits for the store's async save in flight
 first and names the store in its errors. They are for one process (rank 0, or
 a job that is not running); the mechanism is in :mod:`.versions.housekeeping`
 and :mod:`.remote.mirror`.
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .archive.tarindex import TarIndex
@@ -33,8 +33,7 @@ from .versions.lease import refuse_if_held
 from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:
-    from .format.manifest import Manifest
-    from .save.async_save import AsyncSaver
+    from .load.store_reader import StoreReader
     from .save.store_saver import StoreSaver
     from .versions.lease import StoreLease
 
@@ -44,19 +43,17 @@ log = logging.getLogger("ckptflow.storage.store")
 class Upkeep:
     """What :class:`~.store.CheckpointStore` does to committed versions besides reading them."""
 
-    loc: Location
-    _saver: AsyncSaver
-    _saves: StoreSaver
-
-    if TYPE_CHECKING:
-
-        def survey(self) -> catalog.Survey: ...
-
-        def manifest(self, version: int | None = None) -> Manifest: ...
-
-        def lease(
-            self, *, owner: str | None = None, timeout: float = ...
-        ) -> contextlib.AbstractContextManager[StoreLease]: ...
+    def __init__(
+        self,
+        loc: Location,
+        saves: StoreSaver,
+        reads: StoreReader,
+        lease: Callable[[], contextlib.AbstractContextManager[StoreLease]],
+    ) -> None:
+        self.loc = loc
+        self._saves = saves  # its async save in flight, and the lease its commits go under
+        self._reads = reads
+        self._lease = lease  # takes the store's writer lease for one call
 
     @contextlib.contextmanager
     def _removing(self) -> Iterator[None]:
@@ -78,7 +75,7 @@ class Upkeep:
         if writes_for:  # a training process of the run that holds the store
             yield
             return
-        with self.lease():
+        with self._lease():
             yield
 
     def delete(self, version: int) -> None:
@@ -94,11 +91,7 @@ class Upkeep:
         keep_every: int | None = None,
         keep_best: tuple[str, Literal["min", "max"]] | None = None,
     ) -> list[int]:
-        """Delete committed versions the policy does not keep; return the numbers of those gone.
-
-        A tarball is removed whole: a version it shares with a kept version stays
-        (see :meth:`apply_retention`, which says which).
-        """
+        """Delete committed versions the policy does not keep; return the numbers of those gone."""
         if policy is None:
             if keep_best is not None and (isinstance(keep_best, str) or len(keep_best) != 2):
                 raise ValueError(
@@ -123,11 +116,7 @@ class Upkeep:
             return housekeeping.prune(self.loc, policy)
 
     def archive(self, versions: Sequence[int], *, name: str | None = None) -> TarIndex:
-        """Consolidate committed loose versions into ``archive/<name>.tar`` plus its index.
-
-        The loose copies stay until :meth:`drop_loose`: remove them only once the
-        tarball is where it must be (uploaded and verified, when you upload).
-        """
+        """Consolidate committed loose versions into ``archive/<name>.tar`` plus its index."""
         with translate_errors(self.loc, "archiving in"):
             return housekeeping.archive(self.loc, list(versions), name=name)
 
@@ -136,7 +125,7 @@ class Upkeep:
         from .archive.reindex import rebuild_index
         from .archive.tarballs import archive_location
 
-        bad = self.survey().bad_archives
+        bad = self._reads.survey().bad_archives
         with translate_errors(self.loc, "rebuilding archive indexes in"):
             return [rebuild_index(archive_location(self.loc), tar) for tar in sorted(bad)]
 
@@ -146,20 +135,11 @@ class Upkeep:
             return housekeeping.drop_loose(self.loc, list(versions))
 
     def gc(self, *, min_age: float = 0.0, dry_run: bool = False) -> list[int]:
-        """Remove what interrupted saves and archiving left (see :meth:`collect_garbage`).
-
-        Return the versions removed (``dry_run``: that it would remove).
-        """
+        """Remove what interrupted saves and archiving left (see :meth:`collect_garbage`)."""
         return list(self.collect_garbage(min_age=min_age, dry_run=dry_run).removed.versions)
 
     def collect_garbage(self, *, min_age: float = 0.0, dry_run: bool = False) -> GarbageReport:
-        """Remove what interrupted saves and archive jobs left: version directories without a
-        manifest, tarballs without an index, temp files of atomic writes. Return what was
-        removed and what was spared.
-
-        ``min_age`` seconds: spare what changed more recently (a writer without the lease may
-        still be writing it). ``dry_run``: remove nothing, report what it would remove.
-        """
+        """Remove what interrupted saves and archive jobs left."""
         if dry_run:
             with translate_errors(self.loc, "listing"):
                 return housekeeping.find_garbage(self.loc, min_age)
@@ -169,32 +149,18 @@ class Upkeep:
     # -- mirroring --------------------------------------------------------------
 
     def mirror_version(self, version: int, url: str, *, storage_options: dict[str, Any]) -> str:
-        """Upload a committed loose version to the store at ``url``: each shard uploaded and verified,
-        then its manifest, the version's commit there. Returns the version's URL on the mirror.
-
-        Copies from a local store; a copy already there and verified is skipped. Give
-        ``storage_options`` made by :func:`upload_storage_options`.
-        """
+        """Upload a committed loose version to the store at ``url``."""
         mirror.require_local(self.loc)
-        return mirror.mirror_version(self.loc, self.manifest(version), url, storage_options)
+        return mirror.mirror_version(self.loc, self._reads.manifest(version), url, storage_options)
 
     def mirror_archive(self, tar: str, url: str, *, storage_options: dict[str, Any]) -> str:
-        """Upload a committed tarball to ``url``'s ``archive/``, then its index (its commit there).
-
-        Returns the tarball's URL on the mirror. As :meth:`mirror_version`, from a local store.
-        """
+        """Upload a committed tarball to ``url``'s ``archive/``, then its index (its commit there)."""
         mirror.require_local(self.loc)
         return mirror.mirror_archive(self.loc, tar, url, storage_options)
 
     def set_aside_unreadable(self) -> list[tuple[int, str, CheckpointError]]:
-        """Move aside the unreadable versions above the newest committed one, so a writer can go on.
-
-        Returns (version, new directory URL, why) for each. Their directories are renamed, never
-        deleted (see :func:`.commit.set_aside`). A version written by a newer ckptflow is not moved:
-        that raises its FormatVersionError (upgrade instead). Nothing is moved while a tarball's
-        index cannot be read: its versions, maybe the newest, are unknown (CheckpointError).
-        """
-        self._saver.wait_previous()
+        """Move aside the unreadable versions above the newest committed one, so a writer can go on."""
+        self._saves.saver.wait_previous()
         with translate_errors(self.loc, "setting aside unreadable versions in"):
             catalog.archived_for_writing(self.loc)
             _, above = catalog.newest_and_above(self.loc)

@@ -8,7 +8,9 @@ the flow run's name. Prefect wants lowercase letters, digits and dashes.
 
 Creating an artifact with a key makes a new version of that key; a run
 creates each of its keyed artifacts once and then updates it in place, so its
-Artifacts tab shows one card per key however many commits it makes.
+Artifacts tab shows one card per key however many commits it makes. The calls
+to the Prefect API are :mod:`.prefect_runs`'s; a failed one is logged and skipped
+(:func:`safely`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from uuid import UUID
 from ckptflow.storage import VersionInfo
 
 from .formatting import human_size, metric_value, metrics_text
+from .prefect_runs import create_artifact, current_run_ids, update_artifact
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +36,11 @@ def slug(text: str, *, limit: int = 60) -> str:
     """A Prefect artifact key part: lowercase letters, digits and single dashes."""
     out = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
     return out[:limit].rstrip("-") or "run"
+
+
+def run_key(run_name: str) -> str:
+    """The artifact key of a flow run: ``ckptflow-<its name>``."""
+    return f"ckptflow-{slug(run_name)}"
 
 
 def store_alias(store_url: str) -> str:
@@ -148,47 +156,28 @@ class ArtifactSet:
         """Create the artifact ``key`` (the first time) or update it; None if the API failed."""
         known = self.ids.get(key)
         if known is not None:
-            return known if _safe(f"artifact {key}", lambda: _update(known, data, description)) else None
-        created = _safe(f"artifact {key}", lambda: self._create(key, kind, data, description))
+            return safely(f"artifact {key}", lambda: update_artifact(known, data, description))
+        created = safely(f"artifact {key}", lambda: self._create(key, kind, data, description))
         if created is not None:
             self.ids[key] = created
         return created
 
     def _create(self, key: str, kind: str, data: Any, description: str) -> UUID:
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.actions import ArtifactCreate
-        from prefect.context import FlowRunContext, TaskRunContext
-
         flow_run_id, task_run_id = self.flow_run_id, None
         if flow_run_id is None:
-            task, flow = TaskRunContext.get(), FlowRunContext.get()
-            if task is not None:
-                flow_run_id, task_run_id = task.task_run.flow_run_id, task.task_run.id
-            elif flow is not None and flow.flow_run is not None:
-                flow_run_id = flow.flow_run.id
-        artifact = ArtifactCreate(
+            flow_run_id, task_run_id = current_run_ids()
+        return create_artifact(
             key=key,
-            type=kind,
+            kind=kind,
             data=data,
             description=description,
             flow_run_id=flow_run_id,
             task_run_id=task_run_id,
         )
-        with get_client(sync_client=True) as client:
-            return client.create_artifact(artifact).id
 
 
-def _update(artifact_id: UUID, data: Any, description: str) -> bool:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.actions import ArtifactUpdate
-
-    with get_client(sync_client=True) as client:
-        client.update_artifact(artifact_id, ArtifactUpdate(data=data, description=description))
-    return True
-
-
-def _safe(what: str, call: Callable[[], Any]) -> Any:
-    """Reporting never breaks training: a failed API call is logged and skipped."""
+def safely(what: str, call: Callable[[], Any]) -> Any:
+    """Reporting never breaks training: a failed API call is logged and skipped (None)."""
     try:
         return call()
     except Exception as exc:

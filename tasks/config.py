@@ -48,6 +48,7 @@ class RetentionConfig(_Strict):
         description="with keep_best (required there): max if a higher metric is better (an accuracy), "
         "min if a lower one is (a loss)",
     )
+    best_count: int = Field(1, ge=1, description="with keep_best: keep the best N by its metric")
 
     @model_validator(mode="after")
     def _direction_given(self) -> RetentionConfig:
@@ -56,6 +57,8 @@ class RetentionConfig(_Strict):
                 f"retention.keep_best {self.keep_best!r} needs retention.best_mode: 'max' if a higher "
                 f"{self.keep_best} is better (an accuracy), 'min' if a lower one is (a loss)"
             )
+        if self.best_count != 1 and self.keep_best is None:
+            raise ValueError(f"retention.best_count {self.best_count} needs retention.keep_best (a metric)")
         return self
 
     def enabled(self) -> bool:
@@ -70,6 +73,7 @@ class RetentionConfig(_Strict):
             keep_every=self.keep_every,
             keep_best=self.keep_best,
             best_mode=self.best_mode,
+            best_count=self.best_count,
         )
 
 
@@ -77,7 +81,7 @@ class StopConfig(_Strict):
     """Conditions that end training before ``epochs`` (besides cancellation)."""
 
     metric: str | None = Field(None, description="metric watched by target and patience")
-    mode: Literal["min", "max"] = "min"
+    mode: Literal["min", "max"] = Field("min", description="min if a lower metric is better, else max")
     target: float | None = Field(None, description="stop once the metric reaches this value")
     patience: int | None = Field(None, ge=1, description="stop after N epochs without improvement")
     max_seconds: float | None = Field(None, gt=0, description="wall-clock budget of this run")
@@ -151,14 +155,16 @@ class PipelineConfig(_Strict):
         "(a JSON object of fsspec options) or aws-credentials/NAME (a prefect-aws AwsCredentials block)",
     )
     spec: str = Field(DEMO_SPEC, description="the TrainingSpec, as 'package.module:ClassName'")
-    spec_config: dict[str, Any] = Field(default_factory=dict)
-    seed: int = 0
+    spec_config: dict[str, Any] = Field(default_factory=dict, description="the spec's config (JSON)")
+    seed: int = Field(0, description="the run's seed; with spec and spec_config, its identity")
     epochs: int = Field(5, ge=1, description="train until this epoch (epochs count from 1)")
     save_every: int = Field(1, ge=1, description="save a checkpoint every N epochs (and at the end)")
-    shards: int = Field(4, ge=1, le=256)
-    async_save: bool = True
+    shards: int = Field(
+        4, ge=1, le=256, description="HDF5 shard files per version, in all (at every world size)"
+    )
+    async_save: bool = Field(True, description="save while the next epoch trains")
     epoch_retries: int = Field(1, ge=0, description="retries of a failed epoch, from its start state")
-    save_retries: int = Field(3, ge=0)
+    save_retries: int = Field(3, ge=0, description="retries of a failed save or commit task")
     save_timeout_seconds: float | None = Field(
         None,
         gt=0,

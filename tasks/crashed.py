@@ -18,7 +18,8 @@ it starts:
    short) are set Crashed too, and each gets the run summary its process
    could not write (:func:`summarize_crashed`: the last committed epoch, where
    it is, how to resume). The maintenance flow writes it for Crashed runs
-   that have none (marked by the heartbeat automation, on another host).
+   that have none (marked by the heartbeat automation, on another host):
+   :func:`summarize_crashed_runs`.
    This run logs one line per run it marked; Prefect shows the line after
    this run's own name, so the line names the earlier run, when it started
    and its process (:func:`earlier_run_line`).
@@ -27,7 +28,8 @@ What must hold: a run is marked only on proof that its process is gone. Runs
 of other hosts or pid spaces (another machine, container or boot), runs
 without the record, and this run are never touched. Linux only (``/proc``):
 elsewhere nothing is recorded and nothing is marked. Neither step may break
-a run: an API error is logged and skipped.
+a run: an API error is logged and skipped. The questions to Prefect are
+:mod:`.prefect_runs`'s.
 """
 
 from __future__ import annotations
@@ -41,7 +43,21 @@ from datetime import datetime, timezone
 from typing import Any
 from uuid import UUID
 
-from ckptflow.storage import current_process, process_ended
+from ckptflow.storage import CheckpointStore, current_process, process_ended
+
+from .artifacts import ArtifactSet, committed_at, ending_markdown, run_key
+from .config import PipelineConfig
+from .prefect_runs import (
+    active_train_runs,
+    crashed_train_runs,
+    flow_runs_with_artifacts,
+    label_flow_run,
+    mark_crashed,
+    mark_open_task_runs_crashed,
+    on_store,
+    prefect_client,
+    store_url_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +105,9 @@ def record_and_sweep(flow_run_id: UUID, log: Any) -> list[str]:
     here = this_process()
     if here is None:
         return []
-    from prefect.client.orchestration import get_client
-
     try:
-        with get_client(sync_client=True) as client:
-            client.update_flow_run_labels(flow_run_id, here.labels())
+        with prefect_client() as client:
+            label_flow_run(client, flow_run_id, here.labels())
             crashed = _mark_gone(client, flow_run_id, here)
     except Exception as exc:
         log.warning("could not check for training runs whose process died: %s", exc)
@@ -137,12 +151,8 @@ def record_this_run() -> threading.Thread | None:
 
 def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[tuple[Any, ProcessRecord]]:
     """Mark Crashed the active runs whose process is gone; return each with its process record."""
-    from prefect.states import Crashed
-
-    from .maintenance import read_active_train_runs
-
     crashed = []
-    for run in read_active_train_runs(client):
+    for run in active_train_runs(client):
         record = ProcessRecord.from_labels(run.labels or {})
         if run.id == flow_run_id or record is None or not is_gone(record, here):
             continue
@@ -150,7 +160,7 @@ def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[tupl
             f"its process (pid {record.pid} on {record.host}) is gone, killed without a final state; "
             f"marked Crashed by flow run {flow_run_id} on the same host"
         )
-        client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+        mark_crashed(client, run.id, message)
         crashed.append((run, record))
         versions = _versions_of(run.parameters)
         if versions is not None:
@@ -165,43 +175,48 @@ def summarize_crashed(client: Any, run: Any, versions: list[Any], why: str, cras
     """What a Crashed training run's process could not do: end its task runs still Running, and
     write its summary. Its last commit is the newest of its store's ``versions`` committed before
     ``crashed_at``: later ones are another run's."""
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import Crashed
-
-    from .artifacts import ArtifactSet, committed_at, ending_markdown, slug
-    from .maintenance import _store_url_of
-
-    open_states = [StateType.PENDING, StateType.RUNNING, StateType.SCHEDULED]
-    for task_run in client.read_task_runs(
-        flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])),
-        task_run_filter=TaskRunFilter(
-            state=TaskRunFilterState(type=TaskRunFilterStateType(any_=open_states))
-        ),
-    ):
-        client.set_task_run_state(task_run.id, Crashed(message="its flow run crashed"), force=True)
+    mark_open_task_runs_crashed(client, run.id, "its flow run crashed")
     before = [v for v in versions if committed_at(v) <= crashed_at]
     latest = max(before, key=lambda v: v.version, default=None)
-    url = _store_url_of(run.parameters or {}) or "unknown"
+    url = store_url_of(run) or "unknown"
     text = ending_markdown(state="Crashed", why=why, store_url=url, latest=latest)
-    key = f"ckptflow-{slug(run.name)}-summary"
-    ArtifactSet(flow_run_id=run.id).markdown(key, text, "ckptflow run summary: Crashed")
+    ArtifactSet(flow_run_id=run.id).markdown(summary_key(run), text, "ckptflow run summary: Crashed")
+
+
+def summarize_crashed_runs(store: CheckpointStore, *, limit: int = 200) -> list[str]:
+    """Write the summary of each Crashed training run on ``store`` that has none (a run marked
+    Crashed by the heartbeat automation: its process could not write one); returns their names."""
+    from prefect import get_run_logger
+
+    with prefect_client() as client:
+        runs = on_store(crashed_train_runs(client, limit=limit), store.url)
+        if not runs:
+            return []
+        summarized = flow_runs_with_artifacts(client, [r.id for r in runs], [summary_key(r) for r in runs])
+        missing = [run for run in runs if run.id not in summarized]
+        versions = store.versions() if missing else []
+        written = []
+        for run in missing:
+            why = (run.state.message if run.state else None) or "its process ended without a final state"
+            crashed_at = run.state.timestamp if run.state else datetime.now(timezone.utc)
+            try:
+                summarize_crashed(client, run, versions, why, crashed_at)
+            except Exception as exc:
+                get_run_logger().warning("could not write the summary of crashed run %s: %s", run.name, exc)
+            else:
+                written.append(run.name)
+    return written
+
+
+def summary_key(run: Any) -> str:
+    """The key of a flow run's summary artifact (:mod:`.monitoring` writes it as the run ends)."""
+    return f"{run_key(run.name)}-summary"
 
 
 def _versions_of(parameters: dict[str, Any]) -> list[Any] | None:
     """The committed versions of a run's store; None if this process cannot read it (a relative
     path names another directory here; options in a block it cannot read): maintenance, which
     opens the store with its own options, writes the summary then."""
-    from ckptflow.storage import CheckpointStore
-
-    from .config import PipelineConfig
-
     try:
         config = PipelineConfig.model_validate(parameters["config"])
         if "://" not in config.storage and not os.path.isabs(config.storage):

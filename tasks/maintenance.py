@@ -30,7 +30,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
-from datetime import datetime, timezone
 from typing import Any
 from uuid import UUID
 
@@ -44,8 +43,8 @@ from ckptflow.storage import CheckpointStore, StoreLockedError
 from .config import ArchiveConfig, PipelineConfig, RetentionConfig
 from .formatting import retention_line
 from .monitoring import publish_store
+from .prefect_runs import active_train_runs, on_store, prefect_client
 
-TRAIN_FLOW = "ckptflow-train"
 _private_options: ContextVar[dict[str, Any] | None] = ContextVar("ckptflow_private_options", default=None)
 
 
@@ -136,96 +135,9 @@ def holding_store(store: CheckpointStore, *, owner: str) -> Iterator[str | None]
 
 def active_training_runs(store_url: str) -> list[str]:
     """Names of the training flow runs in progress on this store (see the module docstring)."""
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        runs = read_active_train_runs(client)
-    return [run.name for run in runs if _store_url_of(run.parameters) == store_url]
-
-
-def read_active_train_runs(client: Any) -> list[Any]:
-    """The ``ckptflow-train`` flow runs in Pending, Running or Cancelling (a sync Prefect client)."""
-    from prefect.client.schemas.filters import (
-        FlowFilter,
-        FlowFilterName,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-
-    active = [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING]
-    return list(
-        client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[TRAIN_FLOW])),
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=active))),
-        )
-    )
-
-
-def summarize_crashed_runs(store: CheckpointStore, *, limit: int = 200) -> list[str]:
-    """Write the summary of each Crashed training run on ``store`` that has none (a run marked
-    Crashed by the heartbeat automation: its process could not write one); returns their names."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (
-        ArtifactFilter,
-        ArtifactFilterFlowRunId,
-        ArtifactFilterKey,
-        FlowFilter,
-        FlowFilterName,
-        FlowRunFilter,
-        FlowRunFilterState,
-        FlowRunFilterStateType,
-    )
-    from prefect.client.schemas.objects import StateType
-    from prefect.client.schemas.sorting import FlowRunSort
-
-    from .artifacts import slug
-    from .crashed import summarize_crashed
-
-    with get_client(sync_client=True) as client:
-        crashed = client.read_flow_runs(
-            flow_filter=FlowFilter(name=FlowFilterName(any_=[TRAIN_FLOW])),
-            flow_run_filter=FlowRunFilter(
-                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.CRASHED]))
-            ),
-            sort=FlowRunSort.START_TIME_DESC,
-            limit=limit,
-        )
-        runs = [run for run in crashed if _store_url_of(run.parameters) == store.url]
-        if not runs:
-            return []
-        artifacts = client.read_artifacts(
-            artifact_filter=ArtifactFilter(
-                flow_run_id=ArtifactFilterFlowRunId(any_=[r.id for r in runs]),
-                key=ArtifactFilterKey(any_=[f"ckptflow-{slug(r.name)}-summary" for r in runs]),
-            )
-        )
-        summarized = {a.flow_run_id for a in artifacts}
-        missing = [run for run in runs if run.id not in summarized]
-        versions = store.versions() if missing else []
-        written = []
-        for run in missing:
-            why = (run.state.message if run.state else None) or "its process ended without a final state"
-            crashed_at = run.state.timestamp if run.state else datetime.now(timezone.utc)
-            try:
-                summarize_crashed(client, run, versions, why, crashed_at)
-            except Exception as exc:
-                get_run_logger().warning("could not write the summary of crashed run %s: %s", run.name, exc)
-            else:
-                written.append(run.name)
-    return written
-
-
-def _store_url_of(parameters: dict[str, Any]) -> str | None:
-    config = parameters.get("config")
-    storage = config.get("storage") if isinstance(config, dict) else None
-    if not isinstance(storage, str):
-        return None
-    try:
-        return CheckpointStore(storage).url
-    except Exception:
-        return storage
+    with prefect_client() as client:
+        runs = active_train_runs(client)
+    return [run.name for run in on_store(runs, store_url)]
 
 
 @task(name="apply_retention", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))
@@ -272,5 +184,4 @@ __all__ = [
     "open_maintained_store",
     "private_storage_options",
     "publish_checkpoints",
-    "summarize_crashed_runs",
 ]

@@ -52,11 +52,12 @@ from ckptflow.storage import VersionInfo, redact
 
 from .artifacts import (
     ArtifactSet,
-    _safe,
     committed_at,
     ending_markdown,
     latest_markdown,
     one_line,
+    run_key,
+    safely,
     slug,
     store_alias,
     store_key,
@@ -64,6 +65,7 @@ from .artifacts import (
 )
 from .chart import curve_markdown
 from .formatting import human_size, metric_value
+from .prefect_runs import events_with_ids
 
 log = logging.getLogger(__name__)
 
@@ -150,11 +152,11 @@ class _Reporter:
                 with self._lock:
                     self._due = False
                 self._last = time.monotonic()
-                _safe("progress", self._periodic)
+                safely("progress", self._periodic)
             if job is self._STOP:
                 return
             if job is not None:
-                _safe("report", job)
+                safely("report", job)
 
 
 @dataclass
@@ -179,7 +181,7 @@ class RunMonitor:
 
     @property
     def key_prefix(self) -> str:
-        return f"ckptflow-{slug(self.run_name)}"
+        return run_key(self.run_name)
 
     def start(self, existing: list[VersionInfo], first_epoch: int) -> None:
         """The run begins after ``existing`` commits: show them, and report those never reported."""
@@ -292,7 +294,7 @@ class RunMonitor:
     # -- in the reporter's thread --
 
     def _publish_commit(self, info: VersionInfo) -> None:
-        _safe("event", lambda: emit_committed(info, self.store_url))
+        safely("event", lambda: emit_committed(info, self.store_url))
         self._publish_tables()
         source = f"flow run `{self.run_name}`"
         count = len(self.versions)
@@ -360,7 +362,7 @@ class RunMonitor:
         for info in recent:
             if info.version > newest_seen:
                 _run_log().info("reporting version %d (committed, never reported)", info.version)
-                _safe("event", functools.partial(emit_committed, info, self.store_url))
+                safely("event", functools.partial(emit_committed, info, self.store_url))
 
 
 def _run_log() -> Any:
@@ -450,24 +452,12 @@ def emit_committed(info: VersionInfo, store_url: str) -> None:
 def reported_events(store_url: str, versions: list[VersionInfo]) -> set[int] | None:
     """Which of ``versions`` have their committed event on the server (looked up by the event's
     id); None if the server cannot say."""
-    from prefect.client.orchestration import get_client
-    from prefect.events.filters import EventFilter, EventIDFilter, EventOccurredFilter
-
     ids = {event_id(store_url, v): v.version for v in versions}
     now = datetime.now(timezone.utc)
     oldest = min((committed_at(v) for v in versions), default=now)
-    query = EventFilter(  # "until" well ahead: another host's clock may run ahead of this one's
-        occurred=EventOccurredFilter(since=oldest - timedelta(days=1), until=now + timedelta(days=1)),
-        id=EventIDFilter(id=list(ids)),
-    )
-    try:
-        with get_client(sync_client=True) as client:
-            page = client.read_events(query, limit=50)  # the most the API gives per page
-            found = {ids[e.id] for e in page.events if e.id in ids}
-            while page.next_page is not None:
-                page = client.read_events_page(str(page.next_page))
-                found |= {ids[e.id] for e in page.events if e.id in ids}
+    try:  # "until" well ahead: another host's clock may run ahead of this one's
+        found = events_with_ids(ids, since=oldest - timedelta(days=1), until=now + timedelta(days=1))
     except Exception as exc:
         log.warning("could not ask which versions of %s were reported: %s", store_url, exc)
         return None
-    return found
+    return {ids[found_id] for found_id in found}

@@ -12,7 +12,9 @@ to every retry, as one restarting does. Those come from botocore or aiohttp
 (through s3fs), and are recognised by the names of their classes, so that this
 module imports neither: a store on a local disk never loads them.
 :func:`probe` asks one question of a store (is anything there?) with bounded
-connection attempts, so a command on a wrong URL fails within seconds.
+connection attempts, so a command on a wrong URL fails within seconds. Every S3
+store is opened with bounded timeouts and attempts, shaped by
+:mod:`ckptflow.storage.remote.options` (the one place S3 client options are).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StorageUnavailableError
+from ..remote.options import S3_SCHEMES, S3FS_RETRIES, bounded_s3_options
+
+# storage/__init__.py imports it from here
 from .localfs import ConfinedLocalFileSystem
 
 
@@ -270,50 +275,6 @@ def _endpoint(loc: Location) -> str | None:
     kwargs = getattr(loc.fs, "client_kwargs", None) or {}
     url = getattr(loc.fs, "endpoint_url", None) or kwargs.get("endpoint_url")
     return redact(str(url)) if url else None
-
-
-S3_SCHEMES = ("s3", "s3a")
-
-
-S3_CONNECT_TIMEOUT = 10.0  # seconds to open a connection to an S3 endpoint
-S3_READ_TIMEOUT = 30.0  # seconds a request may wait for bytes before it fails
-S3_ATTEMPTS = 2  # botocore's attempts per request (standard retry mode)
-S3FS_RETRIES = 2  # s3fs retries a timed-out request this many times in all (its default is 5)
-
-
-def bounded_s3_options(
-    url: str,
-    storage_options: dict[str, Any] | None,
-    *,
-    connect_timeout: float = S3_CONNECT_TIMEOUT,
-    read_timeout: float = S3_READ_TIMEOUT,
-    attempts: int = S3_ATTEMPTS,
-) -> dict[str, Any]:
-    """``storage_options`` with connect and read timeouts and bounded attempts for an S3 URL.
-
-    A silent endpoint (it accepts connections and never answers) then fails a call within
-    about S3FS_RETRIES x attempts x read_timeout seconds instead of hanging; botocore's
-    ``config_kwargs`` given in the options win.
-    """
-    options = dict(storage_options or {})
-    if urlsplit(url).scheme not in S3_SCHEMES:
-        return options
-    config = dict(options.get("config_kwargs") or {})
-    config.setdefault("connect_timeout", connect_timeout)
-    config.setdefault("read_timeout", read_timeout)
-    config.setdefault("retries", {"total_max_attempts": attempts, "mode": "standard"})
-    # Bodies carry a CRC32 that the server checks (and shards their own checksums): a SHA-256 of
-    # every body for the signature, botocore's default on http endpoints, would only cost CPU.
-    config["s3"] = {"payload_signing_enabled": False, **(config.get("s3") or {})}
-    options["config_kwargs"] = config
-    return options
-
-
-def quick_answer_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    """:func:`bounded_s3_options` for a command that must answer within seconds: a 5 s connect
-    timeout and 3 attempts (botocore's defaults, 60 s and five attempts, let a command on an
-    unreachable endpoint hang for minutes); what the options set themselves wins."""
-    return bounded_s3_options(url, storage_options, connect_timeout=5.0, attempts=3)
 
 
 def probe(loc: Location, *, must_exist: bool) -> bool:

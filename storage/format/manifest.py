@@ -137,16 +137,20 @@ class Manifest(_Model):
         return sum(s.size for s in self.shards)
 
     def to_json(self) -> bytes:
-        """The manifest as written: sealed with its own checksum (format 3), multi-process fields
-        only when it has them."""
+        """The manifest as written, by every save path: sealed with its own checksum (format 3),
+        multi-process and chunked fields only when it has them, its format version the lowest that
+        reads what it holds."""
         exclude = {"world_size", "ranks"} if self.world_size == 1 and not self.ranks else set()
         if not self.chunked:
             exclude.add("chunked")
         raw = self.model_dump(mode="json", exclude=exclude)
+        needed = SHARDED_FORMAT_VERSION if self.chunked else SEALED_FORMAT_VERSION
         for blob in [*raw["blobs"], *(b for part in raw.get("ranks", []) for b in part["blobs"])]:
             if blob["pieces"] is None:  # a blob without pieces reads as formats 1-4 wrote it
                 del blob["piece_bytes"], blob["pieces"]
-        raw["format_version"] = max(self.format_version, SEALED_FORMAT_VERSION)
+            else:
+                needed = PIECES_FORMAT_VERSION
+        raw["format_version"] = max(self.format_version, needed)  # the oldest reader that can read it
         return json.dumps(seal(raw, SEAL_KEY), indent=1, allow_nan=False).encode()
 
     def rank_view(self, rank: int) -> Manifest:

@@ -6,7 +6,7 @@ version's shards go up first, each uploaded and verified, and its manifest last
 tarball's commit). A mirror therefore never lists a version whose bytes are
 not all there. Uploading again after a crash skips what is already there and
 verified (:func:`.transfer.upload_file`). Uploads copy from a local store
-(:func:`require_local`).
+(:func:`require_local`), with the options of :func:`.options.upload_storage_options`.
 
 :mod:`.transfer` is imported at the first upload, and boto3 at the first
 S3 transfer: a process that never uploads does not wait for their imports.
@@ -23,29 +23,19 @@ from ..errors import CheckpointError
 from ..files.location import Location
 from ..format.manifest import MANIFEST_FILE, Manifest
 from ..format.names import version_dir
+from .options import TransferOptions
+
+# storage/__init__.py imports it from here
 
 if TYPE_CHECKING:
-    from .transfer import TransferResult
-
-S3_PREFIXES = ("s3://", "s3a://")
-
-
-def upload_storage_options(url: str, storage_options: dict[str, Any] | None) -> dict[str, Any]:
-    """fsspec options for uploads to ``url``: on S3 with the transfers' timeouts and bounded attempts
-    (those set in ``config_kwargs`` win), so a silent target fails an upload in bounded time."""
-    options = dict(storage_options or {})
-    if not url.startswith(S3_PREFIXES):
-        return options
-    from .transfer import TransferOptions, s3_storage_options
-
-    return s3_storage_options(options, TransferOptions().honouring(options))
+    from .results import TransferResult
 
 
 def upload_file(local_path: str, url: str, *, storage_options: dict[str, Any]) -> TransferResult:
     """:func:`.transfer.upload_file` with the timeouts and attempts set in ``storage_options``."""
     from . import transfer
 
-    options = transfer.TransferOptions().honouring(storage_options)
+    options = TransferOptions().honouring(storage_options)
     return transfer.upload_file(local_path, url, storage_options=storage_options, options=options)
 
 

@@ -49,8 +49,9 @@ from .etag import (
     plan_parts,
     same_checksum,
 )
+from .options import TransferOptions
+from .results import TransferVerifyError
 from .s3client import DENIED, DIGEST_ERRORS, client_for, error_code, translate_s3_errors
-from .transfer import TransferOptions, TransferVerifyError
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,7 @@ def download_file(
 
 def transfer_client(storage_options: dict[str, Any] | None, options: TransferOptions) -> Any:
     """The boto3 client the transfers with these options use (one per process, see client_for)."""
-    names = ("connect_timeout", "read_timeout", "max_attempts", "concurrency")
-    return client_for(storage_options, **{name: getattr(options, name) for name in names})
+    return client_for(storage_options, **options.client_settings())
 
 
 def _object(url: str, storage_options: dict[str, Any] | None, options: TransferOptions) -> Object:

@@ -3,7 +3,8 @@
 :func:`client_for` builds (once per set of options, in a process) a boto3
 client from the ``storage_options`` a store takes: keys, a profile or an
 ``assume_role`` (whose credentials refresh), ``anon``, the endpoint, ``client_kwargs`` and
-``config_kwargs``, with the transfers' timeouts, attempts and pool size on top.
+``config_kwargs``, with the transfers' timeouts, attempts and pool size on top
+(shaped by :func:`.options.client_arguments`).
 botocore's blocking sockets bound every stall: a peer that stops reading,
 answering or sending fails the attempt within the connect or read timeout.
 :func:`translate_s3_errors` turns botocore's errors into one line naming the
@@ -19,15 +20,14 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-import botocore
 import botocore.config
 import botocore.exceptions as bex
 from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import StorageUnavailableError
 from ..files.location import redact, store_failure
+from .options import TransferOptions, client_arguments
 from .roles import boto3_session
-from .transfer import TransferOptions, s3_storage_options
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,6 @@ TRANSIENT = (
 )
 DENIED = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "Forbidden", "403"}
 DIGEST_ERRORS = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "XAmzContentChecksumMismatch"}
-_CONFIG_KEYS = set(botocore.config.Config.OPTION_DEFAULTS)
 
 
 def client_for(storage_options: dict[str, Any] | None, **settings: Any) -> Any:
@@ -56,15 +55,7 @@ def client_for(storage_options: dict[str, Any] | None, **settings: Any) -> Any:
 @functools.lru_cache(maxsize=8)
 def _cached_client(frozen: str) -> Any:
     options, settings = json.loads(frozen)
-    client_kwargs = dict(options.get("client_kwargs") or {})
-    merged = s3_storage_options(options, TransferOptions(**settings))["config_kwargs"]
-    config = {k: v for k, v in merged.items() if k in _CONFIG_KEYS}
-    if options.get("anon"):
-        config["signature_version"] = botocore.UNSIGNED
-    if "endpoint_url" in options:
-        client_kwargs.setdefault("endpoint_url", options["endpoint_url"])
-    if options.get("use_ssl") is False:
-        client_kwargs.setdefault("use_ssl", False)
+    config, client_kwargs = client_arguments(options, TransferOptions(**settings))
     client = boto3_session(options).client("s3", config=botocore.config.Config(**config), **client_kwargs)
     attempts = settings["max_attempts"]
     for op in ("UploadPart", "PutObject"):

@@ -19,113 +19,35 @@ Retries: each S3 request is retried (``max_attempts``, with connect and read
 timeouts); callers such as a Prefect task retry whole transfers. Credentials
 come the usual AWS ways and never appear in results, messages or logs: URLs
 are shown redacted.
+
+This module is the transfers' front: it picks the way (:mod:`.s3` or fsspec) by
+the URL. What both ways share comes from below it, so that :mod:`.s3` never
+imports this module: the options (:class:`TransferOptions`, with every S3 client
+setting, in :mod:`.options`) and the outcomes (:mod:`.results`), re-exported here.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import os
 import stat
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
 from fsspec.implementations.local import LocalFileSystem
 
-from ..errors import CheckpointError, CorruptShardError, StorageUnavailableError
+from ..errors import StorageUnavailableError
 from ..files.byteio import fsync_dir, hash_file
-from ..files.location import S3_SCHEMES, Location, bounded_s3_options, open_location, redact, translate_errors
-from .etag import MAX_PART, MIN_PART, MiB
+from ..files.location import Location, open_location, redact, translate_errors
+from .options import TransferOptions, is_s3_url
+from .results import TransferResult, TransferVerifyError
 
 log = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class TransferOptions:
-    """How to move bytes: part size, parallelism, and the S3 client's timeouts and retries."""
-
-    # boto3's defaults: 8 MiB parts, 10 at once (grown to stay within S3's 10,000 parts).
-    part_size: int = 8 * MiB  # bytes per multipart upload part (files up to this size: one PUT)
-    range_size: int = 8 * MiB  # bytes per ranged GET of a download
-    concurrency: int = 10  # parts or ranges in flight
-    connect_timeout: float = 10.0  # seconds to open a connection
-    read_timeout: float = 30.0  # seconds without a byte moving (either way) before a request fails
-    max_attempts: int = 5  # tries per request (botocore "standard" retries), and per download range
-    # Downloads from S3: check the bytes against the object's CRC32 (~0.25 s of CPU per GiB), or,
-    # from a server without CRC32s, against the MD5s behind its ETag (~1.3 s per GiB); a composite
-    # checksum only when the part size can be told. False: the size only. Uploads always check.
-    download_checksums: bool = True
-
-    def __post_init__(self) -> None:
-        if not MIN_PART <= self.part_size <= MAX_PART:
-            raise ValueError(f"part_size must be between 5 MiB and 5 GiB (S3's limits), not {self.part_size}")
-        if self.range_size < MiB:
-            raise ValueError(f"range_size must be at least 1 MiB, not {self.range_size}")
-        if self.concurrency < 1 or self.max_attempts < 1:
-            raise ValueError("concurrency and max_attempts must be at least 1")
-        if self.connect_timeout <= 0 or self.read_timeout <= 0:
-            raise ValueError("connect_timeout and read_timeout must be positive (a stall must end)")
-
-    def honouring(self, storage_options: dict[str, Any] | None) -> TransferOptions:
-        """These options with the timeouts and attempts the user set in ``config_kwargs`` (theirs win).
-
-        ``connect_timeout``, ``read_timeout`` and ``retries`` {``total_max_attempts`` or
-        ``max_attempts``, which counts retries} are read as botocore reads them.
-        """
-        config = (storage_options or {}).get("config_kwargs") or {}
-        retries = config.get("retries") or {}
-        attempts = retries.get("total_max_attempts")
-        if attempts is None and retries.get("max_attempts") is not None:
-            attempts = int(retries["max_attempts"]) + 1
-        return dataclasses.replace(
-            self,
-            connect_timeout=float(config.get("connect_timeout", self.connect_timeout)),
-            read_timeout=float(config.get("read_timeout", self.read_timeout)),
-            max_attempts=int(attempts if attempts is not None else self.max_attempts),
-        )
-
-
-@dataclass(frozen=True)
-class TransferResult:
-    url: str  # redacted: no credentials
-    size: int
-    seconds: float
-    skipped: bool  # True: the remote copy was already complete and verified, nothing was sent
-    etag: str  # S3: the object's ETag; other filesystems: "xxh3_64:<hex>" of the bytes
-
-
-class TransferVerifyError(CorruptShardError):
-    """A transferred copy does not match its source; the bad copy was deleted."""
-
-    def __init__(self, url: str, *, what: str, expected: str, actual: str, deleted: str) -> None:
-        self.file, self.expected, self.actual = url, expected, actual
-        CheckpointError.__init__(
-            self,
-            f"the copy at {url} failed verification: {what} expected {expected}, found {actual}; "
-            f"{deleted}; transfer it again (if it fails again, the source changed or the storage is faulty)",
-        )
-
-
-def s3_storage_options(
-    storage_options: dict[str, Any] | None = None, options: TransferOptions = TransferOptions()
-) -> dict[str, Any]:
-    """s3fs ``storage_options`` with ``options``' timeouts, attempts and pool size merged in (others
-    kept; the user's retry ``mode`` too). For a store on the same target as the transfers."""
-    merged = bounded_s3_options("s3://", storage_options)
-    config = merged["config_kwargs"]
-    retries = {k: v for k, v in (config.get("retries") or {}).items() if k != "max_attempts"}
-    config.update(
-        connect_timeout=options.connect_timeout,
-        read_timeout=options.read_timeout,
-        retries={"mode": "standard", **retries, "total_max_attempts": options.max_attempts},
-        max_pool_connections=max(int(config.get("max_pool_connections") or 10), options.concurrency),
-    )
-    return merged
+DEFAULTS = TransferOptions()  # frozen: one instance serves every call that leaves them unset
 
 
 def upload_file(
@@ -133,7 +55,7 @@ def upload_file(
     url: str,
     *,
     storage_options: dict[str, Any] | None = None,
-    options: TransferOptions = TransferOptions(),
+    options: TransferOptions = DEFAULTS,
 ) -> TransferResult:
     """Upload one local file to ``url`` and verify it; skip it if an identical copy is already there."""
     local_path = os.fspath(local_path)
@@ -142,7 +64,7 @@ def upload_file(
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):
             raise StorageUnavailableError(f"{local_path} is not a regular file: upload files one by one")
-        if _is_s3(url):
+        if is_s3_url(url):
             from . import s3
 
             etag, skipped = s3.upload_file(url, storage_options, options, local_path, fd)
@@ -161,7 +83,7 @@ def download_file(
     local_path: str | os.PathLike[str],
     *,
     storage_options: dict[str, Any] | None = None,
-    options: TransferOptions = TransferOptions(),
+    options: TransferOptions = DEFAULTS,
 ) -> TransferResult:
     """Download ``url`` to ``local_path`` (atomically: temp file, fsync, rename) and verify it."""
     local_path = os.path.abspath(os.fspath(local_path))
@@ -171,7 +93,7 @@ def download_file(
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(local_path)}.", suffix=".part")
     try:
         try:
-            if _is_s3(url):
+            if is_s3_url(url):
                 from . import s3
 
                 size, etag = s3.download_file(url, storage_options, options, fd)
@@ -187,13 +109,6 @@ def download_file(
         raise
     fsync_dir(directory)
     return TransferResult(redact(url), size, time.monotonic() - start, False, etag)
-
-
-# -- S3 ----------------------------------------------------------------------------------------
-
-
-def _is_s3(url: str) -> bool:
-    return urlsplit(url).scheme in S3_SCHEMES
 
 
 # -- other filesystems ---------------------------------------------------------------------------
@@ -288,6 +203,5 @@ __all__ = [
     "TransferResult",
     "TransferVerifyError",
     "download_file",
-    "s3_storage_options",
     "upload_file",
 ]

@@ -1,4 +1,11 @@
-"""Saving from a torch.distributed job: every rank writes a share, rank 0 commits.
+"""The ranks of a save: one process is the group of one, every save runs the same phases.
+
+Every save, from one process or from every rank of a torch.distributed job,
+plans the same split, agrees on a claimed version number, writes this rank's
+share, gathers every rank's report on rank 0, which commits (see
+:mod:`.saving`). For one process, :meth:`RankGroup.solo`, the collectives
+below are no-ops that hand back this process's own value: the phases, and
+every feature built on them, are the same code at every world size.
 
 The replicated state (what DDP keeps identical on every rank: model,
 optimizer, scheduler) is split over the ranks by size, and each rank writes
@@ -33,7 +40,7 @@ from ..errors import CheckpointError, RankFailedError, RankLoadError
 from ..format.dtypes import dtype_name
 from ..format.manifest import BlobEntry, RankPart, ShardEntry, TensorEntry
 from ..format.structure import Leaf, encode
-from .planner import Blob, SavePlan, ShardPlan, TensorRef, assign_shards, balance, plan_blobs
+from .planner import Blob, SavePlan, ShardPlan, TensorRef, assign_rank_shards, plan_blobs, shard_file_name
 
 log = logging.getLogger(__name__)
 
@@ -59,12 +66,19 @@ class RankGroup:
         group = dist.new_group(backend="gloo", timeout=timeout)
         return cls(dist.get_rank(), dist.get_world_size(), group)
 
+    @classmethod
+    def solo(cls) -> RankGroup:
+        """One process: the group of one, whose collectives hand back this process's own value."""
+        return cls(0, 1, None)
+
     @property
-    def is_coordinator(self) -> bool:
-        return self.rank == 0
+    def is_solo(self) -> bool:
+        return self.world_size == 1 and self.group is None
 
     def broadcast(self, value: Any) -> Any:
         """Rank 0's JSON value, on every rank."""
+        if self.is_solo:
+            return value
         data = _encode(value) if self.rank == 0 else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         with _collective():
@@ -77,6 +91,8 @@ class RankGroup:
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's JSON value, in rank order, on rank 0 (None on the others)."""
+        if self.is_solo:
+            return [value]
         with _collective():
             sizes, padded = self._padded(value)
             if self.rank == 0:
@@ -89,6 +105,8 @@ class RankGroup:
     def all_gather(self, value: Any, *, what: str | None = None) -> list[Any]:
         """Every rank's JSON value, in rank order, on every rank (``what``: the work other than a save
         that it is part of, for the error if a rank is gone)."""
+        if self.is_solo:
+            return [value]
         with _collective(what):
             sizes, padded = self._padded(value)
             out = [torch.empty_like(padded) for _ in range(self.world_size)]
@@ -111,6 +129,8 @@ class RankGroup:
         The rank that failed raises its own error; the others raise :class:`RankLoadError`
         with the first failed rank's error in its message.
         """
+        if self.is_solo:
+            return [work()]
         failure: BaseException | None = None
         try:
             outcome = {"ok": work()}
@@ -132,6 +152,8 @@ class RankGroup:
 
     def agree(self, work: Any, what: str) -> Any:
         """Run ``work()`` on rank 0 and give its result (or its failure) to every rank."""
+        if self.is_solo:
+            return work()
         outcome: dict[str, Any] | None = None
         if self.rank == 0:
             try:
@@ -194,35 +216,66 @@ def _decode(data: torch.Tensor) -> Any:
 
 
 @dataclass(frozen=True)
+class OwnPlan:
+    """A rank's own state (RNG states, data position), planned: its JSON structure and its
+    tensors' blobs in one file of its own, ``state-r<rank>.h5``."""
+
+    structure: Any
+    plan: SavePlan
+    entries: list[TensorEntry]
+
+    @classmethod
+    def of(cls, rank_state: object, rank: int) -> OwnPlan:
+        structure, leaves = encode(rank_state)
+        blobs, refs = plan_blobs(leaves)
+        one = ShardPlan(0, f"state-r{rank}.h5", [b.index for b in blobs], sum(b.nbytes for b in blobs))
+        return cls(structure, SavePlan(blobs, refs, [one]), tensor_entries(leaves, refs))
+
+    def report(self, files: list[ShardEntry], written: dict[int, BlobEntry]) -> dict[str, Any]:
+        """What the rank tells the one committing, once its file is written."""
+        return {
+            "shard": files[0].model_dump(mode="json"),
+            "blobs": [written[i].model_dump(mode="json") for i in range(len(self.plan.blobs))],
+            "structure": self.structure,
+            "tensors": [t.model_dump(mode="json") for t in self.entries],
+            "nbytes": self.plan.nbytes,
+        }
+
+    @staticmethod
+    def part(report: dict[str, Any], shard: int) -> RankPart:
+        """The manifest's entry of a rank's own state from its report; ``shard``: its file's number."""
+        blobs = [BlobEntry.model_validate(b).model_copy(update={"shard": shard}) for b in report["blobs"]]
+        tensors = [TensorEntry.model_validate(t) for t in report["tensors"]]
+        return RankPart(structure=report["structure"], blobs=blobs, tensors=tensors)
+
+
+@dataclass(frozen=True)
 class RankPlan:
-    """What one rank writes: its share of the replicated blobs and its own state."""
+    """What one rank writes: its share of the replicated blobs and its own state, if any."""
 
     shared: SavePlan  # all replicated blobs; ``shards`` holds only this rank's share
-    own: SavePlan  # this rank's own state, in one file
-    own_structure: Any
-    own_refs: list[TensorEntry]
+    own: OwnPlan | None
+
+    @property
+    def mine(self) -> list[Blob]:
+        """The replicated blobs this rank writes."""
+        return [self.shared.blobs[i] for shard in self.shared.shards for i in shard.blobs]
 
 
-def plan_rank(
-    blobs: list[Blob], refs: Any, rank_state: object, *, shards: int, rank: int, world_size: int
-) -> RankPlan:
-    """Split the replicated blobs over the ranks and plan this rank's files.
+def plan_rank(leaves: list[Leaf], rank_state: object, *, shards: int, rank: int, world_size: int) -> RankPlan:
+    """Plan the replicated ``leaves``' blobs, this rank's files of them, and its own state's file.
 
-    Every rank computes the same split from the same state, so nothing needs to
-    be exchanged before writing.
+    Every rank computes the same split from the same state, so nothing needs to be exchanged
+    before writing. A rank has a file of its own when it passed ``rank_state``, and always in a
+    job of several ranks (so that each rank's part of the version can be loaded back).
     """
-    mine = balance(blobs, world_size)[rank]
-    # ``shards`` files in all, spread over the ranks: W ranks on one machine share its cores and disk
-    per_rank = max(1, -(-shards // world_size))
-    shared_shards = assign_shards(mine, shards=per_rank, rank=rank) if mine else []
-    structure, leaves = encode(rank_state if rank_state is not None else {})
-    own_blobs, own_refs = plan_blobs(leaves)
-    own_bytes = sum(b.nbytes for b in own_blobs)
-    own_file = ShardPlan(0, f"state-r{rank}.h5", [b.index for b in own_blobs], own_bytes)
-    entries = tensor_entries(leaves, own_refs)
-    return RankPlan(
-        SavePlan(blobs, refs, shared_shards), SavePlan(own_blobs, own_refs, [own_file]), structure, entries
-    )
+    blobs, refs = plan_blobs(leaves)
+    own = rank_state is not None or world_size > 1
+    files = assign_rank_shards(blobs, shards=shards, world_size=world_size, rank=rank)
+    if not files and rank == 0 and not own and world_size == 1:
+        files = [ShardPlan(0, shard_file_name(0, 0))]  # a state without tensors still gets one file
+    own_plan = OwnPlan.of(rank_state if rank_state is not None else {}, rank) if own else None
+    return RankPlan(SavePlan(blobs, refs, files), own_plan)
 
 
 def staged_blobs(plan: RankPlan) -> tuple[list[Blob], int]:
@@ -232,21 +285,16 @@ def staged_blobs(plan: RankPlan) -> tuple[list[Blob], int]:
     staging buffer holds both.
     """
     offset = len(plan.shared.blobs)
-    mine = [plan.shared.blobs[i] for shard in plan.shared.shards for i in shard.blobs]
-    return mine + [replace(b, index=b.index + offset) for b in plan.own.blobs], offset
+    own = plan.own.plan.blobs if plan.own is not None else []
+    return plan.mine + [replace(b, index=b.index + offset) for b in own], offset
 
 
-def report(shards: list[ShardEntry], blobs: dict[int, BlobEntry], own: tuple, plan: RankPlan) -> dict:
+def report(shards: list[ShardEntry], blobs: dict[int, BlobEntry], own: dict[str, Any] | None) -> dict:
     """What a rank tells rank 0 after writing: its files and the entries of the blobs in them."""
-    own_shards, own_blobs = own
     return {
         "shards": [s.model_dump(mode="json") for s in shards],
         "blobs": {str(i): b.model_dump(mode="json") for i, b in blobs.items()},
-        "own_shards": [s.model_dump(mode="json") for s in own_shards],
-        "own_blobs": [own_blobs[i].model_dump(mode="json") for i in range(len(plan.own.blobs))],
-        "own_structure": plan.own_structure,
-        "own_tensors": [t.model_dump(mode="json") for t in plan.own_refs],
-        "own_nbytes": plan.own.nbytes,
+        "own": own,
     }
 
 
@@ -274,17 +322,14 @@ def assemble(reports: list[dict], blob_count: int) -> Assembled:
         for key, raw in rep["blobs"].items():
             entry = BlobEntry.model_validate(raw)
             blobs[int(key)] = entry.model_copy(update={"shard": entry.shard + base})
-        own_base = len(shards)
-        shards += [ShardEntry.model_validate(s) for s in rep["own_shards"]]
-        own_blobs = [BlobEntry.model_validate(b) for b in rep["own_blobs"]]
-        ranks.append(
-            RankPart(
-                structure=rep["own_structure"],
-                blobs=[b.model_copy(update={"shard": b.shard + own_base}) for b in own_blobs],
-                tensors=[TensorEntry.model_validate(t) for t in rep["own_tensors"]],
-            )
+        if rep["own"] is not None:
+            shards.append(ShardEntry.model_validate(rep["own"]["shard"]))
+            ranks.append(OwnPlan.part(rep["own"], len(shards) - 1))
+            own_nbytes += int(rep["own"]["nbytes"])
+    if ranks and len(ranks) != len(reports):
+        raise CheckpointError(
+            f"{len(ranks)} of {len(reports)} ranks passed rank_state: all or none must; nothing was committed"
         )
-        own_nbytes += int(rep["own_nbytes"])
     missing = [i for i in range(blob_count) if i not in blobs]
     if missing:  # the ranks did not split the state alike: their states differ
         raise CheckpointError(
@@ -310,6 +355,7 @@ def tensor_entries(leaves: list[Leaf], refs: list[TensorRef]) -> list[TensorEntr
 
 
 __all__ = [
+    "OwnPlan",
     "RankFailedError",
     "RankGroup",
     "RankPlan",

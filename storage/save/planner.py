@@ -160,6 +160,24 @@ def dataset_name(path: str, taken: set[str]) -> str:
     return name
 
 
+def shards_per_rank(shards: int, world_size: int) -> list[int]:
+    """How many of a version's shard files each rank writes: ``shards`` in all at every world
+    size (the first ``shards % world_size`` ranks one more), but at least one per rank, so that
+    every rank writes its share: a job of more ranks than ``shards`` writes one file per rank."""
+    if shards < 1:
+        raise ValueError(f"shards must be >= 1, got {shards}")
+    base, extra = divmod(max(shards, world_size), world_size)
+    return [base + (1 if r < extra else 0) for r in range(world_size)]
+
+
+def assign_rank_shards(blobs: list[Blob], *, shards: int, world_size: int, rank: int) -> list[ShardPlan]:
+    """This rank's files of blobs every rank holds alike (a replicated state): the blobs are
+    balanced by bytes over the ranks, and each rank's share into its number of files
+    (:func:`shards_per_rank`). Every rank computes the same split on its own."""
+    share = balance(blobs, world_size)[rank]
+    return assign_shards(share, shards=shards_per_rank(shards, world_size)[rank], rank=rank) if share else []
+
+
 def assign_shards(blobs: list[Blob], *, shards: int, rank: int = 0) -> list[ShardPlan]:
     """Largest blob first into the lightest shard; empty shards are dropped."""
     plans: list[ShardPlan] = []

@@ -1,10 +1,16 @@
 """How a save becomes a committed version: plan it, claim a number, write, commit.
 
-:class:`VersionWriter` does this for one process, or for one rank of a
-torch.distributed job (see :mod:`.distributed`): every rank plans the same
-split of the replicated state, rank 0 claims the version number for all,
-each rank writes its share, and rank 0 commits. The store around it decides
-when (now, or in the background from staged bytes) and keeps the state.
+:class:`VersionWriter` runs the same phases for every save, whether one
+process makes it (the group of one, :meth:`RankGroup.solo`) or every rank of
+a torch.distributed job: each rank plans the same split of the replicated
+state (:meth:`VersionWriter.prepare`), rank 0 claims the version number for
+all and every rank learns it, each rank writes its share and reports it, and
+rank 0 commits (:meth:`VersionWriter.write`). A DCP save
+(:mod:`..sharded.writer`) lets DCP plan and calls the same phases:
+:meth:`~VersionWriter.claim`, :meth:`~VersionWriter.ensure_claim`,
+:meth:`~VersionWriter.commit`, :meth:`~VersionWriter.discard`, and
+:func:`new_manifest`. The store around it decides when (now, or in the
+background from staged bytes) and keeps the state.
 
 What must always hold: nothing is written before the whole state is known to
 be storable and the version number is claimed (exclusively: two writers never
@@ -35,8 +41,9 @@ from ..errors import (
 from ..files.location import Location, translate_errors
 from ..format.checksum import ALGORITHM
 from ..format.manifest import (
-    RANKS_FORMAT_VERSION,
+    BlobEntry,
     Manifest,
+    ShardEntry,
     TensorEntry,
     clean_metrics,
     utc_now,
@@ -45,16 +52,18 @@ from ..format.manifest import (
 from ..format.manifest_checks import MAX_DOCUMENT_DEPTH, json_depth
 from ..format.names import version_dir
 from ..format.structure import encode
-from ..info import StoreOptions, VersionInfo
+from ..info import SaveRequest, StoreOptions, VersionInfo
 from ..versions import catalog, claims
 from ..versions import commit as protocol
 from ..versions.catalog import archived_for_writing
 from ..versions.housekeeping import last_change
 from ..versions.lease import DEFAULT_TIMEOUT, LEASE_KEY, StoreLease, commit_lease, fence, read_lease
 from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
-from .planner import Blob, SavePlan, plan_blobs, plan_save
+from .planner import Blob
 
 log = logging.getLogger(__name__)
+
+BlobBytes = Callable[[Blob], memoryview]
 
 CLAIM_TRIES = 100  # new numbers tried when other writers keep taking the next one
 STALE_CLAIM_SECONDS = DEFAULT_TIMEOUT  # a claim on a version unchanged for this long is garbage
@@ -65,95 +74,93 @@ class SaveJob:
     """A save, planned and numbered: what writing it needs."""
 
     version: int
-    epoch: int | None
-    step: int | None
-    metrics: dict[str, float]
+    request: SaveRequest  # its metrics checked
     structure: Any
     refs: list[TensorEntry]
-    plan: SavePlan
-    user: dict[str, Any]
-    ranked: RankPlan | None = None  # a save with per-rank state, or from several ranks
+    plan: RankPlan
 
-    def manifest(self, shards: list[Any], blobs: list[Any], seconds: float, **extra: Any) -> Manifest:
-        """The manifest of this save, once its shards are written (``extra``: multi-process fields)."""
-        fields: dict[str, Any] = {
-            "version": self.version,
-            "epoch": self.epoch,
-            "step": self.step,
-            "metrics": self.metrics,
-            "created": utc_now(),
-            "writer": writer_versions(),
-            "checksum_algorithm": ALGORITHM,
-            "nbytes": self.plan.nbytes,
-            "shards": shards,
-            "blobs": blobs,
-            "tensors": self.refs,
-            "structure": self.structure,
-            "user": {**self.user, "save_seconds": round(seconds, 4)},
-        }
-        return Manifest(**{**fields, **extra})
+
+def checked(request: SaveRequest) -> SaveRequest:
+    """``request`` with its metrics as finite floats; raises before any I/O on what a manifest
+    could not hold (a bad metric, metadata nested too deep)."""
+    if json_depth(request.user) >= MAX_DOCUMENT_DEPTH:  # a reader would refuse the manifest
+        raise UnsupportedValueError(
+            "user", f"the metadata nests more than the {MAX_DOCUMENT_DEPTH - 1} levels it may hold"
+        )
+    return dataclasses.replace(request, metrics=clean_metrics(request.metrics), user=dict(request.user or {}))
+
+
+def new_manifest(
+    request: SaveRequest,
+    version: int,
+    *,
+    structure: Any,
+    shards: list[ShardEntry],
+    blobs: list[BlobEntry],
+    tensors: list[TensorEntry],
+    nbytes: int,
+    seconds: float,
+    **extra: Any,
+) -> Manifest:
+    """The manifest of a save whose files are written, by any path (``extra``: the fields of a
+    save from several ranks, or of chunked tensors). Its format version is the lowest that can
+    read it (:meth:`Manifest.to_json`)."""
+    return Manifest(
+        version=version,
+        epoch=request.epoch,
+        step=request.step,
+        metrics=clean_metrics(request.metrics),
+        created=utc_now(),
+        writer=writer_versions(),
+        checksum_algorithm=ALGORITHM,
+        nbytes=nbytes,
+        shards=shards,
+        blobs=blobs,
+        tensors=tensors,
+        structure=structure,
+        user={**(request.user or {}), "save_seconds": round(seconds, 4)},
+        **extra,
+    )
 
 
 class VersionWriter:
     """Writes versions into one store, as one process or as one rank of a group."""
 
-    def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
+    def __init__(self, loc: Location, options: StoreOptions, group: RankGroup) -> None:
         self.loc, self.options, self.group = loc, options, group
-        self.claim = claims.new_claim(uuid.uuid4().hex)  # how this writer claims version numbers
+        self.claim_token = claims.new_claim(uuid.uuid4().hex)  # how this writer claims version numbers
         self.lease: StoreLease | None = None  # the store's lease, when this writer's store holds it
         self.writes_for: frozenset[int] = frozenset()  # pids of this host whose lease it commits under
 
     @property
     def rank(self) -> int:
-        return self.group.rank if self.group else 0
+        return self.group.rank
 
     @property
     def world_size(self) -> int:
-        return self.group.world_size if self.group else 1
+        return self.group.world_size
 
-    def prepare(
-        self,
-        state: object,
-        epoch: int | None,
-        step: int | None,
-        metrics: dict[str, float] | None,
-        version: int | None,
-        user: dict[str, Any] | None,
-        rank_state: object = None,
-    ) -> SaveJob:
+    def prepare(self, state: object, request: SaveRequest) -> SaveJob:
+        """Plan the save (nothing is written before the whole state is known to be storable), then
+        agree on its version number: rank 0 claims it for every rank."""
         try:
+            request = checked(request)
             structure, leaves = encode(state)  # raises on unsupported values, before any I/O
-            if json_depth(user) >= MAX_DOCUMENT_DEPTH:  # a reader would refuse the manifest
-                raise UnsupportedValueError(
-                    "user", f"the metadata nests more than the {MAX_DOCUMENT_DEPTH - 1} levels it may hold"
-                )
-            ranked: RankPlan | None = None
-            if self.group is None and rank_state is None:
-                plan = plan_save(leaves, shards=self.options.shards)
-            else:
-                blobs, blob_refs = plan_blobs(leaves)
-                ranked = plan_rank(
-                    blobs,
-                    blob_refs,
-                    rank_state,
-                    shards=self.options.shards,
-                    rank=self.rank,
-                    world_size=self.world_size,
-                )
-                plan = ranked.shared
-            refs = tensor_entries(leaves, plan.refs)
-            clean = clean_metrics(metrics)
+            plan = plan_rank(
+                leaves,
+                request.rank_state,
+                shards=self.options.shards,
+                rank=self.rank,
+                world_size=self.world_size,
+            )
+            refs = tensor_entries(leaves, plan.shared.refs)
         except Exception as exc:
-            if self.group is not None:  # the other ranks wait for this one in the claim: tell them
+            if not self.group.is_solo:  # the other ranks wait for this one in the claim: tell them
                 with contextlib.suppress(CheckpointError):
-                    self._claim_together(version, epoch, None, failure=exc)
+                    self._claim_together(request.version, request.epoch, None, failure=exc)
             raise
-        if self.group is None:
-            with translate_errors(self.loc, "saving to"):
-                number = self._claim_version(version, epoch)
-        else:
-            number = self._claim_together(version, epoch, plan.blobs)
-        return SaveJob(number, epoch, step, clean, structure, refs, plan, dict(user or {}), ranked)
+        number = self._claim_together(request.version, request.epoch, plan.shared.blobs)
+        return SaveJob(number, request, structure, refs, plan)
 
     def _claim_together(
         self,
@@ -168,8 +175,10 @@ class VersionWriter:
         A rank that could not plan its save (``failure``) takes part all the same, so that no rank
         waits for it: every rank then raises.
         """
-        assert self.group is not None
         group = self.group
+        if group.is_solo and failure is None:  # one process: nothing to compare, nobody waiting
+            with translate_errors(self.loc, "saving to"):
+                return self.claim(version, epoch)
         if failure is not None or blobs is None:
             found = group.gather({"error": f"{type(failure).__name__}: {failure}"})
         else:
@@ -189,11 +198,13 @@ class VersionWriter:
                     "dtypes or shapes): every rank must pass the same state; put what differs in rank_state"
                 )
             with translate_errors(self.loc, "saving to"):
-                return self._claim_version(version, epoch)
+                return self.claim(version, epoch)
 
         return int(group.agree(claim, "claiming a version"))
 
-    def _claim_version(self, version: int | None, epoch: int | None = None) -> int:
+    # -- the phases every save path calls (a DCP save too: :mod:`..sharded.writer`) --
+
+    def claim(self, version: int | None, epoch: int | None = None) -> int:
         """``version``, or by default the epoch's number when it is above every version directory
         (committed or not: a crashed save's name is never reused), else the next number above them;
         claimed exclusively before any shard is written. A store another writer holds is refused."""
@@ -224,40 +235,17 @@ class VersionWriter:
         """Create ``version``'s claim (False: another writer's is there). A claim that could not be
         written (a full disk) leaves no empty version directory, which would keep its number taken."""
         try:
-            return claims.claim_version(self.loc, version, self.claim)
+            return claims.claim_version(self.loc, version, self.claim_token)
         except BaseException:
             if self.loc.is_local:
                 with contextlib.suppress(OSError):  # only an empty one: nothing anyone wrote
                     os.rmdir(self.loc.path(version_dir(version)))
             raise
 
-    # -- for other save paths (a DCP save, :mod:`..sharded.writer`) --
-
-    def claim_number(self, version: int | None, epoch: int | None) -> int:
-        """Claim ``version`` (or the next number) for a save another path writes."""
-        return self._claim_version(version, epoch)
-
-    def ensure_claim(self, version: int) -> None:
-        self._ensure_claim(version)
-
-    def commit(self, manifest: Manifest) -> None:
-        self._commit(manifest)
-
-    def discard(self, version: int) -> None:
-        self._discard(version)
-
-    def sharded_job(self, version: int, request: Any, structure: Any) -> SaveJob:
-        """The :class:`SaveJob` of a save whose blobs another path wrote (its manifest's fields)."""
-        user = dict(request.user or {})
-        empty = SavePlan([], [], [])
-        return SaveJob(
-            version, request.epoch, request.step, clean_metrics(request.metrics), structure, [], empty, user
-        )
-
     def clear_leftovers(self, version: int) -> None:
         """Remove an uncommitted ``version`` before writing it, unless another live writer is writing it."""
         found = claims.read_claim(self.loc, version)
-        if found is not None and found.token != self.claim.token and not self._is_stale(found, version):
+        if found is not None and found.token != self.claim_token.token and not self._is_stale(found, version):
             raise self._taken(version, found)
         log.info("removing leftovers of an interrupted save of version %d", version)
         protocol.clear_leftovers(self.loc, version)
@@ -285,16 +273,16 @@ class VersionWriter:
             "their last change"
         )
 
-    def _ensure_claim(self, version: int) -> None:
+    def ensure_claim(self, version: int) -> None:
         """Before writing: the version is still this writer's claim (claim it again after leftovers
         of a failed attempt were cleared)."""
         found = claims.read_claim(self.loc, version)
-        if found is not None and found.token == self.claim.token:
+        if found is not None and found.token == self.claim_token.token:
             return
         if found is not None or not self._claim_exclusively(version):
             raise self._taken(version, claims.read_claim(self.loc, version))
 
-    def _commit(self, manifest: Manifest) -> None:
+    def commit(self, manifest: Manifest) -> None:
         """Commit under this writer's claim and under the store's lease, if a writer holds it (this
         one, or the process it writes for: the manifest records the lease's token); a failure drops
         the claim. While another writer holds the store, nothing is committed."""
@@ -303,19 +291,19 @@ class VersionWriter:
                 token = commit_lease(self.loc, self.lease, self.writes_for)
                 if token is not None:
                     manifest = manifest.model_copy(update={"writer": {**manifest.writer, LEASE_KEY: token}})
-                protocol.commit(self.loc, manifest, claim=self.claim.token)
+                protocol.commit(self.loc, manifest, claim=self.claim_token.token)
         except BaseException:
-            self._discard(manifest.version)
+            self.discard(manifest.version)
             raise
 
-    def _discard(self, version: int) -> None:
+    def discard(self, version: int) -> None:
         """After a failed save: remove its partial files (its claim shows they are this writer's,
         and no manifest made them a version), so a full disk is freed at once. Ranked saves call
         it on rank 0 once every rank has reported, i.e. stopped writing."""
         with contextlib.suppress(Exception):
             found = claims.read_claim(self.loc, version)
             record = protocol.read_record(self.loc, version)
-            if found is not None and found.token == self.claim.token and record and record.is_writing():
+            if found is not None and found.token == self.claim_token.token and record and record.is_writing():
                 self.loc.remove_tree(self.loc.path(version_dir(version)))
                 log.info("removed the partial files of the failed save of version %d", version)
                 return
@@ -325,82 +313,81 @@ class VersionWriter:
         """After a failed save: drop this writer's claim, so its leftovers count as garbage."""
         with contextlib.suppress(Exception):
             found = claims.read_claim(self.loc, version)
-            if found is not None and found.token == self.claim.token:
+            if found is not None and found.token == self.claim_token.token:
                 claims.drop_claim(self.loc, version)
 
-    def write(self, job: SaveJob, blob_bytes: Callable[[Blob], memoryview]) -> VersionInfo:
+    def write(self, job: SaveJob, shared_bytes: BlobBytes, own_bytes: BlobBytes) -> VersionInfo:
+        """Write this rank's files and report them to rank 0, which commits if every rank succeeded;
+        every rank returns the committed version, or raises (its own failure, if it had one)."""
         from .writer import write_shards
 
         start = time.perf_counter()
         vdir = version_dir(job.version)
-        with translate_errors(self.loc, "saving to"):
-            self._ensure_claim(job.version)
-            try:
-                shards, written = write_shards(
-                    self.loc, vdir, job.plan, blob_bytes, threads=self.options.threads
-                )
-            except BaseException:
-                self._discard(job.version)
-                raise
-            blobs = [written[i] for i in range(len(job.plan.blobs))]
-            seconds = time.perf_counter() - start
-            manifest = job.manifest(shards, blobs, seconds)
-            self._commit(manifest)
-        log.info("committed %s (%d bytes in %.2fs)", self.loc.display(vdir), manifest.total_size, seconds)
-        return VersionInfo.from_manifest(manifest, self.loc.display(vdir))
-
-    def write_ranked(self, job: SaveJob, shared_bytes: Callable, own_bytes: Callable) -> VersionInfo:
-        """Write this rank's files, report them to rank 0, which commits if every rank succeeded."""
-        from .writer import write_shards
-
-        assert job.ranked is not None
-        start = time.perf_counter()
-        vdir = version_dir(job.version)
-        failure: Exception | None = None
+        failure: BaseException | None = None
         try:
             with translate_errors(self.loc, "saving to"):
                 if self.rank == 0:
-                    self._ensure_claim(job.version)
+                    self.ensure_claim(job.version)
                 threads = self.options.threads
                 shards, written = write_shards(
-                    self.loc, vdir, job.ranked.shared, shared_bytes, threads=threads, rank=self.rank
+                    self.loc, vdir, job.plan.shared, shared_bytes, threads=threads, rank=self.rank
                 )
-                own = write_shards(self.loc, vdir, job.ranked.own, own_bytes, threads=1, rank=self.rank)
-            mine: dict[str, Any] = report(shards, written, own, job.ranked)
-        except Exception as exc:  # tell rank 0, so that it does not commit and nobody waits forever
+                own = None
+                if job.plan.own is not None:
+                    files, own_written = write_shards(
+                        self.loc, vdir, job.plan.own.plan, own_bytes, threads=1, rank=self.rank
+                    )
+                    own = job.plan.own.report(files, own_written)
+            mine: dict[str, Any] = report(shards, written, own)
+        except BaseException as exc:  # tell rank 0, so that it does not commit and nobody waits forever
             failure = exc
             mine = {"error": f"{type(exc).__name__}: {exc}"}
-        reports = self.group.gather(mine) if self.group else [mine]
+        reports = self.group.gather(mine)
 
         def commit() -> dict[str, Any]:
             assert reports is not None
             errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
             if errors:  # every rank has stopped writing (it reported): the partial files can go
-                self._discard(job.version)
+                self.discard(job.version)
                 raise RankFailedError(f"nothing was committed: {'; '.join(errors)}")
-            parts = assemble(reports, len(job.plan.blobs))
+            try:
+                parts = assemble(reports, len(job.plan.shared.blobs))
+            except BaseException:
+                self.discard(job.version)
+                raise
             seconds = time.perf_counter() - start
-            manifest = job.manifest(
-                parts.shards,
-                parts.blobs,
-                seconds,
-                format_version=RANKS_FORMAT_VERSION,
-                nbytes=job.plan.nbytes + parts.own_nbytes,
+            manifest = new_manifest(
+                job.request,
+                job.version,
+                structure=job.structure,
+                shards=parts.shards,
+                blobs=parts.blobs,
+                tensors=job.refs,
+                nbytes=job.plan.shared.nbytes + parts.own_nbytes,
+                seconds=seconds,
                 world_size=self.world_size,
                 ranks=parts.ranks,
             )
             with translate_errors(self.loc, "saving to"):
-                self._commit(manifest)
-            log.info("committed %s (%d ranks)", self.loc.display(vdir), self.world_size)
+                self.commit(manifest)
+            log.info(
+                "committed %s (%d bytes in %.2fs, %d rank(s))",
+                self.loc.display(vdir),
+                manifest.total_size,
+                seconds,
+                self.world_size,
+            )
             return dataclasses.asdict(VersionInfo.from_manifest(manifest, self.loc.display(vdir)))
 
         try:
-            info = self.group.agree(commit, f"the save of version {job.version}") if self.group else commit()
+            info = self.group.agree(commit, f"the save of version {job.version}")
         except RankFailedError:
             if failure is not None:
                 raise failure from None
             raise
+        if failure is not None:  # only an interrupt reaches here: rank 0 committed nothing without it
+            raise failure
         return VersionInfo(**info)
 
 
-__all__ = ["SaveJob", "VersionWriter"]
+__all__ = ["SaveJob", "VersionWriter", "checked", "new_manifest"]

@@ -9,6 +9,11 @@ CUDA is present so device copies run asynchronously; the copies of all blobs
 are issued first, so the device-to-host transfers overlap one another: an
 async save synchronises once, a save that writes at once waits for each blob's
 own copy (a CUDA event) just before writing it, so writes overlap the copies.
+
+Every save path stages through it: a save's blobs (:meth:`StagingBuffer.stage`),
+and a sharded state that DCP plans (:func:`stage_state`: this rank's shards of
+its DTensors, rebuilt as DTensors over the buffer). A store holds one buffer
+and releases it when it is closed.
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -55,17 +60,30 @@ class StagingBuffer:
         The views stay valid until the next call; the caller must not stage
         again while a previous staging is still being written.
         """
-        views, events = self._issue(blobs)
+        regions, events = self._issue(blobs)
         if events:
             torch.cuda.synchronize()
-        return views
+        return {i: _readonly(r) for i, r in regions.items()}
+
+    def stage_tensors(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors`` in the buffer (contiguous, of the same dtype and shape), for a
+        save that hands tensors on (a DCP save of sharded state); valid as :meth:`stage`'s views."""
+        blobs = [Blob(i, "", t.dtype, tuple(t.shape), t.detach()) for i, t in enumerate(tensors)]
+        regions, events = self._issue(blobs)
+        if events:
+            torch.cuda.synchronize()
+        return [
+            regions[b.index].view(b.dtype).view(b.shape) if b.nbytes else torch.empty(b.shape, dtype=b.dtype)
+            for b in blobs
+        ]
 
     def stage_overlapped(self, blobs: list[Blob]) -> Callable[[Blob], memoryview]:
         """For a save that writes while it stages: every copy is issued at once, and the function
         returned gives a blob's bytes as soon as its own copy has ended, so the first blobs are
         written while later ones are still on their way from the device (host blobs are copied
         before this returns). Valid until the next staging, as :meth:`stage`'s views."""
-        views, events = self._issue(blobs)
+        regions, events = self._issue(blobs)
+        views = {i: _readonly(r) for i, r in regions.items()}
 
         def bytes_of(blob: Blob) -> memoryview:
             event = events.get(blob.index)
@@ -75,9 +93,10 @@ class StagingBuffer:
 
         return bytes_of
 
-    def _issue(self, blobs: list[Blob]) -> tuple[dict[int, memoryview], dict[int, Any]]:
+    def _issue(self, blobs: list[Blob]) -> tuple[dict[int, torch.Tensor], dict[int, Any]]:
         """Copy the host blobs and issue the device blobs' copies (asynchronous into pinned
-        memory); return a view per blob and, per device blob, an event its copy's end records."""
+        memory); return each blob's region of the buffer and, per device blob, an event its
+        copy's end records."""
         with self._lock:
             for event in self._in_flight:  # copies of a staging whose save failed before waiting
                 event.synchronize()
@@ -85,7 +104,7 @@ class StagingBuffer:
             if total > self._buffer.numel():
                 self._buffer = torch.empty(0, dtype=torch.uint8)  # drop the old one first
                 self._buffer = torch.empty(total, dtype=torch.uint8, pin_memory=self._pin)
-            views: dict[int, memoryview] = {}
+            regions: dict[int, torch.Tensor] = {}
             events: dict[int, Any] = {}
             offset = 0
             moves: list[tuple[int, int, int]] = []  # (to, from, bytes) of contiguous host tensors
@@ -100,11 +119,11 @@ class StagingBuffer:
                     if src.device.type == "cuda":
                         events[blob.index] = torch.cuda.Event()
                         events[blob.index].record(torch.cuda.current_stream(src.device))
-                views[blob.index] = region.numpy().data.toreadonly() if n else memoryview(b"")
+                regions[blob.index] = region
                 offset += _aligned(n)
             self._move(moves)
             self._in_flight = list(events.values())
-            return views, events
+            return regions, events
 
     def _move(self, moves: list[tuple[int, int, int]]) -> None:
         """memmove every host range; large totals in pieces, on a few threads (memmove releases the GIL)."""
@@ -132,6 +151,72 @@ class StagingBuffer:
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
+
+
+def stage_state(buffer: StagingBuffer, state: object) -> object:
+    """A copy of ``state`` in ``buffer`` that no training step changes, for a save that hands a
+    state on (an async DCP save): this rank's shards of its DTensors (as DTensors of the same
+    mesh and placements, over the buffer), its tensors, its other values copied; DCP
+    ``Stateful`` objects as their ``state_dict()``. Valid until the buffer stages again."""
+    import copy
+
+    from ..sharded.kinds import is_stateful
+
+    dtensor = _dtensor_type()
+
+    def plain(node: object) -> object:  # Stateful objects as their state (state_dict() called once)
+        if isinstance(node, dict):
+            return {k: plain(v) for k, v in node.items()}
+        if type(node) in (list, tuple):
+            assert isinstance(node, (list, tuple))
+            return type(node)(plain(v) for v in node)
+        if not isinstance(node, torch.Tensor) and is_stateful(node):
+            return plain(node.state_dict())  # type: ignore[attr-defined]
+        return node
+
+    def tensors(node: object) -> list[torch.Tensor]:
+        if dtensor is not None and isinstance(node, dtensor):
+            return [node.to_local()]
+        if isinstance(node, torch.Tensor):
+            return [node]
+        if isinstance(node, dict):
+            return [t for v in node.values() for t in tensors(v)]
+        if type(node) in (list, tuple):
+            return [t for v in node for t in tensors(v)]  # type: ignore[attr-defined]
+        return []
+
+    def rebuilt(node: object, copies: Iterator[torch.Tensor]) -> object:
+        if dtensor is not None and isinstance(node, dtensor):
+            return dtensor.from_local(
+                next(copies),
+                node.device_mesh,
+                node.placements,
+                run_check=False,
+                shape=node.shape,
+                stride=node.stride(),
+            )
+        if isinstance(node, torch.Tensor):
+            return next(copies)
+        if isinstance(node, dict):
+            return {k: rebuilt(v, copies) for k, v in node.items()}
+        if type(node) in (list, tuple):
+            return type(node)(rebuilt(v, copies) for v in node)  # type: ignore[call-arg,attr-defined]
+        return copy.deepcopy(node)
+
+    state = plain(state)
+    return rebuilt(state, iter(buffer.stage_tensors(tensors(state))))
+
+
+def _dtensor_type() -> Any:
+    """DTensor, if this process has imported it (none to stage otherwise)."""
+    import sys
+
+    module = sys.modules.get("torch.distributed.tensor")
+    return module.DTensor if module is not None else None
+
+
+def _readonly(region: torch.Tensor) -> memoryview:
+    return region.numpy().data.toreadonly() if region.numel() else memoryview(b"")
 
 
 def _move_all(pieces: list[tuple[int, int, int]]) -> None:

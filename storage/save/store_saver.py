@@ -1,40 +1,33 @@
 """The save side of a store: what a :class:`CheckpointStore` holds in memory to write versions.
 
-A store makes its :class:`VersionWriter` and its staging buffer on the first save (they
+A store makes its :class:`VersionWriter` and its one staging buffer on the first save (they
 import torch; listing, pruning and archiving must not), keeps the one async save in
-flight, and hands its writer the lease its commits need. Always: at most one save is in
-flight, and every save waits for the previous one (raising its failure, if nobody did).
+flight, and hands its writer the lease its commits need. Every save goes through here, in
+one of two ways decided by the state alone: the store's own planner, or DCP's for a state
+that holds DTensors or ``Stateful`` objects (:mod:`..sharded.dcp_calls`); both run the
+writer's phases and stage through the same buffer.
+
+Always: at most one save is in flight, and every save waits for the previous one (raising
+its failure, if nobody did); the staging buffer is released when the store is closed.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..errors import CheckpointError
-from ..files.byteio import tensor_bytes
 from ..files.location import Location
-from ..info import StoreOptions, VersionInfo
+from ..info import SaveRequest, StoreOptions, VersionInfo
+from ..sharded.kinds import holds_sharded
 from .async_save import AsyncSaver, SaveHandle
 
 if TYPE_CHECKING:
+    from ..sharded.writer import DcpWriter
     from ..versions.lease import StoreLease
     from .distributed import RankGroup
-    from .saving import SaveJob, VersionWriter
+    from .saving import VersionWriter
     from .staging import StagingBuffer
-
-
-@dataclass(frozen=True)
-class SaveRequest:
-    """What a save records besides the state: :meth:`CheckpointStore.save`'s keyword arguments."""
-
-    epoch: int | None = None
-    step: int | None = None
-    metrics: dict[str, float] | None = None
-    version: int | None = None
-    user: dict[str, Any] | None = None
-    rank_state: object = None
 
 
 class StoreSaver:
@@ -43,7 +36,7 @@ class StoreSaver:
     def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
         self.loc = loc
         self.options = options
-        self.group = group
+        self.group = group  # None: one process (the writer's group of one)
         self.saver = AsyncSaver()
         self._lock = threading.Lock()
         self._made_writer: VersionWriter | None = None
@@ -56,11 +49,12 @@ class StoreSaver:
         """The save path (made on the first save, with torch)."""
         with self._lock:
             if self._made_writer is None:
+                from .distributed import RankGroup
                 from .saving import VersionWriter
 
-                self._made_writer = VersionWriter(self.loc, self.options, self.group)
-                self._made_writer.lease = self._lease
-                self._made_writer.writes_for = self._writes_for
+                writer = VersionWriter(self.loc, self.options, self.group or RankGroup.solo())
+                writer.lease, writer.writes_for = self._lease, self._writes_for
+                self._made_writer = writer
             return self._made_writer
 
     @property
@@ -72,70 +66,53 @@ class StoreSaver:
                 self._made_staging = StagingBuffer()
             return self._made_staging
 
-    def prepare(self, state: object, request: SaveRequest) -> SaveJob:
-        """Wait for the save in flight (raising its failure), then plan and number this one."""
-        self.saver.wait_previous()
-        return self.writer.prepare(
-            state,
-            request.epoch,
-            request.step,
-            request.metrics,
-            request.version,
-            request.user,
-            request.rank_state,
-        )
-
     def save(self, state: object, request: SaveRequest) -> VersionInfo:
         """Write ``state`` and commit it before returning."""
-        job = self.prepare(state, request)
-        if job.ranked is not None:  # reads only this rank's share: staging every device blob would waste it
-            return self.writer.write_ranked(
-                job, lambda b: tensor_bytes(b.source), lambda b: tensor_bytes(b.source)
-            )
+        self.saver.wait_previous()
+        if holds_sharded(state):  # DTensors, or objects with state_dict(): DCP plans the save
+            from ..sharded import dcp_calls
+
+            return dcp_calls.save(self.writer, state, request, lambda: self.staging)
+        from ..files.byteio import tensor_bytes
         from .staging import written_bytes
 
-        return self.writer.write(job, written_bytes(job.plan.blobs, lambda: self.staging))
+        job = self.writer.prepare(state, request)
+        shared = written_bytes(job.plan.mine, lambda: self.staging)  # this rank's share only
+        return self.writer.write(job, shared, lambda b: tensor_bytes(b.source))
 
     def save_async(self, state: object, request: SaveRequest) -> SaveHandle:
         """Copy ``state`` to the staging buffer, then write and commit it in the background."""
-        job = self.prepare(state, request)
-        if job.ranked is not None:
-            return self._submit_ranked(job)
-        staged = self.staging.stage(job.plan.blobs)
-        attempts = 0
+        self.saver.wait_previous()
+        if holds_sharded(state):
+            from ..sharded import dcp_calls
 
-        def write() -> VersionInfo:
-            nonlocal attempts
-            attempts += 1
-            if attempts > 1:  # a resubmitted save: drop what the failed attempt left
-                self.writer.clear_leftovers(job.version)
-            return self.writer.write(job, lambda b: staged[b.index])
-
-        return self.saver.submit(write, job.version)
-
-    def _submit_ranked(self, job: SaveJob) -> SaveHandle:
+            return dcp_calls.save_async(self.writer, state, request, self.staging, self.saver)
         from .distributed import staged_blobs
 
-        assert job.ranked is not None
-        blobs, offset = staged_blobs(job.ranked)
+        job = self.writer.prepare(state, request)
+        blobs, offset = staged_blobs(job.plan)  # only this rank's share and its own state
         staged = self.staging.stage(blobs)
         attempts = 0
 
         def write() -> VersionInfo:
             nonlocal attempts
             attempts += 1
-            if attempts > 1 and self.group is not None:
+            if attempts > 1 and not self.writer.group.is_solo:
                 raise CheckpointError(
                     f"the save of version {job.version} was made by every rank together and cannot be "
                     "written again by one rank: save again from every rank"
                 )
-            if attempts > 1:
+            if attempts > 1:  # a resubmitted save: drop what the failed attempt left
                 self.writer.clear_leftovers(job.version)
-            return self.writer.write_ranked(
-                job, lambda b: staged[b.index], lambda b: staged[b.index + offset]
-            )
+            return self.writer.write(job, lambda b: staged[b.index], lambda b: staged[b.index + offset])
 
         return self.saver.submit(write, job.version)
+
+    def dcp_writer(self, request: SaveRequest) -> DcpWriter:
+        """A StorageWriter for one ``dcp.save``/``dcp.async_save`` of the caller's own."""
+        from ..sharded import dcp_calls
+
+        return dcp_calls.new_writer(self.writer, request, lambda: self.staging)
 
     def join_inflight(self) -> None:
         """Wait for the async save in flight, if any, to end (without raising its failure)."""

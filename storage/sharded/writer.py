@@ -5,6 +5,9 @@ planner (which flattens the state, cuts DTensors into the chunks each rank
 holds, and gives every replicated chunk to one rank only) and this writer
 stores the result as an ordinary committed version:
 
+These are the phases every save runs (:mod:`..save.saving`), with DCP's
+planner and collectives in place of the store's own:
+
 1. ``prepare_global_plan`` (the coordinator, rank 0): claims the version number,
    exclusively, before any rank writes, and hands it to every rank's plan;
 2. ``write_data`` (every rank): its chunks as blobs of HDF5 shards named after
@@ -31,7 +34,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -44,20 +46,15 @@ from ..files.byteio import tensor_bytes
 from ..files.location import translate_errors
 from ..format.checksum import PIECE_BYTES
 from ..format.dtypes import dtype_name
-from ..format.manifest import (
-    PIECES_FORMAT_VERSION,
-    BlobEntry,
-    ChunkedEntry,
-    RankPart,
-    ShardEntry,
-    TensorEntry,
-)
+from ..format.manifest import BlobEntry, ChunkedEntry, ShardEntry
 from ..format.manifest_checks import check_manifest
 from ..format.names import version_dir
 from ..format.structure import decode, encode
-from ..info import VersionInfo
-from ..save.planner import Blob, assign_shards, dataset_name
+from ..info import SaveRequest, VersionInfo
+from ..save.distributed import OwnPlan
+from ..save.planner import Blob, assign_shards, dataset_name, shards_per_rank
 from ..save.planner import SavePlan as BlobPlan
+from ..save.saving import checked, new_manifest
 from ..versions.commit import read_record
 from .layout import chunk_entry, path_text, sharded_structure
 
@@ -66,7 +63,6 @@ if TYPE_CHECKING:
 
     from ..save.saving import VersionWriter
     from ..save.staging import StagingBuffer
-    from ..save.store_saver import SaveRequest
 
 log = logging.getLogger(__name__)
 
@@ -79,25 +75,23 @@ class DcpWriter(StorageWriter):
         versions: VersionWriter,
         request: SaveRequest,
         *,
-        world_size: int,
         staging: Callable[[], StagingBuffer],
     ) -> None:
         super().__init__()
         self.versions = versions
         self.staging = staging  # the store's host buffer, for chunks on a device
-        self.request = request
-        self.world_size = world_size
-        self.is_coordinator = False
+        self.request = checked(request)  # a bad metric is refused before anything is written
+        self.world_size = versions.world_size
         self.version: int | None = None
         self.claimed: int | None = None  # claimed before the save started (an async save)
         self.info: VersionInfo | None = None
         self.started = time.perf_counter()
-        self.own: OwnState | None = None  # this rank's own state (RNGs, data position), if any
+        self.own: OwnPlan | None = None  # this rank's own state (RNGs, data position), if any
 
     def keep_own(self, rank_state: object) -> None:
         """Write ``rank_state`` (this rank's own, not sharded) beside the chunks, as ``state-r<rank>.h5``;
         planned now, so that a value that cannot be stored is refused before anything is written."""
-        self.own = OwnState.of(rank_state) if rank_state is not None else None
+        self.own = OwnPlan.of(rank_state, self.versions.rank) if rank_state is not None else None
 
     # -- DCP's calls, in the order it makes them ------------------------------
 
@@ -105,7 +99,7 @@ class DcpWriter(StorageWriter):
         self.version, self.info, self.started = None, None, time.perf_counter()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
+        pass
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -121,7 +115,7 @@ class DcpWriter(StorageWriter):
     def claim_now(self) -> int:
         """The coordinator: claim the version number (exclusively, before any rank writes)."""
         with translate_errors(self.versions.loc, "saving to"):
-            return self.versions.claim_number(self.request.version, self.request.epoch)
+            return self.versions.claim(self.request.version, self.request.epoch)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         """This rank's chunks as HDF5 shards, its non-tensor values as JSON results."""
@@ -146,8 +140,8 @@ class DcpWriter(StorageWriter):
             blobs.append(Blob(len(blobs), name, tensor.dtype, tuple(tensor.shape), tensor))
             items.append(item)
         blob_bytes = written_bytes(blobs, self.staging)
-        per_rank = max(1, -(-self.versions.options.shards // self.world_size))  # `shards` files in all
-        shards = assign_shards(blobs, shards=per_rank, rank=rank) if blobs else []
+        files_here = shards_per_rank(self.versions.options.shards, self.world_size)[rank]
+        shards = assign_shards(blobs, shards=files_here, rank=rank) if blobs else []
         with translate_errors(self.versions.loc, "saving to"):
             if rank == 0:
                 self.versions.ensure_claim(version)
@@ -161,7 +155,7 @@ class DcpWriter(StorageWriter):
                 piece_bytes=PIECE_BYTES,
             )
         if self.own is not None:
-            results.append(self.own.write(self.versions, version, rank))
+            results.append(self._write_own(self.own, version, rank))
         for blob, item in zip(blobs, items, strict=True):
             entry = written[blob.index]
             shard = files[entry.shard].model_dump(mode="json")
@@ -187,6 +181,24 @@ class DcpWriter(StorageWriter):
         vdir = version_dir(self.version)
         self.info = VersionInfo.from_manifest(manifest, self.versions.loc.display(vdir))
         log.info("committed %s (%d ranks, sharded)", self.info.url, self.world_size)
+
+    def _write_own(self, own: OwnPlan, version: int, rank: int) -> WriteResult:
+        """This rank's own state, in its file ``state-r<rank>.h5``, as a write result of its own."""
+        from ..save.writer import write_shards
+
+        with translate_errors(self.versions.loc, "saving to"):
+            files, written = write_shards(
+                self.versions.loc,
+                version_dir(version),
+                own.plan,
+                lambda b: tensor_bytes(b.source),
+                threads=1,
+                rank=rank,
+            )
+        data = {"rank": rank, **own.report(files, written)}
+        return WriteResult(
+            index=MetadataIndex(f"{OWN_KEY}{rank}"), size_in_bytes=own.plan.nbytes, storage_data=data
+        )
 
     # -- after a failed save -------------------------------------------------------
 
@@ -267,16 +279,18 @@ class DcpWriter(StorageWriter):
                 )
             for rank in range(self.world_size):
                 shards.append(ShardEntry.model_validate(owns[rank]["shard"]))
-                ranks.append(OwnState.part(owns[rank], len(shards) - 1))
+                ranks.append(OwnPlan.part(owns[rank], len(shards) - 1))
         structure = sharded_structure(values, tensors, mappings)
         assert self.version is not None
-        job = self.versions.sharded_job(self.version, self.request, structure)
-        return job.manifest(
-            shards,
-            blobs,
-            time.perf_counter() - self.started,
-            format_version=PIECES_FORMAT_VERSION,
+        return new_manifest(
+            self.request,
+            self.version,
+            structure=structure,
+            shards=shards,
+            blobs=blobs,
+            tensors=[],
             nbytes=sum(b.nbytes for b in blobs) + sum(int(o["nbytes"]) for o in owns.values()),
+            seconds=time.perf_counter() - self.started,
             world_size=self.world_size,
             chunked=list(tensors.values()),
             ranks=ranks,
@@ -284,57 +298,6 @@ class DcpWriter(StorageWriter):
 
 
 OWN_KEY = "ckptflow.rank_state/"  # the write results of the ranks' own states (no DCP item has it)
-
-
-@dataclass(frozen=True)
-class OwnState:
-    """A rank's own state, planned: its JSON structure, its tensors' blobs in one file."""
-
-    structure: Any
-    plan: BlobPlan
-    entries: list[Any]
-
-    @classmethod
-    def of(cls, rank_state: object) -> OwnState:
-        from ..save.distributed import tensor_entries
-        from ..save.planner import ShardPlan, plan_blobs
-
-        structure, leaves = encode(rank_state)
-        blobs, refs = plan_blobs(leaves)
-        one = ShardPlan(0, "state-r{rank}.h5", [b.index for b in blobs], sum(b.nbytes for b in blobs))
-        return cls(structure, BlobPlan(blobs, refs, [one]), tensor_entries(leaves, refs))
-
-    def write(self, versions: VersionWriter, version: int, rank: int) -> WriteResult:
-        from ..save.writer import write_shards
-
-        file = dataclasses.replace(self.plan.shards[0], file=f"state-r{rank}.h5")
-        plan = dataclasses.replace(self.plan, shards=[file])
-        with translate_errors(versions.loc, "saving to"):
-            files, written = write_shards(
-                versions.loc,
-                version_dir(version),
-                plan,
-                lambda b: tensor_bytes(b.source),
-                threads=1,
-                rank=rank,
-            )
-        data = {
-            "rank": rank,
-            "shard": files[0].model_dump(mode="json"),
-            "blobs": [written[i].model_dump(mode="json") for i in range(len(plan.blobs))],
-            "structure": self.structure,
-            "tensors": [t.model_dump(mode="json") for t in self.entries],
-            "nbytes": plan.nbytes,
-        }
-        return WriteResult(
-            index=MetadataIndex(f"{OWN_KEY}{rank}"), size_in_bytes=plan.nbytes, storage_data=data
-        )
-
-    @staticmethod
-    def part(data: dict[str, Any], shard: int) -> RankPart:
-        blobs = [BlobEntry.model_validate(b).model_copy(update={"shard": shard}) for b in data["blobs"]]
-        tensors = [TensorEntry.model_validate(t) for t in data["tensors"]]
-        return RankPart(structure=data["structure"], blobs=blobs, tensors=tensors)
 
 
 def _value_result(item: Any, planner: SavePlanner) -> WriteResult:

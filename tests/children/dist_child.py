@@ -390,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", type=int, default=0)
     parser.add_argument("--victim", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=60.0, help="the checkpoint group's timeout")
+    parser.add_argument("--shards", type=int, default=2, help="shard files per version, in all")
     a = parser.parse_args(argv)
     a.storage_options = json.loads(os.environ.get("CKPTFLOW_STORAGE_OPTIONS") or "null")
     torch.set_num_threads(1)
@@ -405,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     store = CheckpointStore(
         a.url,
         storage_options=a.storage_options,
-        options=StoreOptions(shards=2, threads=1),
+        options=StoreOptions(shards=a.shards, threads=1),
         distributed=group,
     )
     SCENARIOS[a.scenario](Rank(a, steps, store, rank, world))

@@ -194,16 +194,16 @@ class TestStagingBufferReused:
     def test_second_save_of_the_same_state_reuses_the_buffer(self, store: CheckpointStore) -> None:
         state = make_state(1)
         store.save_async(state, epoch=1).wait(timeout=60)
-        capacity = store._staging.capacity
-        buffer = store._staging._buffer
+        capacity = store._saves.staging.capacity
+        buffer = store._saves.staging._buffer
         pointer = buffer.data_ptr()
         assert capacity >= sum(t.numel() * t.element_size() for t in tensors(state))
 
         mutate_(state)
         expected = clone(state)
         store.save_async(state, epoch=2).wait(timeout=60)
-        assert store._staging.capacity == capacity
-        assert store._staging._buffer is buffer and buffer.data_ptr() == pointer
+        assert store._saves.staging.capacity == capacity
+        assert store._saves.staging._buffer is buffer and buffer.data_ptr() == pointer
         assert_bitwise_equal(store.load(2), expected)
         assert_bitwise_equal(store.load(1), make_state(1))
 

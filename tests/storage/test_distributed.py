@@ -260,6 +260,27 @@ class TestWritingIsSpread:
             assert 0.27 <= size / total <= 0.40, (rank, by_rank)
 
 
+class TestShardsOption:
+    """Bug fixed: ``shards`` meant files per rank, so ``--shards 4`` gave 4 files at W=1, 6 at W=2
+    and 9 at W=3. It is the number of shard files of a version at every world size."""
+
+    @pytest.mark.parametrize("world", [1, 2, 3])
+    def test_a_version_has_as_many_shard_files_as_asked_at_every_world_size(self, tmp_path, world):
+        url = str(tmp_path / "store")
+        Job.run("save", world, url, tmp_path / "job", "--version", "0", "--shards", "4")
+        manifest = CheckpointStore(url).manifest(0)
+        files = sorted(p.name for p in (Path(url) / "v000000").glob("shard-*.h5"))
+        assert len(files) == 4, files
+        assert sorted(s.file for s in manifest.shards if s.file.startswith("shard-")) == files
+        assert {s.rank for s in manifest.shards if s.file.startswith("shard-")} == set(range(world))
+
+    def test_more_ranks_than_shards_write_one_file_each(self, tmp_path):
+        url = str(tmp_path / "store")
+        Job.run("save", 3, url, tmp_path / "job", "--version", "0", "--shards", "2")
+        files = sorted(p.name for p in (Path(url) / "v000000").glob("shard-*.h5"))
+        assert files == ["shard-r0-00.h5", "shard-r1-00.h5", "shard-r2-00.h5"]
+
+
 class TestAsyncSave:
     def test_async_save_commits_beside_the_training_loops_collectives(self, two_rank_job):
         url, results = two_rank_job

@@ -14,7 +14,15 @@ from hypothesis import strategies as st
 
 from ckptflow.storage.errors import UnsupportedValueError
 from ckptflow.storage.format.structure import Leaf, decode, encode, leaf_refs, select
-from ckptflow.storage.save.planner import Blob, assign_shards, dataset_name, plan_blobs, plan_save
+from ckptflow.storage.save.planner import (
+    Blob,
+    assign_rank_shards,
+    assign_shards,
+    dataset_name,
+    plan_blobs,
+    plan_save,
+    shards_per_rank,
+)
 
 
 def _blobs(sizes: list[int]) -> list[Blob]:
@@ -332,3 +340,22 @@ class TestSelect:
         _, (structure, _) = _state_structure()
         with pytest.raises(KeyError, match=f"no key '{key}'.*missing part: '{missing}'"):
             select(structure, [key])
+
+
+class TestShardsOverRanks:
+    """``shards`` is the number of files of a version at every world size (one per rank at least)."""
+
+    @pytest.mark.parametrize("world", [1, 2, 3, 5, 8])
+    @pytest.mark.parametrize("shards", [1, 2, 3, 4, 7, 16])
+    def test_every_world_size_writes_the_files_asked(self, shards, world):
+        counts = shards_per_rank(shards, world)
+        assert len(counts) == world and sum(counts) == max(shards, world)
+        assert max(counts) - min(counts) <= 1 and min(counts) >= 1
+
+    @pytest.mark.parametrize("world", [1, 2, 3])
+    def test_the_ranks_files_hold_every_blob_once(self, world):
+        blobs = _blobs([100 + 7 * i for i in range(40)])
+        plans = [assign_rank_shards(blobs, shards=4, world_size=world, rank=r) for r in range(world)]
+        assert sum(len(p) for p in plans) == 4
+        held = sorted(i for p in plans for shard in p for i in shard.blobs)
+        assert held == list(range(len(blobs)))

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from ckptflow.storage import CheckpointStore, StorageUnavailableError
-from ckptflow.storage.files.location import S3_ATTEMPTS, S3FS_RETRIES, open_location
+from ckptflow.storage.files.location import open_location
+from ckptflow.storage.remote.options import S3_ATTEMPTS, S3FS_RETRIES
 
 
 def _options(endpoint: str, **config: object) -> dict[str, object]:

@@ -39,6 +39,7 @@ from ckptflow.storage import (
     current_process,
     read_lease,
 )
+from ckptflow.storage.info import SaveRequest
 from ckptflow.storage.versions import claims
 from ckptflow.storage.versions import commit as protocol
 from ckptflow.storage.versions import lease as lease_module
@@ -163,13 +164,16 @@ class TestConcurrentSaves:
         """Bug fixed: a second writer of the same explicit version removed the first one's shards."""
         first, second = store_url.open(), store_url.open()
         state = {"x": torch.arange(1000, dtype=torch.float32)}
-        job = first._writer.prepare(state, 5, None, None, 5, None)  # claimed, nothing written yet
+        job = first._saves.writer.prepare(
+            state, SaveRequest(epoch=5, version=5)
+        )  # claimed, nothing written yet
         with pytest.raises(VersionTakenError) as caught:
             second.save({"x": torch.zeros(1000)}, version=5)
         message = str(caught.value)
         assert "version 5" in message and "being written by another writer" in message
         assert f"pid {os.getpid()}" in message and "ckptflow gc" in message
-        info = first._writer.write(job, lambda b: memoryview(b.source.numpy()).cast("B"))
+        as_bytes = lambda b: memoryview(b.source.numpy()).cast("B")  # noqa: E731
+        info = first._saves.writer.write(job, as_bytes, as_bytes)
         assert info.version == 5
         assert_same_state(store_url.open().load(5), state)
         assert claims.read_claim(first.loc, 5) is None  # the commit removed the claim
@@ -198,7 +202,7 @@ class TestConcurrentSaves:
         """A writer judged gone whose version was claimed by another fails its commit and exposes nothing."""
         store = store_url.open()
         state = {"x": torch.arange(100, dtype=torch.float32)}
-        job = store._writer.prepare(state, 3, None, None, 3, None)
+        job = store._saves.writer.prepare(state, SaveRequest(epoch=3, version=3))
         claim = claims.read_claim(store.loc, 3)
         assert claim is not None
         taken = replace(claim, token="0" * 32)
@@ -208,7 +212,7 @@ class TestConcurrentSaves:
             return memoryview(blob.source.numpy()).cast("B")
 
         with pytest.raises(VersionTakenError, match="claimed by another writer"):
-            store._writer.write(job, bytes_while_taken)
+            store._saves.writer.write(job, bytes_while_taken, bytes_while_taken)
         assert store_url.open().find(3) is None
         assert not store_url.raw_exists("v000003/manifest.json")
         assert claims.read_claim(store.loc, 3) == taken  # the other writer's claim stays

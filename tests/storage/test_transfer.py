@@ -46,11 +46,11 @@ from ckptflow.storage.remote.etag import (
     plan_parts,
     same_checksum,
 )
+from ckptflow.storage.remote.options import s3_storage_options
 from ckptflow.storage.remote.transfer import (
     TransferOptions,
     TransferVerifyError,
     download_file,
-    s3_storage_options,
     upload_file,
 )
 from tests.conftest import S3_KEY, S3_SECRET

@@ -1,0 +1,163 @@
+"""The read side of a store: list, find, load and verify committed versions.
+
+:class:`StoreReader` answers every question a :class:`~ckptflow.storage.CheckpointStore`
+is asked about what is committed, loose or archived, and reads states back. It only reads:
+nothing here changes a store, so any number of processes may read while one writes. A
+version is found (:meth:`StoreReader.locate`) before its bytes are read; every state but
+committed is a clear error naming what the version is and what to do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..archive.tarballs import list_archived
+from ..errors import ManifestError, UnreadableVersionError, VersionNotFoundError
+from ..files.location import Location, translate_errors
+from ..format.manifest import Manifest
+from ..info import StoreOptions, VersionInfo
+from ..versions import catalog, nearby
+from ..versions import commit as protocol
+from .restore import rank_manifest, read_state
+from .verifying import verify_version
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..archive.tarballs import ArchivedVersion
+    from ..save.distributed import RankGroup
+
+
+class StoreReader:
+    """What a store reads: its catalog of versions and their states."""
+
+    def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
+        self.loc, self.options, self.group = loc, options, group
+
+    def versions(self) -> list[VersionInfo]:
+        """Committed versions, loose and archived, oldest first."""
+        with translate_errors(self.loc, "listing"):
+            return [self.info_of(x) for x in catalog.committed(self.loc)]
+
+    def latest(self) -> VersionInfo | None:
+        """The newest committed version (the one a resumed run starts from), or None."""
+        with translate_errors(self.loc, "listing"):
+            found = catalog.newest(self.loc)
+        return self.info_of(found) if found else None
+
+    def info(self, version: int | None = None) -> VersionInfo:
+        """One committed version (the newest when ``version`` is None); raises if not committed."""
+        return self.info_of(self.locate(version))
+
+    def find(self, version: int) -> VersionInfo | None:
+        """A committed version, or None if ``version`` is not committed (without listing the others)."""
+        with translate_errors(self.loc, "reading"):
+            found = catalog.lookup(self.loc, version)
+        return self.info_of(found) if found is not None else None
+
+    def manifest(self, version: int | None = None) -> Manifest:
+        """The manifest of a committed version (the newest when ``version`` is None)."""
+        return self.locate(version).manifest
+
+    def load(
+        self,
+        version: int | None = None,
+        *,
+        keys: Sequence[str] | None = None,
+        map_location: str | torch.device = "cpu",
+        verify: bool | None = None,
+        into: Any = None,
+    ) -> Any:
+        """The state saved in ``version`` (default: the newest committed one)."""
+        located = self.locate(version)
+        return self._read(located, located.manifest, keys, map_location, verify, into)
+
+    def load_rank_state(
+        self,
+        version: int | None = None,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        map_location: str | torch.device = "cpu",
+        verify: bool | None = None,
+    ) -> Any:
+        """The ``rank_state`` rank ``rank`` saved (default: this store's rank), or None if none was saved."""
+        located = self.locate(version)
+        rank = (self.group.rank if self.group else 0) if rank is None else rank
+        world = (self.group.world_size if self.group else 1) if world_size is None else world_size
+        manifest = rank_manifest(located.manifest, rank, world, stacklevel=2)
+        if manifest is None:
+            return None
+        return self._read(located, manifest, None, map_location, verify, None)
+
+    def _read(
+        self,
+        located: catalog.Located,
+        manifest: Manifest,
+        keys: Sequence[str] | None,
+        map_location: str | torch.device,
+        verify: bool | None,
+        into: Any,
+    ) -> Any:
+        return read_state(self.loc, self.options, located, manifest, keys, map_location, verify, into)
+
+    def verify(self, version: int | None = None) -> VersionInfo:
+        """Check every byte of a version (loose or archived) against its checksums, and its tar structure."""
+        if version is None:
+            with translate_errors(self.loc, "reading"):
+                found, above = catalog.newest_and_above(self.loc)
+            if above:
+                top = max(above)
+                error = above[top].error or ManifestError(f"manifest of version {top} cannot be read")
+                raise UnreadableVersionError(top, self.loc.display(), error, found.version if found else None)
+            if found is None:
+                raise VersionNotFoundError(None, self.loc.display(), [])
+            return self.verify_located(found)
+        return self.verify_located(self.locate(version))
+
+    def verify_located(self, located: catalog.Located) -> VersionInfo:
+        """Check the shards of a version found by :meth:`survey` (no second look-up)."""
+        with translate_errors(self.loc, "verifying"):
+            located.check_tarball(self.loc, whole=True)
+            verify_version(self.loc, located.manifest, located.sources(self.loc))
+        return self.info_of(located)
+
+    def survey(self) -> catalog.Survey:
+        """Every version by state: committed (loose or archived), unreadable, being written, set aside."""
+        with translate_errors(self.loc, "listing"):
+            return catalog.survey(self.loc)
+
+    def version_dirs(self) -> dict[int, bool]:
+        """Every version directory, by number, and whether it holds a manifest file."""
+        with translate_errors(self.loc, "listing"):
+            return protocol.list_dirs(self.loc)
+
+    def misplaced(self) -> nearby.VersionDirectory | nearby.StoresBelow | None:
+        """What the URL is when it is a version's directory or holds stores; None for a store."""
+        with translate_errors(self.loc, "listing"):
+            return nearby.misplaced(self.loc)
+
+    def archived(self) -> dict[int, ArchivedVersion]:
+        """The versions in committed tarballs, by number, each with its tarball's name and index."""
+        with translate_errors(self.loc, "listing"):
+            return list_archived(self.loc)
+
+    def info_of(self, located: catalog.Located) -> VersionInfo:
+        """The listing entry of a version found by :meth:`survey`."""
+        return VersionInfo.from_manifest(
+            located.manifest, located.url(self.loc), archived=located.is_archived
+        )
+
+    def locate(self, version: int | None) -> catalog.Located:
+        """A committed version and where it lives; raise a clear error for any other state."""
+        with translate_errors(self.loc, "reading"):
+            if version is None:
+                found = catalog.newest(self.loc)
+                if found is None:
+                    raise VersionNotFoundError(None, self.loc.display(), [])
+                return found
+            return catalog.find(self.loc, version)
+
+
+__all__ = ["StoreReader"]
