@@ -17,12 +17,14 @@ epoch, and the save in flight still commits before the process exits.
 The model trains in the flow's process (``train_process`` off: for a
 debugger) or in trainers: a torch.distributed world of ``nproc`` ranks per
 machine (one is the plain case; ``nnodes`` machines), launched by torch's
-elastic launcher (``ckptflow.tasks.trainer``). The same loop and the same
-tasks drive them: one ``train_epoch`` task run per epoch at every world
-size. Every rank writes its share of each checkpoint and rank 0 commits;
-this process archives, uploads and applies retention. A rank that dies fails
-the task in progress; its retry starts new trainers, which resume from the
-last commit. An interrupted flow stops them after the save in flight commits.
+elastic launcher (``ckptflow.tasks.trainer``). ``init_model`` decides which,
+once; the same loop and the same tasks drive either through one trainer
+protocol (``ckptflow.tasks.protocol``): one ``train_epoch`` task run per epoch
+at every world size, and where the run stands is the trainer's last answer.
+Every rank writes its share of each checkpoint and rank 0 commits; this
+process archives, uploads and applies retention. A rank that dies fails the
+task in progress; its retry starts new trainers, which resume from the last
+commit. An interrupted flow stops them after the save in flight commits.
 
 Every run labels its flow run with the process that runs it and marks
 Crashed the training runs of this host whose process is gone (a SIGKILL
@@ -41,9 +43,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
@@ -52,14 +54,17 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Failed, State
 from prefect.utilities.annotations import quote
 
-from ckptflow.storage import CheckpointStore, SaveHandle, StoreLease, VersionInfo
+from ckptflow.storage import CheckpointStore, StoreLease, VersionInfo
 from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.crashed import record_this_run
 from ckptflow.tasks.formatting import metrics_text
 from ckptflow.tasks.monitoring import RunMonitor
-from ckptflow.tasks.run_state import EpochAttempts, nothing_to_resume
+from ckptflow.tasks.protocol import PendingSave
+from ckptflow.tasks.run_state import nothing_to_resume
 from ckptflow.tasks.steps import (
+    EpochTries,
+    TrainingRun,
     commit_checkpoint,
     finalize,
     init_model,
@@ -68,7 +73,6 @@ from ckptflow.tasks.steps import (
     train_epoch,
 )
 from ckptflow.tasks.stopping import CANCELLED, SIGTERM_STOP, StopTracker
-from ckptflow.tasks.threads import torch_threads
 
 
 @flow(name="ckptflow-train", validate_parameters=True)
@@ -76,11 +80,7 @@ def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
     record_this_run()  # and mark Crashed the runs on this host whose process is gone
     with _writer_lease(config) as (store, lease):
-        if config.uses_trainers:  # they set their own threads (init logs how many)
-            return _train_in_process(config, store, lease)
-        with torch_threads(config.torch_threads) as threads:
-            get_run_logger().info("torch intra-op threads: %d of %d cores", threads, os.cpu_count() or 1)
-            return _train_in_process(config, store, lease)
+        return _train(config, store, lease)
 
 
 @contextlib.contextmanager
@@ -102,40 +102,44 @@ def _writer_lease(config: PipelineConfig) -> Iterator[tuple[CheckpointStore, Sto
         yield store, lease
 
 
-def _train_in_process(
-    config: PipelineConfig, store: CheckpointStore, lease: StoreLease
-) -> dict[str, Any] | State:
-    """The run in this process; whatever ends it, its summary says how and where it stands."""
+def _train(config: PipelineConfig, store: CheckpointStore, lease: StoreLease) -> dict[str, Any] | State:
+    """The run; whatever ends it, its summary says how and where it stands."""
     monitor = RunMonitor(
         run_name=flow_run.get_name() or "local", store_url=store.url, total_epochs=config.epochs
     )
-    facts: dict[str, Any] = {}  # what the run got to: its RunState, first epoch, the save in flight
+    reached = Reached()
     try:
-        return _run_epochs(config, lease, monitor, facts)
+        return _run_epochs(config, lease, monitor, reached)
     except BaseException as exc:
-        run = facts.get("run")
-        state, why = _how_it_ended(exc, facts.get("in_flight"), monitor)
+        run = reached.run
+        state, why = _how_it_ended(exc, reached.in_flight, monitor)
         latest, unreadable = _latest(run.store if run is not None else store, monitor)
-        epochs = _epochs(facts["first_epoch"], run.epoch) if run is not None else "none (init did not finish)"
+        epochs = _epochs(run.first_epoch, run.epoch) if run is not None else "none (init did not finish)"
         monitor.ended(state, why, latest, rows=[("epochs", epochs)], unreadable=unreadable)
         raise
 
 
+@dataclass
+class Reached:
+    """What a run got to, for the summary of a run that ends otherwise than by a stop condition."""
+
+    run: TrainingRun | None = None  # once init has built it
+    in_flight: int | None = None  # the version whose async save was in flight when it was interrupted
+
+
 def _run_epochs(
-    config: PipelineConfig, lease: StoreLease, monitor: RunMonitor, facts: dict[str, Any]
+    config: PipelineConfig, lease: StoreLease, monitor: RunMonitor, reached: Reached
 ) -> dict[str, Any] | State:
     """Init, then epochs, saves and commits until a stop condition."""
     logger = get_run_logger()
-    run = init_model(config)
-    facts.update(run=run, first_epoch=run.epoch + 1)
+    run = reached.run = init_model(config)
     run.store.write_under(lease)  # a commit after the lease was lost fails
     existing = run.store.versions()
-    monitor.start(existing, first_epoch=run.epoch + 1)
+    monitor.start(existing, first_epoch=run.first_epoch)
     stopper = StopTracker(config.stop, config.epochs)
     stopper.seed(run.metrics)
-    first_epoch = run.epoch + 1
     reason = f"already at epoch {run.epoch}" if run.epoch >= config.epochs else None
-    pending: SaveHandle | None = None
+    pending: PendingSave | None = None
     archiver = ArchiveQueue(run.store, config.archive, existing, on_result=monitor.archived)
     train = train_epoch.with_options(retries=config.epoch_retries)
     save = save_checkpoint.with_options(retries=config.save_retries)
@@ -144,19 +148,15 @@ def _run_epochs(
         archiver.catch_up()  # versions an interrupted run committed but did not archive
         while reason is None:
             epoch = run.epoch + 1
-            attempts = EpochAttempts(run, keep_snapshot=config.epoch_retries > 0)
-            metrics = train(_opaque(run), epoch, _opaque(attempts))
+            tries = EpochTries(keep_snapshot=config.epoch_retries > 0)
+            metrics = train(_opaque(run), epoch, _opaque(tries))
             logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(metrics))
             monitor.epoch_done(epoch, metrics)
             reason = stopper.update(epoch, metrics) or watch.reason()
             if epoch % config.save_every == 0 or reason is not None:
                 lease.check()  # a run that lost the store (its lease taken over) saves nothing more
                 result = save(
-                    _opaque(run),
-                    epoch,
-                    async_save=config.async_save,
-                    previous=_opaque(pending),
-                    timeout=config.save_timeout_seconds,
+                    _opaque(run), epoch, previous=_opaque(pending), timeout=config.save_timeout_seconds
                 )
                 pending = None
                 if result.previous is not None:
@@ -171,18 +171,17 @@ def _run_epochs(
         run.close()
     except BaseException:
         _quietly("abandon the archive jobs", archiver.abandon)
-        if pending is not None:
-            facts["in_flight"] = pending.version
-            _quietly("wait for the save in flight", pending.join)  # an interrupted run still commits it...
+        reached.in_flight = pending.version if pending is not None else None
+        # the trainer's saves in flight commit before it stops, in an interrupted run too...
         _quietly("close the run", lambda: run.close(interrupted=True))
-        monitor.catch_up(run.store.versions)  # ...and reports what committed (a worker's SIGTERM)
-        raise  # the summary: _train_in_process
+        monitor.catch_up(run.store.versions)  # ...and what committed is reported (a worker's SIGTERM)
+        raise  # the summary: _train
     finally:
         watch.close()
     archiver.drain(strict=False)  # a failed job is reported by _finish
     removed = finalize(run.store, config.retention)
     resumed_from = run.resumed_from.version if run.resumed_from else None
-    ended = _finish(run.store, monitor, first_epoch, run.epoch, resumed_from, reason, removed, archiver)
+    ended = _finish(run.store, monitor, run.first_epoch, run.epoch, resumed_from, reason, removed, archiver)
     if isinstance(ended, dict):  # what a schedule is sized by (RunFacts.planned_epochs), for the hint
         ended["planned_epochs"] = run.planned_epochs
     return ended
@@ -265,17 +264,15 @@ def _how_it_ended(exc: BaseException, in_flight: int | None, monitor: RunMonitor
 
 def _cancel_requested() -> bool:
     """Whether this flow run is Cancelling or Cancelled (False if the API cannot say)."""
-    from prefect.client.orchestration import get_client
+    from ckptflow.tasks.prefect_runs import cancel_requested
 
     run_id = flow_run.get_id()
     if run_id is None:
         return False
     try:
-        with get_client(sync_client=True) as client:
-            state = client.read_flow_run(UUID(run_id)).state
+        return cancel_requested(UUID(run_id))
     except Exception:
         return False
-    return state is not None and (state.is_cancelling() or state.is_cancelled())
 
 
 def _opaque(value: Any) -> Any:
@@ -288,7 +285,7 @@ def _opaque(value: Any) -> Any:
 
 
 def _commit(
-    pending: SaveHandle | None, monitor: RunMonitor, config: PipelineConfig, archiver: ArchiveQueue
+    pending: PendingSave | None, monitor: RunMonitor, config: PipelineConfig, archiver: ArchiveQueue
 ) -> None:
     """Wait until the async save in flight (if any) is committed, and report it."""
     if pending is not None:
@@ -331,15 +328,14 @@ class CancelWatch:
         self._stop.set()
 
     def _watch(self, run_id: UUID) -> None:
-        from prefect.client.orchestration import get_client
+        from ckptflow.tasks.prefect_runs import cancel_requested
 
         while not self._stop.wait(self._every):
             try:
-                with get_client(sync_client=True) as client:
-                    state = client.read_flow_run(run_id).state
+                cancelled = cancel_requested(run_id)
             except Exception:
                 continue
-            if state is not None and (state.is_cancelling() or state.is_cancelled()):
+            if cancelled:
                 self.requested = True
                 return
 

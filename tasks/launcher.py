@@ -22,7 +22,6 @@ removed when the launch ends).
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
 import signal
@@ -31,12 +30,16 @@ import tempfile
 import threading
 import uuid
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .childenv import TRAINER_FD_ENV
 from .lifetime import die_with_parent, ignore
 
+if TYPE_CHECKING:  # imported once the job is on its way (see main): the process starts light
+    from .protocol import TrainerJob
+
 GRACE_SECONDS = 120  # how long interrupted ranks get to commit the save in flight
+RENDEZVOUS_SECONDS = 900  # how long this machine's agent waits for the others to join
 
 
 def _warm_up() -> None:
@@ -45,10 +48,10 @@ def _warm_up() -> None:
     import torch._dynamo
     import torch.distributed.launcher.api  # noqa: F401
 
-    from . import rank_worker, run_state  # noqa: F401
+    from . import protocol, rank, rank_worker, run_state  # noqa: F401
 
 
-def _import_spec(job: dict[str, Any], fd: int) -> None:
+def _import_spec(job: TrainerJob, fd: int) -> None:
     """Import the run's spec now, before the ranks are forked (they inherit it), and tell the flow
     that it imports: the flow creates its run while the ranks start, not after.
 
@@ -60,17 +63,18 @@ def _import_spec(job: dict[str, Any], fd: int) -> None:
 
     if torch.version.cuda is not None or torch.version.hip is not None:
         return
+    from .protocol import SpecImported
     from .spec import load_spec_class
 
     try:
-        load_spec_class(job["config"]["spec"])
+        load_spec_class(job.config.spec)
     except Exception:
         return
     with Connection(os.dup(fd)) as conn:  # the ranks keep the channel: write on a copy
-        conn.send_bytes(json.dumps({"spec": "ok"}).encode())
+        conn.send_bytes(SpecImported().model_dump_json().encode())
 
 
-def launch(job: dict[str, Any], fd: int, log_dir: str) -> None:
+def launch(job: TrainerJob, fd: int, log_dir: str) -> None:
     """Start this machine's ranks of the job's world and wait until they have all ended.
 
     ``log_dir`` holds torch's failure records of the ranks (their ``error.json``) while they run.
@@ -80,17 +84,17 @@ def launch(job: dict[str, Any], fd: int, log_dir: str) -> None:
 
     from . import one_machine
 
-    world = job["world"]
-    nnodes = int(world.get("nnodes", 1))
-    endpoint = world.get("rdzv_endpoint")  # other machines meet this one there
+    run = job.config
+    nnodes = run.nnodes
+    endpoint = run.rdzv_endpoint  # other machines meet this one there
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
-        nproc_per_node=int(world.get("nproc", 1)),
-        run_id=world.get("rdzv_id") or uuid.uuid4().hex,
+        nproc_per_node=run.nproc,
+        run_id=run.rdzv_id or uuid.uuid4().hex,
         rdzv_backend="c10d" if nnodes > 1 or endpoint else one_machine.BACKEND,
         rdzv_endpoint=endpoint or f"{one_machine.HOST}:0",
-        rdzv_configs={"timeout": int(world.get("rdzv_timeout", 900))},
+        rdzv_configs={"timeout": RENDEZVOUS_SECONDS},
         max_restarts=0,  # a failed rank fails the flow's task; its retry starts a new world
         monitor_interval=0.1,
         start_method="fork",  # from this process, torch already imported
@@ -99,12 +103,12 @@ def launch(job: dict[str, Any], fd: int, log_dir: str) -> None:
         shutdown_timeout=GRACE_SECONDS,
         signals_to_handle="SIGTERM",  # Ctrl-C reaches the flow, which decides (SIGINT stays ignored)
     )
-    elastic_launch(config, _rank)(job, fd, os.getpid())
+    elastic_launch(config, _rank)(job.model_dump_json(), fd, os.getpid())
 
 
-def _rank(job: dict[str, Any], fd: int, launcher: int) -> None:
-    """A forked rank; it returns (or raises: the agent records the error) and multiprocessing
-    ends the process with ``os._exit``, so C++ static destructors never run in a rank."""
+def _rank(job: str, fd: int, launcher: int) -> None:
+    """A forked rank, given the job's JSON; it returns (or raises: the agent records the error) and
+    multiprocessing ends the process with ``os._exit``, so C++ static destructors never run in a rank."""
     from .rank_worker import serve_rank
 
     serve_rank(job, fd, launcher)
@@ -141,7 +145,13 @@ def main() -> int:
     reading.join()
     if not received[0]:
         return 0  # discarded before it got a job
-    job = json.loads(received[0])
+    from .protocol import JobError, TrainerJob
+
+    try:
+        job = TrainerJob.parse(received[0])
+    except JobError as exc:  # the flow's build fails with this, as the launcher's record
+        _tell_flow(fd, str(exc))
+        return 1
     _import_spec(job, fd)
     # What is imported stays for the process's life: the collector stops walking it, in the agent's
     # monitor loop (6 ms of CPU per epoch less at W=2) and in the forked ranks (their pages stay shared).
@@ -150,12 +160,19 @@ def main() -> int:
     try:
         launch(job, fd, log_dir)
     except BaseException as exc:
-        with Connection(fd) as conn:  # every rank has ended: this process alone writes on it now
-            conn.send_bytes(json.dumps({"failure": failure_text(exc)}).encode())
+        _tell_flow(fd, failure_text(exc))  # every rank has ended: this process alone writes on it now
         return 1
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def _tell_flow(fd: int, failure: str) -> None:
+    """The launcher's record of how the ranks ended (or why none started), the last frame."""
+    from .protocol import LaunchFailed
+
+    with Connection(fd) as conn:
+        conn.send_bytes(LaunchFailed(failure=failure).model_dump_json().encode())
 
 
 if __name__ == "__main__":

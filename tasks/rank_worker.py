@@ -1,16 +1,17 @@
-"""One training rank: it builds the run's objects and does what the flow asks, epoch by epoch.
+"""One training process: a rank of the run's world, serving the trainer protocol to the flow.
 
 Every training process is a rank of a torch.distributed world of size N >= 1,
 started by torch's elastic launcher (:mod:`.launcher` on the flow's machine,
 ``torchrun`` on the others). One rank, the *leader* (local rank 0 on the
-flow's machine), holds the flow's end of the channel: JSON requests
-``{"id", "op", "args"}`` in, ``{"id", "ok"}`` / ``{"id", "error"}`` answers
-and ``{"log", "message", "id"}`` notes out; nothing is unpickled. The leader
-hands each request to the other ranks through the rendezvous store, in order,
-and every rank carries it out: build and restore, train an epoch (a retry
-restores its start state first), save (every rank writes its share, the leader's rank 0 commits), wait for a
-save, close. The leader answers; the others only act. So the flow drives N
-ranks exactly as it drives one.
+flow's machine), holds the flow's end of the channel: :class:`~.protocol.Call`
+frames in, :class:`~.protocol.Answer` and :class:`~.protocol.Note` frames out,
+validated where they enter; nothing is unpickled. The leader hands each call
+to the other ranks through the rendezvous store, in order, and every rank
+carries it out on its :class:`~.rank.Rank` (the object the in-process trainer
+calls directly): build and restore, train an epoch (a retry restores its start
+state first), save (every rank writes its share, the leader's rank 0 commits),
+wait for a save, close. The leader answers; the others only act. So the flow
+drives N ranks exactly as it drives one.
 
 The leader is rank 0 of the world the ranks build: ranks are renumbered from
 it, so that it is the one that commits. Another machine joins a run with
@@ -34,7 +35,6 @@ the rank exits. No Prefect import here: a rank starts in a second, not five.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -49,9 +49,31 @@ from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import Any
 
+from pydantic import BaseModel, ValidationError
+
+from .protocol import (
+    Answer,
+    Built,
+    Call,
+    Close,
+    Done,
+    FlowRun,
+    Note,
+    RemoteError,
+    Request,
+    Resubmit,
+    Save,
+    SpecImported,
+    Train,
+    TrainerJob,
+    Wait,
+)
+from .run_state import open_store
+
 log = logging.getLogger("ckptflow.rank")
 
 STORE_PREFIX = "ckptflow"
+JOIN_SECONDS = 600.0  # how long another machine's rank waits for the others, before it has the job
 BUILD_VERDICT_SECONDS = 30.0  # how long a follower whose build failed waits for the leader's verdict
 
 
@@ -123,13 +145,13 @@ class World:
             time.sleep(0.01)
         return bytes(self.store.get("built")) == b"failed"
 
-    def publish(self, request: dict[str, Any]) -> None:
-        """The leader: hand ``request`` to the other ranks (they take them in order)."""
+    def publish(self, call: bytes) -> None:
+        """The leader: hand ``call`` (its JSON) to the other ranks (they take them in order)."""
         self.sent += 1
         if self.size > 1:
-            self.store.set(f"request/{self.sent}", json.dumps(request))
+            self.store.set(f"request/{self.sent}", call)
 
-    def next_request(self) -> dict[str, Any]:
+    def next_request(self) -> bytes:
         """A follower: the leader's next request, however long the flow takes to send it.
 
         Polled (a store check is one round trip), not waited for: a blocking wait would hold off
@@ -141,7 +163,7 @@ class World:
         while not self.store.check([key]):
             time.sleep(pause)
             pause = min(pause * 1.5, 0.002)  # a request waits at most 2 ms for a follower
-        return dict(json.loads(self.take(key)))
+        return self.take(key)
 
     def take(self, key: str) -> bytes:
         """A follower: the value of ``key``; the last follower to read it deletes it (the job's
@@ -153,52 +175,50 @@ class World:
         return value
 
 
-class Rank:
-    """The run's objects in this rank, and the requests it carries out."""
+class Server:
+    """This rank's end of the trainer protocol: it carries the flow's calls out on its
+    :class:`~.rank.Rank`. The leader reads them off the flow's channel, hands them on and sends
+    the answers (each with the run's progress); the others only act."""
 
     def __init__(self, world: World, conn: Connection | None) -> None:
+        from .rank import Rank
+
         self.world = world
         self.conn = conn
+        self.rank = Rank(world_size=world.size, rank=world.rank)
+        self.built = False
         self.send_lock = threading.Lock()
-        self.run: Any = None
-        self.attempts: Any = None
-        self.handles: dict[int, Any] = {}
-        self.current = 0  # the request being carried out in the main thread: its notes go with it
+        self.current = 0  # the call being carried out in the main thread: its notes go with it
 
     # -- the flow's channel (the leader only) --
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, frame: BaseModel) -> None:
         if self.conn is None:
             return
         with self.send_lock:
-            self.conn.send_bytes(json.dumps(message).encode())
+            if isinstance(frame, Answer) and self.built:  # read now: the last answer sent is the newest
+                frame = frame.model_copy(update={"progress": self.rank.progress})
+            self.conn.send_bytes(frame.model_dump_json().encode())
 
-    def log(self, level: str) -> Callable[[str], None]:
+    def notes(self, level: str, message: str) -> None:
+        """A note for the run's log: the leader's go to the flow, with the call in progress."""
         if self.world.leads:
-            return lambda message: self.send({"log": level, "message": message, "id": self.current})
-        rank = self.world.rank
-        return lambda message: getattr(log, level)("rank %d: %s", rank, message)
+            self.send(Note.model_validate({"id": self.current, "level": level, "message": message}))
+        else:
+            getattr(log, level)("rank %d: %s", self.world.rank, message)
 
-    def answer(self, call_id: int, work: Callable[[], Any]) -> None:
-        """Carry out ``work``; the leader sends its answer or error, another rank fails on an error."""
+    def answer(self, call_id: int, work: Callable[[], BaseModel]) -> None:
+        """Carry out ``work``; the leader sends its reply or error, another rank fails on an error."""
         try:
-            result = work()
+            reply = work()
         except Exception as exc:
             if not self.world.leads:
                 raise
-            frames = traceback.extract_tb(exc.__traceback__)
-            place = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""  # tells repeats apart
-            error = {
-                "type": type(exc).__name__,
-                "message": str(exc),
-                "traceback": traceback.format_exc(),
-                "place": place,
-            }
-            self.send({"id": call_id, "error": error})
+            self.send(Answer(id=call_id, error=RemoteError.of(exc)))
         else:
-            self.send({"id": call_id, "ok": result})
+            self.send(Answer(id=call_id, reply=reply.model_dump(mode="json")))
 
-    def in_thread(self, call_id: int, work: Callable[[], Any]) -> None:
+    def in_thread(self, call_id: int, work: Callable[[], BaseModel]) -> None:
         def run() -> None:
             try:
                 self.answer(call_id, work)
@@ -208,149 +228,89 @@ class Rank:
 
         threading.Thread(target=run, name="ckptflow-rank-call").start()
 
-    def requests(self) -> Iterator[dict[str, Any]]:
-        """The flow's requests: the leader reads and publishes them, the others take them in turn."""
+    def calls(self) -> Iterator[Call]:
+        """The flow's calls: the leader reads, validates and publishes them, the others take them
+        in turn. A call the leader cannot read is answered with its error, if it names its id."""
         if not self.world.leads:
             while True:
-                yield self.world.next_request()
+                yield Call.model_validate_json(self.world.next_request())
         assert self.conn is not None
         while True:
             try:
-                request = json.loads(self.conn.recv_bytes())
+                raw = self.conn.recv_bytes()
             except (EOFError, OSError):  # the flow's end closed: end as if asked to
-                request = {"id": -1, "op": "close", "args": {}}
-            self.world.publish(request)
-            yield request
+                raw = Call(id=0, request=Close(flow_gone=True)).model_dump_json().encode()
+            try:
+                call = Call.model_validate_json(raw)
+            except ValidationError as exc:
+                self._refuse(raw, exc)
+                continue
+            self.world.publish(raw)
+            yield call
 
-    # -- the requests --
+    def _refuse(self, raw: bytes, exc: ValidationError) -> None:
+        try:
+            call_id = int(json.loads(raw)["id"])
+        except (ValueError, TypeError, KeyError):
+            raise exc from None
+        self.send(Answer(id=call_id, error=RemoteError.of(exc)))
 
-    def build(self, job: dict[str, Any]) -> dict[str, Any]:
-        import torch
+    # -- the calls --
 
+    def build(self, job: TrainerJob) -> Built:
+        """Build the run of ``job`` in this rank: its store shared by the world's ranks, commits
+        under the flow's lease; nothing written (the flow claims the store once it holds it)."""
         from ckptflow.storage import RankGroup
 
-        from .config import PipelineConfig
-        from .run_state import build_run, open_store
         from .spec import load_spec_class
-        from .threads import intra_op_threads
 
-        config = PipelineConfig.model_validate(job["config"])
+        config = job.config
         load_spec_class(config.spec)
-        self.send({"spec": "ok"})
-        world = self.world
-        threads = intra_op_threads(config.torch_threads) if world.local_world == 1 else None
-        if world.local_world > 1 and not os.environ.get("OMP_NUM_THREADS"):
-            threads = max(1, (os.cpu_count() or 1) // world.local_world)
-        if threads is not None:
-            torch.set_num_threads(threads)
-        timeout = timedelta(seconds=config.rank_timeout_seconds)
-        group = RankGroup.create(timeout) if world.size > 1 else None
-        store = open_store(config, job["storage_options"], distributed=group)
-        if job.get("writers"):
-            store.write_for(job["writers"])  # commits go under the flow's lease, and no other writer's
-        if world.leads and job.get("writers"):
-            from ckptflow.storage import refuse_if_held
-
-            # started before the flow took the store's lease: build nothing on a store another run holds
-            refuse_if_held(store.loc, writers=set(job["writers"]))
-        # the flow writes run.json and sets unreadable versions aside once it holds the lease
-        self.run = build_run(
-            config,
-            store,
-            info=self.log("info"),
-            warn=self.log("warning"),
-            writes=False,
-            world_size=world.size,
-            rank=world.rank,
+        self.send(SpecImported())
+        group = (
+            RankGroup.create(timedelta(seconds=config.rank_timeout_seconds)) if self.world.size > 1 else None
         )
-        resumed = self.run.resumed_from
-        return {
-            "identity": self.run.identity,
-            "epoch": self.run.epoch,
-            "step": self.run.step,
-            "resumed_from": dataclasses.asdict(resumed) if resumed is not None else None,
-            "metrics": {str(k): v for k, v in self.run.metrics.items()},
-            "threads": torch.get_num_threads(),
-            "world_size": world.size,
-            "planned_epochs": self.run.planned_epochs,
-        }
+        store = open_store(config, job.storage_options, distributed=group)
+        if job.writers:
+            store.write_for(job.writers)  # commits go under the flow's lease, and no other writer's
+        if self.world.leads and job.writers:
+            # started before the flow took the store's lease: build nothing on a store another run holds
+            store.refuse_if_held(writers=job.writers)
+        built = self.rank.build(config, store, writes=False, log=self.notes)
+        self.built = True
+        return built
 
     def serve(self) -> None:
-        """Carry out requests until ``close`` (or until the flow's end of the channel closes)."""
-        for request in self.requests():
-            if request["op"] == "close":
-                self.finish()
-                if request["id"] >= 0:
-                    self.send({"id": request["id"], "ok": None})
+        """Carry out calls until ``close`` (or until the flow's end of the channel closes)."""
+        for call in self.calls():
+            request = call.request
+            if isinstance(request, Close):
+                self.rank.close()
+                if not request.flow_gone:
+                    self.send(Answer(id=call.id, reply=Done().model_dump(mode="json")))
                 return
-            self.current = request["id"]
-            self.handle(request["id"], request["op"], request["args"])
+            self.current = call.id
+            self.handle(call.id, request)
 
-    def handle(self, call_id: int, op: str, args: dict[str, Any]) -> None:
-        """Epochs and the staging of saves run here, in turn; writes and waits in threads of their own."""
+    def handle(self, call_id: int, request: Request) -> None:
+        """Epochs and the staging of saves run here, in turn; waits in threads of their own."""
         from .childenv import FLOW_RUN_ENV
 
-        if op == "train":
-            self.answer(call_id, lambda: self.train(args["epoch"], bool(args["keep_snapshot"])))
-        elif op == "save" and args["async"]:
-            self.answer(call_id, lambda: self.save_async(args["epoch"]))
-        elif op == "save":
-            (shared, own), kwargs = self.capture(args["epoch"])
-            store = self.run.store
-            self.in_thread(call_id, lambda: dataclasses.asdict(store.save(shared, rank_state=own, **kwargs)))
-        elif op == "wait":
-            handle = self.handles[args["version"]]
-            self.in_thread(call_id, lambda: dataclasses.asdict(handle.wait()))
-        elif op == "flow_run":  # for the spec's own logging
-            os.environ[FLOW_RUN_ENV] = args["id"]
-            self.answer(call_id, lambda: None)
-        elif op == "resubmit":
-            self.answer(call_id, self.handles[args["version"]].resubmit)
-        else:
-            self.answer(call_id, lambda: _unknown(op))
-
-    def capture(self, epoch: int) -> tuple[tuple[dict[str, Any], dict[str, Any] | None], dict[str, Any]]:
-        """The state to save (shared, this rank's own), and the save's arguments."""
-        from .run_state import capture_run, save_options
-        from .training_state import is_sharded, split_ranked
-
-        run = self.run
-        kwargs = save_options(run, epoch)
-        state = capture_run(run, self.log("warning"))
-        if self.world.size == 1 and not is_sharded(run.local()[1].model):  # sharded: RNGs stay apart
-            return (state, None), kwargs
-        return split_ranked(state), kwargs
-
-    def save_async(self, epoch: int) -> int:
-        (shared, own), kwargs = self.capture(epoch)
-        self.handles[epoch] = self.run.store.save_async(shared, rank_state=own, **kwargs)
-        return epoch
-
-    def train(self, epoch: int, keep_snapshot: bool) -> dict[str, Any]:
-        """An attempt at ``epoch``: the first keeps the epoch's start state (``keep_snapshot``), a
-        later one (the flow's retry after an error) restores it first."""
-        from .run_state import EpochAttempts, train_attempt
-
-        if self.attempts is None or self.attempts.epoch != epoch:
-            if epoch != self.run.epoch + 1:
-                raise RuntimeError(
-                    f"asked to train epoch {epoch}, but these trainers stand at epoch {self.run.epoch}"
-                )
-            self.attempts = EpochAttempts(self.run, keep_snapshot=keep_snapshot)
-        self.attempts.count += 1
-        metrics = train_attempt(self.run, epoch, self.attempts, self.log("warning"))
-        return {"metrics": metrics, "step": self.run.step}
-
-    def finish(self) -> None:
-        """Let every save end (committed or failed) before the rank exits."""
-        for handle in self.handles.values():
-            handle.join()
-        if self.run is not None:
-            self.run.store.close()
-
-
-def _unknown(op: str) -> None:
-    raise ValueError(f"unknown training request {op!r}")
+        rank = self.rank
+        if isinstance(request, Train):
+            self.answer(
+                call_id,
+                lambda: rank.train(request.epoch, keep_snapshot=request.keep_snapshot, log=self.notes),
+            )
+        elif isinstance(request, Save):
+            self.answer(call_id, lambda: rank.save(request.epoch, log=self.notes))
+        elif isinstance(request, Wait):
+            self.in_thread(call_id, lambda: rank.wait(request.version))
+        elif isinstance(request, Resubmit):
+            self.answer(call_id, lambda: rank.resubmit(request.version))
+        elif isinstance(request, FlowRun):  # for the spec's own logging
+            os.environ[FLOW_RUN_ENV] = request.id
+            self.answer(call_id, Done)
 
 
 class _Stops:
@@ -379,11 +339,12 @@ def _backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None) -> None:
+def serve_rank(job: str | None, fd: int | None, launcher: int | None) -> None:
     """A rank's life: join the world, take the job (from the flow, or from the leader), serve, leave.
 
-    ``job`` and ``fd`` (the flow's channel) are given to the ranks the flow's launcher forks;
-    ``launcher`` is its pid: a rank dies with it, as it would with an in-process run.
+    ``job`` (a :class:`~.protocol.TrainerJob`'s JSON) and ``fd`` (the flow's channel) are given
+    to the ranks the flow's launcher forks; ``launcher`` is its pid: a rank dies with it, as it
+    would with an in-process run.
     """
     import torch
     import torch.distributed as dist
@@ -393,46 +354,63 @@ def serve_rank(job: dict[str, Any] | None, fd: int | None, launcher: int | None)
     if launcher is not None:
         die_with_parent(signal.SIGKILL, launcher)
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    may_lead = job is not None and fd is not None and local_rank == 0
-    world_job = (job or {}).get("world", {})
-    timeout = timedelta(seconds=float(world_job.get("timeout", 600)))
+    given = TrainerJob.parse(job) if job is not None else None
+    may_lead = given is not None and fd is not None and local_rank == 0
+    # another machine's ranks get the job from the leader once they have joined: they join with defaults
+    backend = given.config.dist_backend if given is not None else "auto"
+    timeout = timedelta(seconds=given.config.rank_timeout_seconds if given is not None else JOIN_SECONDS)
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
     stops = _Stops()
     signal.signal(signal.SIGTERM, stops)
-    world = World.join(may_lead, _backend(world_job.get("backend", "auto")), timeout)
+    world = World.join(may_lead, _backend(backend), timeout)
     conn = Connection(fd) if world.leads and fd is not None else None
     if fd is not None and conn is None:
         os.close(fd)  # another local rank leads: this one never speaks to the flow
-    rank = Rank(world, conn)
+    server = Server(world, conn)
     try:
         if world.leads:
-            assert job is not None
+            assert given is not None
             if world.size > 1:
-                world.store.set("job", json.dumps(job))
+                world.store.set("job", given.model_dump_json())
         else:
-            job = json.loads(world.take("job"))
-        assert job is not None
+            given = TrainerJob.parse(world.take("job"))
+        the_job = given
+        _set_threads(the_job.config.torch_threads, world.local_world)
         try:
-            rank.answer(0, lambda: rank.build(job))
+            server.answer(0, lambda: server.build(the_job))
         except Exception:  # a follower: unless the leader failed too (the flow has its error), end the world
             if world.leads or not world.leader_failed_build(BUILD_VERDICT_SECONDS):
                 raise
         if world.leads:
-            world.tell_built(rank.run is not None)
-        if rank.run is not None:
-            rank.serve()
+            world.tell_built(server.built)
+        if server.built:
+            server.serve()
         stops.raising = False  # from here a stop is counted: the saves in flight commit first
     except _Interrupted:
         pass
     finally:
         stops.raising = False
-        rank.finish()
+        server.rank.close()
         if dist.is_initialized():
             dist.destroy_process_group()
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # nothing in flight: a stop now ends the process
     if stops.count:  # leave now, as a stopped rank (the agent waits for no result then)
         exit_now(128 + signal.SIGTERM)
+
+
+def _set_threads(requested: int | None, local_world: int) -> None:
+    """torch's intra-op threads in this process: :func:`~.threads.intra_op_threads` for one rank
+    on this machine, the cores shared out for several (unless ``OMP_NUM_THREADS`` says)."""
+    import torch
+
+    from .threads import intra_op_threads
+
+    threads = intra_op_threads(requested) if local_world == 1 else None
+    if local_world > 1 and not os.environ.get("OMP_NUM_THREADS"):
+        threads = max(1, (os.cpu_count() or 1) // local_world)
+    if threads is not None:
+        torch.set_num_threads(threads)
 
 
 def main() -> int:

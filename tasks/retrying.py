@@ -39,10 +39,11 @@ def io_task(name: str, *, retries: int = 3, backoff: float = 1.0, **options: Any
 def failure_key(exc: BaseException) -> tuple[str, str, str]:
     """What makes two failures the same: the error's type, its message and the line that raised it
     (in the training process, for an error raised there)."""
-    from .trainer import TrainerError
+    from .protocol import origin
 
-    if isinstance(exc, TrainerError) and exc.kind:
-        return exc.kind, str(exc), exc.place
+    raised = origin(exc)
+    if raised is not None:
+        return raised[0], str(exc), raised[1]
     frames = traceback.extract_tb(exc.__traceback__)
     place = f"{frames[-1].filename}:{frames[-1].lineno}" if frames else ""
     return type(exc).__name__, str(exc), place
@@ -54,7 +55,7 @@ TRANSIENT = (OSError, TimeoutError, ConnectionError)  # a data loader's network 
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` may pass on its own however often it repeats (I/O of the epoch's data), so
     that a repetition does not end the retries."""
-    from .trainer import TrainerError
+    from .protocol import TrainerError
 
     if isinstance(exc, TrainerError) and exc.kind:
         import builtins

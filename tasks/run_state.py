@@ -1,10 +1,9 @@
 """The live objects of one run and the steps that act on them, without Prefect.
 
-The pipeline's tasks (:mod:`.steps`) call these in the flow's process; the
-training process (:mod:`.trainer`) calls the same functions in a child
-process, which does not import Prefect. Either way, the run's behaviour is the
-same: these functions are the one place where a run is built, restored and
-trained.
+A rank (:mod:`.rank`) calls these, in the flow's process (the in-process
+trainer) or in a training process, which does not import Prefect. Either way,
+the run's behaviour is the same: these functions are the one place where a run
+is built, restored and trained.
 
 - :func:`build_run` checks the config against ``run.json`` beside the
   checkpoints, builds the spec's objects and restores the newest committed
@@ -21,7 +20,6 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -62,37 +60,24 @@ def nothing_to_resume(url: str) -> NothingToResumeError:
 
 @dataclass
 class RunState:
-    """The live objects of one run, shared by the tasks of one flow run (in memory).
-
-    With a training process (``train_process``), ``spec`` and ``trainable`` live there and are
-    None here; ``remote`` is the process, and the rest mirrors what it reported.
-    """
+    """The live objects of one run in the process that trains it (one rank's)."""
 
     config: PipelineConfig
     store: CheckpointStore
-    spec: TrainingSpec | None
-    trainable: Trainable | None
+    spec: TrainingSpec
+    trainable: Trainable
     epoch: int = 0  # last completed epoch
     step: int = 0
     resumed_from: VersionInfo | None = None
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
-    writing: tuple[int, Future[Any]] | None = None  # (version, sync save) that outlived its task's timeout
-    remote: Any = None  # the trainers, a ckptflow.tasks.trainer.TrainerProcess
     planned_epochs: int = 0  # the epochs the run was started for (RunFacts.planned_epochs)
     generator_seeds: dict[int, int] | None = None  # the spec's generators' seeds after build; None: checked
     identity: dict[str, Any] | None = None  # what run.json must hold (None: it does already)
 
     def local(self) -> tuple[TrainingSpec, Trainable]:
-        """The spec and its objects, in the process that trains."""
-        if self.spec is None or self.trainable is None:
-            raise RuntimeError("this run trains in another process")
+        """The spec and its objects."""
         return self.spec, self.trainable
-
-    def close(self, *, interrupted: bool = False) -> None:
-        """End the training process, if any (``interrupted``: it stops its epoch, commits, exits)."""
-        if self.remote is not None:
-            self.remote.close(interrupted=interrupted)
 
 
 def open_store(
@@ -336,23 +321,19 @@ def set_aside_unreadable(store: CheckpointStore, warn: Log) -> None:
 
 
 class EpochAttempts:
-    """Tracks attempts of one epoch; from the second on, the start state is restored first.
-
-    ``failure``: how the last attempt failed (:func:`~ckptflow.tasks.retrying.failure_key`, in
-    the flow), so that the same failure twice ends the epoch's retries.
-    """
+    """Tracks attempts of one epoch in the process that trains it; from the second on, the start
+    state (kept by the first, with ``keep_snapshot``) is restored first."""
 
     def __init__(self, run: RunState, *, keep_snapshot: bool) -> None:
         self.snapshot: Snapshot | None = None
         self.keep_snapshot = keep_snapshot
         self.epoch = run.epoch + 1
-        if run.remote is None and keep_snapshot:  # trainers keep their own, at their first attempt
+        if keep_snapshot:
             from .training_state import Snapshot
 
             spec, trainable = run.local()
             self.snapshot = Snapshot(trainable, spec, epoch=run.epoch, step=run.step)
         self.count = 0
-        self.failure: tuple[str, str, str] | None = None
 
 
 def train_attempt(run: RunState, epoch: int, attempts: EpochAttempts, warn: Log) -> dict[str, float]:

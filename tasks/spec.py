@@ -1,6 +1,7 @@
 """The protocol between ckptflow and the user's training code.
 
-A user names a :class:`TrainingSpec` subclass by import path,
+A user subclasses :class:`TrainingSpec` (``from ckptflow.tasks.spec import
+TrainingSpec``), names the subclass by import path,
 ``"package.module:ClassName"``, and ckptflow builds it from a JSON config and a
 seed. The spec builds the model and optimizer (and optionally an LR scheduler
 and a grad scaler), trains one epoch and returns metrics, and may evaluate.
@@ -113,7 +114,7 @@ def load_spec_class(path: str) -> type[TrainingSpec]:
         if obj is None:
             raise SpecError(f"module {module_name!r} has no attribute {attr!r} (spec {path!r})")
     if not (isinstance(obj, type) and issubclass(obj, TrainingSpec)):
-        raise SpecError(f"spec {path!r} is not a subclass of ckptflow.tasks.TrainingSpec")
+        raise SpecError(f"spec {path!r} is not a subclass of ckptflow.tasks.spec.TrainingSpec")
     return obj
 
 

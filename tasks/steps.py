@@ -1,18 +1,22 @@
 """The pipeline's Prefect tasks: init, train an epoch, save, commit, finalize.
 
-Each task is a thin wrapper over ``ckptflow.storage`` and the user's spec, and
-each is safe to retry:
+Each task is a thin wrapper over the run's :class:`~.protocol.Trainer` and
+``ckptflow.storage``. Where the model trains is decided once, by ``init_model``
+(``train_process``: in training processes, :mod:`.trainer`, or in this one,
+:mod:`.in_process`); the other tasks drive the trainer they are given and never
+ask which kind it is. Each task is safe to retry:
 
 - ``init_model`` builds everything from scratch on every attempt.
-- ``train_epoch`` restores the state captured at the start of the epoch
-  before a retried attempt, so a retry never continues a half-updated model.
-  It also puts back the RNG states the previous epoch ended with, and the
-  checkpoint saves those: the process's global RNGs are shared with Prefect
+- ``train_epoch``: the trainer restores the state captured at the start of the
+  epoch before a retried attempt, so a retry never continues a half-updated
+  model. It also puts back the RNG states the previous epoch ended with, and
+  the checkpoint saves those: the process's global RNGs are shared with Prefect
   (retry jitter draws from ``random`` in the flow's thread), and draws made
   between epochs must not reach training. Draws by other threads *during* an
   epoch cannot be kept out (Prefect's events client pings its websocket with
   ``random.getrandbits``): a spec that needs a bitwise resume should not draw
-  from Python's global ``random``.
+  from Python's global ``random``. Trainers that died are replaced, and stand
+  where the run stood, before they are asked anything.
 - ``save_checkpoint`` writes version number = epoch: a retry after a crash
   clears the leftovers and writes the same version again, and a retry after
   the commit finds the version committed and returns it, so one epoch yields
@@ -20,21 +24,19 @@ each is safe to retry:
 - ``commit_checkpoint`` waits for an async save and, if the background write
   failed, writes the same staged state again on the next attempt.
 
-With ``train_process`` the spec's objects live in a training process
-(:mod:`.trainer`): these tasks send it their work and wait for its answers,
-with the same retry and timeout rules; the work itself is the same code
-(:mod:`.run_state`).
+The flow keeps no copy of where the run stands: :class:`TrainingRun` reads it
+from its trainer, which has it from the trainer's last answer.
 
-A save runs in a helper thread and the task waits for it even when the run is
-being cancelled (Prefect raises ``TerminationSignal`` in the main thread): the
-save in progress finishes and commits, and nothing half-written is exposed.
+A save is waited for in a helper thread, and the task waits for it even when
+the run is being cancelled (Prefect raises ``TerminationSignal`` in the main
+thread): the save in progress finishes and commits, and nothing half-written
+is exposed.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -49,7 +51,6 @@ from ckptflow.storage import (
     CheckpointError,
     CheckpointStore,
     LeaseLostError,
-    SaveHandle,
     StateMismatchError,
     StoreLockedError,
     VersionInfo,
@@ -59,10 +60,10 @@ from . import run_state
 from .config import PipelineConfig, RetentionConfig
 from .formatting import retention_line
 from .monitoring import notify
+from .protocol import Built, Notes, PendingSave, Progress, Trainer, TrainerDiedError
 from .retrying import failure_key, io_task, is_transient, refuse_retries, unless_refused
-from .run_state import RUN_FILE, ConfigMismatchError, EpochAttempts, NothingToResumeError, RunState
+from .run_state import RUN_FILE, ConfigMismatchError, NothingToResumeError
 from .spec import SpecError
-from .trainer import TrainerDiedError
 
 
 class SaveTimeoutError(TimeoutError):
@@ -73,10 +74,60 @@ def open_store(config: PipelineConfig) -> CheckpointStore:
     return run_state.open_store(config)
 
 
-def check_run_identity(store: CheckpointStore, config: PipelineConfig) -> None:
-    """Compare the config with ``run.json`` beside the checkpoints (the ranks' rank 0 writes it
-    once they are built and restored)."""
-    run_state.check_run_identity(store, config, get_run_logger().warning)
+@dataclass
+class TrainingRun:
+    """The run as the flow drives it: its trainer, what the build found, and where it began.
+
+    Where the run stands now (:attr:`epoch`) is the trainer's last answer's, never a copy kept here.
+    """
+
+    config: PipelineConfig
+    trainer: Trainer
+    built: Built
+    began: Progress  # where the build left the run: the epoch before the first this run trains
+    writing: tuple[int, Future[Any]] | None = None  # (version, sync save) that outlived its task's timeout
+
+    @property
+    def store(self) -> CheckpointStore:
+        return self.trainer.store
+
+    @property
+    def epoch(self) -> int:
+        """The last epoch trained."""
+        return self.trainer.progress.epoch
+
+    @property
+    def first_epoch(self) -> int:
+        return self.began.epoch + 1
+
+    @property
+    def resumed_from(self) -> VersionInfo | None:
+        return self.built.resumed_from
+
+    @property
+    def planned_epochs(self) -> int:
+        return self.built.planned_epochs
+
+    @property
+    def metrics(self) -> dict[int, dict[str, float]]:
+        """The metrics of the epochs committed when the run was built (a resume's history)."""
+        return self.built.metrics
+
+    def close(self, *, interrupted: bool = False) -> None:
+        """Stop the trainer: the saves in flight commit first (``interrupted``: it gives up its epoch)."""
+        self.trainer.stop(interrupted=interrupted)
+
+
+@dataclass
+class EpochTries:
+    """The flow's record of one epoch's attempts (the trainer keeps its start state).
+
+    ``failure``: how the last attempt failed (:func:`~ckptflow.tasks.retrying.failure_key`), so
+    that the same failure twice ends the epoch's retries.
+    """
+
+    keep_snapshot: bool
+    failure: tuple[str, str, str] | None = None
 
 
 def _may_pass(task: Any, task_run: Any, state: Any) -> bool:
@@ -87,172 +138,61 @@ def _may_pass(task: Any, task_run: Any, state: Any) -> bool:
 
 
 @io_task("init_model", retries=2, retry_condition_fn=_may_pass)
-def init_model(config: PipelineConfig) -> RunState:
+def init_model(config: PipelineConfig) -> TrainingRun:
     """Build the spec's objects; restore the newest committed checkpoint if there is one.
 
-    With ``train_process``, the training process builds them (see :mod:`.trainer`).
+    The trainer's kind is decided here, once: training processes with ``train_process``, else
+    this process.
     """
-    logger = get_run_logger()
-    if config.uses_trainers:
-        return _init_remote(config, logger)
-    return run_state.build_run(config, open_store(config), info=logger.info, warn=logger.warning)
-
-
-def _init_remote(config: PipelineConfig, logger: Any) -> RunState:
-    from .trainer import take
-
-    process, prestarted = take(config)
-    process.set_log(_log_to(logger))  # what the build noted (resuming from, config changes)
-    try:
-        built = process.built().result()
-        if prestarted:  # built before this flow held the store: another run may have committed since
-            process, built = _built_from_the_newest(config, process, built, logger)
-    except BaseException:
-        process.close(interrupted=True)
-        raise
-    _tell_flow_run(process)
-    world = built.get("world_size", 1)
-    logger.info(
-        "training in %s (launcher pid %d%s), torch intra-op threads: %d of %d cores",
-        f"{world} ranks" if world > 1 else "a training process",
-        process.pid,
-        ", started before Prefect" if prestarted else "",
-        built["threads"],
-        os.cpu_count() or 1,
-    )
-    store = open_store(config)
-    run_state.claim_store(store, built.get("identity"), logger.warning)  # this flow holds the lease now
-    resumed = built["resumed_from"]
-    return RunState(
-        config,
-        store,
-        None,
-        None,
-        epoch=built["epoch"],
-        step=built["step"],
-        resumed_from=VersionInfo(**resumed) if resumed is not None else None,
-        metrics={int(k): v for k, v in built["metrics"].items()},
-        remote=process,
-        planned_epochs=built["planned_epochs"],
-    )
-
-
-def _built_from_the_newest(
-    config: PipelineConfig, process: Any, built: dict[str, Any], logger: Any
-) -> tuple[Any, dict[str, Any]]:
-    """The trainers and their build, restored from the store's newest version now that this flow
-    holds the lease: trainers that restored an older one (another run committed in between) are
-    replaced, so that a run never continues from a version that is no longer the newest."""
-    from .trainer import relaunch
-
-    latest = open_store(config).latest()
-    restored = built["resumed_from"]["version"] if built["resumed_from"] is not None else None
-    if (latest.version if latest is not None else None) == restored:
-        return process, built
-    logger.warning(
-        "the training process restored %s before this run held the store, and another run has "
-        "committed since (newest: %s): building it again from the newest",
-        f"version {restored}" if restored is not None else "nothing",
-        latest.url if latest is not None else "none",
-    )
-    options = process.storage_options
-    process.close(interrupted=True)
-    process = relaunch(config, options)
-    process.set_log(_log_to(logger))
-    try:
-        return process, process.built().result()
-    except BaseException:
-        process.close(interrupted=True)
-        raise
-
-
-def _tell_flow_run(process: Any) -> None:
+    trainer = _trainer_for(config)
     run_id = flow_run.get_id()
-    if run_id is not None:  # for the spec's own logging
-        process.call("flow_run", id=str(run_id)).result()
-
-
-def _live_trainers(run: RunState) -> bool:
-    """Make sure the run's trainers are alive; True if new ones had to be started.
-
-    Trainers that died (a rank failed or was killed) are replaced by new ones, which resume from
-    the last commit; the epochs trained since then are trained again, so that the new trainers
-    stand where the flow's run stands (``run.epoch``). Training is deterministic from a commit
-    (its RNG states are saved), so they stand exactly there. An epoch among them whose save
-    died with the old trainers (an async save in flight) is saved again, as the same version.
-    """
-    from .trainer import relaunch
-
-    old = run.remote
-    if not old.dead():
-        return False
-    logger = get_run_logger()
-    logger.warning("%s: starting new trainers", old.died_message())
-    process = relaunch(run.config, old.storage_options)
-    process.set_log(_log_to(logger))
     try:
-        built = process.built().result()
-        _tell_flow_run(process)
-        if built["epoch"] > run.epoch:
-            raise RuntimeError(
-                f"the new trainers resumed at epoch {built['epoch']}, after the run's epoch {run.epoch}"
-            )
-        log = _log_to(logger)
-        for epoch in range(built["epoch"] + 1, run.epoch + 1):
-            logger.info("training epoch %d again: its trainers died before it was committed", epoch)
-            process.call("train", log, epoch=epoch, keep_snapshot=False).result()
-            if epoch % run.config.save_every == 0 and run.store.find(epoch) is None:
-                # its save died with the old trainers: the flow's wait for it finds this commit
-                logger.info("saving epoch %d again: its save died with the trainers", epoch)
-                process.call("save", log, epoch=epoch, **{"async": False}).result()
+        built = trainer.build(flow_run=str(run_id) if run_id else None, log=_log_to(get_run_logger()))
     except BaseException:
-        process.close(interrupted=True)
+        trainer.stop(interrupted=True)
         raise
-    run.remote = process
-    return True
+    return TrainingRun(config, trainer, built, trainer.progress)
+
+
+def _trainer_for(config: PipelineConfig) -> Trainer:
+    if config.uses_trainers:
+        from .trainer import ProcessTrainer
+
+        return ProcessTrainer.take(config)
+    from .in_process import InProcessTrainer
+
+    return InProcessTrainer(config)
 
 
 @task(name="train_epoch", cache_policy=NO_CACHE, retry_condition_fn=unless_refused)
-def train_epoch(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str, float]:
+def train_epoch(run: TrainingRun, epoch: int, tries: EpochTries) -> dict[str, float]:
     """Run the spec's epoch (and evaluation); return finite float metrics.
 
-    With trainers, a retry after they died starts new ones from the last commit (see
-    :func:`_live_trainers`); a retry after an error in the epoch restores the epoch's start state.
-    An error that repeats the previous attempt's exactly is not retried (see :mod:`.retrying`).
+    A retry after the trainers died starts new ones from the last commit; a retry after an
+    error in the epoch restores the epoch's start state. An error that repeats the previous
+    attempt's exactly is not retried (see :mod:`.retrying`).
     """
-    attempts.count += 1
     try:
-        return _train_attempt(run, epoch, attempts)
+        trained = run.trainer.train(epoch, keep_snapshot=tries.keep_snapshot, log=_log_to(get_run_logger()))
     except Exception as exc:
         if isinstance(exc, TrainerDiedError):  # a process that died is not a failure of the epoch's code
-            attempts.failure = None
+            tries.failure = None
             raise
         key = failure_key(exc)
-        if key == attempts.failure and not is_transient(exc):
+        if key == tries.failure and not is_transient(exc):
             why = (
                 f"epoch {epoch} failed as its previous attempt did ({key[0]} at {os.path.basename(key[2])}): "
                 "not retried, since a retry replays the epoch from the same state"
             )
             get_run_logger().warning(why)
             refuse_retries(exc, why)
-        attempts.failure = key
+        tries.failure = key
         raise
+    return trained.metrics
 
 
-def _train_attempt(run: RunState, epoch: int, attempts: EpochAttempts) -> dict[str, float]:
-    warn = get_run_logger().warning
-    if run.remote is None:
-        return run_state.train_attempt(run, epoch, attempts, warn)
-    _live_trainers(run)  # new trainers count their own attempts: their first keeps the start state
-    log = _log_to(get_run_logger())
-    answer = run.remote.call("train", log, epoch=epoch, keep_snapshot=attempts.keep_snapshot).result()
-    run.epoch, run.step = epoch, answer["step"]
-    run.metrics[epoch] = answer["metrics"]
-    return cast(dict[str, float], answer["metrics"])
-
-
-def _log_to(logger: Any) -> Callable[[str, str], None]:
-    """Notes of the training process, to ``logger`` (a task's run logger: they show on that task)."""
+def _log_to(logger: Any) -> Notes:
+    """A trainer's notes, to ``logger`` (a task's run logger: they show on that task)."""
     return lambda level, message: getattr(logger, level)(message)
 
 
@@ -260,7 +200,7 @@ def _log_to(logger: Any) -> Callable[[str, str], None]:
 class SaveResult:
     """What ``save_checkpoint`` did: the new save (committed, or a handle) and the previous save's commit."""
 
-    saved: VersionInfo | SaveHandle
+    saved: VersionInfo | PendingSave
     previous: VersionInfo | None = None
 
 
@@ -280,18 +220,18 @@ class ForeignVersionError(CheckpointError):
 
 @io_task("save_checkpoint", retry_condition_fn=_save_may_pass)
 def save_checkpoint(
-    run: RunState,
+    run: TrainingRun,
     epoch: int,
     *,
-    async_save: bool,
-    previous: SaveHandle | None = None,
+    previous: PendingSave | None = None,
     timeout: float | None = None,
 ) -> SaveResult:
     """Commit the async save in flight, then save the state after ``epoch`` as version ``epoch``.
 
-    Async saves return once the state is copied. Waiting for ``previous`` here, not in a task of
-    its own, saves a task run per epoch; if its background write failed, it is written again
-    from its staged bytes on the next attempt, before anything else.
+    Async saves (the run's mode, ``async_save``) return once the state is copied. Waiting for
+    ``previous`` here, not in a task of its own, saves a task run per epoch; if its background
+    write failed, it is written again from its staged bytes on the next attempt, before
+    anything else.
 
     ``timeout`` bounds each wait for a commit (SaveTimeoutError). A write is never started
     twice: a write that outlived its attempt goes on, and the next attempt waits for it.
@@ -321,58 +261,29 @@ def save_checkpoint(
             )
         get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
         return SaveResult(existing, committed)
-    if run.remote is not None:
-        _live_trainers(run)
-        return _save_remote(run, epoch, async_save, timeout, committed)
-    state = run_state.capture_run(run, get_run_logger().warning)
-    kwargs = run_state.save_options(run, epoch)
-    if async_save:
-        return SaveResult(run.store.save_async(state, **kwargs), committed)
-    future = _in_thread(lambda: run.store.save(state, **kwargs))
+    save = run.trainer.save(epoch, log=_log_to(get_run_logger()))  # its notes show on this task
+    if run.trainer.async_save:
+        return SaveResult(save, committed)
+    future = _in_thread(save.wait)
     run.writing = (epoch, future)
     info = _wait_for(future, timeout, epoch)
     run.writing = None
+    if info is None:  # its trainers died before it committed: the retry's new ones save it again
+        raise TrainerDiedError(f"the trainers that were writing version {epoch} died before it committed")
     return SaveResult(info, committed)
-
-
-def _save_remote(
-    run: RunState, epoch: int, async_save: bool, timeout: float | None, committed: VersionInfo | None
-) -> SaveResult:
-    """``save_checkpoint`` with a training process: it captures and writes the state itself."""
-    from .trainer import RemoteSave
-
-    if async_save:
-        log = _log_to(get_run_logger())  # its notes (a generator it does not save) show on this task
-        version = run.remote.call("save", log, epoch=epoch, **{"async": True}).result()
-        return SaveResult(cast(SaveHandle, RemoteSave(run.remote, version, run.store)), committed)
-    answer = run.remote.call("save", _log_to(get_run_logger()), epoch=epoch, **{"async": False})
-    future: Future[Any] = Future()
-    answer.add_done_callback(lambda f: _chain(f, future))
-    run.writing = (epoch, future)
-    info = _wait_for(future, timeout, epoch)
-    run.writing = None
-    return SaveResult(info, committed)
-
-
-def _chain(answer: Future[Any], future: Future[Any]) -> None:
-    """``future`` gets ``answer``'s result as a VersionInfo, or its error."""
-    error = answer.exception()
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(VersionInfo(**answer.result()))
 
 
 @io_task("commit_checkpoint")
-def commit_checkpoint(handle: SaveHandle, timeout: float | None = None) -> VersionInfo | None:
+def commit_checkpoint(handle: PendingSave, timeout: float | None = None) -> VersionInfo | None:
     """Wait until an async save is committed; a failed write is redone on the next attempt.
 
-    None: the trainers that were writing it died first (it is not committed; see :func:`_live_trainers`).
+    None: the trainers that were writing it died first (it is not committed; their replacements
+    save it again).
     """
     return _commit_within(handle, timeout)
 
 
-def _commit_within(handle: SaveHandle, timeout: float | None) -> VersionInfo | None:
+def _commit_within(handle: PendingSave, timeout: float | None) -> VersionInfo | None:
     try:
         info = _wait_for(_in_thread(handle.wait), timeout, handle.version)
     except SaveTimeoutError:
@@ -436,10 +347,10 @@ def _wait_for(future: Future[Any], timeout: float | None, version: int) -> Any:
 __all__ = [
     "RUN_FILE",
     "ConfigMismatchError",
-    "EpochAttempts",
-    "RunState",
+    "EpochTries",
     "SaveResult",
     "SaveTimeoutError",
+    "TrainingRun",
     "commit_checkpoint",
     "finalize",
     "init_model",

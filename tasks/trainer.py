@@ -1,31 +1,31 @@
 """The flow's side of its trainers: the training ranks of a run, in processes of their own.
 
 With ``train_process`` on (``ckptflow run``'s default) or ``nproc`` > 1, the
-flow's tasks stay in the flow's process and ask the trainers to build the
-run, train each epoch and save, through the same functions an in-process run
-calls (:mod:`.run_state`). The trainers are a torch.distributed world of
-``nproc`` ranks per machine (one rank is the plain case), started by
-:mod:`.launcher` with torch's elastic launcher; the flow talks to one of them,
-the leader (:mod:`.rank_worker`), which hands every request to the others.
-The trainers import torch but not Prefect; the flow's process imports Prefect
-and builds nothing. So the two start side by side: the ``ckptflow`` script
-starts the launcher first thing (:func:`spawn_early`); it imports torch while
-the CLI parses its options and imports Prefect, and gets its job when the
-options are valid (:func:`prestart`). The first epoch starts when both sides
-are ready instead of after one and then the other.
+flow's tasks drive a :class:`ProcessTrainer`: the trainer protocol
+(:mod:`.protocol`) over a channel to a torch.distributed world of ``nproc``
+ranks per machine (one rank is the plain case), started by :mod:`.launcher`
+with torch's elastic launcher. Every rank carries the requests out on its
+:class:`~.rank.Rank`, as the in-process trainer does in the flow's process;
+the flow talks to one of them, the leader (:mod:`.rank_worker`), which hands
+every request to the others. The trainers import torch but not Prefect; the
+flow's process imports Prefect and builds nothing. So the two start side by
+side: the ``ckptflow`` script starts the launcher first thing
+(:func:`spawn_early`); it imports torch while the CLI parses its options and
+imports Prefect, and gets its job when the options are valid
+(:func:`prestart`). The first epoch starts when both sides are ready instead
+of after one and then the other.
 
-Protocol: JSON messages on a socket pair that only the launcher's process tree
-holds (nothing is unpickled), each request ``{"id", "op", "args"}`` answered
-by ``{"id", "ok"}`` or ``{"id", "error"}``; notes for the run's log come as
-``{"log", "message"}``, and the launcher's record of a failed rank as
-``{"failure"}``, the last message; ``{"spec": "ok"}`` says that the spec
-imported (the launcher imports it before it forks the ranks, else the first
-thing a build does), so ``ckptflow run`` can refuse a bad spec before it
-creates a flow run (:func:`spec_check`). The job (config, resolved storage
-options with credentials, the world's size) goes on the launcher's stdin, so
-it shows in no process listing or environment. Request 0 is the build.
+Channel: :class:`~.protocol.Call` frames in, :class:`~.protocol.Answer`,
+:class:`~.protocol.Note`, :class:`~.protocol.SpecImported` and (the last one)
+:class:`~.protocol.LaunchFailed` frames out, as JSON on a socket pair that only
+the launcher's process tree holds; nothing is unpickled. The job
+(:class:`~.protocol.TrainerJob`: config, resolved storage options with
+credentials, the world) goes on the launcher's stdin, so it shows in no process
+listing or environment; its build is call 0. :class:`TrainerProcess` is the
+channel and the process; :class:`ProcessTrainer` the protocol over it, with
+the replies validated where they enter.
 
-Ending: ``close`` lets the ranks finish their saves and exit. An interrupted
+Ending: ``stop`` lets the ranks finish their saves and exit. An interrupted
 flow (a worker's SIGTERM, Ctrl-C) sends the launcher SIGTERM: its agent passes
 it to the ranks, which stop the epoch in progress, commit the save in flight
 and exit, and the flow waits for that. The trainers ignore SIGINT: a Ctrl-C in
@@ -35,13 +35,12 @@ flow's process dies, the kernel kills the launcher and the ranks
 (PR_SET_PDEATHSIG, :mod:`.lifetime`), as it would an in-process run: nothing
 half-written is ever committed. If a rank dies or fails, the launcher stops the
 others and every waiting call fails with :class:`TrainerDiedError`, which names
-the rank and how it ended; the task's retry starts new trainers
-(:func:`relaunch`), which resume from the last commit.
+the rank and how it ended; the next request starts new trainers
+(:meth:`ProcessTrainer._revive`), which resume from the last commit.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -51,45 +50,68 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from ckptflow.storage import VersionInfo
 
 from .childenv import TRAINER_FD_ENV
+from .config import PipelineConfig
 from .lifetime import blocked_in_children
+from .protocol import (
+    FRAMES,
+    Answer,
+    Built,
+    Call,
+    Close,
+    Committed,
+    Done,
+    FlowRun,
+    LaunchFailed,
+    Note,
+    Notes,
+    PendingSave,
+    Progress,
+    RemoteError,
+    Request,
+    Resubmit,
+    Save,
+    SpecImported,
+    Staged,
+    Train,
+    Trained,
+    TrainerDiedError,
+    TrainerError,
+    TrainerJob,
+    Wait,
+    problems,
+)
+from .run_state import claim_store, open_store
 
 GRACE_SECONDS = 150.0  # how long interrupted trainers get to commit (the launcher gives its ranks 120)
-Log = Callable[[str, str], None]  # (level name, message)
+
+R = TypeVar("R", bound=BaseModel)
 
 
-class TrainerDiedError(RuntimeError):
-    """The training process exited before answering; what it committed before is intact."""
-
-
-class TrainerError(RuntimeError):
-    """An error raised in the training process (its type and message; its traceback as a note).
-
-    ``kind``: the error's own type name; ``place``: the file and line that raised it.
-    """
-
-    def __init__(self, message: str, *, kind: str = "", place: str = "") -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.place = place
-
-
-# -- the flow's side -----------------------------------------------------------------------------
+# -- the channel and the process -----------------------------------------------------------------
 
 
 class TrainerProcess:
-    """A started training process and the calls in flight to it."""
+    """A started training process (the launcher of the run's ranks) and the calls in flight to it.
+
+    Futures hold a reply's JSON as the rank sent it; :class:`ProcessTrainer` validates it.
+    """
 
     def __init__(self) -> None:
         """Start the launcher; it imports torch and the storage code while it waits for :meth:`start`."""
-        self.config: Any = None
+        self.config: PipelineConfig | None = None
         self.storage_options: dict[str, Any] = {}
+        self.progress = Progress()  # the run's, as of the last answer
         self._failure = ""  # what the launcher recorded of a failed rank
         parent, child = socket.socketpair()
         env = {**os.environ, TRAINER_FD_ENV: str(child.fileno())}
-        with blocked_in_children(signal.SIGINT):  # until the child ignores it (see main)
+        with blocked_in_children(signal.SIGINT):  # until the child ignores it (see the launcher's main)
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "ckptflow.tasks.launcher", str(os.getpid())],
                 stdin=subprocess.PIPE,
@@ -105,33 +127,20 @@ class TrainerProcess:
         self._calls: dict[int, Future[Any]] = {0: self._built}
         self._next = 1
         self._closed = False
-        self._logs: dict[int, Log] = {}
+        self._logs: dict[int, Notes] = {}
         self._early: list[tuple[str, str]] = []  # notes made before anyone listened (the build)
-        self._on_log: Log = lambda level, message: self._early.append((level, message))
+        self._on_log: Notes = lambda level, message: self._early.append((level, message))
         self._reader = threading.Thread(target=self._read, name="ckptflow-trainer-reader", daemon=True)
         self._reader.start()
 
-    def start(self, config: Any, storage_options: dict[str, Any]) -> TrainerProcess:
-        """Send the job: the process builds the run of ``config`` (request 0, :meth:`built`)."""
+    def start(self, config: PipelineConfig, storage_options: dict[str, Any]) -> TrainerProcess:
+        """Send the job: the process builds the run of ``config`` (call 0, :meth:`built`)."""
         assert self.process.stdin is not None and self.config is None
         self.config = config
         self.storage_options = storage_options
-        world = {
-            "nproc": config.nproc,
-            "nnodes": config.nnodes,
-            "rdzv_endpoint": config.rdzv_endpoint,
-            "rdzv_id": config.rdzv_id,
-            "backend": config.dist_backend,
-            "timeout": config.rank_timeout_seconds,
-        }
-        job = {
-            "config": config.model_dump(mode="json"),
-            "storage_options": storage_options,
-            "world": world,
-            "writers": [os.getpid()],  # the flow takes the store's lease for its trainers
-        }
+        job = TrainerJob.for_run(config, storage_options, writers=[os.getpid()])
         try:
-            self.process.stdin.write(json.dumps(job).encode())
+            self.process.stdin.write(job.model_dump_json().encode())
             self.process.stdin.close()
         except BrokenPipeError:
             pass  # it died: the build fails with TrainerDiedError
@@ -143,7 +152,7 @@ class TrainerProcess:
         self.process.stdin.close()
         self.close(interrupted=True)
 
-    def set_log(self, log: Log) -> None:
+    def set_log(self, log: Notes) -> None:
         """Where notes of no particular call go (the build's); the ones made so far go there now."""
         with self._lock:
             early, self._early = self._early, []
@@ -156,17 +165,17 @@ class TrainerProcess:
         return self.process.pid
 
     def built(self) -> Future[Any]:
-        """The build's answer: epoch, step, resumed_from, metrics."""
+        """The build's reply (a :class:`~.protocol.Built`, as JSON)."""
         return self._built
 
     def spec_imported(self) -> Future[Any]:
         """Done when the build has imported the spec; its error if that (or the build before it) failed."""
         return self._spec
 
-    def call(self, op: str, log: Log | None = None, **args: Any) -> Future[Any]:
-        """Send ``op`` with ``args``; the future holds the answer or the child's error.
+    def call(self, request: Request, log: Notes | None = None) -> Future[Any]:
+        """Send ``request``; the future holds the reply's JSON or the rank's error.
 
-        ``log(level, message)`` gets the notes the child makes while it answers (default: :meth:`set_log`'s).
+        ``log(level, message)`` gets the notes the ranks make while they answer (default: :meth:`set_log`'s).
         """
         future: Future[Any] = Future()
         with self._lock:
@@ -179,7 +188,7 @@ class TrainerProcess:
                 self._logs[call_id] = log
         try:
             with self._send_lock:
-                self._conn.send_bytes(json.dumps({"id": call_id, "op": op, "args": args}).encode())
+                self._conn.send_bytes(Call(id=call_id, request=request).model_dump_json().encode())
         except OSError:
             self._fail_all()
         return future
@@ -190,7 +199,7 @@ class TrainerProcess:
             if interrupted:
                 self.process.send_signal(signal.SIGTERM)
             else:
-                self.call("close")
+                self.call(Close())
             try:
                 self.process.wait(GRACE_SECONDS)
             except subprocess.TimeoutExpired:
@@ -206,35 +215,43 @@ class TrainerProcess:
     def failure(self) -> str:
         """What the launcher recorded of the rank that failed ('' if none did)."""
         if self.process.poll() is not None and threading.current_thread() is not self._reader:
-            self._reader.join(5)  # its record is the last message: read up to the end first
+            self._reader.join(5)  # its record is the last frame: read up to the end first
         return self._failure[:4000]
 
     def _read(self) -> None:
-        for message in _received(self._conn):
-            if "log" in message:
-                with self._lock:
-                    log = self._logs.get(message["id"], self._on_log)
-                log(message["log"], message["message"])
-                continue
-            if "spec" in message:
-                _settle(self._spec, None)
-                continue
-            if "failure" in message:
-                self._failure = str(message["failure"]).strip()
-                continue
-            with self._lock:
-                future = self._calls.pop(message["id"], None)
-                self._logs.pop(message["id"], None)
-            if future is None:
-                continue
-            if "error" in message:
-                future.set_exception(_remote_error(message["error"]))
-                if message["id"] == 0:
-                    _settle(self._spec, None, future.exception())
-            else:
-                future.set_result(message.get("ok"))
+        try:
+            for frame in _received(self._conn):
+                if isinstance(frame, Note):
+                    with self._lock:
+                        log = self._logs.get(frame.id, self._on_log)
+                    log(frame.level, frame.message)
+                elif isinstance(frame, SpecImported):
+                    _settle(self._spec, None)
+                elif isinstance(frame, LaunchFailed):
+                    self._failure = frame.failure.strip()
+                else:
+                    self._answered(frame)
+        except ValidationError as exc:  # nothing more can be read: stop them (they commit, then exit)
+            self._failure = f"they sent a frame this flow cannot read ({problems(exc)[:400]})"
+            if self.process.poll() is None:
+                self.process.send_signal(signal.SIGTERM)
         self.process.wait()
         self._fail_all()
+
+    def _answered(self, answer: Answer) -> None:
+        if answer.progress is not None:  # answers come in the order they were sent: the last is the newest
+            self.progress = answer.progress
+        with self._lock:
+            future = self._calls.pop(answer.id, None)
+            self._logs.pop(answer.id, None)
+        if future is None:
+            return
+        if answer.error is not None:
+            future.set_exception(answer.error.exception())
+            if answer.id == 0:
+                _settle(self._spec, None, future.exception())
+        else:
+            future.set_result(answer.reply)
 
     def _fail_all(self) -> None:
         with self._lock:
@@ -264,51 +281,6 @@ class TrainerProcess:
         )
 
 
-class RemoteSave:
-    """An async save in flight in the training process (what a SaveHandle is in-process)."""
-
-    def __init__(self, trainer: TrainerProcess, version: int, store: Any) -> None:
-        self.trainer = trainer
-        self.version = version
-        self.store = store  # where to look for it if the trainers die while it is written
-        self._callbacks: list[Callable[[Any], None]] = []
-
-    def wait(self, timeout: float | None = None) -> Any:
-        """The committed version; None if the trainers that wrote it died before it committed."""
-        from ckptflow.storage import VersionInfo
-
-        try:
-            return VersionInfo(**self.trainer.call("wait", version=self.version).result(timeout))
-        except TrainerDiedError:
-            return self.store.find(self.version)  # it may have committed just before they died
-
-    def on_commit(self, callback: Callable[[Any], None]) -> None:
-        """Call ``callback(info)`` the moment rank 0 has committed the version (in the reader
-        thread: it must be quick); nothing if the write fails or the trainers die first."""
-        self._callbacks.append(callback)
-        self._watch(callback)
-
-    def _watch(self, callback: Callable[[Any], None]) -> None:
-        from ckptflow.storage import VersionInfo
-
-        def done(answer: Future[Any]) -> None:
-            if answer.exception() is None:
-                callback(VersionInfo(**answer.result()))
-
-        self.trainer.call("wait", version=self.version).add_done_callback(done)
-
-    def resubmit(self) -> None:
-        if not self.trainer.dead():
-            self.trainer.call("resubmit", version=self.version).result()
-            for callback in self._callbacks:  # the failed write's wait ended with its error
-                self._watch(callback)
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Wait until the save has ended; the process stops its epoch and exits to get there."""
-        self.trainer.close(interrupted=True)
-        return True
-
-
 def _settle(future: Future[Any], result: Any, error: BaseException | None = None) -> None:
     if not future.done():
         if error is not None:
@@ -316,6 +288,193 @@ def _settle(future: Future[Any], result: Any, error: BaseException | None = None
         else:
             future.set_result(result)
 
+
+def _received(conn: Connection) -> Iterator[Answer | Note | SpecImported | LaunchFailed]:
+    """The frames from the other side, until it closes its end; ValidationError for a frame that
+    is JSON but no frame of the protocol."""
+    while True:
+        try:
+            raw = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            yield FRAMES.validate_json(raw)
+        except ValidationError as exc:
+            if any(error["type"] == "json_invalid" for error in exc.errors()):
+                return  # a frame cut short by a killed rank
+            raise
+
+
+def _remote_error(error: dict[str, Any]) -> BaseException:
+    """The error a rank sent (a :class:`~.protocol.RemoteError`'s JSON), raised as its own type."""
+    return RemoteError.model_validate(error).exception()
+
+
+# -- the trainer protocol over it ----------------------------------------------------------------
+
+
+class ProcessTrainer:
+    """A :class:`~.protocol.Trainer` whose ranks live in processes of their own.
+
+    ``progress`` is the last answer's; trainers that died are replaced by the next request
+    (:meth:`_revive`), and stand where the run stood before they are asked anything.
+    """
+
+    def __init__(self, config: PipelineConfig, process: TrainerProcess, *, prestarted: bool = False) -> None:
+        self.config = config
+        self.store = open_store(config)
+        self.async_save = config.async_save
+        self._process = process
+        self._prestarted = prestarted
+        self._flow_run: str | None = None
+
+    @classmethod
+    def take(cls, config: PipelineConfig) -> ProcessTrainer:
+        """The trainers :func:`prestart` started for ``config``, else new ones."""
+        process, prestarted = take(config)
+        return cls(config, process, prestarted=prestarted)
+
+    @property
+    def progress(self) -> Progress:
+        return self._process.progress
+
+    def build(self, *, flow_run: str | None, log: Notes) -> Built:
+        """The ranks' build; trainers started before this flow held the store and that restored an
+        older version than the newest (another run committed since) are built again. Then this
+        flow, which holds the lease, claims the store for them (see :func:`~.run_state.claim_store`)."""
+        self._flow_run = flow_run
+        built = self._built(self._process, log)
+        if self._prestarted:
+            built = self._from_the_newest(built, log)
+        world = "a training process" if built.world_size == 1 else f"{built.world_size} ranks"
+        early = ", started before Prefect" if self._prestarted else ""
+        log(
+            "info",
+            f"training in {world} (launcher pid {self._process.pid}{early}), torch intra-op threads: "
+            f"{built.threads} of {os.cpu_count() or 1} cores",
+        )
+        claim_store(self.store, built.identity, lambda message: log("warning", message))
+        return built
+
+    def _built(self, process: TrainerProcess, log: Notes) -> Built:
+        """``process``'s build, once it has been told the flow run; the process ends if it failed."""
+        process.set_log(log)  # what the build noted (resuming from, config changes)
+        try:
+            built = Built.model_validate(process.built().result())
+            if self._flow_run is not None:  # for the spec's own logging
+                _reply(process.call(FlowRun(id=self._flow_run)), Done)
+        except BaseException:
+            process.close(interrupted=True)
+            raise
+        return built
+
+    def _from_the_newest(self, built: Built, log: Notes) -> Built:
+        """Trainers restored from the store's newest version now that this flow holds the lease:
+        a run never continues from a version that is no longer the newest."""
+        latest = self.store.latest()
+        restored = built.resumed_from.version if built.resumed_from is not None else None
+        if (latest.version if latest is not None else None) == restored:
+            return built
+        log(
+            "warning",
+            f"the training process restored {f'version {restored}' if restored is not None else 'nothing'} "
+            "before this run held the store, and another run has committed since (newest: "
+            f"{latest.url if latest is not None else 'none'}): building it again from the newest",
+        )
+        self._process.close(interrupted=True)
+        self._process = relaunch(self.config, self._process.storage_options)
+        return self._built(self._process, log)
+
+    def train(self, epoch: int, *, keep_snapshot: bool, log: Notes) -> Trained:
+        self._revive(log)  # new trainers count their own attempts: their first keeps the start state
+        return _reply(self._process.call(Train(epoch=epoch, keep_snapshot=keep_snapshot), log), Trained)
+
+    def save(self, epoch: int, *, log: Notes) -> PendingSave:
+        self._revive(log, saving=epoch)
+        staged = _reply(self._process.call(Save(epoch=epoch), log), Staged)  # its notes show on the task
+        return _ProcessSave(self._process, staged.version, self)
+
+    def wait(self, version: int, timeout: float | None = None) -> VersionInfo | None:
+        return _ProcessSave(self._process, version, self).wait(timeout)
+
+    def stop(self, *, interrupted: bool = False) -> None:
+        """End the trainers; ``interrupted``: SIGTERM, they stop the epoch and commit what is in
+        flight, then exit."""
+        self._process.close(interrupted=interrupted)
+
+    def _revive(self, log: Notes, *, saving: int | None = None) -> None:
+        """Replace trainers that died (a rank failed or was killed) by new ones, which resume from
+        the last commit and train the epochs since again, so that they stand where the run stands
+        (:attr:`progress`). Training is deterministic from a commit (its RNG states are saved), so
+        they stand exactly there. An epoch among them whose save died with the old trainers (an
+        async save in flight) is saved again, as the same version, unless it is ``saving``."""
+        old = self._process
+        if not old.dead():
+            return
+        log("warning", f"{old.died_message()}: starting new trainers")
+        target = old.progress.epoch
+        process = relaunch(self.config, old.storage_options)
+        self._built(process, log)
+        try:
+            resumed = process.progress.epoch
+            if resumed > target:
+                raise RuntimeError(f"the new trainers resumed at epoch {resumed}, after the run's {target}")
+            for epoch in range(resumed + 1, target + 1):
+                log("info", f"training epoch {epoch} again: its trainers died before it was committed")
+                _reply(process.call(Train(epoch=epoch, keep_snapshot=False), log), Trained)
+                if epoch % self.config.save_every == 0 and epoch != saving and self.store.find(epoch) is None:
+                    # its save died with the old trainers: the flow's wait for it finds this commit
+                    log("info", f"saving epoch {epoch} again: its save died with the trainers")
+                    version = _reply(process.call(Save(epoch=epoch), log), Staged).version
+                    _reply(process.call(Wait(version=version)), Committed)
+        except BaseException:
+            process.close(interrupted=True)
+            raise
+        self._process = process
+
+
+class _ProcessSave:
+    """A save in flight in the trainers that started it (``process``)."""
+
+    def __init__(self, process: TrainerProcess, version: int, trainer: ProcessTrainer) -> None:
+        self.process = process
+        self.version = version
+        self.trainer = trainer  # its store: where to look for the version if the trainers die
+        self._callbacks: list[Callable[[VersionInfo], None]] = []
+
+    def wait(self, timeout: float | None = None) -> VersionInfo | None:
+        """The committed version; None if the trainers that wrote it died before it committed."""
+        try:
+            return _reply(self.process.call(Wait(version=self.version)), Committed, timeout).info
+        except TrainerDiedError:
+            return self.trainer.store.find(self.version)  # it may have committed just before they died
+
+    def on_commit(self, callback: Callable[[VersionInfo], None]) -> None:
+        """Call ``callback(info)`` the moment rank 0 has committed the version (in the reader
+        thread: it must be quick); nothing if the write fails or the trainers die first."""
+        self._callbacks.append(callback)
+        self._watch(callback)
+
+    def _watch(self, callback: Callable[[VersionInfo], None]) -> None:
+        def done(answer: Future[Any]) -> None:
+            if answer.exception() is None:
+                callback(Committed.model_validate(answer.result()).info)
+
+        self.process.call(Wait(version=self.version)).add_done_callback(done)
+
+    def resubmit(self) -> None:
+        if not self.process.dead():
+            _reply(self.process.call(Resubmit(version=self.version)), Done)
+            for callback in self._callbacks:  # the failed write's wait ended with its error
+                self._watch(callback)
+
+
+def _reply(answer: Future[Any], kind: type[R], timeout: float | None = None) -> R:
+    """The reply ``answer`` holds, validated as the ``kind`` its request is answered with."""
+    return kind.model_validate(answer.result(timeout))
+
+
+# -- started early -------------------------------------------------------------------------------
 
 _spare: TrainerProcess | None = None  # started, no job yet
 _prestarted: TrainerProcess | None = None  # started with a job
@@ -332,13 +491,13 @@ def spawn_early() -> None:
         _spare = TrainerProcess()
 
 
-def _started(config: Any, storage_options: dict[str, Any]) -> TrainerProcess:
+def _started(config: PipelineConfig, storage_options: dict[str, Any]) -> TrainerProcess:
     global _spare
     process, _spare = _spare, None
     return (process or TrainerProcess()).start(config, storage_options)
 
 
-def prestart(config: Any) -> None:
+def prestart(config: PipelineConfig) -> None:
     """Start the training process of ``config`` now (before Prefect is imported); :func:`take` adopts it.
 
     Not with a credentials block: resolving it needs Prefect's API, so the flow sends the job
@@ -358,7 +517,7 @@ def spec_check() -> Future[Any] | None:
     return _prestarted.spec_imported() if _prestarted is not None else None
 
 
-def take(config: Any) -> tuple[TrainerProcess, bool]:
+def take(config: PipelineConfig) -> tuple[TrainerProcess, bool]:
     """The prestarted process if it was started for ``config`` (True), else a new one (False)."""
     global _prestarted
     found, _prestarted = _prestarted, None
@@ -369,39 +528,18 @@ def take(config: Any) -> tuple[TrainerProcess, bool]:
     return _started(config, config.resolved_storage_options()), False
 
 
-def relaunch(config: Any, storage_options: dict[str, Any]) -> TrainerProcess:
+def relaunch(config: PipelineConfig, storage_options: dict[str, Any]) -> TrainerProcess:
     """New trainers for a run whose trainers died: they build the run and resume from the last commit."""
     return TrainerProcess().start(config, storage_options)
 
 
-def _received(conn: Connection) -> Iterator[dict[str, Any]]:
-    """The messages from the other side, until it closes its end."""
-    while True:
-        try:
-            yield json.loads(conn.recv_bytes())
-        except (EOFError, OSError, ValueError):  # ValueError: a frame cut short by a killed rank
-            return
-
-
-def _remote_error(error: dict[str, Any]) -> BaseException:
-    from ckptflow.storage import LeaseLostError, StateMismatchError, StoreLockedError
-
-    from .run_state import ConfigMismatchError, NothingToResumeError
-    from .spec import SpecError
-
-    known: dict[str, type[Exception]] = {
-        "SpecError": SpecError,
-        "ConfigMismatchError": ConfigMismatchError,
-        "NothingToResumeError": NothingToResumeError,
-        "StateMismatchError": StateMismatchError,  # what only the user can change: not retried
-        "StoreLockedError": StoreLockedError,  # another writer has the store: not retried either
-        "LeaseLostError": LeaseLostError,
-    }
-    kind = known.get(error["type"])
-    if kind is not None:
-        exc: BaseException = kind(error["message"])
-    else:
-        message = f"{error['type']}: {error['message']}"
-        exc = TrainerError(message, kind=error["type"], place=error.get("place", ""))
-    exc.add_note(f"in the training process:\n{error['traceback']}")
-    return exc
+__all__ = [
+    "ProcessTrainer",
+    "TrainerDiedError",
+    "TrainerError",
+    "TrainerProcess",
+    "prestart",
+    "spawn_early",
+    "spec_check",
+    "take",
+]

@@ -71,7 +71,7 @@ class StoreReader:
     ) -> Any:
         """The state saved in ``version`` (default: the newest committed one)."""
         located = self.locate(version)
-        return self._read(located, located.manifest, keys, map_location, verify, into)
+        return read_state(self.loc, self.options, located, located.manifest, keys, map_location, verify, into)
 
     def load_rank_state(
         self,
@@ -89,18 +89,7 @@ class StoreReader:
         manifest = rank_manifest(located.manifest, rank, world, stacklevel=2)
         if manifest is None:
             return None
-        return self._read(located, manifest, None, map_location, verify, None)
-
-    def _read(
-        self,
-        located: catalog.Located,
-        manifest: Manifest,
-        keys: Sequence[str] | None,
-        map_location: str | torch.device,
-        verify: bool | None,
-        into: Any,
-    ) -> Any:
-        return read_state(self.loc, self.options, located, manifest, keys, map_location, verify, into)
+        return read_state(self.loc, self.options, located, manifest, None, map_location, verify, None)
 
     def verify(self, version: int | None = None) -> VersionInfo:
         """Check every byte of a version (loose or archived) against its checksums, and its tar structure."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -89,16 +89,18 @@ class RankGroup:
                 dist.broadcast(data, src=0, group=self.group)
         return _decode(data)
 
-    def gather(self, value: Any) -> list[Any] | None:
-        """Every rank's JSON value, in rank order, on rank 0 (None on the others)."""
+    def gather(self, value: Any, *, wire: tuple[Callable, Callable] | None = None) -> list[Any] | None:
+        """Every rank's value, in rank order, on rank 0 (None on the others). Values cross as JSON:
+        ``wire`` gives the functions to and from JSON of a value that is not (unused by one process)."""
         if self.is_solo:
             return [value]
+        to_json, from_json = wire or (lambda v: v, lambda v: v)
         with _collective():
-            sizes, padded = self._padded(value)
+            sizes, padded = self._padded(to_json(value))
             if self.rank == 0:
                 out = [torch.empty_like(padded) for _ in range(self.world_size)]
                 dist.gather(padded, out, dst=0, group=self.group)
-                return _unpadded(out, sizes)
+                return [from_json(v) for v in _unpadded(out, sizes)]
             dist.gather(padded, None, dst=0, group=self.group)
         return None
 
@@ -289,13 +291,36 @@ def staged_blobs(plan: RankPlan) -> tuple[list[Blob], int]:
     return plan.mine + [replace(b, index=b.index + offset) for b in own], offset
 
 
-def report(shards: list[ShardEntry], blobs: dict[int, BlobEntry], own: dict[str, Any] | None) -> dict:
-    """What a rank tells rank 0 after writing: its files and the entries of the blobs in them."""
-    return {
-        "shards": [s.model_dump(mode="json") for s in shards],
-        "blobs": {str(i): b.model_dump(mode="json") for i, b in blobs.items()},
-        "own": own,
-    }
+@dataclass(frozen=True)
+class RankReport:
+    """What a rank tells rank 0 after writing: its files and the entries of the blobs in them, its
+    own state's report, or why it failed. Typed in the process; JSON only between ranks."""
+
+    shards: list[ShardEntry]
+    blobs: dict[int, BlobEntry]
+    own: dict[str, Any] | None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, exc: BaseException) -> RankReport:
+        return cls([], {}, None, f"{type(exc).__name__}: {exc}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "shards": [s.model_dump(mode="json") for s in self.shards],
+            "blobs": {str(i): b.model_dump(mode="json") for i, b in self.blobs.items()},
+            "own": self.own,
+            "error": self.error,
+        }
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> RankReport:
+        return cls(
+            [ShardEntry.model_validate(s) for s in raw["shards"]],
+            {int(i): BlobEntry.model_validate(b) for i, b in raw["blobs"].items()},
+            raw["own"],
+            raw["error"],
+        )
 
 
 @dataclass(frozen=True)
@@ -306,7 +331,7 @@ class Assembled:
     own_nbytes: int
 
 
-def assemble(reports: list[dict], blob_count: int) -> Assembled:
+def assemble(reports: list[RankReport], blob_count: int) -> Assembled:
     """Rank 0: one shard list and one blob list from every rank's report.
 
     Each rank numbered its shards from 0; here they are concatenated in rank
@@ -318,14 +343,13 @@ def assemble(reports: list[dict], blob_count: int) -> Assembled:
     own_nbytes = 0
     for rep in reports:
         base = len(shards)
-        shards += [ShardEntry.model_validate(s) for s in rep["shards"]]
-        for key, raw in rep["blobs"].items():
-            entry = BlobEntry.model_validate(raw)
-            blobs[int(key)] = entry.model_copy(update={"shard": entry.shard + base})
-        if rep["own"] is not None:
-            shards.append(ShardEntry.model_validate(rep["own"]["shard"]))
-            ranks.append(OwnPlan.part(rep["own"], len(shards) - 1))
-            own_nbytes += int(rep["own"]["nbytes"])
+        shards += rep.shards
+        for key, entry in rep.blobs.items():
+            blobs[key] = entry.model_copy(update={"shard": entry.shard + base}) if base else entry
+        if rep.own is not None:
+            shards.append(ShardEntry.model_validate(rep.own["shard"]))
+            ranks.append(OwnPlan.part(rep.own, len(shards) - 1))
+            own_nbytes += int(rep.own["nbytes"])
     if ranks and len(ranks) != len(reports):
         raise CheckpointError(
             f"{len(ranks)} of {len(reports)} ranks passed rank_state: all or none must; nothing was committed"
@@ -359,9 +383,9 @@ __all__ = [
     "RankFailedError",
     "RankGroup",
     "RankPlan",
+    "RankReport",
     "assemble",
     "collective_failed",
     "plan_rank",
-    "report",
     "staged_blobs",
 ]

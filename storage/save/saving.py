@@ -58,7 +58,7 @@ from ..versions import commit as protocol
 from ..versions.catalog import archived_for_writing
 from ..versions.housekeeping import last_change
 from ..versions.lease import DEFAULT_TIMEOUT, LEASE_KEY, StoreLease, commit_lease, fence, read_lease
-from .distributed import RankGroup, RankPlan, assemble, plan_rank, report, tensor_entries
+from .distributed import RankGroup, RankPlan, RankReport, assemble, plan_rank, tensor_entries
 from .planner import Blob
 
 log = logging.getLogger(__name__)
@@ -338,15 +338,15 @@ class VersionWriter:
                         self.loc, vdir, job.plan.own.plan, own_bytes, threads=1, rank=self.rank
                     )
                     own = job.plan.own.report(files, own_written)
-            mine: dict[str, Any] = report(shards, written, own)
+            mine = RankReport(shards, written, own)
         except BaseException as exc:  # tell rank 0, so that it does not commit and nobody waits forever
             failure = exc
-            mine = {"error": f"{type(exc).__name__}: {exc}"}
-        reports = self.group.gather(mine)
+            mine = RankReport.failed(exc)
+        reports = self.group.gather(mine, wire=(RankReport.to_json, RankReport.from_json))
 
         def commit() -> dict[str, Any]:
             assert reports is not None
-            errors = [f"rank {r}: {rep['error']}" for r, rep in enumerate(reports) if "error" in rep]
+            errors = [f"rank {r}: {rep.error}" for r, rep in enumerate(reports) if rep.error is not None]
             if errors:  # every rank has stopped writing (it reported): the partial files can go
                 self.discard(job.version)
                 raise RankFailedError(f"nothing was committed: {'; '.join(errors)}")

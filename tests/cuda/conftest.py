@@ -1,7 +1,7 @@
 """The GPU paths, on a machine with a CUDA GPU (tests/conftest.py collects this package only there).
 
 Saves copy GPU tensors into pinned host memory with copies that run on while the save goes on
-(``storage/save/staging.py``, ``storage/sharded/staging.py``); loads copy host bytes into GPU
+(``storage/save/staging.py``, sharded state included); loads copy host bytes into GPU
 tensors. These tests check the values that land, bit for bit, with training changing the GPU
 tensors the moment a save returns.
 """

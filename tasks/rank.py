@@ -1,0 +1,204 @@
+"""One rank of a run: its objects, and the requests of the trainer protocol carried out on them.
+
+Every trainer is made of ranks, and every rank is this object: the flow's own
+process holds one (:class:`~.in_process.InProcessTrainer`, a world of one), and
+each process of a torch.distributed world holds one (:mod:`.rank_worker`, which
+reads the requests off the channel). So a run is built, trained and saved by the
+same code whichever kind of trainer drives it, and a save is dispatched in one
+place (:meth:`Rank.save`).
+
+What must hold:
+
+- The save mode is the config's (``async_save``), fixed by :meth:`Rank.build`.
+  An async save returns once its state is copied; a sync save writes the live
+  tensors in a thread of its own, and nothing trains until it has ended (the
+  flow waits for it before it asks for the next epoch).
+- Every save in flight ends, committed or failed, before the rank leaves
+  (:meth:`Rank.finish`): nothing half-written is given up.
+- :attr:`Rank.progress` changes only once an epoch has trained through (or the
+  run is built), in one assignment: an answer sent meanwhile from another
+  thread carries either the old progress or the new one, never half of each.
+
+No Prefect here; torch is imported by what builds and trains.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, Protocol
+
+from ckptflow.storage import CheckpointStore, VersionInfo
+
+from .config import PipelineConfig
+from .protocol import Built, Committed, Done, Notes, Progress, Staged, Trained
+from .run_state import EpochAttempts, RunState, build_run, capture_run, save_options, train_attempt
+
+
+class _Saving(Protocol):
+    """A save in flight in this rank: a storage SaveHandle (async) or a :class:`_Writing` (sync)."""
+
+    version: int
+
+    def wait(self, timeout: float | None = None) -> VersionInfo: ...
+
+    def on_commit(self, callback: Callable[[VersionInfo], None]) -> None: ...
+
+    def done(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> bool: ...
+
+    def resubmit(self) -> None: ...
+
+
+class _Writing:
+    """A sync save, written from the live tensors in a thread of its own (not a daemon: a save in
+    progress holds the process open). ``wait`` raises the write's own error."""
+
+    def __init__(self, version: int, write: Callable[[], VersionInfo]) -> None:
+        self.version = version
+        self._future: Future[VersionInfo] = Future()
+        threading.Thread(target=self._run, args=(write,), name="ckptflow-save", daemon=False).start()
+
+    def _run(self, write: Callable[[], VersionInfo]) -> None:
+        try:
+            self._future.set_result(write())
+        except BaseException as exc:
+            self._future.set_exception(exc)
+
+    def wait(self, timeout: float | None = None) -> VersionInfo:
+        return self._future.result(timeout)
+
+    def on_commit(self, callback: Callable[[VersionInfo], None]) -> None:
+        def done(future: Future[VersionInfo]) -> None:
+            if future.exception() is None:
+                callback(future.result())
+
+        self._future.add_done_callback(done)
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def join(self, timeout: float | None = None) -> bool:
+        try:
+            self._future.exception(timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def resubmit(self) -> None:
+        """Nothing: a failed sync save is saved again by the next request, not written again."""
+
+
+class Rank:
+    """The run's objects in one rank of a world of ``world_size``, and the requests it carries out."""
+
+    def __init__(self, *, world_size: int = 1, rank: int = 0) -> None:
+        self.world_size = world_size
+        self.rank = rank
+        self.run: RunState | None = None
+        self.async_save = True
+        self.progress = Progress()
+        self._attempts: EpochAttempts | None = None
+        self._saves: dict[int, _Saving] = {}
+
+    def _built(self) -> RunState:
+        if self.run is None:
+            raise RuntimeError("this rank has not built its run")
+        return self.run
+
+    def build(self, config: PipelineConfig, store: CheckpointStore, *, writes: bool, log: Notes) -> Built:
+        """Build the run of ``config`` on ``store``; restore its newest committed version.
+
+        ``writes=False``: change nothing in the store (the flow holds its lease, and claims it).
+        """
+        import torch
+
+        run = build_run(
+            config,
+            store,
+            info=lambda message: log("info", message),
+            warn=lambda message: log("warning", message),
+            writes=writes,
+            world_size=self.world_size,
+            rank=self.rank,
+        )
+        self.run = run
+        self.async_save = config.async_save
+        self.progress = Progress(epoch=run.epoch, step=run.step)
+        return Built(
+            resumed_from=run.resumed_from,
+            metrics=run.metrics,
+            planned_epochs=run.planned_epochs,
+            identity=run.identity,
+            threads=torch.get_num_threads(),
+            world_size=self.world_size,
+        )
+
+    def train(self, epoch: int, *, keep_snapshot: bool, log: Notes) -> Trained:
+        """An attempt at ``epoch``: the first keeps the epoch's start state (``keep_snapshot``), a
+        later one (a retry after an error) restores it first."""
+        run = self._built()
+        if self._attempts is None or self._attempts.epoch != epoch:
+            if epoch != run.epoch + 1:
+                raise RuntimeError(
+                    f"asked to train epoch {epoch}, but these trainers stand at epoch {run.epoch}"
+                )
+            self._attempts = EpochAttempts(run, keep_snapshot=keep_snapshot)
+        self._attempts.count += 1
+        metrics = train_attempt(run, epoch, self._attempts, lambda message: log("warning", message))
+        self.progress = Progress(epoch=run.epoch, step=run.step)
+        return Trained(metrics=metrics)
+
+    def save(self, epoch: int, *, log: Notes) -> Staged:
+        """Start the save of the state after ``epoch`` as version ``epoch``, in the run's mode."""
+        run = self._built()
+        (shared, own), kwargs = self._capture(epoch, log)
+        self._saves = {v: s for v, s in self._saves.items() if not s.done()}  # ended: waited for already
+        saving: _Saving
+        if self.async_save:
+            saving = run.store.save_async(shared, rank_state=own, **kwargs)
+        else:
+            saving = _Writing(epoch, lambda: run.store.save(shared, rank_state=own, **kwargs))
+        self._saves[epoch] = saving
+        return Staged(version=epoch)
+
+    def _capture(
+        self, epoch: int, log: Notes
+    ) -> tuple[tuple[dict[str, Any], dict[str, Any] | None], dict[str, Any]]:
+        """The state to save (shared, this rank's own), and the save's arguments."""
+        from .training_state import is_sharded, split_ranked
+
+        run = self._built()
+        kwargs = save_options(run, epoch)
+        state = capture_run(run, lambda message: log("warning", message))
+        if self.world_size == 1 and not is_sharded(run.local()[1].model):  # sharded: RNGs stay apart
+            return (state, None), kwargs
+        return split_ranked(state), kwargs
+
+    def wait(self, version: int) -> Committed:
+        """Wait until the save of ``version`` is committed; its error if it failed."""
+        return Committed(info=self.saving(version).wait())
+
+    def resubmit(self, version: int) -> Done:
+        self.saving(version).resubmit()
+        return Done()
+
+    def saving(self, version: int) -> _Saving:
+        """The save of ``version`` that this rank started (in flight, or ended since)."""
+        saving = self._saves.get(version)
+        if saving is None:
+            raise RuntimeError(f"no save of version {version} was started by these trainers")
+        return saving
+
+    def finish(self) -> None:
+        """Let every save end (committed or failed)."""
+        for saving in list(self._saves.values()):
+            saving.join()
+
+    def close(self) -> None:
+        """:meth:`finish`, then release the store's staging memory (a rank that leaves)."""
+        self.finish()
+        if self.run is not None:
+            self.run.store.close()
