@@ -155,13 +155,12 @@ class Rank:
         """Start the save of the state after ``epoch`` as version ``epoch``, in the run's mode."""
         run = self._built()
         (shared, own), kwargs = self._capture(epoch, log)
-        self._saves = {v: s for v, s in self._saves.items() if not s.done()}  # ended: waited for already
         saving: _Saving
         if self.async_save:
             saving = run.store.save_async(shared, rank_state=own, **kwargs)
         else:
             saving = _Writing(epoch, lambda: run.store.save(shared, rank_state=own, **kwargs))
-        self._saves[epoch] = saving
+        self._saves[epoch] = saving  # kept until the run stops: the flow may wait for it late
         return Staged(version=epoch)
 
     def _capture(

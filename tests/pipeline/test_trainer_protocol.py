@@ -238,3 +238,25 @@ class TestTheChannel:
         with pytest.raises(ValidationError) as refused:
             list(_received(flow))
         assert "answer.ok: Extra inputs are not permitted" in problems(refused.value)
+
+
+class TestSavesWaitedForLate:
+    """A save's outcome stays with the trainers until the run stops: the flow may wait for version V
+    (a commit task retried late) after the save of V+1 started, in either save mode."""
+
+    @pytest.mark.parametrize("async_save", [True, False])
+    def test_an_ended_save_is_still_answered_after_the_next_one_started(self, tmp_path, async_save):
+        from ckptflow.tasks.in_process import InProcessTrainer
+
+        trainer = InProcessTrainer(make_config(tmp_path / "s", epochs=3, async_save=async_save))
+        log = lambda level, message: None  # noqa: E731
+        trainer.build(flow_run=None, log=log)
+        try:
+            for epoch in (1, 2):
+                trainer.train(epoch, keep_snapshot=False, log=log)
+                trainer.save(epoch, log=log).wait(60)
+            found = trainer.wait(1, timeout=60)
+            assert found is not None and found.version == 1 and found.epoch == 1
+            assert trainer.wait(2, timeout=60).version == 2
+        finally:
+            trainer.stop()
