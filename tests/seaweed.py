@@ -138,20 +138,30 @@ def _server_env() -> dict[str, str]:
 
 
 def _wait_for_s3(server: SeaweedServer) -> None:
-    """Until the gateway answers S3 requests (any HTTP status from ListBuckets)."""
+    """Until the gateway answers S3 requests (an S3 answer, any status, to ListBuckets).
+
+    An answer that is not S3's (another process's server on the port picked, e.g. a 404 of a
+    Prefect server: weed's other parts keep running when its gateway cannot bind), or a port weed
+    found taken, is PortTakenError: the server is started again on new ports."""
     deadline = time.monotonic() + START_TIMEOUT
     while time.monotonic() < deadline:
         if server.process.poll() is not None:
             tail = server.tail()
             kind = PortTakenError if "address already in use" in server.tail(100_000) else RuntimeError
             raise kind(f"weed exited early with code {server.process.returncode}:\n{tail}")
+        if "address already in use" in server.tail(100_000):
+            raise PortTakenError(f"a port given to weed was taken meanwhile:\n{server.tail()}")
         try:
-            with urllib.request.urlopen(server.endpoint + "/", timeout=2):
-                return
-        except urllib.error.HTTPError:
-            return  # it answered (403 without credentials is an answer)
+            with urllib.request.urlopen(server.endpoint + "/", timeout=2) as answer:
+                body = answer.read()
+        except urllib.error.HTTPError as refused:  # 403 without credentials is an answer
+            body = refused.read()
         except OSError:
             time.sleep(0.2)
+            continue
+        if b"ListAllMyBucketsResult" in body or b"<Error>" in body:
+            return
+        raise PortTakenError(f"another server answered on the S3 port: {body[:200]!r}")
     raise RuntimeError(f"SeaweedFS's S3 gateway did not answer within {START_TIMEOUT:.0f}s:\n{server.tail()}")
 
 
