@@ -127,6 +127,16 @@ VersionOpt = Annotated[
     int | None,
     typer.Option("--version", min=0, help="Version number (default: the newest committed)."),
 ]
+StepOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--step",
+        min=0,
+        help="The version saved at this global training step (`ckptflow ls` shows each one's), "
+        "instead of --version.",
+        show_default=False,
+    ),
+]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead.")]
 DryRun = Annotated[bool, typer.Option("--dry-run", help="Only print what would be removed.")]
 GC_MIN_AGE = 900.0  # seconds: gc spares leftovers younger than this unless told otherwise
@@ -147,6 +157,23 @@ def _open(url: str, storage_options: dict[str, Any] | None, *, command: str) -> 
 
 def _console() -> Console:
     return Console(highlight=False)
+
+
+def _refuse_both(version: int | None, step: int | None) -> None:
+    """A usage error (exit 2) when a version is chosen twice, by number and by step."""
+    if version is not None and step is not None:
+        raise typer.BadParameter("give either --version or --step, not both", param_hint="'--step'")
+
+
+def _chosen(store: CheckpointStore, version: int | None, step: int | None) -> int | None:
+    """The version ``--version`` or ``--step`` names (None: the newest); fails naming the steps
+    nearest to ``step`` when no committed version has it."""
+    if step is None:
+        return version
+    info = store.find_step(step)
+    if info is None:
+        _fail(present.step_missing_message(step, store.versions(), store.url))
+    return info.version
 
 
 # -- ls -------------------------------------------------------------------------
@@ -208,11 +235,16 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
 
 @app.command("show")
 def show_command(
-    url: Url, version: VersionOpt = None, as_json: JsonFlag = False, storage_options: StorageOptions = None
+    url: Url,
+    version: VersionOpt = None,
+    step: StepOpt = None,
+    as_json: JsonFlag = False,
+    storage_options: StorageOptions = None,
 ) -> None:
     """Show a version's manifest: summary, shards with sizes and checksums, and its tensors."""
+    _refuse_both(version, step)
     store = _open(url, storage_options, command="show")
-    manifest = store.manifest(version)
+    manifest = store.manifest(_chosen(store, version, step))
     if as_json:
         typer.echo(manifest.to_json().decode())
         return
@@ -229,6 +261,7 @@ def show_command(
 def verify_command(
     url: Url,
     version: VersionOpt = None,
+    step: StepOpt = None,
     all_versions: Annotated[bool, typer.Option("--all", help="Verify every committed version.")] = False,
     storage_options: StorageOptions = None,
 ) -> None:
@@ -239,9 +272,12 @@ def verify_command(
     """
     if all_versions and version is not None:
         raise typer.BadParameter("give either --version or --all, not both", param_hint="'--all'")
+    if all_versions and step is not None:
+        raise typer.BadParameter("give either --step or --all, not both", param_hint="'--all'")
+    _refuse_both(version, step)
     store = _open(url, storage_options, command="verify")
     if not all_versions:
-        typer.echo(f"ok {present.describe(store.verify(version))}")
+        typer.echo(f"ok {present.describe(store.verify(_chosen(store, version, step)))}")
         return
     from ckptflow.storage import CheckpointError, StorageUnavailableError, VersionNotFoundError
 
@@ -295,6 +331,7 @@ def restore_command(
         ),
     ],
     version: VersionOpt = None,
+    step: StepOpt = None,
     file_format: Annotated[
         Format,
         typer.Option(
@@ -326,6 +363,7 @@ def restore_command(
     storage_options: StorageOptions = None,
 ) -> None:
     """Write a version (or part of it) to one torch or safetensors file, or a sharded directory."""
+    _refuse_both(version, step)
     if max_shard_size is not None and file_format is not Format.safetensors:
         _fail("--max-shard-size writes safetensors shards: add --format safetensors")
     if out.is_symlink():
@@ -339,18 +377,18 @@ def restore_command(
         _fail(f"{out} is a directory; give a file name (or --max-shard-size for a sharded directory)")
     missing_dirs = _missing_directories(out)
     store = _open(url, storage_options, command="restore")
-    manifest = store.manifest(version)
+    info = store.info(_chosen(store, version, step))
     selected = [k for item in keys or [] for k in item.split(",") if k.strip("/ ")]
     try:
-        state = store.load(manifest.version, keys=selected or None)
+        state = store.load(info.version, keys=selected or None)
     except KeyError as exc:
-        _fail(f"{exc.args[0]} (version {manifest.version})")
+        _fail(f"{exc.args[0]} (version {info.version})")
     from .export import selected_subtree, write_hf_shards, write_state
 
     subtree = selected_subtree(state, selected[0]) if len(selected) == 1 else None
     if isinstance(subtree, dict):
         state = subtree  # one subtree: its own keys, as a state_dict has them
-    meta = {"format": "pt", "ckptflow.version": str(manifest.version), "ckptflow.source": store.url}
+    meta = {"format": "pt", "ckptflow.version": str(info.version), "ckptflow.source": store.url}
     with _directories_kept_on_success(missing_dirs):
         if max_shard_size is not None:
             tensors, files = write_hf_shards(state, out, max_shard_size=max_shard_size, metadata=meta)
@@ -358,13 +396,13 @@ def restore_command(
             tensors = write_state(state, out, fmt=file_format.value, metadata=meta)
     if max_shard_size is not None:
         typer.echo(
-            f"restored version {manifest.version} (epoch {present.optional(manifest.epoch)}) to {out}/: "
+            f"restored version {info.version} (epoch {present.epoch_text(info)}) to {out}/: "
             f"{tensors} tensors in {len([f for f in files if f.endswith('.safetensors')])} shards "
             f"({', '.join(files)})"
         )
         return
     typer.echo(
-        f"restored version {manifest.version} (epoch {present.optional(manifest.epoch)}) to {out}: "
+        f"restored version {info.version} (epoch {present.epoch_text(info)}) to {out}: "
         f"{tensors} tensors, {present.human_size(out.stat().st_size)}"
     )
 

@@ -16,6 +16,9 @@ batch_size (32), lr (3e-3).
 
 from __future__ import annotations
 
+from collections.abc import Generator, Mapping
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -62,6 +65,10 @@ class TinyLM(nn.Module):
 
 
 class TinyLMSpec(TrainingSpec):
+    """A tiny causal LM, FSDP2-sharded in ranks; it trains step by step (``train_steps``)."""
+
+    sums: tuple[float, int] = (0.0, 0)
+
     def build(self) -> Trainable:
         get = self.config.get
         vocab, seq, count = int(get("vocab", 64)), int(get("seq", 16)), int(get("sequences", 256))
@@ -75,27 +82,44 @@ class TinyLMSpec(TrainingSpec):
         optimizer = torch.optim.AdamW(model.parameters(), lr=float(get("lr", 3e-3)))
         return Trainable(model=model, optimizer=optimizer)
 
-    def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
+    def train_steps(
+        self, trainable: Trainable, epoch: int, start: int
+    ) -> Generator[None, None, dict[str, float]]:
+        """One step per batch; resumed at ``start``, it skips the batches trained already and takes
+        the loss sums so far from its state (see the digits demo)."""
         model, opt = trainable.model, trainable.optimizer
         assert opt is not None
-        batch = int(self.config.get("batch_size", 32))
         rank, world = _rank(), _world()
         order = torch.randperm(len(self.train), generator=epoch_generator(self.seed, epoch))
         model.train()
-        total, seen, steps = 0.0, 0, 0
-        for start in range(0, len(order) - batch + 1, batch):
-            rows = self.train[order[start : start + batch][rank::world]]  # this rank's part of the batch
+        if start == 0:
+            self.sums = (0.0, 0)
+        for batch in self._batches(order)[start:]:
+            rows = self.train[batch[rank::world]]  # this rank's part of the batch
             loss = self._loss(model, rows)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
-            total += loss.item() * len(rows)
-            seen += len(rows)
-            steps += 1
-        sums = torch.tensor([total, float(seen)], dtype=torch.float64)
+            self.sums = (self.sums[0] + loss.item() * len(rows), self.sums[1] + len(rows))
+            yield
+        sums = torch.tensor([self.sums[0], float(self.sums[1])], dtype=torch.float64)
         if world > 1:
             dist.all_reduce(sums)
-        return {"loss": float(sums[0] / sums[1]), "steps": steps}
+        return {"loss": float(sums[0] / sums[1])}
+
+    def _batches(self, order: torch.Tensor) -> list[torch.Tensor]:
+        batch = int(self.config.get("batch_size", 32))
+        return [order[i : i + batch] for i in range(0, len(order) - batch + 1, batch)]
+
+    def steps_per_epoch(self, epoch: int) -> int:
+        return len(self._batches(torch.arange(len(self.train))))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"loss_sum": self.sums[0], "samples": self.sums[1]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        if "loss_sum" in state:
+            self.sums = (float(state["loss_sum"]), int(state["samples"]))
 
     def evaluate(self, trainable: Trainable, epoch: int) -> dict[str, float]:
         trainable.model.eval()

@@ -1,9 +1,14 @@
-"""How the command line shows checkpoints: sizes, metrics, times and tables.
+"""How the command line shows checkpoints: sizes, metrics, epochs, steps, times and tables.
 
 Pure functions from storage objects (``VersionInfo``, ``Manifest``) to
 strings, JSON-ready dicts and rich tables; nothing here touches storage, so
 the CLI's commands stay short and these are easy to test. Every URL shown
 comes from the store's ``display`` form, which carries no credentials.
+
+Every version shows its epoch and global step. A save made inside an epoch
+shows how far into it it was (``3 (1,200/4,000)``) in the words of
+:func:`~ckptflow.tasks.formatting.epoch_text`, which the Prefect artifacts use
+too; a save at an epoch's end shows the bare epoch, as before.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from ckptflow.tasks.formatting import human_size, metric_value, metrics_text
+from ckptflow.tasks.formatting import epoch_text, human_size, metric_value, metrics_text
 
 if TYPE_CHECKING:
     from ckptflow.storage import (
@@ -44,7 +49,36 @@ def optional(value: object) -> str:
 
 def describe(info: VersionInfo) -> str:
     """One line about a version, for the commands that print a line per version."""
-    return f"version {info.version} (epoch {optional(info.epoch)}, {human_size(info.size)}) {info.url}"
+    step = f", step {info.step}" if info.step is not None else ""
+    return f"version {info.version} (epoch {epoch_text(info)}{step}, {human_size(info.size)}) {info.url}"
+
+
+def in_epoch_text(info: VersionInfo) -> str:
+    """How far into its epoch a version was saved: ``1,200 of 4,000 steps`` (``1,200 steps`` when
+    the epoch's length is unknown), or ``its end``; ``-`` when it records no epoch."""
+    if info.epoch is None:
+        return "-"
+    steps, length = info.in_epoch, info.epoch_steps
+    if steps is None:
+        return "its end"
+    return f"{steps:,} of {length:,} steps" if length is not None else f"{steps:,} steps"
+
+
+def step_missing_message(step: int, infos: list[VersionInfo], url: str) -> str:
+    """The error for ``--step STEP`` when no committed version (``infos``, oldest first) has it:
+    the committed steps just below and above it, each with its (newest) version."""
+    head = f"no committed version has step {step} in {url}"
+    if not infos:
+        return f"{head}: it has no committed versions"
+    by_step = {i.step: i.version for i in infos if i.step is not None}  # oldest first: the newest wins
+    if not by_step:
+        listing = ", ".join(str(i.version) for i in infos)
+        return f"{head}: none of its versions ({listing}) records a step; give --version instead"
+    below = max((s for s in by_step if s < step), default=None)
+    above = min((s for s in by_step if s > step), default=None)
+    nearest = [f"step {s} (version {by_step[s]})" for s in (below, above) if s is not None]
+    verb = "are" if len(nearest) > 1 else "is"
+    return f"{head}: the nearest {verb} {' and '.join(nearest)} (`ckptflow ls` lists every version's step)"
 
 
 def prune_lines(
@@ -104,6 +138,8 @@ def version_json(info: VersionInfo) -> dict[str, Any]:
         "version": info.version,
         "epoch": info.epoch,
         "step": info.step,
+        "in_epoch": info.in_epoch,  # None for a save at an epoch's end
+        "epoch_steps": info.epoch_steps,
         "size": info.size,
         "nbytes": info.nbytes,
         "created": info.created,
@@ -126,8 +162,8 @@ def versions_table(infos: list[VersionInfo], *, title: str) -> Table:
     for info in infos:
         table.add_row(
             str(info.version),
-            optional(info.epoch),
-            optional(info.step),
+            epoch_text(info),
+            "" if info.step is None else str(info.step),
             human_size(info.size),
             created_text(info.created, zone=False),
             metrics_text(info.metrics),
@@ -138,6 +174,9 @@ def versions_table(infos: list[VersionInfo], *, title: str) -> Table:
 
 def summary_table(manifest: Manifest, url: str) -> Table:
     """The manifest's header fields as a two-column grid."""
+    from ckptflow.storage import VersionInfo
+
+    info = VersionInfo.from_manifest(manifest, url)
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column(overflow="fold")
@@ -145,6 +184,7 @@ def summary_table(manifest: Manifest, url: str) -> Table:
     rows = [
         ("version", f"{manifest.version}  {url}"),
         ("epoch", optional(manifest.epoch)),
+        ("in epoch", in_epoch_text(info)),
         ("step", optional(manifest.step)),
         ("metrics", metrics_text(manifest.metrics) or "-"),
         ("created", created_text(manifest.created)),

@@ -173,6 +173,26 @@ def run_command(
     save_every: Annotated[
         int, Opt("--save-every", help="Save every N epochs (and at the end).")
     ] = config_field("save_every"),
+    save_every_steps: Annotated[
+        int | None,
+        Opt(
+            "--save-every-steps",
+            metavar="N",
+            help="Also save every N optimizer steps, inside epochs (a spec with train_steps).",
+        ),
+    ] = config_field("save_every_steps"),
+    save_every_minutes: Annotated[
+        float | None,
+        Opt("--save-every-minutes", metavar="M", help="Also save once M minutes passed since the last save."),
+    ] = config_field("save_every_minutes"),
+    stop_grace: Annotated[
+        float,
+        Opt(
+            "--stop-grace",
+            metavar="SECONDS",
+            help="On SIGTERM or a cancellation: time for the step in progress and its save to commit.",
+        ),
+    ] = config_field("stop_grace_seconds"),
     save_retries: Annotated[
         int, Opt("--save-retries", help="Retries of a failed save or commit task.")
     ] = config_field("save_retries"),
@@ -509,6 +529,12 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
         elif kind == "epoch":
             progress.update(task_id, completed=data["epoch"], description=metrics_text(data["metrics"]))
             console.print(f"epoch {data['epoch']:>4}  {metrics_text(data['metrics'])}")
+        elif kind == "step":
+            from ckptflow.tasks.monitoring import step_text
+
+            length, done = data["epoch_steps"], data["in_epoch"]
+            where = data["epoch"] - 1 + (done / length if length else 0)
+            progress.update(task_id, completed=where, description=step_text(done, length))
         elif kind == "retention":
             console.print(data["text"], markup=False, soft_wrap=True)
         elif kind == "committed":

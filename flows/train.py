@@ -1,18 +1,27 @@
 """The training pipeline flow: init, then epochs with saves, then exit.
 
-    init ─► ┌─ train epoch ─► save (sharded, async) ─► commit ─┐ ─► finalize
-            └──────────── until a stop condition ◄─────────────┘
+    init ─► ┌─ train epoch (or its steps to a save point) ─► save (async) ─► commit ─┐ ─► finalize
+            └──────────────────────── until a stop condition ◄────────────────────────┘
 
 Resume is the default: ``init_model`` restores the newest committed
-checkpoint and the loop continues with the epoch after it. Saves overlap the
-next epoch (async) unless ``async_save`` is off; each is committed by
-``commit_checkpoint`` before the next save starts and before the flow exits.
+checkpoint and the loop continues where it stood: the epoch after it, or,
+inside an epoch, the step after it. Save points are epoch ends
+(``save_every``) and, for a spec that trains by steps (``train_steps``), every
+``save_every_steps`` steps and every ``save_every_minutes`` inside epochs; each
+stretch of training up to one is a ``train_epoch`` task run, each save a
+``save_checkpoint`` task run. Saves overlap the training that follows (async)
+unless ``async_save`` is off; each is committed before the next save starts
+and before the flow exits, and the retention policy is applied as the run
+goes, before each save.
 
 Stopping: the epoch budget, the stop conditions of the config, or a
-cancellation from Prefect. A cancellation seen between epochs (the UI's
-"Cancel" on a local run) saves the epoch just trained and ends the run as
-Cancelled; a cancellation delivered as SIGTERM by a worker interrupts the
-epoch, and the save in flight still commits before the process exits.
+cancellation. A cancellation from Prefect seen by the flow (the UI's "Cancel"
+on a local run) stops a spec's ``train_steps`` after the step in progress (a
+``train_epoch`` spec: after the epoch), saves it, and ends the run Cancelled.
+SIGTERM (a worker's cancellation, Kubernetes, a spot notice) and Ctrl-C do the
+same from inside the process: the step in progress finishes, the trainer saves
+it within ``stop_grace_seconds``, the saves in flight commit, and the run ends
+Cancelled; the next run resumes from that step.
 
 The model trains in the flow's process (``train_process`` off: for a
 debugger) or in trainers: a torch.distributed world of ``nproc`` ranks per
@@ -44,7 +53,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
@@ -59,7 +68,7 @@ from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.crashed import record_this_run
 from ckptflow.tasks.formatting import metrics_text
-from ckptflow.tasks.monitoring import RunMonitor
+from ckptflow.tasks.monitoring import RunMonitor, step_text
 from ckptflow.tasks.protocol import PendingSave
 from ckptflow.tasks.run_state import nothing_to_resume
 from ckptflow.tasks.steps import (
@@ -143,21 +152,36 @@ def _run_epochs(
     archiver = ArchiveQueue(run.store, config.archive, existing, on_result=monitor.archived)
     train = train_epoch.with_options(retries=config.epoch_retries)
     save = save_checkpoint.with_options(retries=config.save_retries)
-    watch = CancelWatch()
+    watch = CancelWatch(on_cancel=run.trainer.request_stop)
     try:
         archiver.catch_up()  # versions an interrupted run committed but did not archive
         while reason is None:
             epoch = run.epoch + 1
             tries = EpochTries(keep_snapshot=config.epoch_retries > 0)
-            metrics = train(_opaque(run), epoch, _opaque(tries))
-            logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(metrics))
-            monitor.epoch_done(epoch, metrics)
-            reason = stopper.update(epoch, metrics) or watch.reason()
-            if epoch % config.save_every == 0 or reason is not None:
+            trained = train(_opaque(run), epoch, _opaque(tries))
+            stopped = CANCELLED if trained.stopped or watch.requested else None
+            if trained.metrics is not None:  # the epoch's end
+                logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(trained.metrics))
+                monitor.epoch_done(epoch, trained.metrics)
+                reason = stopper.update(epoch, trained.metrics) or stopped
+                due = epoch % config.save_every == 0 or reason is not None or trained.due
+            else:  # a save point, or a stop, inside the epoch
+                progress = run.progress
+                where = step_text(progress.in_epoch, progress.epoch_steps)
+                logger.info("epoch %d/%d, %s (step %d in all)", epoch, config.epochs, where, progress.step)
+                monitor.step_done(epoch, progress.in_epoch, progress.epoch_steps)
+                reason, due = stopped, True
+            if due:
                 lease.check()  # a run that lost the store (its lease taken over) saves nothing more
+                version = run.version_for_save()
                 result = save(
-                    _opaque(run), epoch, previous=_opaque(pending), timeout=config.save_timeout_seconds
+                    _opaque(run),
+                    version,
+                    previous=_opaque(pending),
+                    timeout=config.save_timeout_seconds,
+                    retention=config.retention if config.retention.enabled() and archiver.idle() else None,
                 )
+                run.next_version = version + 1
                 pending = None
                 if result.previous is not None:
                     _committed(result.previous, monitor, archiver)
@@ -169,12 +193,16 @@ def _run_epochs(
         lease.check()
         _commit(pending, monitor, config, archiver)
         run.close()
-    except BaseException:
+    except BaseException as exc:
         _quietly("abandon the archive jobs", archiver.abandon)
         reached.in_flight = pending.version if pending is not None else None
-        # the trainer's saves in flight commit before it stops, in an interrupted run too...
-        _quietly("close the run", lambda: run.close(interrupted=True))
-        monitor.catch_up(run.store.versions)  # ...and what committed is reported (a worker's SIGTERM)
+        # the trainer's saves in flight commit before it stops, in an interrupted run too; told to
+        # stop (SIGTERM, Ctrl-C), it saves where it stands first...
+        preempted = _told_to_stop(exc)
+        _quietly("close the run", lambda: run.close(interrupted=True, preempted=preempted))
+        monitor.catch_up(run.store.versions)  # ...and what committed is reported
+        if preempted and not isinstance(exc, KeyboardInterrupt):  # SIGTERM ends the run Cancelled
+            return _stopped_by_signal(exc, run, monitor, reached)
         raise  # the summary: _train
     finally:
         watch.close()
@@ -208,7 +236,7 @@ def _finish(
     ending: dict[str, Any] | State = summary
     state, why = "Completed", f"{reason}"
     if reason in (CANCELLED, SIGTERM_STOP):
-        why = f"cancelled after committing epoch {last_epoch}"
+        why = f"cancelled after committing {_newest_text(latest)}"
         state, ending = "Cancelled", Cancelled(message=why)
     elif archiver.failures:
         why = f"training ended at epoch {last_epoch}, but {archiver.failures[0]}"
@@ -220,6 +248,35 @@ def _finish(
     ]
     monitor.ended(state, why, latest, rows=rows, removed=removed, unreadable=unreadable)
     return ending
+
+
+def _told_to_stop(exc: BaseException) -> bool:
+    """Whether the flow was told to stop (SIGTERM: a worker's cancellation, Kubernetes, a spot
+    notice; Ctrl-C) rather than failed: then the trainer saves where the run stands."""
+    from prefect.exceptions import TerminationSignal
+
+    return isinstance(exc, (TerminationSignal, KeyboardInterrupt))
+
+
+def _stopped_by_signal(exc: BaseException, run: TrainingRun, monitor: RunMonitor, reached: Reached) -> State:
+    """The end of a run told to stop: Cancelled, with what it saved (the summary: as any end)."""
+    latest, unreadable = _latest(run.store, monitor)
+    _, why = _how_it_ended(exc, reached.in_flight, monitor)
+    saved = f"; newest committed: {_newest_text(latest)}"
+    message = f"{why}{saved}"
+    epochs = _epochs(run.first_epoch, run.epoch)
+    monitor.ended("Cancelled", message, latest, rows=[("epochs", epochs)], unreadable=unreadable)
+    get_run_logger().info("stopped: %s", message)
+    return Cancelled(message=message)
+
+
+def _newest_text(latest: VersionInfo | None) -> str:
+    if latest is None:
+        return "nothing"
+    where = f"epoch {latest.epoch}"
+    if latest.in_epoch:
+        where = f"epoch {latest.epoch}, {step_text(latest.in_epoch, latest.epoch_steps)}"
+    return f"version {latest.version} ({where})"
 
 
 def _latest(store: CheckpointStore, monitor: RunMonitor) -> tuple[VersionInfo | None, str | None]:
@@ -303,11 +360,13 @@ def _committed(info: VersionInfo | None, monitor: RunMonitor, archiver: ArchiveQ
 class CancelWatch:
     """Whether this flow run was asked to cancel (a local run gets no SIGTERM for it).
 
-    A thread reads the run's state once a second, so the epoch loop never waits for the API.
+    A thread reads the run's state once a second, so the epoch loop never waits for the API;
+    ``on_cancel`` is called once when it is (the trainer stops after its step).
     """
 
-    def __init__(self, every: float = 1.0) -> None:
+    def __init__(self, every: float = 1.0, on_cancel: Callable[[], None] | None = None) -> None:
         self.requested = False
+        self._on_cancel = on_cancel
         self._every = every
         self._stop = threading.Event()
         run_id = flow_run.get_id()
@@ -337,6 +396,8 @@ class CancelWatch:
                 continue
             if cancelled:
                 self.requested = True
+                if self._on_cancel is not None:
+                    self._on_cancel()
                 return
 
 

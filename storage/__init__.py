@@ -39,6 +39,7 @@ from .files.location import redact
 from .files.processes import has_ended as process_ended
 from .files.processes import this_process as current_process
 from .format.manifest import FORMAT_VERSION, Manifest
+from .info import EPOCH_STEPS, IN_EPOCH
 from .load.restore import RankStateWarning
 from .remote.options import quick_answer_options, upload_storage_options
 from .save.async_save import SaveHandle
@@ -61,7 +62,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "EPOCH_STEPS",
     "FORMAT_VERSION",
+    "IN_EPOCH",
     "CheckpointError",
     "CheckpointStore",
     "CorruptArchiveError",

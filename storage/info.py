@@ -27,6 +27,16 @@ class StoreOptions:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
 
+IN_EPOCH = "in_epoch"  # user data of a save made inside an epoch: the steps of its epoch trained then
+EPOCH_STEPS = "epoch_steps"  # ... and the epoch's length in steps, where its run knew it
+
+
+def in_epoch(user: dict[str, Any]) -> int | None:
+    """The steps into its epoch of a save made inside one (``user`` data); None at an epoch's end."""
+    value = user.get(IN_EPOCH)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
 @dataclass(frozen=True)
 class SaveRequest:
     """What a save records besides the state: :meth:`CheckpointStore.save`'s keyword arguments."""
@@ -55,6 +65,18 @@ class VersionInfo:
     user: dict[str, Any] = field(default_factory=dict)
     archived: bool = False  # lives in a tarball under archive/ (url names the tarball and member)
 
+    @property
+    def in_epoch(self) -> int | None:
+        """For a save made inside an epoch: the steps of ``epoch`` trained when it was made; None
+        for a save at an epoch's end (every save of a store whose runs save only at epoch ends)."""
+        return in_epoch(self.user)
+
+    @property
+    def epoch_steps(self) -> int | None:
+        """For a save made inside an epoch: the epoch's length in steps, if its run knew it."""
+        value = self.user.get(EPOCH_STEPS)
+        return value if isinstance(value, int) and value > 0 else None
+
     @classmethod
     def from_manifest(cls, m: Manifest, url: str, *, archived: bool = False) -> VersionInfo:
         return cls(
@@ -72,4 +94,4 @@ class VersionInfo:
         )
 
 
-__all__ = ["StoreOptions", "VersionInfo"]
+__all__ = ["EPOCH_STEPS", "IN_EPOCH", "StoreOptions", "VersionInfo", "in_epoch"]

@@ -245,6 +245,13 @@ class CheckpointStore:
         """A committed version, or None if ``version`` is not committed (without listing the others)."""
         return self._reads.find(version)
 
+    def find_step(self, step: int) -> VersionInfo | None:
+        """The committed version saved at global step ``step`` (the newest, if several were), or None.
+
+        Reads every committed manifest, loose and archived: a step is not part of a version's name.
+        """
+        return self._reads.find_step(step)
+
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a committed version (the newest when ``version`` is None)."""
         return self._reads.manifest(version)

@@ -276,6 +276,10 @@ class ArchiveQueue:
             self.store, url, held, config=self.config, confirmed=self.mirrored, failures=self.failures
         )
 
+    def idle(self) -> bool:
+        """Whether no archive or upload job runs or waits (retention may remove versions now)."""
+        return not self.pending and not self.waiting and not self.busy
+
     def abandon(self) -> None:
         """On an interrupted run: wait for queued jobs to end, without raising their errors."""
         for job in self.pending:

@@ -26,7 +26,7 @@ from uuid import UUID
 
 from ckptflow.storage import VersionInfo
 
-from .formatting import human_size, metric_value, metrics_text
+from .formatting import epoch_text, human_size, metric_value, metrics_text
 from .prefect_runs import create_artifact, current_run_ids, update_artifact
 
 log = logging.getLogger(__name__)
@@ -86,9 +86,11 @@ def readable_time(iso: str) -> str:
 
 
 def checkpoint_row(info: VersionInfo) -> dict[str, Any]:
-    """One row of a checkpoint table: each metric a numeric column of its own (sortable)."""
+    """One row of a checkpoint table: each metric a numeric column of its own (sortable); the epoch
+    as ``ckptflow ls`` shows it (a number for a save at an epoch's end, ``3 (1,200/4,000)`` inside one)."""
     seconds = info.save_seconds
-    row: dict[str, Any] = {"epoch": info.epoch, "version": info.version}
+    epoch = info.epoch if info.in_epoch is None else epoch_text(info)
+    row: dict[str, Any] = {"epoch": epoch, "version": info.version}
     row.update({name: _number(value) for name, value in info.metrics.items()})
     row.update(
         {

@@ -159,6 +159,23 @@ class PipelineConfig(_Strict):
     seed: int = Field(0, description="the run's seed; with spec and spec_config, its identity")
     epochs: int = Field(5, ge=1, description="train until this epoch (epochs count from 1)")
     save_every: int = Field(1, ge=1, description="save a checkpoint every N epochs (and at the end)")
+    save_every_steps: int | None = Field(
+        None,
+        ge=1,
+        description="also save every N optimizer steps, inside epochs (a spec with train_steps; "
+        "a spec with train_epoch saves at the end of the epoch in which the step falls)",
+    )
+    save_every_minutes: float | None = Field(
+        None,
+        gt=0,
+        description="also save once M minutes have passed since the last save (as --save-every-steps)",
+    )
+    stop_grace_seconds: float = Field(
+        25.0,
+        gt=0,
+        description="on SIGTERM or a cancellation: how long the step in progress and the save of it may "
+        "take before the run gives up waiting for the commit (fits a 30 s notice)",
+    )
     shards: int = Field(
         4, ge=1, le=256, description="HDF5 shard files per version, in all (at every world size)"
     )

@@ -1,5 +1,5 @@
-"""Human-readable sizes, metrics and retention reports, shared by the CLI and the Prefect artifacts
-(no Prefect import)."""
+"""Human-readable sizes, metrics, epochs and retention reports, shared by the CLI and the Prefect
+artifacts (no Prefect import), so that both say the same thing the same way."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ckptflow.storage import PrunePlan
+    from ckptflow.storage import PrunePlan, VersionInfo
 
     from .config import RetentionConfig
 
@@ -32,6 +32,19 @@ def metric_value(value: float) -> str:
 def metrics_text(metrics: dict[str, float]) -> str:
     """``{"loss": 0.123, "acc": 0.98}`` -> ``"loss=0.123 acc=0.98"`` (in the order given)."""
     return " ".join(f"{name}={metric_value(value)}" for name, value in metrics.items())
+
+
+def epoch_text(info: VersionInfo) -> str:
+    """A version's epoch as its tables show it: ``3`` for a save at epoch 3's end, ``3 (1,200/4,000)``
+    for one 1,200 steps into epoch 3 of 4,000 (``3 (1,200)`` when the epoch's length is unknown);
+    ``-`` when it records no epoch."""
+    if info.epoch is None:
+        return "-"
+    steps = info.in_epoch
+    if steps is None:
+        return str(info.epoch)
+    length = info.epoch_steps
+    return f"{info.epoch} ({steps:,}/{length:,})" if length is not None else f"{info.epoch} ({steps:,})"
 
 
 def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:

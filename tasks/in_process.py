@@ -10,18 +10,28 @@ flow's writer lease covers its commits, and it builds with ``writes`` on: it
 sets unreadable versions aside and records the run's identity itself, as the
 flow holds the lease already. torch's intra-op threads are set for the run
 (:mod:`.threads`) and put back when it stops.
+
+SIGTERM while a spec's ``train_steps`` runs (a worker's cancellation, Kubernetes)
+waits for the step in progress: the rank saves that step, and only then is
+Prefect's own handler called (it raises ``TerminationSignal`` in the flow). An
+interrupted run that stood between stretches saves where it stands when it stops.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any
 
 from ckptflow.storage import VersionInfo
 
 from .config import PipelineConfig
 from .protocol import Built, Notes, PendingSave, Progress, Trained
-from .rank import Rank
+from .rank import Preempted, Rank
 from .run_state import open_store
 
 
@@ -46,20 +56,72 @@ class InProcessTrainer:
         log("info", f"torch intra-op threads: {threads} of {os.cpu_count() or 1} cores")
         return self._rank.build(self.config, self.store, writes=True, log=log)
 
-    def train(self, epoch: int, *, keep_snapshot: bool, log: Notes) -> Trained:
-        return self._rank.train(epoch, keep_snapshot=keep_snapshot, log=log)
+    def train(self, epoch: int, *, keep_snapshot: bool, log: Notes, until: int | None = None) -> Trained:
+        with self._sigterm_after_step() as terminated:
+            try:
+                return self._rank.train(epoch, keep_snapshot=keep_snapshot, log=log, until=until)
+            except Preempted:
+                terminated()
+                raise
 
-    def save(self, epoch: int, *, log: Notes) -> PendingSave:
+    @contextlib.contextmanager
+    def _sigterm_after_step(self) -> Iterator[Any]:
+        """While training (in the main thread): SIGTERM asks the rank to stop after the step in
+        progress and save it; the handler it replaced (Prefect's) is called once that is done."""
+        if threading.current_thread() is not threading.main_thread():
+            yield lambda: None
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        frames: list[Any] = []
+
+        def stop(signum: int, frame: Any) -> None:
+            frames.append(frame)
+            self._rank.terminate()
+            if not self._rank.in_steps:  # a whole epoch: the previous handler interrupts it now
+                signal.signal(signal.SIGTERM, previous)
+                _call(previous, signum, frame)
+
+        def terminated() -> None:
+            signal.signal(signal.SIGTERM, previous)
+            _call(previous, signal.SIGTERM, frames[-1] if frames else None)
+
+        signal.signal(signal.SIGTERM, stop)
+        try:
+            yield terminated
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def save(self, version: int, *, log: Notes) -> PendingSave:
         """The save's own handle: a storage SaveHandle (async), or the sync write's."""
-        self._rank.save(epoch, log=log)
-        return self._rank.saving(epoch)
+        self._rank.save(version, log=log)
+        return self._rank.saving(version)
+
+    def request_stop(self) -> None:
+        self._rank.request_stop()
 
     def wait(self, version: int, timeout: float | None = None) -> VersionInfo | None:
         return self._rank.saving(version).wait(timeout)
 
-    def stop(self, *, interrupted: bool = False) -> None:
-        """The saves in flight end first; then torch's threads are put back."""
+    def stop(self, *, interrupted: bool = False, preempted: bool = False) -> None:
+        """The saves in flight end first (``preempted``: where the run stands is saved first);
+        then torch's threads are put back."""
         try:
+            if preempted:
+                self._rank.terminate()
+                self._rank.preempt(_to_logger)
             self._rank.finish()
         finally:
             self._threads.close()
+
+
+def _call(handler: Any, signum: int, frame: Any) -> None:
+    """Run a signal handler as the signal would (the default action: re-deliver the signal)."""
+    if callable(handler):
+        handler(signum, frame)
+    elif handler == signal.SIG_DFL:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+def _to_logger(level: str, message: str) -> None:
+    getattr(logging.getLogger("ckptflow.run"), level)(message)

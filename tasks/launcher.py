@@ -137,6 +137,7 @@ def failure_text(error: BaseException) -> str:
 def main() -> int:
     die_with_parent(signal.SIGKILL, int(sys.argv[1]))  # as an in-process run dies with the flow's process
     ignore(signal.SIGINT)  # Ctrl-C reaches the flow too: it stops the ranks
+    signal.signal(signal.SIGUSR1, _pass_on)  # a cancellation: the ranks stop after their step
     fd = int(os.environ[TRAINER_FD_ENV])
     received: list[bytes] = []
     reading = threading.Thread(target=lambda: received.append(sys.stdin.buffer.read()), daemon=True)
@@ -165,6 +166,21 @@ def main() -> int:
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0
+
+
+def _pass_on(signum: int, frame: object) -> None:
+    """Send ``signum`` on to this process's children (the ranks; in a rank, that has none yet: nothing)."""
+    me = str(os.getpid())
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:
+                parent = stat.read().rpartition(")")[2].split()[1]
+            if parent == me:
+                os.kill(int(entry.name), signum)
+        except (OSError, IndexError):
+            continue  # ended meanwhile
 
 
 def _tell_flow(fd: int, failure: str) -> None:

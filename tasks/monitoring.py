@@ -177,6 +177,7 @@ class RunMonitor:
         self._reported: set[int] = set()
         self._epoch_times: list[tuple[int, float]] = []  # (epoch, monotonic time it finished)
         self._ending: str | None = None  # how the run ended, once it has
+        self._inside: tuple[int, int, int | None] | None = None  # (epoch, its steps trained, of how many)
         self._reporter = _Reporter(self._publish_epochs, self.min_interval)
 
     @property
@@ -200,8 +201,20 @@ class RunMonitor:
         with self._lock:
             self.history[epoch] = dict(metrics)
             self._epoch_times.append((epoch, time.monotonic()))
+            self._inside = None
         self._reporter.soon()
         notify("epoch", {"epoch": epoch, "total": self.total_epochs, "metrics": metrics})
+
+    def step_done(self, epoch: int, in_epoch: int, epoch_steps: int | None) -> None:
+        """A save point inside ``epoch``, after ``in_epoch`` of its ``epoch_steps`` steps: the
+        progress reads "epoch 3/10, step 1,200/4,000"."""
+        with self._lock:
+            self._inside = (epoch, in_epoch, epoch_steps)
+        self._reporter.soon()
+        notify(
+            "step",
+            {"epoch": epoch, "in_epoch": in_epoch, "epoch_steps": epoch_steps, "total": self.total_epochs},
+        )
 
     def committed(self, info: VersionInfo) -> None:
         """A version committed: report it now, once (a second call for it does nothing).
@@ -326,10 +339,14 @@ class RunMonitor:
 
     def _publish_progress(self) -> None:
         with self._lock:
-            times, ended = list(self._epoch_times), self._ending
+            times, ended, inside = list(self._epoch_times), self._ending, self._inside
         done = times[-1][0] if times else 0
-        percent = min(100.0, round(100.0 * max(0, done) / max(1, self.total_epochs), 2))
+        share = 0.0
         text = f"epoch {done}/{self.total_epochs}"
+        if inside is not None:
+            text = f"epoch {inside[0]}/{self.total_epochs}, {step_text(inside[1], inside[2])}"
+            share = inside[1] / inside[2] if inside[2] else 0.0
+        percent = min(100.0, round(100.0 * max(0.0, done + share) / max(1, self.total_epochs), 2))
         if len(times) > 1:
             per_epoch = (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
             text += f", {per_epoch:.3g} s per epoch"
@@ -363,6 +380,11 @@ class RunMonitor:
             if info.version > newest_seen:
                 _run_log().info("reporting version %d (committed, never reported)", info.version)
                 safely("event", functools.partial(emit_committed, info, self.store_url))
+
+
+def step_text(in_epoch: int, epoch_steps: int | None) -> str:
+    """ "step 1,200/4,000" (or "step 1,200" when the epoch's length is unknown)."""
+    return f"step {in_epoch:,}/{epoch_steps:,}" if epoch_steps else f"step {in_epoch:,}"
 
 
 def _run_log() -> Any:

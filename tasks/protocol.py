@@ -21,7 +21,10 @@ What must always hold:
   nearest known base class, its message led by its own class's name; any other error as a
   :class:`TrainerError` that names its type and the line that raised it.
 - The save mode is the run's config's (``async_save``), fixed when the run is built: a save
-  request carries the epoch alone.
+  request carries the version number alone, and saves where the run stands.
+- A stretch of training ends at the epoch's end, or, for a spec that trains by steps, at a
+  save point or a stop inside it (:class:`Trained` says which); where it stands is the
+  progress of the answer.
 
 No torch and no Prefect here: both sides import this module.
 """
@@ -105,10 +108,18 @@ def problems(exc: ValidationError) -> str:
 
 
 class Progress(_Message):
-    """Where the run stands: the last epoch trained (0: none yet), and the optimizer steps so far."""
+    """Where the run stands: the last epoch trained (0: none yet), the optimizer steps so far, and
+    the steps of the next epoch trained (0: at an epoch's end) of its ``epoch_steps`` (if known)."""
 
     epoch: int = Field(0, ge=0)
     step: int = Field(0, ge=0)
+    in_epoch: int = Field(0, ge=0)
+    epoch_steps: int | None = None
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, in_epoch): where the run stands, in training order."""
+        return self.epoch, self.in_epoch
 
 
 class Built(_Message):
@@ -124,8 +135,13 @@ class Built(_Message):
 
 
 class Trained(_Message):
+    """A stretch of training ended: at the epoch's end (its ``metrics``), or inside it (None), at a
+    save point or, ``stopped``, at a stop; ``due``: a step or minute save fell due."""
+
     kind: Literal["trained"] = "trained"
-    metrics: dict[str, float]
+    metrics: dict[str, float] | None
+    stopped: bool = False
+    due: bool = False
 
 
 class Staged(_Message):
@@ -148,19 +164,21 @@ class Done(_Message):
 
 
 class Train(_Message):
-    """Train ``epoch``; the first attempt keeps its start state (``keep_snapshot``), a later one
-    restores it first."""
+    """Train ``epoch`` on from where the run stands, to its end or its next save point (``until``:
+    exactly to that optimizer step); the first attempt keeps its start state (``keep_snapshot``),
+    a later one restores it first."""
 
     op: Literal["train"] = "train"
     epoch: int = Field(ge=1)
     keep_snapshot: bool
+    until: int | None = Field(None, ge=1)
 
 
 class Save(_Message):
-    """Save the state after ``epoch`` as version ``epoch`` (every rank writes its share, rank 0 commits)."""
+    """Save where the run stands as ``version`` (every rank writes its share, rank 0 commits)."""
 
     op: Literal["save"] = "save"
-    epoch: int = Field(ge=1)
+    version: int = Field(ge=0)
 
 
 class Wait(_Message):
@@ -379,18 +397,26 @@ class Trainer(Protocol):
         ...
 
     def train(self, epoch: int, *, keep_snapshot: bool, log: Notes) -> Trained:
-        """Train ``epoch`` (the next one); a retry restores the epoch's start state first."""
+        """Train ``epoch`` (the one in progress, or the next) to its end or its next save point;
+        a retry restores the stretch's start state first."""
         ...
 
-    def save(self, epoch: int, *, log: Notes) -> PendingSave:
-        """Start the save of version ``epoch``: async, it returns once the state is copied."""
+    def save(self, version: int, *, log: Notes) -> PendingSave:
+        """Start the save of where the run stands as ``version``: async, it returns once the state
+        is copied."""
+        ...
+
+    def request_stop(self) -> None:
+        """Ask the training in progress to stop after its current step (a cancellation): the
+        stretch ends ``stopped``. Returns at once; from any thread."""
         ...
 
     def wait(self, version: int, timeout: float | None = None) -> VersionInfo | None:
         """Wait until the save of ``version`` is committed (None: its trainers died first)."""
         ...
 
-    def stop(self, *, interrupted: bool = False) -> None:
-        """End training: the saves in flight commit (or fail) first; ``interrupted``: the epoch
-        in progress is given up."""
+    def stop(self, *, interrupted: bool = False, preempted: bool = False) -> None:
+        """End training: the saves in flight commit (or fail) first; ``interrupted``: the stretch
+        in progress is given up; ``preempted`` (SIGTERM, Ctrl-C): where the run stands is saved
+        first, within the grace period."""
         ...

@@ -15,9 +15,14 @@ What must hold:
   flow waits for it before it asks for the next epoch).
 - Every save in flight ends, committed or failed, before the rank leaves
   (:meth:`Rank.finish`): nothing half-written is given up.
-- :attr:`Rank.progress` changes only once an epoch has trained through (or the
+- :attr:`Rank.progress` changes only once a stretch has trained through (or the
   run is built), in one assignment: an answer sent meanwhile from another
   thread carries either the old progress or the new one, never half of each.
+- A stop (:meth:`Rank.request_stop`: a cancellation; :meth:`Rank.terminate`:
+  SIGTERM) ends a spec's ``train_steps`` after the step in progress, at the same
+  step on every rank (they agree after each step). After SIGTERM the rank
+  saves that step itself (:meth:`Rank.preempt`), then raises :class:`Preempted`:
+  the flow that would have saved it is going away.
 
 No Prefect here; torch is imported by what builds and trains.
 """
@@ -25,6 +30,7 @@ No Prefect here; torch is imported by what builds and trains.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Protocol
@@ -34,6 +40,10 @@ from ckptflow.storage import CheckpointStore, VersionInfo
 from .config import PipelineConfig
 from .protocol import Built, Committed, Done, Notes, Progress, Staged, Trained
 from .run_state import EpochAttempts, RunState, build_run, capture_run, save_options, train_attempt
+
+
+class Preempted(BaseException):
+    """SIGTERM stopped the training: where it stood is saved (or the grace period ran out)."""
 
 
 class _Saving(Protocol):
@@ -100,8 +110,13 @@ class Rank:
         self.run: RunState | None = None
         self.async_save = True
         self.progress = Progress()
+        self.in_steps = False  # a spec's train_steps is running: a stop waits for the step's end
+        self.stop = threading.Event()  # stop after the step in progress
+        self.terminating: float | None = None  # when SIGTERM came (time.monotonic)
+        self.grace = 25.0
         self._attempts: EpochAttempts | None = None
         self._saves: dict[int, _Saving] = {}
+        self._saved: tuple[int, int, int] | None = None  # where the run stood at the last save started
 
     def _built(self) -> RunState:
         if self.run is None:
@@ -126,7 +141,22 @@ class Rank:
         )
         self.run = run
         self.async_save = config.async_save
-        self.progress = Progress(epoch=run.epoch, step=run.step)
+        self.grace = config.stop_grace_seconds
+        self._saved = _position(run) if run.resumed_from is not None else None
+        self._set_progress(run)
+        from .spec import trains_by_steps
+
+        if (
+            self.rank == 0
+            and (config.save_every_steps or config.save_every_minutes)
+            and not trains_by_steps(run.spec)
+        ):
+            log(
+                "warning",
+                f"{type(run.spec).__name__} implements train_epoch, not train_steps: step and minute "
+                "saves are made at the end of the epoch in which they fall due (see the README's "
+                "'Checkpoints inside epochs')",
+            )
         return Built(
             resumed_from=run.resumed_from,
             metrics=run.metrics,
@@ -136,41 +166,112 @@ class Rank:
             world_size=self.world_size,
         )
 
-    def train(self, epoch: int, *, keep_snapshot: bool, log: Notes) -> Trained:
-        """An attempt at ``epoch``: the first keeps the epoch's start state (``keep_snapshot``), a
-        later one (a retry after an error) restores it first."""
+    def train(self, epoch: int, *, keep_snapshot: bool, log: Notes, until: int | None = None) -> Trained:
+        """An attempt at ``epoch`` from where the run stands, to its end or (a spec that trains by
+        steps) its next save point or a stop; ``until``: exactly to that optimizer step. The first
+        attempt of a stretch keeps its start state (``keep_snapshot``), a later one (a retry after
+        an error) restores it first."""
         run = self._built()
-        if self._attempts is None or self._attempts.epoch != epoch:
+        if self._attempts is None or self._attempts.done or self._attempts.epoch != epoch:
             if epoch != run.epoch + 1:
                 raise RuntimeError(
                     f"asked to train epoch {epoch}, but these trainers stand at epoch {run.epoch}"
                 )
             self._attempts = EpochAttempts(run, keep_snapshot=keep_snapshot)
         self._attempts.count += 1
-        metrics = train_attempt(run, epoch, self._attempts, lambda message: log("warning", message))
-        self.progress = Progress(epoch=run.epoch, step=run.step)
-        return Trained(metrics=metrics)
+        from .spec import trains_by_steps
 
-    def save(self, epoch: int, *, log: Notes) -> Staged:
-        """Start the save of the state after ``epoch`` as version ``epoch``, in the run's mode."""
+        self.in_steps = trains_by_steps(run.spec)
+        try:
+            stretch = train_attempt(
+                run,
+                epoch,
+                self._attempts,
+                lambda message: log("warning", message),
+                pause=self._pause,
+                until=until,
+            )
+        finally:
+            self.in_steps = False
+        self._attempts.done = True
+        self._set_progress(run)
+        if stretch.stopped and self.terminating is not None:
+            self.preempt(log)
+            raise Preempted()
+        return Trained(metrics=stretch.metrics, stopped=stretch.stopped, due=stretch.due)
+
+    def _set_progress(self, run: RunState) -> None:
+        length = run.spec.steps_per_epoch(run.epoch + 1) if run.in_epoch else None
+        self.progress = Progress(epoch=run.epoch, step=run.step, in_epoch=run.in_epoch, epoch_steps=length)
+
+    def _pause(self, run: RunState) -> tuple[bool, bool]:
+        """After a step: (a step or minute save is due, a stop was asked), the same on every rank."""
+        config = run.config
+        every = config.save_every_steps
+        due = every is not None and run.step % every == 0
+        minutes = config.save_every_minutes
+        timed = minutes is not None and time.monotonic() - run.saved_at >= minutes * 60
+        stop, terminating = self.stop.is_set(), self.terminating is not None
+        if self.world_size > 1:  # every rank pauses after the same step
+            timed, stop, terminating = _agreed(timed, stop, terminating)
+            if terminating and self.terminating is None:
+                self.terminating = time.monotonic()
+        return due or timed, stop or terminating
+
+    def request_stop(self) -> None:
+        """Stop after the step in progress (a cancellation): the stretch ends ``stopped``."""
+        self.stop.set()
+
+    def terminate(self) -> None:
+        """SIGTERM: stop after the step in progress, save it (:meth:`preempt`) and leave."""
+        if self.terminating is None:
+            self.terminating = time.monotonic()
+        self.stop.set()
+
+    def preempt(self, log: Notes) -> VersionInfo | None:
+        """Save where the run stands, unless a save of it was started, and wait for the saves to
+        commit within the grace period (counted from SIGTERM); the version saved, if any."""
+        run = self.run
+        if run is None or (self._attempts is not None and not self._attempts.done):
+            return None  # not built, or its last stretch failed part-way: nothing whole to save
+        began = self.terminating if self.terminating is not None else time.monotonic()
+        info = None
+        if self._saved != _position(run):
+            where = f"step {run.in_epoch} of epoch {run.epoch + 1}" if run.in_epoch else f"epoch {run.epoch}"
+            log("info", f"stopping: saving {where} before the process ends")
+            (shared, own), kwargs = self._capture(None, log)
+            self._saved = _position(run)
+            info = run.store.save(shared, rank_state=own, **kwargs)
+            log(
+                "info",
+                f"saved version {info.version} {time.monotonic() - began:.2f}s after the stop was asked",
+            )
+        for saving in list(self._saves.values()):
+            saving.join(max(0.0, self.grace - (time.monotonic() - began)))
+        return info
+
+    def save(self, version: int, *, log: Notes) -> Staged:
+        """Start the save of where the run stands as ``version``, in the run's mode."""
         run = self._built()
-        (shared, own), kwargs = self._capture(epoch, log)
+        (shared, own), kwargs = self._capture(version, log)
         saving: _Saving
         if self.async_save:
             saving = run.store.save_async(shared, rank_state=own, **kwargs)
         else:
-            saving = _Writing(epoch, lambda: run.store.save(shared, rank_state=own, **kwargs))
-        self._saves[epoch] = saving  # kept until the run stops: the flow may wait for it late
-        return Staged(version=epoch)
+            saving = _Writing(version, lambda: run.store.save(shared, rank_state=own, **kwargs))
+        self._saves[version] = saving  # kept until the run stops: the flow may wait for it late
+        self._saved = _position(run)
+        return Staged(version=version)
 
     def _capture(
-        self, epoch: int, log: Notes
+        self, version: int | None, log: Notes
     ) -> tuple[tuple[dict[str, Any], dict[str, Any] | None], dict[str, Any]]:
         """The state to save (shared, this rank's own), and the save's arguments."""
         from .training_state import is_sharded, split_ranked
 
         run = self._built()
-        kwargs = save_options(run, epoch)
+        run.saved_at = time.monotonic()
+        kwargs = save_options(run, version)
         state = capture_run(run, lambda message: log("warning", message))
         if self.world_size == 1 and not is_sharded(run.local()[1].model):  # sharded: RNGs stay apart
             return (state, None), kwargs
@@ -201,3 +302,18 @@ class Rank:
         self.finish()
         if self.run is not None:
             self.run.store.close()
+
+
+def _position(run: RunState) -> tuple[int, int, int]:
+    return run.epoch, run.step, run.in_epoch
+
+
+def _agreed(*flags: bool) -> tuple[bool, ...]:
+    """``flags`` or-ed over the ranks (one small all-reduce)."""
+    import torch
+    import torch.distributed as dist
+
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    values = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device)
+    dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in values.tolist())

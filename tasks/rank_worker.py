@@ -29,12 +29,16 @@ the flow's waiting call fails with the failure record. One exception: a build
 that fails on every rank (a model that no longer fits the checkpoint) is the
 leader's answer, typed; the other ranks wait for it and leave quietly, so the
 flow does not take it for a dead rank and retry. SIGTERM (the flow was
-interrupted) stops the epoch in progress; the saves in flight commit before
-the rank exits. No Prefect import here: a rank starts in a second, not five.
+interrupted) stops the epoch in progress; a spec's ``train_steps`` stops after
+its step instead, on every rank at the same step, and the ranks save it. The
+saves in flight commit before the rank exits. SIGUSR1 (a cancellation the flow
+saw) only stops ``train_steps`` after its step: the flow saves it. No Prefect
+import here: a rank starts in a second, not five.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -47,7 +51,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ValidationError
 
@@ -69,6 +73,9 @@ from .protocol import (
     Wait,
 )
 from .run_state import open_store
+
+if TYPE_CHECKING:
+    from .rank import Rank
 
 log = logging.getLogger("ckptflow.rank")
 
@@ -300,10 +307,12 @@ class Server:
         if isinstance(request, Train):
             self.answer(
                 call_id,
-                lambda: rank.train(request.epoch, keep_snapshot=request.keep_snapshot, log=self.notes),
+                lambda: rank.train(
+                    request.epoch, keep_snapshot=request.keep_snapshot, log=self.notes, until=request.until
+                ),
             )
         elif isinstance(request, Save):
-            self.answer(call_id, lambda: rank.save(request.epoch, log=self.notes))
+            self.answer(call_id, lambda: rank.save(request.version, log=self.notes))
         elif isinstance(request, Wait):
             self.in_thread(call_id, lambda: rank.wait(request.version))
         elif isinstance(request, Resubmit):
@@ -318,14 +327,22 @@ class _Stops:
     raises :class:`_Interrupted`), every later one is only counted, and so is a stop once
     ``raising`` is off (the work has ended: the saves in flight commit first). Never swapping
     handlers while leaving matters: a stop that arrived while ``signal.signal`` itself ran got
-    the old, raising handler, and its exception escaped the rank's cleanup as a traceback."""
+    the old, raising handler, and its exception escaped the rank's cleanup as a traceback.
+
+    A spec's ``train_steps`` is not interrupted: the rank stops after the step in progress,
+    saves it and raises :class:`~.rank.Preempted` itself."""
 
     def __init__(self) -> None:
         self.count = 0
         self.raising = True
+        self.rank: Rank | None = None
 
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
+        if self.rank is not None:
+            self.rank.terminate()
+            if self.rank.in_steps:
+                return
         if self.raising:
             self.raising = False  # one interruption only: the rank is on its way out
             raise _Interrupted()
@@ -350,6 +367,7 @@ def serve_rank(job: str | None, fd: int | None, launcher: int | None) -> None:
     import torch.distributed as dist
 
     from .lifetime import die_with_parent
+    from .rank import Preempted
 
     if launcher is not None:
         die_with_parent(signal.SIGKILL, launcher)
@@ -368,6 +386,8 @@ def serve_rank(job: str | None, fd: int | None, launcher: int | None) -> None:
     if fd is not None and conn is None:
         os.close(fd)  # another local rank leads: this one never speaks to the flow
     server = Server(world, conn)
+    stops.rank = server.rank
+    signal.signal(signal.SIGUSR1, lambda signum, frame: server.rank.request_stop())
     try:
         if world.leads:
             assert given is not None
@@ -387,8 +407,11 @@ def serve_rank(job: str | None, fd: int | None, launcher: int | None) -> None:
         if server.built:
             server.serve()
         stops.raising = False  # from here a stop is counted: the saves in flight commit first
-    except _Interrupted:
-        pass
+    except (_Interrupted, Preempted):
+        stops.raising = False
+        if world.size == 1:  # between requests: where the run stands is saved (one rank needs no peers)
+            with contextlib.suppress(Exception):
+                server.rank.preempt(server.notes)
     finally:
         stops.raising = False
         server.rank.close()

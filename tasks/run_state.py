@@ -17,13 +17,17 @@ is built, restored and trained.
 
 from __future__ import annotations
 
+import math
 import re
+import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptflow.storage import (
+    EPOCH_STEPS,
+    IN_EPOCH,
     CheckpointStore,
     RankStateWarning,
     StateMismatchError,
@@ -67,7 +71,10 @@ class RunState:
     spec: TrainingSpec
     trainable: Trainable
     epoch: int = 0  # last completed epoch
-    step: int = 0
+    step: int = 0  # optimizer steps trained in all
+    in_epoch: int = 0  # steps of the next epoch trained: a run that stands inside an epoch (train_steps)
+    steps: Iterator[Any] | None = None  # the spec's live train_steps of the epoch in progress
+    saved_at: float = field(default_factory=time.monotonic)  # when the last save started (minutes cadence)
     resumed_from: VersionInfo | None = None
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
@@ -162,6 +169,8 @@ def build_run(
         epochs=config.epochs,
         planned_epochs=planned_epochs(config, store.latest(), warn),
         save_every=config.save_every,
+        save_every_steps=config.save_every_steps,
+        save_every_minutes=config.save_every_minutes,
         world_size=world_size,
         rank=rank,
         storage=store.url,
@@ -195,7 +204,7 @@ def build_run(
                 state.update(store.load_rank_state(latest.version, rank=0, world_size=1) or {})
         _check_saved_parts(latest.version, store.url, capture(trainable, spec, epoch=0, step=0), state, warn)
         try:
-            run.epoch, run.step = restore(trainable, spec, state)
+            run.epoch, run.step, run.in_epoch = restore(trainable, spec, state)
         except (RuntimeError, ValueError) as exc:
             if not _does_not_fit(exc):
                 raise
@@ -203,8 +212,9 @@ def build_run(
             raise _misfit(latest.version, store.url, exc, state, built) from None
         reseed_epoch = run.epoch if saved_by != world_size else None
         run.resumed_from = latest
-        run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None}
-        info(f"resuming from {latest.url} (epoch {run.epoch})")
+        run.metrics = {v.epoch: v.metrics for v in store.versions() if v.epoch is not None and not v.in_epoch}
+        where = f"step {run.in_epoch} of epoch {run.epoch + 1}" if run.in_epoch else f"epoch {run.epoch}"
+        info(f"resuming from {latest.url} ({where})")
     elif config.resume_only:
         raise nothing_to_resume(store.url)
     else:
@@ -321,35 +331,124 @@ def set_aside_unreadable(store: CheckpointStore, warn: Log) -> None:
 
 
 class EpochAttempts:
-    """Tracks attempts of one epoch in the process that trains it; from the second on, the start
-    state (kept by the first, with ``keep_snapshot``) is restored first."""
+    """Tracks attempts of one stretch of training (an epoch, or its steps up to a save point) in the
+    process that trains it; from the second on, the start state (kept by the first, with
+    ``keep_snapshot``) is restored first. ``done``: its last attempt trained through."""
 
     def __init__(self, run: RunState, *, keep_snapshot: bool) -> None:
         self.snapshot: Snapshot | None = None
         self.keep_snapshot = keep_snapshot
         self.epoch = run.epoch + 1
+        self.done = False
         if keep_snapshot:
             from .training_state import Snapshot
 
             spec, trainable = run.local()
-            self.snapshot = Snapshot(trainable, spec, epoch=run.epoch, step=run.step)
+            where = {"epoch": run.epoch, "step": run.step, "in_epoch": run.in_epoch}
+            self.snapshot = Snapshot(trainable, spec, **where, rng=run.rng)
         self.count = 0
 
 
-def train_attempt(run: RunState, epoch: int, attempts: EpochAttempts, warn: Log) -> dict[str, float]:
-    """Attempt ``attempts.count`` of ``epoch``: finite float metrics; the run moves to ``epoch``."""
+@dataclass(frozen=True)
+class Stretch:
+    """How a stretch of training ended: the epoch's metrics at its end (None: paused inside it,
+    at a save point or a stop), whether a stop was asked, whether a step or minute save fell due
+    (at an epoch's end: in its last step, or in a spec that trains whole epochs)."""
+
+    metrics: dict[str, float] | None
+    stopped: bool = False
+    due: bool = False
+
+
+Pause = Callable[["RunState"], tuple[bool, bool]]  # after a step: (a save is due, a stop was asked)
+
+
+def train_attempt(
+    run: RunState,
+    epoch: int,
+    attempts: EpochAttempts,
+    warn: Log,
+    *,
+    pause: Pause | None = None,
+    until: int | None = None,
+) -> Stretch:
+    """Attempt ``attempts.count`` of ``epoch`` from where the run stands: to the epoch's end, or,
+    for a spec that trains by steps, to the first step after which ``pause`` says a save is due or
+    a stop was asked (``until``: exactly to that global step, or the epoch's end)."""
+    from .spec import trains_by_steps
     from .training_state import run_epoch
 
     spec, trainable = run.local()
     if attempts.count > 1:
         if attempts.snapshot is None:
             raise RuntimeError(f"epoch {epoch} cannot be retried: no start state was kept")
-        run.epoch, run.step = attempts.snapshot.restore(trainable, spec)
-        warn(f"retrying epoch {epoch} from its start state (attempt {attempts.count})")
+        run.steps = None
+        run.epoch, run.step, run.in_epoch = attempts.snapshot.restore(trainable, spec)
+        from .training_state import rng_state
+
+        run.rng = rng_state()
+        where = f"step {run.in_epoch} of epoch {epoch}" if run.in_epoch else f"epoch {epoch}"
+        warn(f"retrying from the start state of {where} (attempt {attempts.count})")
+    if trains_by_steps(spec):
+        return _train_steps(run, epoch, pause, until)
+    before = run.step
     clean, steps, run.rng = run_epoch(spec, trainable, epoch, run.rng)
     run.epoch, run.step = epoch, run.step + steps
     run.metrics[epoch] = clean
-    return clean
+    due = _due_in_epoch(run, before)
+    if pause is not None:
+        timed, stopped = pause(run)
+        return Stretch(clean, stopped=stopped, due=due or timed)
+    return Stretch(clean, due=due)
+
+
+def _due_in_epoch(run: RunState, before: int) -> bool:
+    """Whether a step save fell due in the steps an epoch trained (a spec that trains whole epochs)."""
+    every = run.config.save_every_steps
+    return every is not None and run.step // every > before // every
+
+
+def _train_steps(run: RunState, epoch: int, pause: Pause | None, until: int | None) -> Stretch:
+    """Drive the spec's ``train_steps`` (its live generator, or a new one from ``run.in_epoch``)."""
+    from .training_state import rng_state, set_rng_state
+
+    spec, trainable = run.local()
+    if run.rng is not None:  # what ran since the last step (a save, Prefect's threads) draws nothing here
+        set_rng_state(run.rng)
+    if run.steps is None:
+        run.steps = iter(spec.train_steps(trainable, epoch, run.in_epoch))
+    length = spec.steps_per_epoch(epoch)
+    due_at_end = False
+    try:
+        while True:
+            next(run.steps)
+            run.step += 1
+            run.in_epoch += 1
+            if until is not None:
+                if run.step >= until:
+                    break
+                continue
+            due, stopped = pause(run) if pause is not None else (False, False)
+            if stopped or (due and run.in_epoch != length):
+                run.rng = rng_state()
+                return Stretch(None, stopped=stopped, due=due)
+            due_at_end = due_at_end or due  # at the epoch's last step: saved at its end
+    except StopIteration as end:
+        metrics = dict(end.value or {})
+    except BaseException:
+        run.steps = None  # a generator that raised is finished: a retry starts a new one
+        raise
+    else:  # reached ``until`` inside the epoch
+        run.rng = rng_state()
+        return Stretch(None)
+    run.steps = None
+    metrics.update(spec.evaluate(trainable, epoch))
+    run.rng = rng_state()
+    metrics.pop("steps", None)
+    clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    run.epoch, run.in_epoch = epoch, 0
+    run.metrics[epoch] = clean
+    return Stretch(clean, due=due_at_end)
 
 
 def capture_run(run: RunState, warn: Log | None = None) -> dict[str, Any]:
@@ -361,10 +460,10 @@ def capture_run(run: RunState, warn: Log | None = None) -> dict[str, Any]:
     from .training_state import capture, unsaved_generators
 
     spec, trainable = run.local()
-    state = capture(trainable, spec, epoch=run.epoch, step=run.step, rng=run.rng)
+    state = capture(trainable, spec, epoch=run.epoch, step=run.step, in_epoch=run.in_epoch, rng=run.rng)
     if warn is not None and run.generator_seeds is not None:
         seeds, run.generator_seeds = run.generator_seeds, None
-        lost = unsaved_generators(spec, state, seeds, epoch=run.epoch)
+        lost = unsaved_generators(spec, state, seeds, epoch=run.epoch + (1 if run.in_epoch else 0))
         if lost:
             warn(_unsaved_generators_note(lost))
     return state
@@ -382,12 +481,16 @@ def _unsaved_generators_note(lost: list[list[str]]) -> str:
     )
 
 
-def save_options(run: RunState, epoch: int) -> dict[str, Any]:
-    """The arguments of the save of ``epoch`` (version ``epoch``), whichever process saves it."""
-    return {
-        "epoch": epoch,
-        "step": run.step,
-        "metrics": run.metrics.get(epoch),
-        "version": epoch,
-        "user": {PLANNED_EPOCHS: run.planned_epochs},
-    }
+def save_options(run: RunState, version: int | None) -> dict[str, Any]:
+    """The arguments of the save of where the run stands, as ``version`` (None: the next number
+    above every version), whichever process saves it. A save inside an epoch records the epoch in
+    progress, and the steps of it trained (``in_epoch``), and no metrics."""
+    user: dict[str, Any] = {PLANNED_EPOCHS: run.planned_epochs}
+    epoch, metrics = run.epoch, run.metrics.get(run.epoch)
+    if run.in_epoch:
+        epoch, metrics = run.epoch + 1, None
+        user[IN_EPOCH] = run.in_epoch
+        length = run.spec.steps_per_epoch(epoch)
+        if length:
+            user[EPOCH_STEPS] = length
+    return {"epoch": epoch, "step": run.step, "metrics": metrics, "version": version, "user": user}

@@ -26,13 +26,25 @@ uninterrupted one, an epoch must depend only on that state and the epoch
 number: every generator the spec keeps (a DataLoader's) goes in ``extras``, or
 is made afresh each epoch from ``(seed, epoch)`` (see :func:`epoch_generator`);
 other randomness comes from the global RNGs.
+
+Checkpoints inside epochs: a spec that implements :meth:`TrainingSpec.train_steps`
+(a generator that yields after each optimizer step) instead of ``train_epoch``
+can be saved, and resumed, between any two steps: ``save_every_steps``,
+``save_every_minutes`` and a stop request (SIGTERM, a cancellation) pause it
+there. Its position in the epoch is part of the checkpoint; the spec's share
+of it is to skip the ``start`` steps already trained (a plain DataLoader: the
+epoch's order from :func:`epoch_generator`, sliced; a torchdata
+``StatefulDataLoader`` in ``Trainable.extras`` resumes by itself) and to keep
+what it accumulates over the epoch (a loss sum) in its own ``state_dict``.
+A spec that overrides ``train_epoch`` trains whole epochs: step and minute
+cadences then save at the end of the epoch in which they fall due.
 """
 
 from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +59,8 @@ class RunFacts:
     epochs: int = 1  # the epoch the run trains until (its target, counted from 1, not the epochs left)
     planned_epochs: int = 1  # the target the run was started with, kept by every resume: size schedules by it
     save_every: int = 1  # a checkpoint every N epochs (and at the end)
+    save_every_steps: int | None = None  # ... and every N optimizer steps (train_steps specs: inside epochs)
+    save_every_minutes: float | None = None  # ... and every M minutes of training
     world_size: int = 1  # training processes (torch.distributed ranks)
     rank: int = 0  # this process's rank
     storage: str = ""  # the store's URL, without credentials
@@ -76,9 +90,33 @@ class TrainingSpec(ABC):
     def build(self) -> Trainable:
         """Create the model, optimizer, scheduler and data (called once per run)."""
 
-    @abstractmethod
     def train_epoch(self, trainable: Trainable, epoch: int) -> dict[str, float]:
-        """Train one epoch (epochs count from 1) and return its metrics."""
+        """Train one epoch (epochs count from 1) and return its metrics.
+
+        Implement this or :meth:`train_steps`; by default it runs ``train_steps`` through.
+        """
+        if type(self).train_steps is TrainingSpec.train_steps:
+            raise NotImplementedError(f"{type(self).__name__} implements neither train_epoch nor train_steps")
+        steps, count = self.train_steps(trainable, epoch, 0), 0
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return {"steps": count, **(end.value or {})}
+            count += 1
+
+    def train_steps(self, trainable: Trainable, epoch: int, start: int) -> Iterator[object]:
+        """Train ``epoch`` from its step ``start`` (the steps already trained: 0 for a new epoch,
+        more when a run resumes inside it), yielding after each optimizer step; ``return`` the
+        epoch's metrics. The run may be saved at any yield, and resumed there by a new call with
+        ``start`` = the steps trained: skip them, and keep what the epoch accumulates in
+        :meth:`state_dict`. What is yielded is not used. Optional: see the module's docstring."""
+        raise NotImplementedError
+
+    def steps_per_epoch(self, epoch: int) -> int | None:
+        """How many steps ``epoch`` has, if the spec knows (progress reads "step 1,200/4,000", and a
+        step save due at the epoch's last step is made at its end instead); None: unknown."""
+        return None
 
     def evaluate(self, trainable: Trainable, epoch: int) -> dict[str, float]:
         """Optional evaluation after an epoch; its metrics join the epoch's."""
@@ -91,6 +129,12 @@ class TrainingSpec(ABC):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         return None
+
+
+def trains_by_steps(spec: TrainingSpec | type[TrainingSpec]) -> bool:
+    """Whether a spec trains step by step (implements ``train_steps``, not ``train_epoch``)."""
+    kind = spec if isinstance(spec, type) else type(spec)
+    return kind.train_steps is not TrainingSpec.train_steps and kind.train_epoch is TrainingSpec.train_epoch
 
 
 class SpecError(ValueError):
@@ -115,6 +159,8 @@ def load_spec_class(path: str) -> type[TrainingSpec]:
             raise SpecError(f"module {module_name!r} has no attribute {attr!r} (spec {path!r})")
     if not (isinstance(obj, type) and issubclass(obj, TrainingSpec)):
         raise SpecError(f"spec {path!r} is not a subclass of ckptflow.tasks.spec.TrainingSpec")
+    if obj.train_epoch is TrainingSpec.train_epoch and obj.train_steps is TrainingSpec.train_steps:
+        raise SpecError(f"spec {path!r} implements neither train_epoch nor train_steps: implement one")
     return obj
 
 

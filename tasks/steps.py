@@ -7,9 +7,10 @@ Each task is a thin wrapper over the run's :class:`~.protocol.Trainer` and
 ask which kind it is. Each task is safe to retry:
 
 - ``init_model`` builds everything from scratch on every attempt.
-- ``train_epoch``: the trainer restores the state captured at the start of the
-  epoch before a retried attempt, so a retry never continues a half-updated
-  model. It also puts back the RNG states the previous epoch ended with, and
+- ``train_epoch``: trains an epoch, or (a spec that trains by steps) its steps
+  up to the next save point or stop; the trainer restores the state captured
+  at the start of that stretch before a retried attempt, so a retry never
+  continues a half-updated model. It also puts back the RNG states the previous epoch ended with, and
   the checkpoint saves those: the process's global RNGs are shared with Prefect
   (retry jitter draws from ``random`` in the flow's thread), and draws made
   between epochs must not reach training. Draws by other threads *during* an
@@ -17,10 +18,14 @@ ask which kind it is. Each task is safe to retry:
   ``random.getrandbits``): a spec that needs a bitwise resume should not draw
   from Python's global ``random``. Trainers that died are replaced, and stand
   where the run stood, before they are asked anything.
-- ``save_checkpoint`` writes version number = epoch: a retry after a crash
-  clears the leftovers and writes the same version again, and a retry after
-  the commit finds the version committed and returns it, so one epoch yields
-  one committed version, never two.
+- ``save_checkpoint`` writes the version number the flow chose for the save
+  point (the next number, and at least the epoch's: a run that saves only at
+  epoch ends has version = epoch): a retry after a crash clears the leftovers
+  and writes the same version again, and a retry after the commit finds the
+  version committed and returns it, so one save point yields one committed
+  version, never two. Before it starts a save it applies the retention policy
+  to what is committed, so a long run never holds more than the policy keeps
+  and the save in flight.
 - ``commit_checkpoint`` waits for an async save and, if the background write
   failed, writes the same staged state again on the next attempt.
 
@@ -60,7 +65,7 @@ from . import run_state
 from .config import PipelineConfig, RetentionConfig
 from .formatting import retention_line
 from .monitoring import notify
-from .protocol import Built, Notes, PendingSave, Progress, Trainer, TrainerDiedError
+from .protocol import Built, Notes, PendingSave, Progress, Trained, Trainer, TrainerDiedError
 from .retrying import failure_key, io_task, is_transient, refuse_retries, unless_refused
 from .run_state import RUN_FILE, ConfigMismatchError, NothingToResumeError
 from .spec import SpecError
@@ -86,6 +91,19 @@ class TrainingRun:
     built: Built
     began: Progress  # where the build left the run: the epoch before the first this run trains
     writing: tuple[int, Future[Any]] | None = None  # (version, sync save) that outlived its task's timeout
+    next_version: int = 0  # the lowest number the next save may take
+
+    @property
+    def progress(self) -> Progress:
+        """Where the run stands (the trainer's last answer)."""
+        return self.trainer.progress
+
+    def version_for_save(self) -> int:
+        """The number of a save of where the run stands: the next one, and at least the epoch's
+        (a save inside an epoch: the epoch in progress), so that versions sort in training order
+        and a run that saves at epoch ends only has version = epoch."""
+        progress = self.trainer.progress
+        return max(self.next_version, progress.epoch + (1 if progress.in_epoch else 0))
 
     @property
     def store(self) -> CheckpointStore:
@@ -113,9 +131,10 @@ class TrainingRun:
         """The metrics of the epochs committed when the run was built (a resume's history)."""
         return self.built.metrics
 
-    def close(self, *, interrupted: bool = False) -> None:
-        """Stop the trainer: the saves in flight commit first (``interrupted``: it gives up its epoch)."""
-        self.trainer.stop(interrupted=interrupted)
+    def close(self, *, interrupted: bool = False, preempted: bool = False) -> None:
+        """Stop the trainer: the saves in flight commit first (``interrupted``: it gives up its
+        stretch; ``preempted``: it saves where it stands first)."""
+        self.trainer.stop(interrupted=interrupted, preempted=preempted)
 
 
 @dataclass
@@ -151,7 +170,8 @@ def init_model(config: PipelineConfig) -> TrainingRun:
     except BaseException:
         trainer.stop(interrupted=True)
         raise
-    return TrainingRun(config, trainer, built, trainer.progress)
+    known = [v.version for v in trainer.store.versions()]
+    return TrainingRun(config, trainer, built, trainer.progress, next_version=max(known, default=-1) + 1)
 
 
 def _trainer_for(config: PipelineConfig) -> Trainer:
@@ -165,8 +185,9 @@ def _trainer_for(config: PipelineConfig) -> Trainer:
 
 
 @task(name="train_epoch", cache_policy=NO_CACHE, retry_condition_fn=unless_refused)
-def train_epoch(run: TrainingRun, epoch: int, tries: EpochTries) -> dict[str, float]:
-    """Run the spec's epoch (and evaluation); return finite float metrics.
+def train_epoch(run: TrainingRun, epoch: int, tries: EpochTries) -> Trained:
+    """Run the spec's epoch (and evaluation), or its steps to the next save point or stop (the
+    answer's ``metrics`` are None then; the run's progress says where it stands).
 
     A retry after the trainers died starts new ones from the last commit; a retry after an
     error in the epoch restores the epoch's start state. An error that repeats the previous
@@ -188,7 +209,7 @@ def train_epoch(run: TrainingRun, epoch: int, tries: EpochTries) -> dict[str, fl
             refuse_retries(exc, why)
         tries.failure = key
         raise
-    return trained.metrics
+    return trained
 
 
 def _log_to(logger: Any) -> Notes:
@@ -221,12 +242,14 @@ class ForeignVersionError(CheckpointError):
 @io_task("save_checkpoint", retry_condition_fn=_save_may_pass)
 def save_checkpoint(
     run: TrainingRun,
-    epoch: int,
+    version: int,
     *,
     previous: PendingSave | None = None,
     timeout: float | None = None,
+    retention: RetentionConfig | None = None,
 ) -> SaveResult:
-    """Commit the async save in flight, then save the state after ``epoch`` as version ``epoch``.
+    """Commit the async save in flight, apply ``retention`` to what is committed, then save where
+    the run stands as ``version``.
 
     Async saves (the run's mode, ``async_save``) return once the state is copied. Waiting for
     ``previous`` here, not in a task of its own, saves a task run per epoch; if its background
@@ -237,40 +260,55 @@ def save_checkpoint(
     twice: a write that outlived its attempt goes on, and the next attempt waits for it.
     """
     committed = _commit_within(previous, timeout) if previous is not None else None
-    if run.writing is not None and run.writing[0] == epoch:
+    if retention is not None:
+        _retain(run.store, retention)
+    if run.writing is not None and run.writing[0] == version:
         earlier = run.writing[1]
         try:
-            info = _wait_for(earlier, timeout, epoch)
+            info = _wait_for(earlier, timeout, version)
         except SaveTimeoutError:
             raise
         except Exception as exc:  # that write failed: write again below
-            get_run_logger().warning("the earlier save of version %d failed (%s): saving again", epoch, exc)
+            get_run_logger().warning("the earlier save of version %d failed (%s): saving again", version, exc)
         else:
             return SaveResult(info, committed)
         finally:
             if earlier.done():
                 run.writing = None
-    existing = run.store.find(epoch)
+    existing = run.store.find(version)
     if existing is not None:
-        if not run.store.committed_by_this_writer(epoch):  # never report another writer's version as ours
+        if not run.store.committed_by_this_writer(version):  # never report another writer's version as ours
             raise ForeignVersionError(
-                f"version {epoch} of {run.store.url} was committed by another writer, not by this run "
-                f"(its manifest carries another lease): epoch {epoch} was not saved. Nothing was "
+                f"version {version} of {run.store.url} was committed by another writer, not by this run "
+                f"(its manifest carries another lease): version {version} was not saved. Nothing was "
                 "overwritten; see `ckptflow show` for what it holds, remove it if it is not wanted "
                 "(`ckptflow prune`), and run again"
             )
-        get_run_logger().info("epoch %d is already committed as %s", epoch, existing.url)
+        get_run_logger().info("version %d is already committed as %s", version, existing.url)
         return SaveResult(existing, committed)
-    save = run.trainer.save(epoch, log=_log_to(get_run_logger()))  # its notes show on this task
+    save = run.trainer.save(version, log=_log_to(get_run_logger()))  # its notes show on this task
     if run.trainer.async_save:
         return SaveResult(save, committed)
     future = _in_thread(save.wait)
-    run.writing = (epoch, future)
-    info = _wait_for(future, timeout, epoch)
+    run.writing = (version, future)
+    info = _wait_for(future, timeout, version)
     run.writing = None
     if info is None:  # its trainers died before it committed: the retry's new ones save it again
-        raise TrainerDiedError(f"the trainers that were writing version {epoch} died before it committed")
+        raise TrainerDiedError(f"the trainers that were writing version {version} died before it committed")
+    if retention is not None:
+        _retain(run.store, retention)
     return SaveResult(info, committed)
+
+
+def _retain(store: CheckpointStore, policy: RetentionConfig) -> None:
+    """Apply the retention policy as the run goes; its one-line report when it removed versions."""
+    if not policy.enabled():
+        return
+    plan = store.apply_retention(policy.policy())
+    if plan.remove:
+        line = retention_line(policy, plan)
+        get_run_logger().info(line)
+        notify("retention", {"text": line, "removed": list(plan.remove), "kept": list(plan.remaining)})
 
 
 @io_task("commit_checkpoint")

@@ -41,6 +41,7 @@ the rank and how it ended; the next request starts new trainers
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -385,52 +386,63 @@ class ProcessTrainer:
         self._process = relaunch(self.config, self._process.storage_options)
         return self._built(self._process, log)
 
-    def train(self, epoch: int, *, keep_snapshot: bool, log: Notes) -> Trained:
+    def train(self, epoch: int, *, keep_snapshot: bool, log: Notes, until: int | None = None) -> Trained:
         self._revive(log)  # new trainers count their own attempts: their first keeps the start state
-        return _reply(self._process.call(Train(epoch=epoch, keep_snapshot=keep_snapshot), log), Trained)
+        request = Train(epoch=epoch, keep_snapshot=keep_snapshot, until=until)
+        return _reply(self._process.call(request, log), Trained)
 
-    def save(self, epoch: int, *, log: Notes) -> PendingSave:
-        self._revive(log, saving=epoch)
-        staged = _reply(self._process.call(Save(epoch=epoch), log), Staged)  # its notes show on the task
+    def save(self, version: int, *, log: Notes) -> PendingSave:
+        self._revive(log)
+        staged = _reply(self._process.call(Save(version=version), log), Staged)  # its notes show on the task
         return _ProcessSave(self._process, staged.version, self)
+
+    def request_stop(self) -> None:
+        """SIGUSR1 to the launcher, which passes it to its ranks: they stop after the step in progress."""
+        with contextlib.suppress(ProcessLookupError):
+            if not self._process.dead():
+                self._process.process.send_signal(signal.SIGUSR1)
 
     def wait(self, version: int, timeout: float | None = None) -> VersionInfo | None:
         return _ProcessSave(self._process, version, self).wait(timeout)
 
-    def stop(self, *, interrupted: bool = False) -> None:
-        """End the trainers; ``interrupted``: SIGTERM, they stop the epoch and commit what is in
-        flight, then exit."""
-        self._process.close(interrupted=interrupted)
+    def stop(self, *, interrupted: bool = False, preempted: bool = False) -> None:
+        """End the trainers; ``interrupted``: SIGTERM, they stop the stretch in progress (a spec's
+        ``train_steps`` after its step, which they save) and commit what is in flight, then exit."""
+        self._process.close(interrupted=interrupted or preempted)
 
-    def _revive(self, log: Notes, *, saving: int | None = None) -> None:
+    def _revive(self, log: Notes) -> None:
         """Replace trainers that died (a rank failed or was killed) by new ones, which resume from
-        the last commit and train the epochs since again, so that they stand where the run stands
-        (:attr:`progress`). Training is deterministic from a commit (its RNG states are saved), so
-        they stand exactly there. An epoch among them whose save died with the old trainers (an
-        async save in flight) is saved again, as the same version, unless it is ``saving``."""
+        the last commit and train again up to where the run stands (:attr:`progress`). Training is
+        deterministic from a commit (its RNG states are saved), so they stand exactly there. A
+        save that died with the old trainers is not made again: the flow's wait for it says so,
+        and the run's next save holds what it would have."""
         old = self._process
         if not old.dead():
             return
         log("warning", f"{old.died_message()}: starting new trainers")
-        target = old.progress.epoch
+        target = old.progress
         process = relaunch(self.config, old.storage_options)
         self._built(process, log)
         try:
-            resumed = process.progress.epoch
-            if resumed > target:
-                raise RuntimeError(f"the new trainers resumed at epoch {resumed}, after the run's {target}")
-            for epoch in range(resumed + 1, target + 1):
-                log("info", f"training epoch {epoch} again: its trainers died before it was committed")
-                _reply(process.call(Train(epoch=epoch, keep_snapshot=False), log), Trained)
-                if epoch % self.config.save_every == 0 and epoch != saving and self.store.find(epoch) is None:
-                    # its save died with the old trainers: the flow's wait for it finds this commit
-                    log("info", f"saving epoch {epoch} again: its save died with the trainers")
-                    version = _reply(process.call(Save(epoch=epoch), log), Staged).version
-                    _reply(process.call(Wait(version=version)), Committed)
+            if process.progress.position > target.position:
+                resumed, run = _where(process.progress), _where(target)
+                raise RuntimeError(f"the new trainers resumed at {resumed}, after the run's {run}")
+            while process.progress.position < target.position:
+                epoch = process.progress.epoch + 1
+                until = target.step if epoch == target.epoch + 1 else None  # inside the run's epoch
+                log("info", f"training {_where(process.progress, 'from')} again: its trainers died first")
+                request = Train(epoch=epoch, keep_snapshot=False, until=until)
+                _reply(process.call(request, log), Trained)
         except BaseException:
             process.close(interrupted=True)
             raise
         self._process = process
+
+
+def _where(progress: Progress, word: str = "at") -> str:
+    if progress.in_epoch:
+        return f"step {progress.in_epoch} of epoch {progress.epoch + 1}"
+    return f"the end of epoch {progress.epoch}" if word == "at" else f"epoch {progress.epoch + 1}"
 
 
 class _ProcessSave:

@@ -66,9 +66,16 @@ def _as_tuples(value: Any) -> Any:
 
 
 def capture(
-    trainable: Trainable, spec: TrainingSpec, *, epoch: int, step: int, rng: Mapping[str, Any] | None = None
+    trainable: Trainable,
+    spec: TrainingSpec,
+    *,
+    epoch: int,
+    step: int,
+    in_epoch: int = 0,
+    rng: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The state to checkpoint after ``epoch`` (references to live tensors, not copies).
+    """The state to checkpoint after ``epoch`` and ``in_epoch`` steps of the next one (references
+    to live tensors, not copies).
 
     ``rng``: the RNG states to save (default: the process's current ones).
     """
@@ -92,12 +99,13 @@ def capture(
         state["extras"] = {k: _extra_state(v) for k, v in trainable.extras.items()}
     state["spec"] = spec.state_dict()
     state["rng"] = dict(rng) if rng is not None else rng_state()
-    state["progress"] = {"epoch": epoch, "step": step}
+    state["progress"] = {"epoch": epoch, "step": step, "in_epoch": in_epoch}
     return state
 
 
-def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) -> tuple[int, int]:
-    """Put a captured state back; return its (epoch, step).
+def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) -> tuple[int, int, int]:
+    """Put a captured state back; return its (epoch, step, in_epoch): the last epoch completed,
+    the optimizer steps, and the steps of the next epoch trained (0: the state of an epoch's end).
 
     An optimizer, scheduler, scaler or extras entry the state lacks is left as built."""
     if is_sharded(trainable.model) or _keyed_by_name(state.get("optimizer")):
@@ -128,7 +136,8 @@ def restore(trainable: Trainable, spec: TrainingSpec, state: Mapping[str, Any]) 
             obj.load_state_dict(extras[key])
     spec.load_state_dict(state.get("spec", {}))
     set_rng_state(state["rng"])
-    return int(state["progress"]["epoch"]), int(state["progress"]["step"])
+    progress = state["progress"]
+    return int(progress["epoch"]), int(progress["step"]), int(progress.get("in_epoch", 0))
 
 
 GENERATOR_STATE = "generator_state"  # a torch.Generator in extras is saved as {this: get_state()}
@@ -280,10 +289,20 @@ def _byte_tensors(value: Any) -> list[torch.Tensor]:
 class Snapshot:
     """A private deep copy of the training state, to restart an epoch from."""
 
-    def __init__(self, trainable: Trainable, spec: TrainingSpec, *, epoch: int, step: int) -> None:
-        self._state = copy.deepcopy(capture(trainable, spec, epoch=epoch, step=step))
+    def __init__(
+        self,
+        trainable: Trainable,
+        spec: TrainingSpec,
+        *,
+        epoch: int,
+        step: int,
+        in_epoch: int = 0,
+        rng: Mapping[str, Any] | None = None,
+    ) -> None:
+        state = capture(trainable, spec, epoch=epoch, step=step, in_epoch=in_epoch, rng=rng)
+        self._state = copy.deepcopy(state)
 
-    def restore(self, trainable: Trainable, spec: TrainingSpec) -> tuple[int, int]:
+    def restore(self, trainable: Trainable, spec: TrainingSpec) -> tuple[int, int, int]:
         # A fresh copy each time: Optimizer.load_state_dict adopts the given tensors (it does not
         # copy them), so the next attempt's in-place updates would otherwise change the snapshot.
         return restore(trainable, spec, copy.deepcopy(self._state))

@@ -14,6 +14,14 @@ holds only whole checkpoints, with checksums, on any fsspec URL (and the store's
 uploads and retention apply). :func:`restore_trainer_checkpoint` writes a committed version
 back as a ``checkpoint-N`` directory the Trainer resumes from, appearing whole or not at all.
 
+The store rotates as the Trainer's output directory does: with ``save_total_limit`` set, after
+each save (and at the end of training) the callback deletes its oldest versions by the Trainer's
+own rule (:func:`rotated_out`): the newest and the Trainer's best checkpoint are kept, and at
+most ``max(save_total_limit, both)`` remain. Only committed versions whose user data has
+:data:`KEY` count; any other version in the store is never touched. An async save counts once
+it is committed, so a checkpoint is never deleted for a newer one that may still fail: while it
+is in flight the store can hold one version more than the limit.
+
 Nothing is unpickled on either side: ``*.safetensors`` files are read as tensors; files of
 ``torch.save`` (optimizer, scheduler, RNG states) are read with ``weights_only=True`` (with
 the numpy types of the RNG states allowed, as the Trainer does) and stored as tensors and
@@ -52,7 +60,7 @@ from transformers import TrainerCallback
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..errors import VersionNotFoundError
+from ..errors import CheckpointError, VersionNotFoundError
 from ..format.names import is_plain_name
 from ..store import CheckpointStore
 
@@ -63,7 +71,8 @@ _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
 class CkptflowCallback(TrainerCallback):
-    """Commits every checkpoint the Trainer saves into the store at ``url`` (on world process zero).
+    """Commits every checkpoint the Trainer saves into the store at ``url`` (on world process zero),
+    and deletes the versions the Trainer's ``save_total_limit`` rotates out (see the module docstring).
 
     ``async_save``: the store writes while training goes on; a failed write is raised by the
     next save or at the end of training. ``storage_options``: fsspec options (an S3 endpoint).
@@ -86,13 +95,58 @@ class CkptflowCallback(TrainerCallback):
             "metrics": _metrics_at(state.log_history, state.global_step),
             "user": {KEY: name},
         }
-        if self.async_save:  # waits for the save before, and raises its failure
+        if self.async_save:
+            self.store.wait()  # the save before is committed (or raises its failure) ...
+            self._rotate(args, state)  # ... so it counts; deleting would wait for a save in flight
             self.store.save_async({KEY: saved}, **facts)
         else:
             self.store.save({KEY: saved}, **facts)
+            self._rotate(args, state)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.store.wait()
+        if state.is_world_process_zero:
+            self._rotate(args, state)  # the last async save is committed now
+
+    def _rotate(self, args: Any, state: Any) -> None:
+        """Delete this callback's committed versions that ``args.save_total_limit`` rotates out."""
+        limit = getattr(args, "save_total_limit", None)
+        if limit is None or limit <= 0:  # as the Trainer: no rotation
+            return
+        best = state.best_model_checkpoint  # a local path: output_dir/checkpoint-N
+        names = {v.version: v.user[KEY] for v in self.store.versions() if KEY in v.user}
+        removed = []
+        for version in rotated_out(
+            list(names.items()), limit=limit, best=os.path.basename(best) if best else None
+        ):
+            try:
+                self.store.delete(version)
+            except CheckpointError as exc:  # a failed delete never stops training; the next save retries
+                log.warning("version %d of %s is kept: deleting it failed (%s)", version, self.store.url, exc)
+                continue
+            removed.append(f"version {version} ({names[version]})")
+        if removed:
+            log.info("removed %s from %s: save_total_limit=%d", ", ".join(removed), self.store.url, limit)
+
+
+def rotated_out(saved: list[tuple[int, str]], *, limit: int, best: str | None) -> list[int]:
+    """The versions to delete, oldest first, out of ``saved`` ((version, checkpoint name) of the
+    callback's committed versions), by the Trainer's rule: the newest and those named ``best`` stay,
+    the oldest others go until ``max(limit, those kept)`` remain."""
+    ordered = sorted(saved)
+    if len(ordered) <= limit:
+        return []
+    protected = {ordered[-1][0]} | {v for v, name in ordered if best is not None and name == best}
+    keep = max(limit, len(protected))
+    remaining = len(ordered)
+    doomed = []
+    for version, _ in ordered:
+        if remaining <= keep:
+            break
+        if version not in protected:
+            doomed.append(version)
+            remaining -= 1
+    return doomed
 
 
 def restore_trainer_checkpoint(

@@ -56,6 +56,12 @@ class StoreReader:
             found = catalog.lookup(self.loc, version)
         return self.info_of(found) if found is not None else None
 
+    def find_step(self, step: int) -> VersionInfo | None:
+        """The committed version saved at global step ``step`` (the newest, if several were), or None."""
+        with translate_errors(self.loc, "listing"):
+            found = [x for x in catalog.committed(self.loc) if x.manifest.step == step]
+        return self.info_of(found[-1]) if found else None  # oldest first: the last is the newest
+
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a committed version (the newest when ``version`` is None)."""
         return self.locate(version).manifest

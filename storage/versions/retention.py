@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from ..format.manifest import Manifest
+from ..info import in_epoch
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,9 @@ def versions_to_keep(manifests: list[Manifest], policy: RetentionPolicy) -> set[
     if policy.keep_last:
         keep.update(m.version for m in ordered[-policy.keep_last :])
     if policy.keep_every:
-        keep.update(m.version for m in ordered if _epoch(m) % policy.keep_every == 0)
+        keep.update(
+            m.version for m in ordered if in_epoch(m.user) is None and _epoch(m) % policy.keep_every == 0
+        )
     keep.update(best_versions(ordered, policy))
     return keep
 

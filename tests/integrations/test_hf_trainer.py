@@ -4,7 +4,9 @@
   from the store and ends with the same weights, bit for bit, as an uninterrupted run;
 - what the store holds is no pickle: the Trainer's ``training_args.bin`` is left out, and
   every other file comes back;
-- a crafted version whose file names leave the checkpoint directory is refused.
+- a crafted version whose file names leave the checkpoint directory is refused;
+- ``save_total_limit`` holds in the store as on the Trainer's disk (the best checkpoint kept too),
+  and versions the callback did not save are never rotated out.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from transformers import TrainerCallback
 
 from ckptflow.storage import CheckpointStore, VersionNotFoundError
-from ckptflow.storage.integrations.hf import KEY, CkptflowCallback, restore_trainer_checkpoint
+from ckptflow.storage.integrations.hf import KEY, CkptflowCallback, restore_trainer_checkpoint, rotated_out
 from tests.children import CHILDREN
 
 CHILD = CHILDREN / "hf_child.py"
@@ -206,3 +208,132 @@ def test_odd_names_are_stored_and_symlinks_out_of_the_checkpoint_are_not_followe
     assert [p for p in restored.rglob("*") if p.is_file() and p.read_bytes() == b"kept out"] == []
     for f in store.rglob("*"):
         assert not f.is_file() or b"SECRET-OUTSIDE-BYTES" not in f.read_bytes(), f"{f} holds the outside file"
+
+
+# -- save_total_limit: the store rotates as the Trainer's output directory does ---------------
+
+
+class Sampler(TrainerCallback):
+    """Runs after CkptflowCallback's on_save: records the checkpoint names the store holds then."""
+
+    def __init__(self, store: Path) -> None:
+        self.store = store
+        self.seen: list[tuple[int, list[str]]] = []
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        names = [v.user.get(KEY, "") for v in CheckpointStore(self.store).versions()]
+        self.seen.append((state.global_step, names))
+
+
+def train_with_limit(tmp_path: Path, limit: int | None, *, async_save: bool = True, **extra: Any) -> Sampler:
+    """12 steps of a tiny GPT-2, a save every 2 (6 saves), into ``tmp_path/store``."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from tests.children.hf_child import dataset
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+    evaluate = extra.pop("compute_metrics", None)
+    training = TrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        max_steps=12,
+        save_steps=2,
+        save_total_limit=limit,
+        per_device_train_batch_size=16,
+        report_to="none",
+        use_cpu=True,
+        disable_tqdm=True,
+        **extra,
+    )
+    sampler = Sampler(tmp_path / "store")
+    callbacks = [CkptflowCallback(str(tmp_path / "store"), async_save=async_save), sampler]
+    data = dataset()
+    trainer = Trainer(
+        model=model,
+        args=training,
+        train_dataset=data,
+        eval_dataset=data[:8] if evaluate else None,
+        compute_metrics=evaluate,
+        callbacks=callbacks,
+    )
+    trainer.train()
+    return sampler
+
+
+def names_in(store: Path) -> list[str]:
+    return [v.user.get(KEY, "") for v in CheckpointStore(store).versions()]
+
+
+class TestSaveTotalLimit:
+    """``TrainingArguments.save_total_limit`` holds in the store too, not only on the Trainer's disk."""
+
+    @pytest.mark.parametrize("mode", ["sync", "async"])
+    def test_the_store_keeps_only_the_newest_limit_versions(
+        self, tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        """Bug fix: with save_total_limit=2 and 6 saves the store kept all 6 versions (the Trainer's
+        disk held 2). An async save is rotated out only once the next one committed: limit + 1 at most."""
+        with caplog.at_level("INFO", logger="ckptflow.storage.integrations.hf"):
+            sampler = train_with_limit(tmp_path, 2, async_save=mode == "async")
+        assert [step for step, _ in sampler.seen] == [2, 4, 6, 8, 10, 12]
+        assert names_in(tmp_path / "store") == ["checkpoint-10", "checkpoint-12"]
+        most = max(len(names) for _, names in sampler.seen)
+        assert most <= (2 if mode == "sync" else 3), sampler.seen
+        if mode == "sync":
+            assert sampler.seen[-1][1] == ["checkpoint-10", "checkpoint-12"]
+        assert "removed version 0 (checkpoint-2)" in caplog.text
+        restored = Path(restore_trainer_checkpoint(str(tmp_path / "store"), tmp_path / "again"))
+        assert restored.name == "checkpoint-12" and (restored / "trainer_state.json").is_file()
+
+    def test_the_best_checkpoint_survives_beside_the_newest(self, tmp_path: Path) -> None:
+        """With load_best_model_at_end and save_total_limit=1 the Trainer keeps 2: the best and the
+        newest; so does the store. The best here is the save at step 4 (score 0.9)."""
+        scores = iter([0.1, 0.9, 0.2, 0.3, 0.4, 0.5])
+        sampler = train_with_limit(
+            tmp_path,
+            1,
+            eval_strategy="steps",
+            eval_steps=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="score",
+            greater_is_better=True,
+            compute_metrics=lambda _: {"score": next(scores)},
+        )
+        assert names_in(tmp_path / "store") == ["checkpoint-4", "checkpoint-12"]
+        for step, names in sampler.seen:
+            if step >= 6:
+                assert "checkpoint-4" in names, (step, names)
+        assert CheckpointStore(tmp_path / "store").versions()[0].metrics["eval_score"] == pytest.approx(0.9)
+
+    def test_no_limit_keeps_every_version(self, tmp_path: Path) -> None:
+        train_with_limit(tmp_path, None)
+        assert names_in(tmp_path / "store") == [f"checkpoint-{s}" for s in (2, 4, 6, 8, 10, 12)]
+
+    def test_versions_the_callback_did_not_save_are_kept(self, tmp_path: Path) -> None:
+        store = CheckpointStore(tmp_path / "store")
+        store.save({"weights": torch.zeros(3)}, step=0, user={"note": "exported by hand"})
+        train_with_limit(tmp_path, 2)
+        versions = CheckpointStore(tmp_path / "store").versions()
+        assert [(v.version, v.user.get(KEY)) for v in versions] == [
+            (0, None),
+            (5, "checkpoint-10"),
+            (6, "checkpoint-12"),
+        ]
+        assert versions[0].user["note"] == "exported by hand"  # the oldest: it would go first if it counted
+
+    @pytest.mark.parametrize(
+        ("limit", "best", "gone"),
+        [
+            (2, None, [0, 1, 2, 3]),
+            (2, "checkpoint-12", [0, 1, 2, 3]),  # the best is the newest
+            (2, "checkpoint-4", [0, 2, 3, 4]),  # the Trainer's rule: the best counts in the limit
+            (1, "checkpoint-4", [0, 2, 3, 4]),  # ... and raises a limit of 1 to 2
+            (6, None, []),
+            (7, None, []),
+        ],
+    )
+    def test_rotated_out_follows_the_trainers_rule(
+        self, limit: int, best: str | None, gone: list[int]
+    ) -> None:
+        saved = [(v, f"checkpoint-{2 * (v + 1)}") for v in range(6)]
+        assert rotated_out(saved, limit=limit, best=best) == gone

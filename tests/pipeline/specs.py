@@ -45,6 +45,10 @@ FAULTS_ENV = "CKPTFLOW_TEST_FAULTS"
 REPEATING_SPEC = "tests.pipeline.specs:RepeatingFailureSpec"
 FAIL_EPOCH_ENV = "CKPTFLOW_TEST_FAIL_EPOCH"
 EXTRA_HIDDEN_ENV = "CKPTFLOW_TEST_EXTRA_HIDDEN"
+STEPPED_SPEC = "tests.pipeline.specs:SteppedDigitsSpec"
+STEP_SECONDS_ENV = (
+    "CKPTFLOW_TEST_STEP_SECONDS"  # SteppedDigitsSpec: each step of the slow epochs sleeps this long
+)
 
 # Small and fast: an epoch of the digits MLP takes a few tens of milliseconds.
 SPEC_CONFIG = {"hidden": 32, "batch_size": 128}
@@ -193,3 +197,20 @@ class RepeatingFailureSpec(DigitsSpec):
         if epoch == int(os.environ.get(FAIL_EPOCH_ENV, "0")):
             raise ValueError("Tried to step 97 times. The specified number of total steps is 96")
         return metrics
+
+
+class SteppedDigitsSpec(DigitsSpec):
+    """DigitsSpec (which trains by steps) whose steps sleep ``CKPTFLOW_TEST_STEP_SECONDS`` after each
+    step of the epochs >= ``CKPTFLOW_TEST_SLOW_FROM``: a test can kill or stop a run between steps."""
+
+    def train_steps(self, trainable, epoch, start):  # type: ignore[no-untyped-def]
+        slow = epoch >= int(os.environ.get(SLOW_FROM_ENV, "1"))
+        seconds = float(os.environ.get(STEP_SECONDS_ENV, "0")) if slow else 0.0
+        steps = super().train_steps(trainable, epoch, start)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+            time.sleep(seconds)
+            yield

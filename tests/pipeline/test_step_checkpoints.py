@@ -1,0 +1,222 @@
+"""Checkpoints inside epochs: step saves, exact mid-epoch resume, a save on SIGTERM, retention as it goes.
+
+The digits demo trains by steps (``train_steps``): 1,437 training samples in
+batches of 128 make 12 steps an epoch, so ``save_every_steps=5`` saves at global
+steps 5 and 10 inside epoch 1, at its end (step 12), at 15 and 20 inside epoch 2,
+and so on. A run stopped after any of them, by SIGKILL or SIGTERM, and run
+again, must end bit for bit where a run that never stopped ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptflow.storage import CheckpointStore, VersionInfo
+from tests.pipeline.helpers import (
+    Child,
+    make_config,
+    run_flow,
+    run_summary,
+    version_dirs,
+    wait_until,
+)
+from tests.pipeline.specs import SLOW_FROM_ENV, STEP_SECONDS_ENV, STEPPED_SPEC
+
+pytestmark = pytest.mark.prefect
+
+EPOCHS = 3
+EVERY = 5
+PER_EPOCH = 12  # steps of an epoch of the digits demo with batch_size 128
+
+
+def stepped(storage: Path, **fields):  # type: ignore[no-untyped-def]
+    fields.setdefault("spec", STEPPED_SPEC)
+    fields.setdefault("save_every_steps", EVERY)
+    return make_config(storage, epochs=EPOCHS, **fields)
+
+
+def positions(store: CheckpointStore) -> list[tuple[int | None, int | None, int | None]]:
+    """(epoch, steps into it or None at its end, global step) of each committed version, in order."""
+    return [(v.epoch, v.in_epoch, v.step) for v in store.versions()]
+
+
+def expected_positions(epochs: int = EPOCHS) -> list[tuple[int, int | None, int]]:
+    """The save points of a straight run: every EVERY steps inside an epoch, and every epoch's end."""
+    points: list[tuple[int, int | None, int]] = []
+    for step in range(1, epochs * PER_EPOCH + 1):
+        epoch, into = (step - 1) // PER_EPOCH + 1, (step - 1) % PER_EPOCH + 1
+        if into == PER_EPOCH:
+            points.append((epoch, None, step))
+        elif step % EVERY == 0:
+            points.append((epoch, into, step))
+    return points
+
+
+def at_step(store: CheckpointStore, step: int) -> VersionInfo:
+    found = [v for v in store.versions() if v.step == step]
+    assert found, f"no version at step {step}: {positions(store)}"
+    return found[-1]
+
+
+def assert_same_run(got: CheckpointStore, want: CheckpointStore, steps: list[int]) -> None:
+    """The versions at ``steps`` of both stores hold the same state, bit for bit."""
+    for step in steps:
+        g, w = at_step(got, step), at_step(want, step)
+        assert (g.epoch, g.in_epoch) == (w.epoch, w.in_epoch)
+        assert_same_checkpoint_between(got, g.version, want, w.version)
+
+
+def assert_same_checkpoint_between(got: CheckpointStore, gv: int, want: CheckpointStore, wv: int) -> None:
+    """Version ``gv`` of ``got`` and ``wv`` of ``want`` hold the same state, bit for bit: the shared
+    state and each rank's own (its RNGs and the spec's sums), but Python's ``random`` (see
+    ``assert_same_checkpoint``)."""
+    from tests.conftest import assert_same_state
+
+    a, b = got.load(gv), want.load(wv)
+    assert set(b) >= {"model", "optimizer", "scheduler", "progress"}
+    ranks = len(want.manifest(wv).ranks)
+    assert len(got.manifest(gv).ranks) == ranks
+    for rank in range(ranks):  # a world of several: each rank's own state is apart
+        a[f"rank{rank}"] = got.load_rank_state(gv, rank=rank, world_size=ranks)
+        b[f"rank{rank}"] = want.load_rank_state(wv, rank=rank, world_size=ranks)
+    for state in (a, b):
+        for own in [state, *(state[f"rank{r}"] for r in range(ranks))]:
+            if "rng" in own:
+                assert set(own["rng"]) >= {"torch", "numpy", "python"}
+                own["rng"].pop("python")
+    assert_same_state(a, b)
+    assert_same_state(dict(got.manifest(gv).metrics), dict(want.manifest(wv).metrics), "metrics")
+
+
+class TestStepSaves:
+    def test_saves_land_inside_epochs_at_the_cadence_and_sort_in_training_order(
+        self, prefect_server, tmp_path
+    ):
+        config = stepped(tmp_path / "s", train_process=False)
+        summary, _ = run_summary(config)
+        store = CheckpointStore(config.storage)
+        assert positions(store) == expected_positions()
+        versions = [v.version for v in store.versions()]
+        assert versions == sorted(versions) == list(range(1, len(versions) + 1))
+        inside = [v for v in store.versions() if v.in_epoch]
+        assert all(v.epoch_steps == PER_EPOCH and not v.metrics for v in inside)
+        ends = [v for v in store.versions() if not v.in_epoch]
+        assert [v.epoch for v in ends] == [1, 2, 3] and all("loss" in v.metrics for v in ends)
+        assert summary["last_epoch"] == EPOCHS
+
+    def test_a_run_resumed_inside_an_epoch_ends_where_a_straight_run_ends(self, prefect_server, tmp_path):
+        straight = stepped(tmp_path / "A", train_process=False)
+        resumed = stepped(tmp_path / "B", train_process=False)
+        run_summary(straight)
+        run_summary(resumed)
+        b = CheckpointStore(resumed.storage)
+        cut = at_step(b, 15)  # epoch 2, 3 steps into it
+        assert (cut.epoch, cut.in_epoch) == (2, 3)
+        for v in b.versions():
+            if v.version > cut.version:
+                b.delete(v.version)
+        summary, _ = run_summary(resumed)
+        assert summary["resumed_from"] == cut.version
+        assert positions(b) == expected_positions()
+        assert_same_run(b, CheckpointStore(straight.storage), [20, 24, 36])
+
+    def test_a_spec_that_trains_whole_epochs_saves_at_the_end_of_the_epoch_the_step_falls_in(
+        self, prefect_server, tmp_path
+    ):
+        config = make_config(tmp_path / "s", epochs=3, save_every=3, save_every_steps=20, train_process=False)
+        run_summary(config)
+        store = CheckpointStore(config.storage)
+        # step 20 falls in epoch 2 (steps 13..24); epoch 3 is the last (save_every=3 saves it anyway)
+        assert positions(store) == [(2, None, 24), (3, None, 36)]
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("nproc", [1, 2], ids=["W1", "W2"])
+def test_killed_after_a_step_save_and_run_again_ends_bitwise_equal(prefect_server, tmp_path, nproc):
+    straight = stepped(tmp_path / "A", nproc=nproc, train_process=True)
+    killed = stepped(tmp_path / "B", nproc=nproc, train_process=True)
+    run_summary(straight)
+    env = {SLOW_FROM_ENV: "2", STEP_SECONDS_ENV: "0.5"}
+    child = Child(prefect_server, killed, tmp_path / "child.log", **env)
+    store = CheckpointStore(killed.storage)
+    try:
+        child.wait_for(lambda: any(v.step == 15 for v in store.versions()), 180, "the save of step 15")
+    finally:
+        child.kill()
+    assert child.proc.returncode == -9
+    newest = store.latest()
+    assert newest is not None and newest.in_epoch and newest.epoch == 2, positions(store)
+
+    summary, _ = run_summary(killed)
+    assert summary["resumed_from"] == newest.version
+    assert positions(store) == expected_positions()
+    assert_same_run(store, CheckpointStore(straight.storage), [s for _, _, s in expected_positions()])
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("train_process", [True, False], ids=["trainer-process", "in-process"])
+def test_sigterm_inside_an_epoch_commits_the_step_and_the_run_resumes_there(
+    prefect_server, tmp_path, train_process
+):
+    straight = stepped(tmp_path / "A", train_process=train_process)
+    stopped = stepped(tmp_path / "B", train_process=train_process)
+    run_summary(straight)
+    env = {SLOW_FROM_ENV: "2", STEP_SECONDS_ENV: "0.5"}
+    child = Child(prefect_server, stopped, tmp_path / "child.log", **env)
+    store = CheckpointStore(stopped.storage)
+    try:
+        child.wait_for(lambda: any(v.step == 15 for v in store.versions()), 180, "the save of step 15")
+        before = {v.version for v in store.versions()}
+        signalled = time.monotonic()
+        os.kill(child.proc.pid, signal.SIGTERM)
+        wait_until(lambda: {v.version for v in store.versions()} - before, 30, "a save after SIGTERM")
+        took = time.monotonic() - signalled
+        code = child.wait(60)
+    finally:
+        child.kill()
+    assert took < stopped.stop_grace_seconds, f"the save committed {took:.2f}s after SIGTERM"
+    print(f"SIGTERM to commit: {took:.2f}s")
+    result = child.result()
+    assert result["state"] == "CANCELLED", child.tail()
+    assert code == 0
+    saved = store.latest()
+    assert saved is not None and saved.in_epoch and saved.epoch == 2 and saved.step > 15, positions(store)
+    assert saved.version not in before
+    assert version_dirs(stopped.storage) == [
+        f"v{v.version:06d}" for v in store.versions()
+    ]  # nothing half-written
+
+    summary, _ = run_summary(stopped)
+    assert summary["resumed_from"] == saved.version
+    assert_same_run(store, CheckpointStore(straight.storage), [20, 24, 30, 36])  # the steps after it
+
+
+@pytest.mark.parametrize("saves", ["steps", "epochs"])
+def test_retention_applies_as_the_run_goes(prefect_server, tmp_path, saves):
+    """With keep_last=2, the store never holds more than the 2 newest and the save in flight
+    (before: the policy ran at the run's end only, and a run of 8 epochs held 8 versions)."""
+    from ckptflow.tasks.monitoring import add_listener
+
+    if saves == "steps":
+        config = stepped(tmp_path / "s", train_process=False, save_every_steps=2)
+    else:
+        config = make_config(tmp_path / "s", epochs=8, train_process=False)
+    config = config.model_copy(update={"retention": config.retention.model_copy(update={"keep_last": 2})})
+    seen: list[list[str]] = []
+    remove = add_listener(lambda kind, data: seen.append(version_dirs(config.storage)))
+    try:
+        state, _ = run_flow(config)
+    finally:
+        remove()
+    assert state.is_completed()
+    assert len(seen) > (20 if saves == "steps" else 6)
+    assert max(len(dirs) for dirs in seen) <= 3, max(seen, key=len)
+    store = CheckpointStore(config.storage)
+    last = config.epochs
+    assert [(v.epoch, v.in_epoch, v.step) for v in store.versions()][-1] == (last, None, last * PER_EPOCH)
+    assert len(store.versions()) == 2
