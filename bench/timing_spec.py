@@ -23,3 +23,21 @@ class TimedDigits(DigitsSpec):
         metrics = super().train_epoch(trainable, epoch)
         self.mark("epoch_end")
         return metrics
+
+
+class TimedSteppedDigits(DigitsSpec):
+    """The demo trained by steps, marking its first step and each epoch's end (bench_steps.py)."""
+
+    def train_steps(self, trainable, epoch, start):  # type: ignore[no-untyped-def]
+        steps = super().train_steps(trainable, epoch, start)
+        first = epoch == 1 and start == 0
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                TimedDigits.mark("epoch_end")
+                return end.value
+            if first:
+                TimedDigits.mark("first_step")
+                first = False
+            yield

@@ -168,12 +168,7 @@ def _refuse_both(version: int | None, step: int | None) -> None:
 def _chosen(store: CheckpointStore, version: int | None, step: int | None) -> int | None:
     """The version ``--version`` or ``--step`` names (None: the newest); fails naming the steps
     nearest to ``step`` when no committed version has it."""
-    if step is None:
-        return version
-    info = store.find_step(step)
-    if info is None:
-        _fail(present.step_missing_message(step, store.versions(), store.url))
-    return info.version
+    return version if step is None else store.version_at_step(step)
 
 
 # -- ls -------------------------------------------------------------------------

@@ -64,23 +64,6 @@ def in_epoch_text(info: VersionInfo) -> str:
     return f"{steps:,} of {length:,} steps" if length is not None else f"{steps:,} steps"
 
 
-def step_missing_message(step: int, infos: list[VersionInfo], url: str) -> str:
-    """The error for ``--step STEP`` when no committed version (``infos``, oldest first) has it:
-    the committed steps just below and above it, each with its (newest) version."""
-    head = f"no committed version has step {step} in {url}"
-    if not infos:
-        return f"{head}: it has no committed versions"
-    by_step = {i.step: i.version for i in infos if i.step is not None}  # oldest first: the newest wins
-    if not by_step:
-        listing = ", ".join(str(i.version) for i in infos)
-        return f"{head}: none of its versions ({listing}) records a step; give --version instead"
-    below = max((s for s in by_step if s < step), default=None)
-    above = min((s for s in by_step if s > step), default=None)
-    nearest = [f"step {s} (version {by_step[s]})" for s in (below, above) if s is not None]
-    verb = "are" if len(nearest) > 1 else "is"
-    return f"{head}: the nearest {verb} {' and '.join(nearest)} (`ckptflow ls` lists every version's step)"
-
-
 def prune_lines(
     plan: PrunePlan, infos: dict[int, VersionInfo], *, dry_run: bool, policy: RetentionPolicy | None = None
 ) -> list[str]:

@@ -153,6 +153,7 @@ def _run_epochs(
     train = train_epoch.with_options(retries=config.epoch_retries)
     save = save_checkpoint.with_options(retries=config.save_retries)
     watch = CancelWatch(on_cancel=run.trainer.request_stop)
+    removed_early: tuple[int, ...] = ()  # what retention removed before the saves
     try:
         archiver.catch_up()  # versions an interrupted run committed but did not archive
         while reason is None:
@@ -182,6 +183,7 @@ def _run_epochs(
                     retention=config.retention if config.retention.enabled() and archiver.idle() else None,
                 )
                 run.next_version = version + 1
+                removed_early += result.removed
                 pending = None
                 if result.previous is not None:
                     _committed(result.previous, monitor, archiver)
@@ -207,7 +209,7 @@ def _run_epochs(
     finally:
         watch.close()
     archiver.drain(strict=False)  # a failed job is reported by _finish
-    removed = finalize(run.store, config.retention)
+    removed = sorted({*removed_early, *finalize(run.store, config.retention)})
     resumed_from = run.resumed_from.version if run.resumed_from else None
     ended = _finish(run.store, monitor, run.first_epoch, run.epoch, resumed_from, reason, removed, archiver)
     if isinstance(ended, dict):  # what a schedule is sized by (RunFacts.planned_epochs), for the hint
@@ -271,12 +273,14 @@ def _stopped_by_signal(exc: BaseException, run: TrainingRun, monitor: RunMonitor
 
 
 def _newest_text(latest: VersionInfo | None) -> str:
+    """ "epoch 3" (version 3), or "epoch 3, step 1,200/4,000 (version 7)" for a save inside it."""
     if latest is None:
         return "nothing"
-    where = f"epoch {latest.epoch}"
     if latest.in_epoch:
-        where = f"epoch {latest.epoch}, {step_text(latest.in_epoch, latest.epoch_steps)}"
-    return f"version {latest.version} ({where})"
+        where = step_text(latest.in_epoch, latest.epoch_steps)
+        return f"epoch {latest.epoch}, {where} (version {latest.version})"
+    same = latest.version == latest.epoch
+    return f"epoch {latest.epoch}" + ("" if same else f" (version {latest.version})")
 
 
 def _latest(store: CheckpointStore, monitor: RunMonitor) -> tuple[VersionInfo | None, str | None]:

@@ -252,6 +252,11 @@ class CheckpointStore:
         """
         return self._reads.find_step(step)
 
+    def version_at_step(self, step: int) -> int:
+        """The number of the committed version saved at global step ``step`` (the newest, if
+        several were); VersionNotFoundError names the committed steps nearest to it."""
+        return self._reads.version_at(step)
+
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a committed version (the newest when ``version`` is None)."""
         return self._reads.manifest(version)
@@ -264,8 +269,10 @@ class CheckpointStore:
         map_location: str | torch.device = "cpu",
         verify: bool | None = None,
         into: Any = None,
+        step: int | None = None,
     ) -> Any:
-        """The state saved in ``version`` (default: the newest committed one).
+        """The state saved in ``version`` (default: the newest committed one), or at global
+        training step ``step`` (VersionNotFoundError names the steps nearest to it).
 
         ``keys`` selects parts by slash-separated key path (``["model"]``,
         ``["optimizer/param_groups"]``); only their bytes are read. ``into``: a
@@ -275,6 +282,10 @@ class CheckpointStore:
         tensors. Archived versions are read
         from their tarball by range reads.
         """
+        if step is not None:
+            if version is not None:
+                raise ValueError("give either version or step, not both")
+            version = self.version_at_step(step)
         if into is not None and holds_sharded(into):  # DTensors: every rank reads the parts it holds
             if keys:
                 raise ValueError("keys cannot select parts of a sharded load: pass only those parts in into")

@@ -223,6 +223,7 @@ class SaveResult:
 
     saved: VersionInfo | PendingSave
     previous: VersionInfo | None = None
+    removed: tuple[int, ...] = ()  # what the retention policy removed before the save
 
 
 def _save_may_pass(task: Any, task_run: Any, state: Any) -> bool:
@@ -260,8 +261,7 @@ def save_checkpoint(
     twice: a write that outlived its attempt goes on, and the next attempt waits for it.
     """
     committed = _commit_within(previous, timeout) if previous is not None else None
-    if retention is not None:
-        _retain(run.store, retention)
+    removed = _retain(run.store, retention) if retention is not None else ()
     if run.writing is not None and run.writing[0] == version:
         earlier = run.writing[1]
         try:
@@ -271,7 +271,7 @@ def save_checkpoint(
         except Exception as exc:  # that write failed: write again below
             get_run_logger().warning("the earlier save of version %d failed (%s): saving again", version, exc)
         else:
-            return SaveResult(info, committed)
+            return SaveResult(info, committed, removed)
         finally:
             if earlier.done():
                 run.writing = None
@@ -285,10 +285,10 @@ def save_checkpoint(
                 "(`ckptflow prune`), and run again"
             )
         get_run_logger().info("version %d is already committed as %s", version, existing.url)
-        return SaveResult(existing, committed)
+        return SaveResult(existing, committed, removed)
     save = run.trainer.save(version, log=_log_to(get_run_logger()))  # its notes show on this task
     if run.trainer.async_save:
-        return SaveResult(save, committed)
+        return SaveResult(save, committed, removed)
     future = _in_thread(save.wait)
     run.writing = (version, future)
     info = _wait_for(future, timeout, version)
@@ -296,19 +296,20 @@ def save_checkpoint(
     if info is None:  # its trainers died before it committed: the retry's new ones save it again
         raise TrainerDiedError(f"the trainers that were writing version {version} died before it committed")
     if retention is not None:
-        _retain(run.store, retention)
-    return SaveResult(info, committed)
+        removed += _retain(run.store, retention)
+    return SaveResult(info, committed, removed)
 
 
-def _retain(store: CheckpointStore, policy: RetentionConfig) -> None:
+def _retain(store: CheckpointStore, policy: RetentionConfig) -> tuple[int, ...]:
     """Apply the retention policy as the run goes; its one-line report when it removed versions."""
     if not policy.enabled():
-        return
+        return ()
     plan = store.apply_retention(policy.policy())
     if plan.remove:
         line = retention_line(policy, plan)
         get_run_logger().info(line)
         notify("retention", {"text": line, "removed": list(plan.remove), "kept": list(plan.remaining)})
+    return tuple(plan.remove)
 
 
 @io_task("commit_checkpoint")

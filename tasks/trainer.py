@@ -328,6 +328,7 @@ class ProcessTrainer:
         self._process = process
         self._prestarted = prestarted
         self._flow_run: str | None = None
+        self._saved_at: dict[int, Progress] = {}  # the saves started: version -> where the run stood
 
     @classmethod
     def take(cls, config: PipelineConfig) -> ProcessTrainer:
@@ -392,8 +393,9 @@ class ProcessTrainer:
         return _reply(self._process.call(request, log), Trained)
 
     def save(self, version: int, *, log: Notes) -> PendingSave:
-        self._revive(log)
+        self._revive(log, saving=version)
         staged = _reply(self._process.call(Save(version=version), log), Staged)  # its notes show on the task
+        self._saved_at[version] = self._process.progress
         return _ProcessSave(self._process, staged.version, self)
 
     def request_stop(self) -> None:
@@ -410,12 +412,12 @@ class ProcessTrainer:
         ``train_steps`` after its step, which they save) and commit what is in flight, then exit."""
         self._process.close(interrupted=interrupted or preempted)
 
-    def _revive(self, log: Notes) -> None:
+    def _revive(self, log: Notes, *, saving: int | None = None) -> None:
         """Replace trainers that died (a rank failed or was killed) by new ones, which resume from
         the last commit and train again up to where the run stands (:attr:`progress`). Training is
         deterministic from a commit (its RNG states are saved), so they stand exactly there. A
-        save that died with the old trainers is not made again: the flow's wait for it says so,
-        and the run's next save holds what it would have."""
+        save that died with the old trainers (an async save in flight) is made again on the way,
+        as the same version, unless it is ``saving`` (the caller saves it)."""
         old = self._process
         if not old.dead():
             return
@@ -424,19 +426,40 @@ class ProcessTrainer:
         process = relaunch(self.config, old.storage_options)
         self._built(process, log)
         try:
-            if process.progress.position > target.position:
-                resumed, run = _where(process.progress), _where(target)
-                raise RuntimeError(f"the new trainers resumed at {resumed}, after the run's {run}")
-            while process.progress.position < target.position:
-                epoch = process.progress.epoch + 1
-                until = target.step if epoch == target.epoch + 1 else None  # inside the run's epoch
-                log("info", f"training {_where(process.progress, 'from')} again: its trainers died first")
-                request = Train(epoch=epoch, keep_snapshot=False, until=until)
-                _reply(process.call(request, log), Trained)
+            resumed = process.progress
+            if resumed.position > target.position:
+                raise RuntimeError(
+                    f"the new trainers resumed at {_where(resumed)}, after the run's {_where(target)}"
+                )
+            lost = sorted(
+                (where.position, version, where)
+                for version, where in self._saved_at.items()
+                if version != saving
+                and resumed.position < where.position <= target.position
+                and self.store.find(version) is None
+            )
+            for _, version, where in lost:
+                _replay(process, where, log)
+                log(
+                    "info",
+                    f"saving {_where(where)} again, as version {version}: its save died with the trainers",
+                )
+                _reply(process.call(Save(version=version), log), Staged)
+                _reply(process.call(Wait(version=version)), Committed)
+            _replay(process, target, log)
         except BaseException:
             process.close(interrupted=True)
             raise
         self._process = process
+
+
+def _replay(process: TrainerProcess, target: Progress, log: Notes) -> None:
+    """Train new trainers again up to ``target`` (where the old ones stood)."""
+    while process.progress.position < target.position:
+        epoch = process.progress.epoch + 1
+        until = target.step if target.in_epoch and epoch == target.epoch + 1 else None  # inside its epoch
+        log("info", f"training {_where(process.progress, 'from')} again: its trainers died first")
+        _reply(process.call(Train(epoch=epoch, keep_snapshot=False, until=until), log), Trained)
 
 
 def _where(progress: Progress, word: str = "at") -> str:

@@ -21,9 +21,10 @@ import torch
 from typer.testing import CliRunner
 
 from ckptflow.flows.cli import app
-from ckptflow.storage import CheckpointStore, StoreOptions
+from ckptflow.storage import CheckpointStore, StoreOptions, VersionNotFoundError
 from ckptflow.tasks.artifacts import checkpoint_row
 from ckptflow.tasks.formatting import epoch_text
+from tests.conftest import assert_same_state
 
 WIDE = {"COLUMNS": "250"}  # rich tables wrap cells to the terminal's width
 EPOCH = 4000  # steps per epoch
@@ -149,6 +150,17 @@ class TestStepSelectsTheVersion:
         s = CheckpointStore(store)
         assert [s.find_step(step).version for _, _, step, _ in SAVES] == [1, 2, 3, 4]
         assert s.find_step(5201) is None and s.find_step(0) is None
+
+    def test_load_by_step_in_the_python_api(self, store):
+        s = CheckpointStore(store)
+        for version, (_, _, step, _) in enumerate(SAVES, start=1):
+            assert_same_state(s.load(step=step), s.load(version))
+        with pytest.raises(
+            VersionNotFoundError, match=r"has step 6000 in .*step 5200 \(version 2\) and step 6400"
+        ):
+            s.load(step=6000)
+        with pytest.raises(ValueError, match="either version or step"):
+            s.load(2, step=5200)
 
     def test_find_step_reads_archived_versions_and_prefers_the_newest(self, store):
         with CheckpointStore(store) as s:

@@ -62,6 +62,17 @@ class StoreReader:
             found = [x for x in catalog.committed(self.loc) if x.manifest.step == step]
         return self.info_of(found[-1]) if found else None  # oldest first: the last is the newest
 
+    def version_at(self, step: int) -> int:
+        """The committed version saved at global step ``step`` (the newest, if several were);
+        VersionNotFoundError names the committed steps just below and above it."""
+        found = self.find_step(step)
+        if found is not None:
+            return found.version
+        infos = self.versions()
+        error = VersionNotFoundError(None, self.loc.display(), [i.version for i in infos])
+        error.args = (step_missing_message(step, infos, self.loc.display()),)
+        raise error
+
     def manifest(self, version: int | None = None) -> Manifest:
         """The manifest of a committed version (the newest when ``version`` is None)."""
         return self.locate(version).manifest
@@ -156,3 +167,20 @@ class StoreReader:
 
 
 __all__ = ["StoreReader"]
+
+
+def step_missing_message(step: int, infos: list[VersionInfo], url: str) -> str:
+    """The error for ``--step STEP`` when no committed version (``infos``, oldest first) has it:
+    the committed steps just below and above it, each with its (newest) version."""
+    head = f"no committed version has step {step} in {url}"
+    if not infos:
+        return f"{head}: it has no committed versions"
+    by_step = {i.step: i.version for i in infos if i.step is not None}  # oldest first: the newest wins
+    if not by_step:
+        listing = ", ".join(str(i.version) for i in infos)
+        return f"{head}: none of its versions ({listing}) records a step; give --version instead"
+    below = max((s for s in by_step if s < step), default=None)
+    above = min((s for s in by_step if s > step), default=None)
+    nearest = [f"step {s} (version {by_step[s]})" for s in (below, above) if s is not None]
+    verb = "are" if len(nearest) > 1 else "is"
+    return f"{head}: the nearest {verb} {' and '.join(nearest)} (`ckptflow ls` lists every version's step)"

@@ -214,3 +214,84 @@ class SteppedDigitsSpec(DigitsSpec):
                 return end.value
             time.sleep(seconds)
             yield
+
+
+LOADER_SPEC = "tests.pipeline.specs:LoaderDigitsSpec"
+LOADER_LEFT_OUT_SPEC = "tests.pipeline.specs:LoaderLeftOutDigitsSpec"
+
+
+class LoaderDigitsSpec(DigitsSpec):
+    """DigitsSpec whose training data come from a torchdata ``StatefulDataLoader`` in
+    ``Trainable.extras``: ``train_steps`` ignores ``start``, the restored loader resumes by itself.
+
+    The order is shuffled by torchdata's own ``RandomSampler`` with a generator of its own, not by
+    ``shuffle=True, generator=g``: that shares ``g`` between the sampler and the draw of the
+    iterator's worker seed, a draw made *before* a restored state is put back, so a resumed loader
+    ends the epoch with ``g`` one draw behind a loader that never stopped, and every later epoch's
+    order differs (the rest of the resumed epoch is right). The loader's own generator, drawn
+    from once per iterator, is a separate one (never the global RNG, which dropout draws from).
+    """
+
+    def build(self) -> Trainable:
+        import warnings
+
+        import torch
+        from torch.utils.data import TensorDataset
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader.sampler import RandomSampler
+
+        trainable = super().build()
+        data = TensorDataset(*self.train)
+        order = torch.Generator().manual_seed(self.seed)
+        with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch 2.13
+            warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+            loader = StatefulDataLoader(
+                data,
+                batch_size=int(self.config.get("batch_size", 64)),
+                sampler=RandomSampler(data, generator=order),
+                generator=torch.Generator().manual_seed(self.seed + 1),
+                num_workers=0,
+            )
+        trainable.extras["loader"] = loader
+        # Not the loader itself: kept on self too, ckptflow's check of unsaved generators would name
+        # its generators (it looks for their current states in the capture; the loader saves others).
+        self.batches = len(loader)
+        return trainable
+
+    def loader(self, trainable: Trainable):  # type: ignore[no-untyped-def]
+        return trainable.extras["loader"]
+
+    def train_steps(self, trainable, epoch, start):  # type: ignore[no-untyped-def]
+        """One step per batch of the loader, from where its state stands (``start`` only tells a
+        new epoch, whose loss sums start at zero, from a resumed one)."""
+        from torch import nn
+
+        model, opt = trainable.model, trainable.optimizer
+        model.train()
+        if start == 0:
+            self.sums = (0.0, 0)
+        for x, y in self.loader(trainable):
+            loss = nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            self.sums = (self.sums[0] + loss.item() * len(y), self.sums[1] + len(y))
+            yield
+        trainable.scheduler.step()
+        return {"loss": self.sums[0] / self.sums[1]}
+
+    def steps_per_epoch(self, epoch: int) -> int:
+        return self.batches
+
+
+class LoaderLeftOutDigitsSpec(LoaderDigitsSpec):
+    """LoaderDigitsSpec that keeps its loader on ``self`` instead of in ``Trainable.extras``: its
+    position is not saved, so a run resumed inside an epoch replays that epoch from its start."""
+
+    def build(self) -> Trainable:
+        trainable = super().build()
+        self._kept = trainable.extras.pop("loader")
+        return trainable
+
+    def loader(self, trainable: Trainable):  # type: ignore[no-untyped-def]
+        return self._kept

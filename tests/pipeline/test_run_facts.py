@@ -101,7 +101,8 @@ def test_in_the_flows_process(tmp_path):
         storage=str(tmp_path / "store"), spec=FACTS_SPEC, spec_config=SPEC_CONFIG, epochs=7, save_every=3
     )
     run = build_run(config, open_store(config), info=lambda _: None, warn=lambda _: None)
-    metrics = train_attempt(run, 1, EpochAttempts(run, keep_snapshot=False), lambda _: None)
+    metrics = train_attempt(run, 1, EpochAttempts(run, keep_snapshot=False), lambda _: None).metrics
+    assert metrics is not None
     assert {k: metrics[k] for k in facts(7)} == facts(7, save_every=3)
 
 
@@ -121,6 +122,8 @@ def test_on_every_rank(prefect_server, tmp_path, monkeypatch):
             "epochs": 2,
             "planned_epochs": 2,
             "save_every": 1,
+            "save_every_steps": None,
+            "save_every_minutes": None,
             "world_size": 2,
             "rank": rank,
             "storage": str(storage),

@@ -9,6 +9,7 @@ again, must end bit for bit where a run that never stopped ends.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import time
@@ -220,3 +221,110 @@ def test_retention_applies_as_the_run_goes(prefect_server, tmp_path, saves):
     last = config.epochs
     assert [(v.epoch, v.in_epoch, v.step) for v in store.versions()][-1] == (last, None, last * PER_EPOCH)
     assert len(store.versions()) == 2
+
+
+README_MARKER = "<!-- tests/pipeline/test_step_checkpoints.py runs the next code block as written -->"
+
+
+@pytest.fixture
+def readme_step_spec(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
+    """The README's step spec ("Checkpoints inside epochs"), as written, as module ``readme_steps``."""
+    from tests.pipeline.helpers import REPO
+
+    text = (REPO / "README.md").read_text()
+    assert README_MARKER in text, "the README lost the marker of its step spec example"
+    block = text.split(README_MARKER, 1)[1].lstrip()
+    assert block.startswith("```python\n")
+    code = block[len("```python\n") :].split("\n```", 1)[0] + "\n"
+    (tmp_path / "readme_steps.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    )
+    yield "readme_steps:MySpec"
+    import sys
+
+    sys.modules.pop("readme_steps", None)
+
+
+def test_the_readme_step_spec_resumes_inside_an_epoch_bitwise(prefect_server, tmp_path, readme_step_spec):
+    """The README's example, run as a user would: 64 steps an epoch, a save every 10 steps; a run
+    resumed from the save at step 90 (inside epoch 2) ends as the straight run ends."""
+    straight = make_config(
+        tmp_path / "A",
+        spec=readme_step_spec,
+        spec_config={},
+        epochs=2,
+        save_every_steps=10,
+        train_process=False,
+    )
+    resumed = straight.model_copy(update={"storage": str(tmp_path / "B")})
+    run_summary(straight)
+    run_summary(resumed)
+    b = CheckpointStore(resumed.storage)
+    cut = at_step(b, 90)
+    assert (cut.epoch, cut.in_epoch, cut.epoch_steps) == (2, 26, 64)
+    for v in b.versions():
+        if v.version > cut.version:
+            b.delete(v.version)
+    summary, _ = run_summary(resumed)
+    assert summary["resumed_from"] == cut.version
+    assert_same_run(b, CheckpointStore(straight.storage), [100, 120, 128])
+
+
+@pytest.mark.parametrize("nproc", [1, 2], ids=["W1", "W2"])
+def test_a_cancellation_from_the_ui_stops_after_the_step_and_saves_it(prefect_server, tmp_path, nproc):
+    """The UI's Cancel on a local run (no SIGTERM): the flow asks the ranks to stop after their
+    step (SIGUSR1 through the launcher; with 2 ranks, both stop at the same step), saves it, and
+    ends Cancelled; the next run resumes from that step and ends as a straight run ends."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateType
+    from prefect.states import Cancelling, StateType
+
+    straight = stepped(tmp_path / "A", nproc=nproc, train_process=True)
+    cancelled = stepped(tmp_path / "B", nproc=nproc, train_process=True)
+    run_summary(straight)
+    env = {SLOW_FROM_ENV: "2", STEP_SECONDS_ENV: "0.5"}
+    child = Child(prefect_server, cancelled, tmp_path / "child.log", **env)
+    store = CheckpointStore(cancelled.storage)
+    running = FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.RUNNING])))
+    try:
+        child.wait_for(lambda: any(v.step == 15 for v in store.versions()), 180, "the save of step 15")
+        with get_client(sync_client=True) as client:
+            (run,) = client.read_flow_runs(flow_run_filter=running)
+            client.set_flow_run_state(run.id, Cancelling(message="test cancels"), force=True)
+        assert child.wait(90) == 0, child.tail()
+    finally:
+        child.kill()
+    assert child.result()["state"] == "CANCELLED", child.tail()
+    saved = store.latest()
+    assert saved is not None and saved.epoch == 2 and saved.in_epoch and saved.step > 15, positions(store)
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(run.id).state
+    assert state is not None and state.type == StateType.CANCELLED
+    assert f"committing epoch 2, step {saved.in_epoch}/{PER_EPOCH} (version {saved.version})" in (
+        state.message or ""
+    )
+
+    summary, _ = run_summary(cancelled)
+    assert summary["resumed_from"] == saved.version
+    after = [s for _, _, s in expected_positions() if s > saved.step]
+    assert_same_run(store, CheckpointStore(straight.storage), after)
+
+
+def test_a_minute_cadence_saves_inside_epochs(prefect_server, tmp_path):
+    """--save-every-minutes: a save once that much time passed since the last one, inside epochs."""
+    config = stepped(
+        tmp_path / "s", train_process=False, save_every_steps=None, save_every_minutes=0.3 / 60, epochs=2
+    )
+    env = {SLOW_FROM_ENV: "1", STEP_SECONDS_ENV: "0.1"}
+    os.environ.update(env)
+    try:
+        run_summary(config)
+    finally:
+        for key in env:
+            os.environ.pop(key)
+    inside = [v for v in CheckpointStore(config.storage).versions() if v.in_epoch]
+    assert len(inside) >= 4, positions(CheckpointStore(config.storage))  # 2.4 s of steps, a save every 0.3 s
+    steps = [v.step for v in inside]
+    assert steps == sorted(steps) and all(b - a >= 3 for a, b in itertools.pairwise(steps))  # >= 0.3 s apart
