@@ -58,7 +58,9 @@ def test_retention_with_archives_says_what_it_kept_and_why(prefect_server, tmp_p
     assert summary["pruned"] == [1, 2, 3]
     # the policy runs before each save (a tarball whole, once its archive job has ended) and at the end
     assert sorted(v for report in heard for v in report["removed"]) == [1, 2, 3]
-    assert any(r["text"].startswith("retention (keep_last=3): removed versions") for r in heard if r["removed"])
+    assert any(
+        r["text"].startswith("retention (keep_last=3): removed versions") for r in heard if r["removed"]
+    )
     last = heard[-1]
     assert last["kept"] == [4, 5, 6, 7, 8]
     assert "versions 4, 5 (epochs-000004-000006.tar holds kept version 6)" in last["text"]
