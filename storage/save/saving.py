@@ -78,6 +78,7 @@ class SaveJob:
     structure: Any
     refs: list[TensorEntry]
     plan: RankPlan
+    claimed: bool = True  # False: its number is claimed when the write starts (a solo async save)
 
 
 def checked(request: SaveRequest) -> SaveRequest:
@@ -140,9 +141,13 @@ class VersionWriter:
     def world_size(self) -> int:
         return self.group.world_size
 
-    def prepare(self, state: object, request: SaveRequest) -> SaveJob:
+    def prepare(self, state: object, request: SaveRequest, *, defer_claim: bool = False) -> SaveJob:
         """Plan the save (nothing is written before the whole state is known to be storable), then
-        agree on its version number: rank 0 claims it for every rank."""
+        agree on its version number: rank 0 claims it for every rank.
+
+        ``defer_claim`` (one process, a given version number): the claim, and the checks that come
+        with it, are made when the write starts, in the background: an async save returns after its
+        copy alone. A refusal is then the save's failure, as a write's is."""
         try:
             request = checked(request)
             structure, leaves = encode(state)  # raises on unsupported values, before any I/O
@@ -159,6 +164,10 @@ class VersionWriter:
                 with contextlib.suppress(CheckpointError):
                     self._claim_together(request.version, request.epoch, None, failure=exc)
             raise
+        if defer_claim and self.group.is_solo and request.version is not None:
+            if request.version < 0:
+                raise ValueError(f"version must be >= 0, got {request.version}")
+            return SaveJob(request.version, request, structure, refs, plan, claimed=False)
         number = self._claim_together(request.version, request.epoch, plan.shared.blobs)
         return SaveJob(number, request, structure, refs, plan)
 
@@ -326,7 +335,9 @@ class VersionWriter:
         failure: BaseException | None = None
         try:
             with translate_errors(self.loc, "saving to"):
-                if self.rank == 0:
+                if not job.claimed:
+                    self.claim(job.version, job.request.epoch)
+                elif self.rank == 0:
                     self.ensure_claim(job.version)
                 threads = self.options.threads
                 shards, written = write_shards(

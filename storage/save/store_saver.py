@@ -89,7 +89,7 @@ class StoreSaver:
             return dcp_calls.save_async(self.writer, state, request, self.staging, self.saver)
         from .distributed import staged_blobs
 
-        job = self.writer.prepare(state, request)
+        job = self.writer.prepare(state, request, defer_claim=True)  # claimed in the background
         blobs, offset = staged_blobs(job.plan)  # only this rank's share and its own state
         staged = self.staging.stage(blobs)
         attempts = 0
