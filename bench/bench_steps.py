@@ -212,7 +212,7 @@ class Ckptflow(Way):
         self.store = CheckpointStore(str(work / "store"))
 
     def save(self, state: dict[str, Any], n: int) -> None:
-        self.store.save_async(state, step=n)  # waits for the save before it
+        self.store.save_async(state, step=n, version=n)  # numbered, as the pipeline saves
 
     def end(self) -> None:
         self.store.wait()

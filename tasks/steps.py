@@ -184,7 +184,26 @@ def _trainer_for(config: PipelineConfig) -> Trainer:
     return InProcessTrainer(config)
 
 
-@task(name="train_epoch", cache_policy=NO_CACHE, retry_condition_fn=unless_refused)
+def _stretch_name(parameters: dict[str, Any]) -> str:
+    """``train_epoch-3``, or ``train_epoch-3-from-step-400`` for a stretch that starts inside it."""
+    run: Any = parameters.get("run")
+    epoch = parameters.get("epoch")
+    run = run.unquote() if hasattr(run, "unquote") else run
+    progress = getattr(getattr(run, "trainer", None), "progress", None)
+    start = getattr(progress, "in_epoch", 0)
+    return f"train_epoch-{epoch}" + (f"-from-step-{start}" if start else "")
+
+
+def _save_name(parameters: dict[str, Any]) -> str:
+    return f"save_checkpoint-v{parameters.get('version')}"
+
+
+@task(
+    name="train_epoch",
+    cache_policy=NO_CACHE,
+    retry_condition_fn=unless_refused,
+    task_run_name=cast(Any, _stretch_name),
+)
 def train_epoch(run: TrainingRun, epoch: int, tries: EpochTries) -> Trained:
     """Run the spec's epoch (and evaluation), or its steps to the next save point or stop (the
     answer's ``metrics`` are None then; the run's progress says where it stands).
@@ -240,7 +259,7 @@ class ForeignVersionError(CheckpointError):
     """The version a save would write is committed already, by another writer than this run."""
 
 
-@io_task("save_checkpoint", retry_condition_fn=_save_may_pass)
+@io_task("save_checkpoint", retry_condition_fn=_save_may_pass, task_run_name=cast(Any, _save_name))
 def save_checkpoint(
     run: TrainingRun,
     version: int,

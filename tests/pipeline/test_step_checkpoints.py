@@ -21,8 +21,10 @@ from ckptflow.storage import CheckpointStore, VersionInfo
 from tests.pipeline.helpers import (
     Child,
     make_config,
+    poll,
     run_flow,
     run_summary,
+    task_runs,
     version_dirs,
     wait_until,
 )
@@ -99,9 +101,18 @@ class TestStepSaves:
         self, prefect_server, tmp_path
     ):
         config = stepped(tmp_path / "s", train_process=False)
-        summary, _ = run_summary(config)
+        summary, run_id = run_summary(config)
         store = CheckpointStore(config.storage)
         assert positions(store) == expected_positions()
+        # the UI's shape: a stretch of steps is a train_epoch task run named by where it starts
+        stretches = [(1, 0), (1, 5), (1, 10), (2, 0), (2, 3), (2, 8), (3, 0), (3, 1), (3, 6), (3, 11)]
+        names = [f"train_epoch-{e}" + (f"-from-step-{k}" if k else "") for e, k in stretches]
+        saves = [f"save_checkpoint-v{v.version}" for v in store.versions()]
+        recorded = poll(
+            lambda: sorted(t.name for t in task_runs(run_id)),
+            lambda got: set(names + saves) <= set(got),
+        )
+        assert sorted(n for n in recorded if n.startswith("train_epoch-")) == sorted(names)
         versions = [v.version for v in store.versions()]
         assert versions == sorted(versions) == list(range(1, len(versions) + 1))
         inside = [v for v in store.versions() if v.in_epoch]
