@@ -305,6 +305,38 @@ def pipeline_seconds(root: Path, every_steps: int | None, epochs: int) -> float:
     return last - first
 
 
+FLOOR = r"""
+import sys, time
+from prefect import flow, task
+
+@task
+def stretch(n): return n
+
+@task
+def save(n): return n
+
+@flow
+def points(count):
+    stretch(0), save(0)  # the first task runs of a process are slower: not counted
+    started = time.perf_counter()
+    for n in range(count):
+        stretch(n)
+        save(n)
+    return (time.perf_counter() - started) / count
+
+print("FLOOR", points(int(sys.argv[1])))
+"""
+
+
+def prefect_floor_seconds(points: int) -> float:
+    """Prefect's own cost of a save point's two task runs: a flow of two empty tasks per point,
+    with the API ``ckptflow run`` uses here (its temporary server)."""
+    out = subprocess.run(
+        [sys.executable, "-c", FLOOR, str(points)], check=True, capture_output=True, text=True, cwd=ROOT
+    ).stdout
+    return float(next(line.split()[1] for line in out.splitlines() if line.startswith("FLOOR")))
+
+
 def digits_save_seconds(root: Path, saves: int) -> float:
     """What a save of the digits demo's state costs outside Prefect (save_async, waited for)."""
     from ckptflow.flows.demo import DigitsSpec
@@ -382,6 +414,7 @@ def main() -> None:
             epoch_only = [pipeline_seconds(root, None, args.epochs) for _ in range(args.repeats)]
             points = args.epochs * 12 - args.epochs  # save points inside epochs (epoch ends are in both)
             save = digits_save_seconds(root, 20)
+            floor = statistics.median(prefect_floor_seconds(points) for _ in range(args.repeats))
             extra = (statistics.median(per_step) - statistics.median(epoch_only)) / points
             print(
                 "Orchestration per save point: `ckptflow run --in-process` on the digits demo, "
@@ -401,6 +434,7 @@ def main() -> None:
                         ],
                         ["  of which the save itself (outside Prefect)", "", f"{save * 1e3:.1f}"],
                         ["  orchestration (the rest)", "", f"{(extra - save) * 1e3:.1f}"],
+                        ["Prefect's floor: two empty task runs", "", f"{floor * 1e3:.1f}"],
                     ],
                 )
             )

@@ -307,7 +307,11 @@ class RunMonitor:
     # -- in the reporter's thread --
 
     def _publish_commit(self, info: VersionInfo) -> None:
-        safely("event", lambda: emit_committed(info, self.store_url))
+        safely("event", lambda: emit_committed(info, self.store_url))  # every commit has its event
+        with self._lock:
+            newer = any(v > info.version for v in self._reported)
+        if newer:  # saves commit faster than the artifacts update: the newest's job shows them all
+            return
         self._publish_tables()
         source = f"flow run `{self.run_name}`"
         count = len(self.versions)

@@ -29,6 +29,7 @@ No Prefect here; torch is imported by what builds and trains.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -235,6 +236,7 @@ class Rank:
         if run is None or (self._attempts is not None and not self._attempts.done):
             return None  # not built, or its last stretch failed part-way: nothing whole to save
         began = self.terminating if self.terminating is not None else time.monotonic()
+        log = _quiet(log)  # the flow may be gone: its notes must not stop the save
         info = None
         if self._saved != _position(run):
             where = f"step {run.in_epoch} of epoch {run.epoch + 1}" if run.in_epoch else f"epoch {run.epoch}"
@@ -302,6 +304,14 @@ class Rank:
         self.finish()
         if self.run is not None:
             self.run.store.close()
+
+
+def _quiet(log: Notes) -> Notes:
+    def noted(level: str, message: str) -> None:
+        with contextlib.suppress(Exception):
+            log(level, message)
+
+    return noted
 
 
 def _position(run: RunState) -> tuple[int, int, int]:

@@ -171,12 +171,19 @@ def test_killed_after_a_step_save_and_run_again_ends_bitwise_equal(prefect_serve
 
 
 @pytest.mark.crash
-@pytest.mark.parametrize("train_process", [True, False], ids=["trainer-process", "in-process"])
+@pytest.mark.parametrize(
+    ("train_process", "nproc"),
+    [(True, 1), (False, 1), (True, 2)],
+    ids=["trainer-process", "in-process", "W2"],
+)
 def test_sigterm_inside_an_epoch_commits_the_step_and_the_run_resumes_there(
-    prefect_server, tmp_path, train_process
+    prefect_server, tmp_path, train_process, nproc
 ):
-    straight = stepped(tmp_path / "A", train_process=train_process)
-    stopped = stepped(tmp_path / "B", train_process=train_process)
+    """SIGTERM to the flow's process (a worker's cancellation, Kubernetes): the step in progress
+    finishes, is saved within the grace period, and the run ends Cancelled; with 2 ranks both stop
+    after the same step (they agree after each one) and write their shares of its save."""
+    straight = stepped(tmp_path / "A", train_process=train_process, nproc=nproc)
+    stopped = stepped(tmp_path / "B", train_process=train_process, nproc=nproc)
     run_summary(straight)
     env = {SLOW_FROM_ENV: "2", STEP_SECONDS_ENV: "0.5"}
     child = Child(prefect_server, stopped, tmp_path / "child.log", **env)
