@@ -77,7 +77,7 @@ class MoE(nn.Module):
 
 
 class Small(nn.Module):
-    """Thousands of small tensors: 1,000 tiny layers (2,000 parameters, 6,000 tensors with AdamW)."""
+    """Thousands of small tensors: 1,000 tiny layers (2,000 parameters; 8,000 tensors with AdamW)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -132,7 +132,7 @@ def shapes() -> dict[str, Callable[[], tuple[nn.Module, torch.optim.Optimizer, C
         "transformer + AdamW": transformer,
         "CNN + BatchNorm": cnn,
         "MoE, 64 experts": moe,
-        "6,000 small tensors": small,
+        "8,000 small tensors": small,
         "3 MB state": tiny,
     }
 

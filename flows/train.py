@@ -18,10 +18,11 @@ Stopping: the epoch budget, the stop conditions of the config, or a
 cancellation. A cancellation from Prefect seen by the flow (the UI's "Cancel"
 on a local run) stops a spec's ``train_steps`` after the step in progress (a
 ``train_epoch`` spec: after the epoch), saves it, and ends the run Cancelled.
-SIGTERM (a worker's cancellation, Kubernetes, a spot notice) and Ctrl-C do the
-same from inside the process: the step in progress finishes, the trainer saves
-it within ``stop_grace_seconds``, the saves in flight commit, and the run ends
-Cancelled; the next run resumes from that step.
+SIGTERM (a worker's cancellation, Kubernetes, a spot notice) does the same from
+inside the process: the step in progress finishes, the trainer saves it within
+``stop_grace_seconds``, the saves in flight commit, and the run ends Cancelled;
+the next run resumes from that step. Ctrl-C stops the training processes the
+same way (an in-process step it cuts short is not saved) and ends Interrupted.
 
 The model trains in the flow's process (``train_process`` off: for a
 debugger) or in trainers: a torch.distributed world of ``nproc`` ranks per
@@ -257,7 +258,9 @@ def _told_to_stop(exc: BaseException) -> bool:
     notice; Ctrl-C) rather than failed: then the trainer saves where the run stands."""
     from prefect.exceptions import TerminationSignal
 
-    return isinstance(exc, (TerminationSignal, KeyboardInterrupt))
+    from ckptflow.tasks.rank import Preempted
+
+    return isinstance(exc, (TerminationSignal, KeyboardInterrupt, Preempted))
 
 
 def _stopped_by_signal(exc: BaseException, run: TrainingRun, monitor: RunMonitor, reached: Reached) -> State:

@@ -76,8 +76,9 @@ class InProcessTrainer:
 
         def stop(signum: int, frame: Any) -> None:
             frames.append(frame)
+            again = self._rank.terminating is not None
             self._rank.terminate()
-            if not self._rank.in_steps:  # a whole epoch: the previous handler interrupts it now
+            if not self._rank.in_steps and not again:  # a whole epoch: the previous handler interrupts it now
                 signal.signal(signal.SIGTERM, previous)
                 _call(previous, signum, frame)
 

@@ -118,6 +118,7 @@ class Rank:
         self._attempts: EpochAttempts | None = None
         self._saves: dict[int, _Saving] = {}
         self._saved: tuple[int, int, int] | None = None  # where the run stood at the last save started
+        self._saved_version: int | None = None  # ... and its version (None: the position it was built at)
 
     def _built(self) -> RunState:
         if self.run is None:
@@ -143,7 +144,7 @@ class Rank:
         self.run = run
         self.async_save = config.async_save
         self.grace = config.stop_grace_seconds
-        self._saved = _position(run) if run.resumed_from is not None else None
+        self._saved = _position(run)  # its commit, or nothing trained yet: nothing to save on a stop
         self._set_progress(run)
         from .spec import trains_by_steps
 
@@ -196,8 +197,15 @@ class Rank:
             self.in_steps = False
         self._attempts.done = True
         self._set_progress(run)
-        if stretch.stopped and self.terminating is not None:
-            self.preempt(log)
+        terminating = self.terminating is not None  # SIGTERM, seen by the last pause or since
+        if self.world_size > 1:  # ... on any rank: every rank saves, or none
+            (terminating,) = _agreed(terminating)
+        if terminating:
+            self.terminate()
+            try:
+                self.preempt(log)
+            except Exception as exc:  # the process ends all the same; what committed is intact
+                _quiet(log)("error", f"the save on stopping failed: {type(exc).__name__}: {exc}")
             raise Preempted()
         return Trained(metrics=stretch.metrics, stopped=stretch.stopped, due=stretch.due)
 
@@ -238,12 +246,19 @@ class Rank:
         began = self.terminating if self.terminating is not None else time.monotonic()
         log = _quiet(log)  # the flow may be gone: its notes must not stop the save
         info = None
-        if self._saved != _position(run):
+        started = self._saving_of(_position(run))
+        if started is not None:  # saved already: its write must commit, or it is made again below
+            started.join(max(0.0, self.grace - (time.monotonic() - began)))
+            if _failed(started):
+                started = None
+        if started is None:
             where = f"step {run.in_epoch} of epoch {run.epoch + 1}" if run.in_epoch else f"epoch {run.epoch}"
             log("info", f"stopping: saving {where} before the process ends")
             (shared, own), kwargs = self._capture(None, log)
-            self._saved = _position(run)
+            with contextlib.suppress(Exception):  # an earlier async save's failure, raised by the next
+                run.store.wait()
             info = run.store.save(shared, rank_state=own, **kwargs)
+            self._saved = _position(run)
             log(
                 "info",
                 f"saved version {info.version} {time.monotonic() - began:.2f}s after the stop was asked",
@@ -251,6 +266,15 @@ class Rank:
         for saving in list(self._saves.values()):
             saving.join(max(0.0, self.grace - (time.monotonic() - began)))
         return info
+
+    def _saving_of(self, position: tuple[int, int, int]) -> _Saving | None:
+        """The save started of ``position``, if the last save started was of it (a sentinel for the
+        position a run was built at: its commit, or nothing trained yet)."""
+        if self._saved != position:
+            return None
+        if self._saved_version is None:
+            return _COMMITTED
+        return self._saves.get(self._saved_version, _COMMITTED)
 
     def save(self, version: int, *, log: Notes) -> Staged:
         """Start the save of where the run stands as ``version``, in the run's mode."""
@@ -262,7 +286,7 @@ class Rank:
         else:
             saving = _Writing(version, lambda: run.store.save(shared, rank_state=own, **kwargs))
         self._saves[version] = saving  # kept until the run stops: the flow may wait for it late
-        self._saved = _position(run)
+        self._saved, self._saved_version = _position(run), version
         return Staged(version=version)
 
     def _capture(
@@ -304,6 +328,33 @@ class Rank:
         self.finish()
         if self.run is not None:
             self.run.store.close()
+
+
+class _Committed:
+    """The save of the position a run was built at: committed (or nothing to save)."""
+
+    def join(self, timeout: float | None = None) -> bool:
+        return True
+
+    def done(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        return None
+
+
+_COMMITTED: Any = _Committed()
+
+
+def _failed(saving: Any) -> bool:
+    """Whether a save that ended failed (one still running has not)."""
+    if not saving.done():
+        return False
+    try:
+        saving.wait(0)
+    except Exception:
+        return True
+    return False
 
 
 def _quiet(log: Notes) -> Notes:

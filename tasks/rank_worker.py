@@ -340,8 +340,10 @@ class _Stops:
     def __call__(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.rank is not None:
+            again = self.rank.terminating is not None
             self.rank.terminate()
-            if self.rank.in_steps:
+            if self.rank.in_steps or again:  # the step ends, then the rank saves it: never cut that short
+                self.raising = False
                 return
         if self.raising:
             self.raising = False  # one interruption only: the rank is on its way out

@@ -56,6 +56,7 @@ from ..files.location import Location, open_location
 from ..format.checksum import new_hasher
 from ..format.manifest import MANIFEST_FILE, parse_manifest
 from ..format.names import parse_version_dir, version_dir
+from ..info import in_epoch
 from .tarcheck import check_members
 from .tarindex import TarIndex, check_member_name, read_index
 
@@ -117,9 +118,9 @@ def _refuse_link_or_file(out_dir: str) -> None:
 
 def _version_of_epoch(index: TarIndex, epoch: int, where: str) -> int:
     manifests = index.manifests(where)
-    for version, manifest in manifests.items():
-        if manifest.epoch == epoch:
-            return version
+    ends = [v for v, m in manifests.items() if m.epoch == epoch and in_epoch(m.user) is None]
+    if ends:  # the epoch's end: not a save made inside it
+        return max(ends)
     epochs = sorted(m.epoch for m in manifests.values() if m.epoch is not None)
     raise CheckpointError(f"{index.tar} holds no epoch {epoch} (epochs: {', '.join(map(str, epochs))})")
 

@@ -46,9 +46,8 @@ REPEATING_SPEC = "tests.pipeline.specs:RepeatingFailureSpec"
 FAIL_EPOCH_ENV = "CKPTFLOW_TEST_FAIL_EPOCH"
 EXTRA_HIDDEN_ENV = "CKPTFLOW_TEST_EXTRA_HIDDEN"
 STEPPED_SPEC = "tests.pipeline.specs:SteppedDigitsSpec"
-STEP_SECONDS_ENV = (
-    "CKPTFLOW_TEST_STEP_SECONDS"  # SteppedDigitsSpec: each step of the slow epochs sleeps this long
-)
+STEP_SECONDS_ENV = "CKPTFLOW_TEST_STEP_SECONDS"  # SteppedDigitsSpec: each step of slow epochs sleeps so long
+EVALUATING_ENV = "CKPTFLOW_TEST_EVALUATING"  # SteppedDigitsSpec: a directory; evaluate marks it, sleeps 3 s
 
 # Small and fast: an epoch of the digits MLP takes a few tens of milliseconds.
 SPEC_CONFIG = {"hidden": 32, "batch_size": 128}
@@ -214,6 +213,13 @@ class SteppedDigitsSpec(DigitsSpec):
                 return end.value
             time.sleep(seconds)
             yield
+
+    def evaluate(self, trainable, epoch):  # type: ignore[no-untyped-def]
+        directory = os.environ.get(EVALUATING_ENV)
+        if directory and epoch >= int(os.environ.get(SLOW_FROM_ENV, "1")):
+            (Path(directory) / f"evaluating-{epoch}").touch()
+            time.sleep(3)
+        return super().evaluate(trainable, epoch)
 
 
 LOADER_SPEC = "tests.pipeline.specs:LoaderDigitsSpec"

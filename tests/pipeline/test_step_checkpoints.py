@@ -28,7 +28,7 @@ from tests.pipeline.helpers import (
     version_dirs,
     wait_until,
 )
-from tests.pipeline.specs import SLOW_FROM_ENV, STEP_SECONDS_ENV, STEPPED_SPEC
+from tests.pipeline.specs import EVALUATING_ENV, SLOW_FROM_ENV, STEP_SECONDS_ENV, STEPPED_SPEC
 
 pytestmark = pytest.mark.prefect
 
@@ -40,7 +40,8 @@ PER_EPOCH = 12  # steps of an epoch of the digits demo with batch_size 128
 def stepped(storage: Path, **fields):  # type: ignore[no-untyped-def]
     fields.setdefault("spec", STEPPED_SPEC)
     fields.setdefault("save_every_steps", EVERY)
-    return make_config(storage, epochs=EPOCHS, **fields)
+    fields.setdefault("epochs", EPOCHS)
+    return make_config(storage, **fields)
 
 
 def positions(store: CheckpointStore) -> list[tuple[int | None, int | None, int | None]]:
@@ -346,3 +347,27 @@ def test_a_minute_cadence_saves_inside_epochs(prefect_server, tmp_path):
     assert len(inside) >= 4, positions(CheckpointStore(config.storage))  # 2.4 s of steps, a save every 0.3 s
     steps = [v.step for v in inside]
     assert steps == sorted(steps) and all(b - a >= 3 for a, b in itertools.pairwise(steps))  # >= 0.3 s apart
+
+
+@pytest.mark.crash
+@pytest.mark.parametrize("train_process", [True, False], ids=["trainer-process", "in-process"])
+def test_sigterm_after_the_last_step_of_an_epoch_saves_its_end(prefect_server, tmp_path, train_process):
+    """Bug fix: a SIGTERM that came after an epoch's last step (while the spec evaluated) was
+    swallowed: the rank waited for a step that never came, and the epoch's end was not saved."""
+    stopped = stepped(tmp_path / "B", train_process=train_process, save_every_steps=None)
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    env = {SLOW_FROM_ENV: "2", EVALUATING_ENV: str(marks)}
+    child = Child(prefect_server, stopped, tmp_path / "child.log", **env)
+    store = CheckpointStore(stopped.storage)
+    try:
+        child.wait_for((marks / "evaluating-2").exists, 180, "the evaluation of epoch 2")
+        signalled = time.monotonic()
+        os.kill(child.proc.pid, signal.SIGTERM)
+        code = child.wait(60)
+        took = time.monotonic() - signalled
+    finally:
+        child.kill()
+    assert child.result()["state"] == "CANCELLED", child.tail()
+    assert code == 0 and took < 30, f"{took:.1f}s"
+    assert positions(store) == [(1, None, 12), (2, None, 24)]  # epoch 2's end, saved on the stop
