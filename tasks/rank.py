@@ -40,7 +40,15 @@ from ckptflow.storage import CheckpointStore, VersionInfo
 
 from .config import PipelineConfig
 from .protocol import Built, Committed, Done, Notes, Progress, Staged, Trained
-from .run_state import EpochAttempts, RunState, build_run, capture_run, save_options, train_attempt
+from .run_state import (
+    EpochAttempts,
+    RunState,
+    build_run,
+    capture_run,
+    restore_committed,
+    save_options,
+    train_attempt,
+)
 
 
 class Preempted(BaseException):
@@ -179,7 +187,7 @@ class Rank:
                 raise RuntimeError(
                     f"asked to train epoch {epoch}, but these trainers stand at epoch {run.epoch}"
                 )
-            self._attempts = EpochAttempts(run, keep_snapshot=keep_snapshot)
+            self._attempts = EpochAttempts(run, keep_snapshot=keep_snapshot, saved=self._saved_here(run))
         self._attempts.count += 1
         from .spec import trains_by_steps
 
@@ -208,6 +216,29 @@ class Rank:
                 _quiet(log)("error", f"the save on stopping failed: {type(exc).__name__}: {exc}")
             raise Preempted()
         return Trained(metrics=stretch.metrics, stopped=stretch.stopped, due=stretch.due)
+
+    def _saved_here(self, run: RunState) -> Callable[[], None] | None:
+        """How to put the run back where it stands from the save made there (None: none was),
+        for a retried stretch: its commit is waited for, then read into the live objects."""
+        version = self._saved_version
+        if version is None and run.resumed_from is not None:
+            version = run.resumed_from.version  # the version the run was built from
+        if self._saved != _position(run) or version is None:
+            return None
+        saving = self._saves.get(version)
+
+        def restore() -> None:
+            if saving is not None:
+                saving.wait()  # committed, or its error: the stretch cannot be retried then
+            restore_committed(run, version, ranked=self.world_size > 1 or self._sharded(run))
+
+        return restore
+
+    @staticmethod
+    def _sharded(run: RunState) -> bool:
+        from .training_state import is_sharded
+
+        return is_sharded(run.local()[1].model)
 
     def _set_progress(self, run: RunState) -> None:
         length = run.spec.steps_per_epoch(run.epoch + 1) if run.in_epoch else None

@@ -333,14 +333,20 @@ def set_aside_unreadable(store: CheckpointStore, warn: Log) -> None:
 class EpochAttempts:
     """Tracks attempts of one stretch of training (an epoch, or its steps up to a save point) in the
     process that trains it; from the second on, the start state (kept by the first, with
-    ``keep_snapshot``) is restored first. ``done``: its last attempt trained through."""
+    ``keep_snapshot``) is restored first. ``done``: its last attempt trained through.
 
-    def __init__(self, run: RunState, *, keep_snapshot: bool) -> None:
+    ``saved``: a stretch that starts where a save was just made restores that save instead (it
+    holds the same state), so no second copy of the state is made at every save point."""
+
+    def __init__(
+        self, run: RunState, *, keep_snapshot: bool, saved: Callable[[], None] | None = None
+    ) -> None:
         self.snapshot: Snapshot | None = None
         self.keep_snapshot = keep_snapshot
         self.epoch = run.epoch + 1
         self.done = False
-        if keep_snapshot:
+        self.saved = saved if keep_snapshot else None
+        if keep_snapshot and saved is None:
             from .training_state import Snapshot
 
             spec, trainable = run.local()
@@ -380,10 +386,13 @@ def train_attempt(
 
     spec, trainable = run.local()
     if attempts.count > 1:
-        if attempts.snapshot is None:
-            raise RuntimeError(f"epoch {epoch} cannot be retried: no start state was kept")
         run.steps = None
-        run.epoch, run.step, run.in_epoch = attempts.snapshot.restore(trainable, spec)
+        if attempts.saved is not None:
+            attempts.saved()  # the save the stretch started at: the same state, bit for bit
+        elif attempts.snapshot is not None:
+            run.epoch, run.step, run.in_epoch = attempts.snapshot.restore(trainable, spec)
+        else:
+            raise RuntimeError(f"epoch {epoch} cannot be retried: no start state was kept")
         from .training_state import rng_state
 
         run.rng = rng_state()
@@ -449,6 +458,24 @@ def _train_steps(run: RunState, epoch: int, pause: Pause | None, until: int | No
     run.epoch, run.in_epoch = epoch, 0
     run.metrics[epoch] = clean
     return Stretch(clean, due=due_at_end)
+
+
+def restore_committed(run: RunState, version: int, *, ranked: bool) -> None:
+    """Put the run back where committed ``version`` stands (a save this run made: the same spec and
+    ranks): its state read straight into the live tensors; ``ranked``: this rank's own state from
+    its own file."""
+    from .training_state import capture, is_sharded, restore, split_ranked
+
+    spec, trainable = run.local()
+    into = capture(trainable, spec, epoch=0, step=0)
+    if is_sharded(trainable.model):
+        into, _ = split_ranked(into)
+    state = run.store.load(version, into=into)
+    if ranked:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RankStateWarning)
+            state.update(run.store.load_rank_state(version) or {})
+    run.epoch, run.step, run.in_epoch = restore(trainable, spec, state)
 
 
 def capture_run(run: RunState, warn: Log | None = None) -> dict[str, Any]:

@@ -301,3 +301,24 @@ class LoaderLeftOutDigitsSpec(LoaderDigitsSpec):
 
     def loader(self, trainable: Trainable):  # type: ignore[no-untyped-def]
         return self._kept
+
+
+class FlakySteppedSpec(SteppedDigitsSpec):
+    """SteppedDigitsSpec whose first attempt at step 7 of epoch 2 fails after training that step
+    (the model, optimizer and RNGs moved on): a retry must start from where its stretch began."""
+
+    failed: ClassVar[bool] = False
+
+    def train_steps(self, trainable, epoch, start):  # type: ignore[no-untyped-def]
+        steps = super().train_steps(trainable, epoch, start)
+        done = start
+        while True:
+            try:
+                next(steps)
+            except StopIteration as end:
+                return end.value
+            done += 1
+            if epoch == 2 and done == 7 and not FlakySteppedSpec.failed:
+                FlakySteppedSpec.failed = True
+                raise EpochFailure("step 7 of epoch 2 fails once")
+            yield

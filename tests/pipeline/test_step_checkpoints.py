@@ -371,3 +371,33 @@ def test_sigterm_after_the_last_step_of_an_epoch_saves_its_end(prefect_server, t
     assert child.result()["state"] == "CANCELLED", child.tail()
     assert code == 0 and took < 30, f"{took:.1f}s"
     assert positions(store) == [(1, None, 12), (2, None, 24)]  # epoch 2's end, saved on the stop
+
+
+def test_a_failed_stretch_is_retried_from_the_save_it_began_at(prefect_server, tmp_path, monkeypatch):
+    """A stretch that starts where a save was just made keeps no second copy of the state for its
+    retries: a retry reads that save back. The run retried at step 7 of epoch 2 (after the save of
+    step 15, 3 steps into it) ends bitwise where a straight run ends, and only the run's first
+    stretch (nothing saved yet) copied the state."""
+    from ckptflow.tasks import training_state
+    from tests.pipeline.specs import FlakySteppedSpec
+
+    straight = stepped(tmp_path / "A", train_process=False, epoch_retries=1)
+    flaky = stepped(
+        tmp_path / "B", train_process=False, epoch_retries=1, spec="tests.pipeline.specs:FlakySteppedSpec"
+    )
+    run_summary(straight)
+    copies: list[int] = []
+    made = training_state.Snapshot.__init__
+
+    def counted(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        copies.append(1)
+        made(self, *args, **kwargs)
+
+    monkeypatch.setattr(training_state.Snapshot, "__init__", counted)
+    monkeypatch.setattr(FlakySteppedSpec, "failed", False)
+    summary, _ = run_summary(flaky)
+    assert FlakySteppedSpec.failed and summary["last_epoch"] == EPOCHS
+    assert len(copies) == 1
+    store = CheckpointStore(flaky.storage)
+    assert positions(store) == expected_positions()
+    assert_same_run(store, CheckpointStore(straight.storage), [s for _, _, s in expected_positions()])
