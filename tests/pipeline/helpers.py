@@ -286,3 +286,17 @@ def gone(pid: int) -> bool:
     except FileNotFoundError:
         return True
     return "\nState:\tZ" in status
+
+
+def readme_module(marker: str, module: str, tmp_path: Path, monkeypatch: Any) -> None:
+    """The python block after ``marker`` in the README, as written, as importable module ``module``
+    (here, and in training processes through PYTHONPATH); pop it from ``sys.modules`` after."""
+    text = (REPO / "README.md").read_text()
+    assert marker in text, f"the README lost the marker {marker!r}"
+    block = text.split(marker, 1)[1].lstrip()
+    assert block.startswith("```python\n"), "the README's marker is not followed by a python block"
+    (tmp_path / f"{module}.py").write_text(block[len("```python\n") :].split("\n```", 1)[0] + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    )

@@ -12,7 +12,6 @@ written, and the loader-level test pins why it shuffles with a sampler of its ow
 from __future__ import annotations
 
 import copy
-import os
 import sys
 import warnings
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch
 
 from ckptflow.storage import CheckpointStore
 from tests.conftest import assert_same_state
-from tests.pipeline.helpers import REPO, make_config, run_summary
+from tests.pipeline.helpers import make_config, readme_module, run_summary
 from tests.pipeline.specs import LOADER_LEFT_OUT_SPEC, LOADER_SPEC
 from tests.pipeline.test_step_checkpoints import (
     EPOCHS,
@@ -86,16 +85,7 @@ README_MARKER = "<!-- tests/pipeline/test_stateful_loader.py runs the next code 
 @pytest.fixture
 def readme_loader_spec(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     """The README's StatefulDataLoader spec, as written, as module ``readme_loader``."""
-    text = (REPO / "README.md").read_text()
-    assert README_MARKER in text, "the README lost the marker of its StatefulDataLoader example"
-    block = text.split(README_MARKER, 1)[1].lstrip()
-    assert block.startswith("```python\n")
-    code = block[len("```python\n") :].split("\n```", 1)[0] + "\n"
-    (tmp_path / "readme_loader.py").write_text(code)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    )
+    readme_module(README_MARKER, "readme_loader", tmp_path, monkeypatch)
     yield "readme_loader:MyLoaderSpec"
     sys.modules.pop("readme_loader", None)
 

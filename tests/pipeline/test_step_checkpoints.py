@@ -22,6 +22,7 @@ from tests.pipeline.helpers import (
     Child,
     make_config,
     poll,
+    readme_module,
     run_flow,
     run_summary,
     task_runs,
@@ -248,21 +249,10 @@ README_MARKER = "<!-- tests/pipeline/test_step_checkpoints.py runs the next code
 @pytest.fixture
 def readme_step_spec(tmp_path, monkeypatch):  # type: ignore[no-untyped-def]
     """The README's step spec ("Checkpoints inside epochs"), as written, as module ``readme_steps``."""
-    from tests.pipeline.helpers import REPO
-
-    text = (REPO / "README.md").read_text()
-    assert README_MARKER in text, "the README lost the marker of its step spec example"
-    block = text.split(README_MARKER, 1)[1].lstrip()
-    assert block.startswith("```python\n")
-    code = block[len("```python\n") :].split("\n```", 1)[0] + "\n"
-    (tmp_path / "readme_steps.py").write_text(code)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
-    )
-    yield "readme_steps:MySpec"
     import sys
 
+    readme_module(README_MARKER, "readme_steps", tmp_path, monkeypatch)
+    yield "readme_steps:MySpec"
     sys.modules.pop("readme_steps", None)
 
 
