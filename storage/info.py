@@ -16,13 +16,16 @@ from .format.manifest import Manifest
 class StoreOptions:
     """How a store writes and reads; the defaults suit a local disk or S3."""
 
-    shards: int = 4  # shard files per version, in all, at every world size (at least one per rank)
+    shards: int = 4  # shard files per version at most (at least one per rank)
     threads: int = 4
     verify_on_load: bool = True
+    shard_bytes: int = 64 << 20  # one shard file per this many bytes of state, up to ``shards``
 
     def __post_init__(self) -> None:
         if self.shards < 1:
             raise ValueError(f"shards must be >= 1, got {self.shards}")
+        if self.shard_bytes < 1:
+            raise ValueError(f"shard_bytes must be >= 1, got {self.shard_bytes}")
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 

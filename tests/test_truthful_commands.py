@@ -196,7 +196,7 @@ class TestSetAsideUnreadable:
         store.save({"w": torch.ones(4)}, epoch=1)
         store.save({"w": torch.ones(4)}, epoch=2)
         manifest = Path(url) / "v000002" / "manifest.json"
-        manifest.write_text(manifest.read_text().replace('"format_version": 3', '"format_version": 99'))
+        manifest.write_text(manifest.read_text().replace('"format_version":6', '"format_version":99'))
         from ckptflow.storage import FormatVersionError
 
         with pytest.raises(FormatVersionError, match="upgrade ckptflow"):

@@ -40,8 +40,10 @@ from ..format.checksum import ALGORITHM
 from ..format.manifest import (
     Manifest,
     check_seal,
+    check_sealed_bytes,
     load_versioned_json,
     seal,
+    sealed_json,
     validate_manifest,
     validation_problems,
 )
@@ -51,9 +53,12 @@ from ..format.names import parse_version_dir, relative_name_problem
 log = logging.getLogger(__name__)
 
 INDEX_FORMAT = "ckptflow-archive-index"
-INDEX_FORMAT_VERSION = 3  # 2 added ``index_checksum``, 3 each member's ``header_checksum``
+# 2 added ``index_checksum``, 3 each member's ``header_checksum``, 4 compact JSON sealed over
+# its keys in document order (the archived manifests' structures keep their key order)
+INDEX_FORMAT_VERSION = 4
 SEALED_INDEX_VERSION = 2
 HEADER_CHECKSUM_VERSION = 3
+ORDERED_INDEX_VERSION = 4
 INDEX_SEAL_KEY = "index_checksum"
 INDEX_SUFFIX = ".index.json"
 BLOCK = tarfile.BLOCKSIZE  # 512: tar headers and data are laid out in blocks
@@ -125,7 +130,9 @@ class TarIndex(_Model):
         raw["format_version"] = max(
             self.format_version, SEALED_INDEX_VERSION, HEADER_CHECKSUM_VERSION if has_headers else 0
         )
-        return json.dumps(seal(raw, INDEX_SEAL_KEY), indent=1, allow_nan=False).encode()
+        if raw["format_version"] < ORDERED_INDEX_VERSION:  # its seal as older ckptflow computes it
+            return json.dumps(seal(raw, INDEX_SEAL_KEY, ordered=False), allow_nan=False).encode()
+        return sealed_json(raw, INDEX_SEAL_KEY)
 
 
 def index_name(tar_name: str) -> str:
@@ -146,8 +153,14 @@ def parse_index(data: bytes, where: str) -> TarIndex:
     raw = load_versioned_json(
         data, where, kind="archive index", name=INDEX_FORMAT, version=INDEX_FORMAT_VERSION, verb="read"
     )
-    required = raw["format_version"] >= SEALED_INDEX_VERSION
-    raw = check_seal(raw, INDEX_SEAL_KEY, where, kind="archive index", required=required)
+    ordered = raw["format_version"] >= ORDERED_INDEX_VERSION
+    body = check_sealed_bytes(data, raw, INDEX_SEAL_KEY) if ordered else None
+    if body is None:
+        required = raw["format_version"] >= SEALED_INDEX_VERSION
+        body = check_seal(
+            raw, INDEX_SEAL_KEY, where, kind="archive index", required=required, ordered=ordered
+        )
+    raw = body
     try:
         index = TarIndex.model_validate(raw)
     except ValidationError as exc:

@@ -26,11 +26,12 @@ from .dtypenames import itemsize
 from .manifest_checks import MAX_BYTES, check_manifest, document_depth_problem
 
 FORMAT_NAME = "ckptflow-checkpoint"
-FORMAT_VERSION = 5  # the newest this code reads, and the one it writes
+FORMAT_VERSION = 6  # the newest this code reads, and the one it writes
 RANKS_FORMAT_VERSION = 2  # added ``world_size`` and ``ranks`` (per-rank state of a multi-process save)
 SEALED_FORMAT_VERSION = 3  # added ``manifest_checksum``, the manifest's checksum of itself
 SHARDED_FORMAT_VERSION = 4  # added ``chunked``: tensors stored as chunks of a global shape (DTensor)
 PIECES_FORMAT_VERSION = 5  # added blobs' ``piece_bytes`` and ``pieces``: checksums of fixed-size pieces
+ORDERED_FORMAT_VERSION = 6  # compact JSON, sealed over its keys in document order (one hash of its bytes)
 SEAL_KEY = "manifest_checksum"
 MANIFEST_FILE = "manifest.json"
 
@@ -144,14 +145,14 @@ class Manifest(_Model):
         if not self.chunked:
             exclude.add("chunked")
         raw = self.model_dump(mode="json", exclude=exclude)
-        needed = SHARDED_FORMAT_VERSION if self.chunked else SEALED_FORMAT_VERSION
+        needed = SHARDED_FORMAT_VERSION if self.chunked else SEALED_FORMAT_VERSION  # the oldest that reads it
         for blob in [*raw["blobs"], *(b for part in raw.get("ranks", []) for b in part["blobs"])]:
             if blob["pieces"] is None:  # a blob without pieces reads as formats 1-4 wrote it
                 del blob["piece_bytes"], blob["pieces"]
             else:
                 needed = PIECES_FORMAT_VERSION
-        raw["format_version"] = max(self.format_version, needed)  # the oldest reader that can read it
-        return json.dumps(seal(raw, SEAL_KEY), indent=1, allow_nan=False).encode()
+        raw["format_version"] = max(self.format_version, needed, ORDERED_FORMAT_VERSION)
+        return sealed_json(raw, SEAL_KEY)
 
     def rank_view(self, rank: int) -> Manifest:
         """This manifest with rank ``rank``'s own state in place of the shared state (same shards)."""
@@ -198,10 +199,21 @@ def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
     return out
 
 
-def load_versioned_json(data: bytes, where: str, *, kind: str, name: str, version: int, verb: str) -> dict:
+def load_versioned_json(
+    data: bytes,
+    where: str,
+    *,
+    kind: str,
+    name: str,
+    version: int,
+    verb: str,
+    free: tuple[str, ...] | None = None,
+) -> dict:
     """The JSON object of a ckptflow document (a manifest, an archive index), its format checked.
 
-    A document written by a newer format version is refused with FormatVersionError.
+    A document written by a newer format version is refused with FormatVersionError. Its depth
+    is checked in the values of the ``free`` keys (those a schema types as any JSON: the rest is
+    refused by validation at its first level), or everywhere.
     """
 
     if len(data) > MAX_BYTES:
@@ -216,7 +228,7 @@ def load_versioned_json(data: bytes, where: str, *, kind: str, name: str, versio
         raise ManifestError(f"{kind} {where} is nested too deeply to be a ckptflow {kind}") from None
     if not isinstance(raw, dict) or raw.get("format") != name:
         raise ManifestError(f"{where} is not a ckptflow {kind}")
-    too_deep = document_depth_problem(raw)
+    too_deep = document_depth_problem(raw if free is None else [raw.get(key) for key in free])
     if too_deep:
         raise ManifestError(f"{kind} {where} is {too_deep}")
     found = raw.get("format_version")
@@ -228,16 +240,52 @@ def load_versioned_json(data: bytes, where: str, *, kind: str, name: str, versio
     return raw
 
 
-def seal(raw: dict[str, Any], key: str) -> dict[str, Any]:
-    """``raw`` with ``key`` set to the xxh3 of its canonical JSON (sorted keys, no spaces)."""
+def seal(raw: dict[str, Any], key: str, *, ordered: bool = True) -> dict[str, Any]:
+    """``raw`` with ``key`` set to the xxh3 of its canonical JSON (no spaces; keys in document
+    order, or sorted, as sealed by documents of older format versions)."""
     from .checksum import digest
 
     body = {k: v for k, v in raw.items() if k != key}
-    return {**body, key: digest(_canonical(body))}
+    return {**body, key: digest(_canonical(body, ordered))}
 
 
-def check_seal(raw: dict[str, Any], key: str, where: str, *, kind: str, required: bool) -> dict[str, Any]:
-    """``raw`` without its seal, after checking it; ManifestError if it was changed after writing."""
+def sealed_json(raw: dict[str, Any], key: str) -> bytes:
+    """``raw`` as written: its canonical JSON (keys in document order) with the seal added last.
+
+    The bytes before the seal are exactly what the seal hashes, so a reader checks an untouched
+    document with one hash of its bytes (:func:`check_sealed_bytes`) instead of encoding it again;
+    a document reformatted by hand still checks the slow way.
+    """
+    from .checksum import digest
+
+    canonical = _canonical({k: v for k, v in raw.items() if k != key}, ordered=True)
+    if canonical == b"{}":
+        return json.dumps({key: digest(canonical)}).encode()
+    return canonical[:-1] + b',"' + key.encode() + b'":"' + digest(canonical).encode() + b'"}'
+
+
+def check_sealed_bytes(data: bytes, raw: dict[str, Any], key: str) -> dict[str, Any] | None:
+    """``raw`` without its seal when ``data`` is exactly as :func:`sealed_json` wrote it and the
+    seal matches its bytes; None when it must be checked the slow way (:func:`check_seal`)."""
+    from .checksum import digest
+
+    seal_value = raw.get(key)
+    if not isinstance(seal_value, str):
+        return None
+    suffix = b',"' + key.encode() + b'":"' + seal_value.encode() + b'"}'
+    end = len(data.rstrip())
+    if data[end - len(suffix) : end] != suffix or digest(data[: end - len(suffix)] + b"}") != seal_value:
+        return None
+    return {k: v for k, v in raw.items() if k != key}
+
+
+def check_seal(
+    raw: dict[str, Any], key: str, where: str, *, kind: str, required: bool, ordered: bool
+) -> dict[str, Any]:
+    """``raw`` without its seal, after checking it; ManifestError if it was changed after writing.
+
+    ``ordered``: the seal hashes keys in document order (else sorted: older format versions).
+    """
     from .checksum import digest
 
     if key not in raw:
@@ -245,7 +293,7 @@ def check_seal(raw: dict[str, Any], key: str, where: str, *, kind: str, required
             raise ManifestError(f"{kind} {where} has no {key}: it was changed after it was written")
         return raw
     body = {k: v for k, v in raw.items() if k != key}
-    actual = digest(_canonical(body))
+    actual = digest(_canonical(body, ordered))
     if raw[key] != actual:
         raise ManifestError(
             f"{kind} {where} was changed after it was written: its {key} is {raw[key]!r}, its content "
@@ -254,21 +302,29 @@ def check_seal(raw: dict[str, Any], key: str, where: str, *, kind: str, required
     return body
 
 
-def _canonical(raw: dict[str, Any]) -> bytes:
+def _canonical(raw: dict[str, Any], ordered: bool) -> bytes:
     try:
-        return json.dumps(raw, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+        return json.dumps(raw, sort_keys=not ordered, separators=(",", ":"), allow_nan=False).encode()
     except ValueError as exc:
         raise ManifestError(f"not a JSON document ckptflow writes: {exc}") from None
+
+
+# Fields of a manifest that hold any JSON, whose depth is checked before validation; the structure
+# is one too, and check_manifest checks its depth (validation does not walk it).
+_FREE = ("user", "ranks")
 
 
 def parse_manifest(data: bytes, where: str) -> Manifest:
     """Parse and validate a manifest; ``where`` names it in error messages."""
     raw = load_versioned_json(
-        data, where, kind="manifest", name=FORMAT_NAME, version=FORMAT_VERSION, verb="load"
+        data, where, kind="manifest", name=FORMAT_NAME, version=FORMAT_VERSION, verb="load", free=_FREE
     )
-    required = raw["format_version"] >= SEALED_FORMAT_VERSION
-    raw = check_seal(raw, SEAL_KEY, where, kind="manifest", required=required)
-    return validate_manifest(raw, where)
+    ordered = raw["format_version"] >= ORDERED_FORMAT_VERSION
+    body = check_sealed_bytes(data, raw, SEAL_KEY) if ordered else None
+    if body is None:
+        required = raw["format_version"] >= SEALED_FORMAT_VERSION
+        body = check_seal(raw, SEAL_KEY, where, kind="manifest", required=required, ordered=ordered)
+    return validate_manifest(body, where)
 
 
 def validate_manifest(raw: object, where: str) -> Manifest:

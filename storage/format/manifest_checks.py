@@ -62,10 +62,14 @@ def check_manifest(m: Manifest, where: str) -> None:
     parts = [("", m.blobs, m.tensors, m.structure)]
     parts += [(f"ranks[{r}].", p.blobs, p.tensors, p.structure) for r, p in enumerate(m.ranks)]
     for prefix, blobs, tensors, structure in parts:
+        # Every checksum in one match (a state may have 100,000 blobs); the slow way names a bad one.
+        checksums = "".join(b.checksum for b in blobs)
+        sound = len(checksums) == 16 * len(blobs) and _HEX.fullmatch(checksums) is not None
         for i, blob in enumerate(blobs):
-            _check_blob(blob, m.shards, f"{prefix}blobs[{i}]", where)
+            _check_blob(blob, m.shards, f"{prefix}blobs[{i}]", where, checksum_ok=sound)
         for i, tensor in enumerate(tensors):
-            _check_tensor(tensor, blobs, f"{prefix}tensors[{i}]", where)
+            if not _whole_blob(tensor, blobs):
+                _check_tensor(tensor, blobs, f"{prefix}tensors[{i}]", where)
         chunked = len(m.chunked) if not prefix else 0
         _check_structure(structure, [t.dtype for t in tensors], chunked, f"{prefix}structure", where)
     for i, entry in enumerate(m.chunked):
@@ -83,7 +87,9 @@ def _check_shard(shard: ShardEntry, field: str, where: str) -> None:
         raise _fail(where, f"{field}.checksum", f"{shard.checksum!r} is not an xxh3-64 checksum")
 
 
-def _check_blob(blob: BlobEntry, shards: list[ShardEntry], field: str, where: str) -> None:
+def _check_blob(
+    blob: BlobEntry, shards: list[ShardEntry], field: str, where: str, *, checksum_ok: bool = False
+) -> None:
     if blob.shard >= len(shards):
         raise _fail(where, f"{field}.shard", f"shard {blob.shard} is not listed ({len(shards)} shards)")
     width = _width_of(blob.dtype, blob.shape, field, where)
@@ -93,7 +99,7 @@ def _check_blob(blob: BlobEntry, shards: list[ShardEntry], field: str, where: st
             f"{field}.nbytes",
             f"{blob.nbytes} bytes for shape {blob.shape} of {blob.dtype} ({width} B each)",
         )
-    if not _CHECKSUM.fullmatch(blob.checksum):
+    if not checksum_ok and not _CHECKSUM.fullmatch(blob.checksum):
         raise _fail(where, f"{field}.checksum", f"{blob.checksum!r} is not an xxh3-64 checksum")
     _check_pieces(blob, field, where)
     if blob.offset is None:
@@ -127,6 +133,19 @@ def _check_pieces(blob: BlobEntry, field: str, where: str) -> None:
     for k, checksum in enumerate(blob.pieces):
         if not _CHECKSUM.fullmatch(checksum):
             raise _fail(where, f"{field}.pieces[{k}]", f"{checksum!r} is not an xxh3-64 checksum")
+
+
+def _whole_blob(tensor: TensorEntry, blobs: list[BlobEntry]) -> bool:
+    """Whether a tensor is its blob itself (most are): same dtype and shape, no view, and the
+    blob's own checks (a shape of counts that are real, its size) then hold for it too."""
+    blob = blobs[tensor.blob] if tensor.blob < len(blobs) else None
+    return (
+        blob is not None
+        and tensor.stride is None
+        and tensor.offset == 0
+        and tensor.dtype == blob.dtype
+        and tensor.shape == blob.shape
+    )
 
 
 def _check_tensor(tensor: TensorEntry, blobs: list[BlobEntry], field: str, where: str) -> None:

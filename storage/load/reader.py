@@ -32,13 +32,16 @@ from ..files.byteio import (
 from ..files.localfs import open_regular
 from ..files.location import Location
 from ..format.checksum import digest, new_hasher
-from ..format.manifest import Manifest
+from ..format.manifest import BlobEntry, Manifest
 
 if TYPE_CHECKING:
     import torch
 
 SPLIT = 64 << 20  # large blobs are read as several ranges, in parallel
 FUSED_MAX = 256 << 20  # verified local blobs up to this size are read and hashed in one pass
+SMALL = 64 << 10  # neighbouring blobs up to this size are read together ...
+GAP = 4 << 10  # ... when at most this many bytes lie between them ...
+BATCH = 4 << 20  # ... in requests of up to this many bytes
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,8 @@ def read_blobs(
             for r in _ranges(_offset(source, manifest.blobs[i].offset), out[i], loc.is_local)
         ]
         jobs.extend(partial(_read_job, loc, source, batch) for batch in _batches(ranges, loc.is_local))
-    for group in _spread(fused, manifest, threads):
-        jobs.append(partial(_read_and_check, loc.fs, sources, manifest, group, out))
+    for runs in _spread(fused, manifest, threads):
+        jobs.append(partial(_read_and_check, loc.fs, sources, manifest, runs, out))
     _parallel(threads, jobs)
     if verify:
         _parallel(threads, [partial(_check_blob, sources, manifest, i, out[i]) for i in rest])
@@ -216,39 +219,93 @@ def _check_window(sources: list[ShardSource], manifest: Manifest, i: int, window
             raise CorruptShardError(f"{sources[blob.shard].name} ({what})", expected=expected, actual=actual)
 
 
-def _spread(blobs: list[int], manifest: Manifest, bins: int) -> list[list[int]]:
-    """Blob indices in ``bins`` groups of about equal bytes (largest first into the lightest)."""
-    groups: list[list[int]] = [[] for _ in range(max(1, bins))]
+def _spread(blobs: list[int], manifest: Manifest, bins: int) -> list[list[list[int]]]:
+    """Blob indices in ``bins`` groups of about equal bytes (largest first into the lightest), as
+    runs: neighbouring small blobs of a shard go to one group together, read in one request."""
+    groups: list[list[list[int]]] = [[] for _ in range(max(1, bins))]
     loads = [0] * len(groups)
-    for i in sorted(blobs, key=lambda i: -manifest.blobs[i].nbytes):
+    runs = _runs(blobs, manifest)
+    sizes = [sum(manifest.blobs[i].nbytes for i in run) for run in runs]
+    for k in sorted(range(len(runs)), key=lambda k: -sizes[k]):
         target = loads.index(min(loads))
-        groups[target].append(i)
-        loads[target] += manifest.blobs[i].nbytes
-    return [
-        sorted(g, key=lambda i: (manifest.blobs[i].shard, manifest.blobs[i].offset or 0)) for g in groups if g
-    ]
+        groups[target].append(runs[k])
+        loads[target] += sizes[k]
+    return [sorted(g, key=lambda run: _position(manifest, run[0])) for g in groups if g]
+
+
+def _position(manifest: Manifest, i: int) -> tuple[int, int]:
+    return manifest.blobs[i].shard, manifest.blobs[i].offset or 0
+
+
+def _runs(blobs: list[int], manifest: Manifest) -> list[list[int]]:
+    """``blobs`` in file order, cut into runs: consecutive small blobs of one shard with little
+    between them, up to BATCH bytes; a larger blob is a run of its own."""
+    runs: list[list[int]] = []
+    end, shard, size = -1, -1, 0
+    for i in sorted(blobs, key=lambda i: _position(manifest, i)):
+        blob = manifest.blobs[i]
+        offset = blob.offset or 0
+        joins = (
+            blob.nbytes <= SMALL
+            and runs
+            and blob.shard == shard
+            and 0 <= offset - end <= GAP
+            and size + blob.nbytes <= BATCH
+            and manifest.blobs[runs[-1][-1]].nbytes <= SMALL
+        )
+        if joins:
+            runs[-1].append(i)
+            size += offset - end + blob.nbytes
+        else:
+            runs.append([i])
+            size = blob.nbytes
+        end, shard = offset + blob.nbytes, blob.shard
+    return runs
 
 
 def _read_and_check(
-    fs: Any, sources: list[ShardSource], manifest: Manifest, blobs: list[int], out: dict[int, torch.Tensor]
+    fs: Any,
+    sources: list[ShardSource],
+    manifest: Manifest,
+    runs: list[list[int]],
+    out: dict[int, torch.Tensor],
 ) -> None:
-    """Read and hash ``blobs`` (sorted by shard), each shard opened once."""
-    for shard, group in itertools.groupby(blobs, key=lambda i: manifest.blobs[i].shard):
+    """Read and hash the blobs of ``runs`` (sorted by shard), each shard opened once; a run of
+    several small blobs is read in one request, then each blob copied out and checked."""
+    for shard, group in itertools.groupby(runs, key=lambda run: manifest.blobs[run[0]].shard):
         source = sources[shard]
         with _shard_errors(source):
             fd = open_regular(source.path, fs)
             try:
-                for i in group:
-                    blob = manifest.blobs[i]
-                    offset = _offset(source, blob.offset)
-                    assert offset is not None
-                    actual = read_hashed_local(fd, source.path, offset, out[i].numpy().data)
-                    if actual != blob.checksum:
-                        raise CorruptShardError(
-                            f"{source.name} (dataset {blob.dataset})", expected=blob.checksum, actual=actual
-                        )
+                for run in group:
+                    if len(run) == 1:
+                        blob = manifest.blobs[run[0]]
+                        offset = _offset(source, blob.offset)
+                        assert offset is not None
+                        actual = read_hashed_local(fd, source.path, offset, out[run[0]].numpy().data)
+                        _compare(source, blob, actual)
+                        continue
+                    first, last = manifest.blobs[run[0]], manifest.blobs[run[-1]]
+                    start = _offset(source, first.offset)
+                    assert start is not None and last.offset is not None and first.offset is not None
+                    span = bytearray(last.offset + last.nbytes - first.offset)
+                    read_hashed_local(fd, source.path, start, memoryview(span))
+                    view = memoryview(span)
+                    for i in run:
+                        blob = manifest.blobs[i]
+                        at = (blob.offset or 0) - first.offset
+                        data = view[at : at + blob.nbytes]
+                        out[i].numpy().data[:] = data
+                        _compare(source, blob, digest(data))
             finally:
                 os.close(fd)
+
+
+def _compare(source: ShardSource, blob: BlobEntry, actual: str) -> None:
+    if actual != blob.checksum:
+        raise CorruptShardError(
+            f"{source.name} (dataset {blob.dataset})", expected=blob.checksum, actual=actual
+        )
 
 
 def _offset(source: ShardSource, offset: int | None) -> int | None:

@@ -40,7 +40,16 @@ from ..errors import CheckpointError, RankFailedError, RankLoadError
 from ..format.dtypes import dtype_name
 from ..format.manifest import BlobEntry, RankPart, ShardEntry, TensorEntry
 from ..format.structure import Leaf, encode
-from .planner import Blob, SavePlan, ShardPlan, TensorRef, assign_rank_shards, plan_blobs, shard_file_name
+from .planner import (
+    SHARD_BYTES,
+    Blob,
+    SavePlan,
+    ShardPlan,
+    TensorRef,
+    assign_rank_shards,
+    plan_blobs,
+    shard_file_name,
+)
 
 log = logging.getLogger(__name__)
 
@@ -264,7 +273,15 @@ class RankPlan:
         return [self.shared.blobs[i] for shard in self.shared.shards for i in shard.blobs]
 
 
-def plan_rank(leaves: list[Leaf], rank_state: object, *, shards: int, rank: int, world_size: int) -> RankPlan:
+def plan_rank(
+    leaves: list[Leaf],
+    rank_state: object,
+    *,
+    shards: int,
+    rank: int,
+    world_size: int,
+    shard_bytes: int = SHARD_BYTES,
+) -> RankPlan:
     """Plan the replicated ``leaves``' blobs, this rank's files of them, and its own state's file.
 
     Every rank computes the same split from the same state, so nothing needs to be exchanged
@@ -273,7 +290,9 @@ def plan_rank(leaves: list[Leaf], rank_state: object, *, shards: int, rank: int,
     """
     blobs, refs = plan_blobs(leaves)
     own = rank_state is not None or world_size > 1
-    files = assign_rank_shards(blobs, shards=shards, world_size=world_size, rank=rank)
+    files = assign_rank_shards(
+        blobs, shards=shards, world_size=world_size, rank=rank, shard_bytes=shard_bytes
+    )
     if not files and rank == 0 and not own and world_size == 1:
         files = [ShardPlan(0, shard_file_name(0, 0))]  # a state without tensors still gets one file
     own_plan = OwnPlan.of(rank_state if rank_state is not None else {}, rank) if own else None

@@ -66,16 +66,19 @@ class SavePlan:
         return sum(b.nbytes for b in self.blobs)
 
 
+SHARD_BYTES = 64 << 20  # the default of StoreOptions.shard_bytes
+
+
 def shard_file_name(rank: int, index: int) -> str:
     return f"shard-r{rank}-{index:02d}.h5"
 
 
-def plan_save(leaves: list[Leaf], *, shards: int, rank: int = 0) -> SavePlan:
+def plan_save(leaves: list[Leaf], *, shards: int, rank: int = 0, shard_bytes: int = SHARD_BYTES) -> SavePlan:
     """Blobs for ``leaves`` and their split into at most ``shards`` files."""
     if shards < 1:
         raise ValueError(f"shards must be >= 1, got {shards}")
     blobs, refs = plan_blobs(leaves)
-    return SavePlan(blobs, refs, assign_shards(blobs, shards=shards, rank=rank))
+    return SavePlan(blobs, refs, assign_shards(blobs, shards=shards, rank=rank, shard_bytes=shard_bytes))
 
 
 def plan_blobs(leaves: list[Leaf]) -> tuple[list[Blob], list[TensorRef]]:
@@ -170,18 +173,32 @@ def shards_per_rank(shards: int, world_size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(world_size)]
 
 
-def assign_rank_shards(blobs: list[Blob], *, shards: int, world_size: int, rank: int) -> list[ShardPlan]:
+def assign_rank_shards(
+    blobs: list[Blob], *, shards: int, world_size: int, rank: int, shard_bytes: int = SHARD_BYTES
+) -> list[ShardPlan]:
     """This rank's files of blobs every rank holds alike (a replicated state): the blobs are
     balanced by bytes over the ranks, and each rank's share into its number of files
     (:func:`shards_per_rank`). Every rank computes the same split on its own."""
     share = balance(blobs, world_size)[rank]
-    return assign_shards(share, shards=shards_per_rank(shards, world_size)[rank], rank=rank) if share else []
+    if not share:
+        return []
+    return assign_shards(
+        share, shards=shards_per_rank(shards, world_size)[rank], rank=rank, shard_bytes=shard_bytes
+    )
 
 
-def assign_shards(blobs: list[Blob], *, shards: int, rank: int = 0) -> list[ShardPlan]:
-    """Largest blob first into the lightest shard; empty shards are dropped."""
+def shard_count(nbytes: int, shards: int, shard_bytes: int = SHARD_BYTES) -> int:
+    """How many files ``nbytes`` of state are written as: at most ``shards``, and one per
+    ``shard_bytes`` (a small state is one file, as cheap to write as one ``torch.save``)."""
+    return max(1, min(shards, -(-nbytes // shard_bytes)))
+
+
+def assign_shards(
+    blobs: list[Blob], *, shards: int, rank: int = 0, shard_bytes: int = SHARD_BYTES
+) -> list[ShardPlan]:
+    """Largest blob first into the lightest of :func:`shard_count` shards; empty ones are dropped."""
     plans: list[ShardPlan] = []
-    for members in balance(blobs, shards):
+    for members in balance(blobs, shard_count(sum(b.nbytes for b in blobs), shards, shard_bytes)):
         if members:
             load = sum(b.nbytes for b in members)
             indices = sorted(b.index for b in members)

@@ -155,6 +155,7 @@ class VersionWriter:
                 leaves,
                 request.rank_state,
                 shards=self.options.shards,
+                shard_bytes=self.options.shard_bytes,
                 rank=self.rank,
                 world_size=self.world_size,
             )

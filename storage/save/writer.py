@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from ..files.byteio import open_sink, write_hashed
 from ..files.location import Location
-from ..format.checksum import new_hasher, piece_size
+from ..format.checksum import digest, new_hasher, piece_size
 from ..format.dtypes import dtype_name
 from ..format.h5layout import build_shard_image
 from ..format.manifest import BlobEntry, ShardEntry
@@ -25,6 +25,8 @@ from .planner import Blob, SavePlan, ShardPlan
 log = logging.getLogger(__name__)
 
 BlobBytes = Callable[[Blob], memoryview]
+SMALL = 64 << 10  # segments up to this size are gathered ...
+BATCH = 4 << 20  # ... into writes of about this size
 
 
 def write_shards(
@@ -77,16 +79,36 @@ def _write_shard(
     sums: dict[int, str] = {}
     piece_sums: dict[int, list[str]] = {}
     sink = open_sink(loc.fs, path, local=loc.is_local)
+    pending: list[bytes | memoryview] = []  # small segments, written (and hashed into the file's) as one
+    pending_bytes = 0
+
+    def flush() -> None:
+        nonlocal pending_bytes
+        if pending:
+            write_hashed(sink, b"".join(pending), file_hash)
+            pending.clear()
+            pending_bytes = 0
+
     try:
         for seg in image.segments:
-            if seg.blob is None:
-                write_hashed(sink, seg.data, file_hash)
-                continue
-            data = blob_bytes(blobs[seg.blob])
-            if len(data) != seg.length:
+            data = seg.data if seg.blob is None else blob_bytes(blobs[seg.blob])
+            if seg.blob is not None and len(data) != seg.length:
                 raise AssertionError(
                     f"blob {blobs[seg.blob].name}: {len(data)} bytes, layout has {seg.length}"
                 )
+            if len(data) <= SMALL and (seg.blob is None or not piece_bytes):
+                # Thousands of small tensors cost one write and one hash call each, not three.
+                if seg.blob is not None:
+                    sums[seg.blob] = digest(data)
+                pending.append(data)
+                pending_bytes += len(data)
+                if pending_bytes >= BATCH:
+                    flush()
+                continue
+            flush()
+            if seg.blob is None:
+                write_hashed(sink, data, file_hash)
+                continue
             blob_hash = new_hasher()
             pieces = (
                 (piece_size(len(data), piece_bytes), piece_sums.setdefault(seg.blob, []))
@@ -95,6 +117,7 @@ def _write_shard(
             )
             write_hashed(sink, data, file_hash, blob_hash, pieces=pieces)
             sums[seg.blob] = blob_hash.hexdigest()
+        flush()
         sink.commit()
     except BaseException:
         sink.abort()

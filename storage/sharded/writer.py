@@ -141,7 +141,8 @@ class DcpWriter(StorageWriter):
             items.append(item)
         blob_bytes = written_bytes(blobs, self.staging)
         files_here = shards_per_rank(self.versions.options.shards, self.world_size)[rank]
-        shards = assign_shards(blobs, shards=files_here, rank=rank) if blobs else []
+        shard_bytes = self.versions.options.shard_bytes
+        shards = assign_shards(blobs, shards=files_here, rank=rank, shard_bytes=shard_bytes) if blobs else []
         with translate_errors(self.versions.loc, "saving to"):
             if rank == 0:
                 self.versions.ensure_claim(version)

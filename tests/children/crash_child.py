@@ -191,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
 
     options = json.loads(os.environ.get("CKPTFLOW_STORAGE_OPTIONS") or "null")
     store = CheckpointStore(
-        args.url, storage_options=options, options=StoreOptions(shards=args.shards, threads=args.threads)
+        args.url,
+        storage_options=options,
+        options=StoreOptions(shards=args.shards, threads=args.threads, shard_bytes=1),
     )
     parent = os.getppid()
     state = make_state(args.seed, 0, args.mib)

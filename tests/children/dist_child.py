@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     store = CheckpointStore(
         a.url,
         storage_options=a.storage_options,
-        options=StoreOptions(shards=a.shards, threads=1),
+        options=StoreOptions(shards=a.shards, threads=1, shard_bytes=1),
         distributed=group,
     )
     SCENARIOS[a.scenario](Rank(a, steps, store, rank, world))

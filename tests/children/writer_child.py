@@ -47,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     from ckptflow.storage import CheckpointError, CheckpointStore, StoreOptions
 
     options = json.loads(os.environ.get("CKPTFLOW_STORAGE_OPTIONS") or "null")
-    store = CheckpointStore(args.url, storage_options=options, options=StoreOptions(shards=4, threads=2))
+    store = CheckpointStore(
+        args.url, storage_options=options, options=StoreOptions(shards=4, threads=2, shard_bytes=1)
+    )
     print("ready", flush=True)
     while not os.path.exists(args.go):
         time.sleep(0.005)

@@ -38,7 +38,7 @@ def _state():
 
 def _saved(target, **options):
     """A store with two committed versions (0 and 1); corruption goes into version 1."""
-    store = target.open(shards=2, **options)
+    store = target.open(shards=2, shard_bytes=1, **options)
     store.save({"old": torch.arange(5)}, epoch=0)
     state = _state()
     info = store.save(state, epoch=1)

@@ -223,7 +223,7 @@ class TestRoundTrip:
     def test_manifest_records_the_world_size_and_the_ranks(self, two_rank_job):
         url, _ = two_rank_job
         raw = json.loads((Path(url) / "v000000" / "manifest.json").read_bytes())
-        assert raw["format_version"] == 3  # sealed (format 3) and with ranks (from format 2 on)
+        assert raw["format_version"] == 6  # every manifest is written in the newest format
         assert raw["world_size"] == 2
         assert len(raw["ranks"]) == 2
 
@@ -447,21 +447,21 @@ class TestS3:
 
 class TestSingleProcess:
     def test_save_without_rank_state_leaves_out_the_rank_fields(self, tmp_path):
-        store = CheckpointStore(tmp_path / "store", options=StoreOptions(shards=2))
+        store = CheckpointStore(tmp_path / "store", options=StoreOptions(shards=2, shard_bytes=1))
         store.save(make_state(SEED, 0), epoch=0)
         raw = json.loads((tmp_path / "store" / "v000000" / "manifest.json").read_bytes())
-        assert raw["format_version"] == 3
+        assert raw["format_version"] == 6
         assert "ranks" not in raw and "world_size" not in raw
         assert all(s["file"].startswith("shard-r0-") for s in raw["shards"])
         assert store.load_rank_state(0) is None
         assert_same_state(store.load(0), make_state(SEED, 0))
 
     def test_save_with_rank_state_round_trips(self, tmp_path):
-        store = CheckpointStore(tmp_path / "store", options=StoreOptions(shards=2))
+        store = CheckpointStore(tmp_path / "store", options=StoreOptions(shards=2, shard_bytes=1))
         own = make_rank_state(SEED, 0, 0)
         store.save(make_state(SEED, 0), epoch=0, rank_state=own)
         raw = json.loads((tmp_path / "store" / "v000000" / "manifest.json").read_bytes())
-        assert raw["format_version"] == 3 and raw["world_size"] == 1 and len(raw["ranks"]) == 1
+        assert raw["format_version"] == 6 and raw["world_size"] == 1 and len(raw["ranks"]) == 1
         fresh = CheckpointStore(tmp_path / "store")
         got = fresh.load_rank_state(0)
         assert_same_state(got, own)

@@ -44,7 +44,7 @@ class TestAssignShards:
         rank=st.integers(0, 3),
     )
     def test_balanced_complete_and_without_empty_shards(self, sizes, shards, rank):
-        plans = assign_shards(_blobs(sizes), shards=shards, rank=rank)
+        plans = assign_shards(_blobs(sizes), shards=shards, rank=rank, shard_bytes=1)
 
         assigned = sorted(i for p in plans for i in p.blobs)
         assert assigned == list(range(len(sizes))), "every blob exactly once"
@@ -65,19 +65,19 @@ class TestAssignShards:
         rng = random.Random(7)
         sizes = [rng.randrange(0, 10_000) for _ in range(50)] + [500] * 10  # ties included
         blobs = _blobs(sizes)
-        first = assign_shards(blobs, shards=5)
-        assert assign_shards(blobs, shards=5) == first
+        first = assign_shards(blobs, shards=5, shard_bytes=1)
+        assert assign_shards(blobs, shards=5, shard_bytes=1) == first
         shuffled = blobs[:]
         rng.shuffle(shuffled)
-        assert assign_shards(shuffled, shards=5) == first
+        assert assign_shards(shuffled, shards=5, shard_bytes=1) == first
 
     def test_largest_first_into_the_lightest_shard(self):
-        plans = assign_shards(_blobs([10, 70, 30, 40, 20]), shards=2)
+        plans = assign_shards(_blobs([10, 70, 30, 40, 20]), shards=2, shard_bytes=1)
         # 70 -> s0; 40 -> s1; 30 -> s1 (40 < 70); 20 -> s0 (70 == 70, lower index); 10 -> s1
         assert [(p.blobs, p.nbytes) for p in plans] == [([1, 4], 90), ([0, 2, 3], 80)]
 
     def test_fewer_blobs_than_shards_gives_fewer_files(self):
-        plans = assign_shards(_blobs([5, 6]), shards=8)
+        plans = assign_shards(_blobs([5, 6]), shards=8, shard_bytes=1)
         assert len(plans) == 2
 
     @pytest.mark.parametrize("shards", [0, -1])
@@ -355,7 +355,9 @@ class TestShardsOverRanks:
     @pytest.mark.parametrize("world", [1, 2, 3])
     def test_the_ranks_files_hold_every_blob_once(self, world):
         blobs = _blobs([100 + 7 * i for i in range(40)])
-        plans = [assign_rank_shards(blobs, shards=4, world_size=world, rank=r) for r in range(world)]
+        plans = [
+            assign_rank_shards(blobs, shards=4, world_size=world, rank=r, shard_bytes=1) for r in range(world)
+        ]
         assert sum(len(p) for p in plans) == 4
         held = sorted(i for p in plans for shard in p for i in shard.blobs)
         assert held == list(range(len(blobs)))

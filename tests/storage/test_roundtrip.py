@@ -87,7 +87,7 @@ states = st.dictionaries(st.text(min_size=1, max_size=6), trees, max_size=4)
 
 class TestRoundTripProperty:
     def test_random_states_come_back_bit_for_bit(self, store_url):
-        store = store_url.open(shards=3, threads=2)
+        store = store_url.open(shards=3, threads=2, shard_bytes=1)
 
         @settings(
             max_examples=15 if store_url.is_s3 else 60,
@@ -464,7 +464,7 @@ class TestShardFiles:
     def test_shards_are_plain_hdf5(self, store_url):
         w = torch.randn(3, 5)
         h = torch.randn(4).to(torch.bfloat16)
-        store = store_url.open(shards=2)
+        store = store_url.open(shards=2, shard_bytes=1)
         info = store.save({"model": {"w": w, "h": h}})
         manifest = store.manifest(info.version)
         files = {}
@@ -491,7 +491,7 @@ class TestShardFiles:
     def test_manifest_is_json_with_sizes_and_checksums(self, store_url):
         import xxhash
 
-        store = store_url.open(shards=2)
+        store = store_url.open(shards=2, shard_bytes=1)
         info = store.save({"a": torch.randn(100), "b": torch.randn(50)})
         raw = json.loads(store_url.raw_read(f"v{info.version:06d}/manifest.json"))
         assert raw["format"] == "ckptflow-checkpoint"
