@@ -141,12 +141,18 @@ class Manifest(_Model):
         """The manifest as written, by every save path: sealed with its own checksum (format 3),
         multi-process and chunked fields only when it has them, its format version the lowest that
         reads what it holds."""
-        exclude = {"world_size", "ranks"} if self.world_size == 1 and not self.ranks else set()
+        exclude: dict[str, Any] = {"world_size": True, "ranks": True}
+        if self.world_size > 1 or self.ranks:
+            exclude = {}
         if not self.chunked:
-            exclude.add("chunked")
+            exclude["chunked"] = True
+        pieces = any(b.pieces is not None for b in self.blobs)
+        if not pieces:  # no blob has pieces (the common case): leave their fields out at once
+            exclude["blobs"] = {"__all__": {"piece_bytes", "pieces"}}
         raw = self.model_dump(mode="json", exclude=exclude)
         needed = SHARDED_FORMAT_VERSION if self.chunked else SEALED_FORMAT_VERSION  # the oldest that reads it
-        for blob in [*raw["blobs"], *(b for part in raw.get("ranks", []) for b in part["blobs"])]:
+        blobs = [*raw["blobs"]] if pieces else []
+        for blob in [*blobs, *(b for part in raw.get("ranks", []) for b in part["blobs"])]:
             if blob["pieces"] is None:  # a blob without pieces reads as formats 1-4 wrote it
                 del blob["piece_bytes"], blob["pieces"]
             else:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..archive.tarballs import list_archived
+from ..collector import collector_paused
 from ..errors import ManifestError, UnreadableVersionError, VersionNotFoundError
 from ..files.location import Location, translate_errors
 from ..format.manifest import Manifest
@@ -87,8 +88,11 @@ class StoreReader:
         into: Any = None,
     ) -> Any:
         """The state saved in ``version`` (default: the newest committed one)."""
-        located = self.locate(version)
-        return read_state(self.loc, self.options, located, located.manifest, keys, map_location, verify, into)
+        with collector_paused():
+            located = self.locate(version)
+            return read_state(
+                self.loc, self.options, located, located.manifest, keys, map_location, verify, into
+            )
 
     def load_rank_state(
         self,

@@ -13,6 +13,7 @@ shard. Nothing here does I/O; the writer follows the plan.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -90,7 +91,13 @@ def plan_blobs(leaves: list[Leaf]) -> tuple[list[Blob], list[TensorRef]]:
     refs: list[TensorRef | None] = [None] * len(leaves)
     names: set[str] = set()
     for members in groups.values():
-        _plan_group(leaves, members, blobs, refs, names)
+        if len(members) == 1:  # most tensors: a storage of their own
+            t = leaves[members[0]].tensor
+            shape = tuple(t.shape)
+            blob = _new_blob(blobs, names, leaves[members[0]].path, t.dtype, shape, t)
+            refs[members[0]] = TensorRef(blob, t.dtype, shape)
+        else:
+            _plan_group(leaves, members, blobs, refs, names)
     return blobs, [r for r in refs if r is not None]
 
 
@@ -214,10 +221,12 @@ def balance(blobs: list[Blob], bins: int) -> list[list[Blob]]:
     Deterministic: the same blobs, in any order, give the same groups (every rank of a
     multi-process save computes the same split of the replicated state on its own).
     """
+    if bins == 1:
+        return [list(blobs)]
     groups: list[list[Blob]] = [[] for _ in range(bins)]
-    loads = [0] * bins
+    lightest = [(0, s) for s in range(bins)]  # (load, group): a heap, ties to the lower group
     for blob in sorted(blobs, key=lambda b: (-b.nbytes, b.index)):
-        target = min(range(bins), key=lambda s: (loads[s], s))
+        load, target = heapq.heappop(lightest)
         groups[target].append(blob)
-        loads[target] += blob.nbytes
+        heapq.heappush(lightest, (load + blob.nbytes, target))
     return groups

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING
 
+from ..collector import collector_paused
 from ..errors import CheckpointError
 from ..files.location import Location
 from ..info import SaveRequest, StoreOptions, VersionInfo
@@ -69,6 +70,10 @@ class StoreSaver:
     def save(self, state: object, request: SaveRequest) -> VersionInfo:
         """Write ``state`` and commit it before returning."""
         self.saver.wait_previous()
+        with collector_paused():
+            return self._save(state, request)
+
+    def _save(self, state: object, request: SaveRequest) -> VersionInfo:
         if holds_sharded(state):  # DTensors, or objects with state_dict(): DCP plans the save
             from ..sharded import dcp_calls
 
@@ -83,6 +88,10 @@ class StoreSaver:
     def save_async(self, state: object, request: SaveRequest) -> SaveHandle:
         """Copy ``state`` to the staging buffer, then write and commit it in the background."""
         self.saver.wait_previous()
+        with collector_paused():
+            return self._save_async(state, request)
+
+    def _save_async(self, state: object, request: SaveRequest) -> SaveHandle:
         if holds_sharded(state):
             from ..sharded import dcp_calls
 
@@ -104,7 +113,8 @@ class StoreSaver:
                 )
             if attempts > 1:  # a resubmitted save: drop what the failed attempt left
                 self.writer.clear_leftovers(job.version)
-            return self.writer.write(job, lambda b: staged[b.index], lambda b: staged[b.index + offset])
+            with collector_paused():
+                return self.writer.write(job, lambda b: staged[b.index], lambda b: staged[b.index + offset])
 
         return self.saver.submit(write, job.version)
 
