@@ -13,8 +13,8 @@ structures such a file needs, in the oldest format every HDF5 reader knows
 - the group's local heap (the dataset names), its version 1 B-tree and its
   symbol table nodes, sized (the superblock's K values) to hold every name;
 - one global heap collection holding the attributes' strings;
-- one object header per dataset: dataspace, datatype (encoded by HDF5 itself,
-  once per dtype), contiguous layout at a known address, ``torch_dtype``;
+- one object header per dataset: dataspace, datatype (the bytes HDF5 itself
+  writes for it, from a table), contiguous layout at a known address, ``torch_dtype``;
 - the tensor bytes, back to back (8-byte aligned), no fill values.
 
 The result is described as an ordered list of segments, metadata or blob,
@@ -27,7 +27,6 @@ same state always gives the same file.
 
 from __future__ import annotations
 
-import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -88,25 +87,70 @@ def _dataspace(shape: tuple[int, ...]) -> bytes:
     return struct.pack(f"<BBBx4x{len(shape)}Q", 1, len(shape), 0, *shape)
 
 
-@functools.cache
+# The datatype messages HDF5 writes for the stored dtypes (by numpy dtype string), as h5py's
+# ``h5t.py_create(np.dtype(code)).encode()[2:]`` gives them (tests/storage/test_shard_format.py
+# checks each against h5py): written here, a save needs neither h5py nor the HDF5 library.
+DATATYPES: dict[str, bytes] = {
+    code: bytes.fromhex(text)
+    for code, text in {
+        "|b1": "180200000100000010080000010000000000080046414c534500000054525545000000000001",
+        "|i1": "100800000100000000000800",
+        "|u1": "100000000100000000000800",
+        "<i2": "100800000200000000001000",
+        "<u2": "100000000200000000001000",
+        "<i4": "100800000400000000002000",
+        "<u4": "100000000400000000002000",
+        "<i8": "100800000800000000004000",
+        "<u8": "100000000800000000004000",
+        "<f2": "11200f0002000000000010000a05000a0f000000",
+        "<f4": "11201f000400000000002000170800177f000000",
+        "<f8": "11203f000800000000004000340b0034ff030000",
+        "<c8": (
+            "16020000080000007200000000000000000000000000000000000000000000000000000000000000"
+            "000000000000000011201f000400000000002000170800177f000000690000000000000004000000"
+            "0000000000000000000000000000000000000000000000000000000011201f000400000000002000"
+            "170800177f000000"
+        ),
+        "<c16": (
+            "16020000100000007200000000000000000000000000000000000000000000000000000000000000"
+            "000000000000000011203f000800000000004000340b0034ff030000690000000000000008000000"
+            "0000000000000000000000000000000000000000000000000000000011203f000800000000004000"
+            "340b0034ff030000"
+        ),
+    }.items()
+}
+
+# A variable-length UTF-8 string, as h5py writes ``str`` attributes: in a file, a reference to a
+# global heap object (its length, the collection's address and the object's index: 16 bytes).
+STRING_TYPE = bytes.fromhex("1901010010000000100000000100000000000800")
+
+
 def _datatype(dtype: str) -> bytes:
-    """The datatype message HDF5 writes for a stored dtype (``H5Tencode`` less its 2-byte header)."""
-    import numpy as np
-    from h5py import h5t
-
-    return h5t.py_create(np.dtype(dtype)).encode()[2:]
+    return DATATYPES[dtype]
 
 
-@functools.cache
-def _string_type() -> bytes:
-    """HDF5's variable-length UTF-8 string type, as h5py writes ``str`` attributes."""
-    import h5py
-    from h5py import h5t
-
-    memory = h5t.py_create(h5py.string_dtype(), logical=True).encode()[2:]
-    # In memory a string is a pointer; in a file, a reference to a global heap object: its
-    # length, the collection's address and the object's index.
-    return memory[:4] + struct.pack("<I", 16) + memory[8:]
+def _header_template(
+    datatype: bytes, attribute: bytes, rank: int
+) -> tuple[bytes, struct.Struct, bytes, bytes]:
+    """A dataset's object header cut around what differs between datasets: (the bytes before its
+    dims, a Struct for the dims, the bytes up to the layout's address, the bytes after its size).
+    The messages: dataspace, datatype, layout, ``torch_dtype``."""
+    marker = 0x5A5A5A5A_5A5A5A5A  # stands for each value filled in later, to check the cuts
+    whole = _object_header(
+        [
+            _message(_DATASPACE, _dataspace((marker,) * rank)),
+            _message(_DATATYPE, datatype),
+            _message(_LAYOUT, struct.pack("<BBQQ", 3, 1, marker, marker)),
+            attribute,
+        ]
+    )
+    dims = _PREFIX + 8 + 8  # after the prefix, the message's header and the dataspace's own
+    address = dims + 8 * rank + 8 + _pad8(len(datatype)) + 8 + 2  # the layout's version, class
+    if whole[dims:address].find(struct.pack("<Q", marker) * rank) != 0 or whole[
+        address : address + 16
+    ] != struct.pack("<QQ", marker, marker):
+        raise AssertionError("an object header template is not laid out as expected")
+    return whole[:dims], struct.Struct(f"<{rank}Q"), whole[dims + 8 * rank : address], whole[address + 16 :]
 
 
 def _attribute(name: str, datatype: bytes, value: bytes) -> bytes:
@@ -170,7 +214,7 @@ def build_shard_image(blobs: list[Blob]) -> ShardImage:
     heap = _GlobalHeap([SHARD_FORMAT, *stored])
     root_messages = [
         _message(_SYMBOL_TABLE, b"\0" * 16),  # placeholder of the same size, filled in below
-        _attribute("format", _string_type(), b"\0" * 16),
+        _attribute("format", STRING_TYPE, b"\0" * 16),
         _attribute("format_version", _datatype("<i8"), struct.pack("<q", SHARD_FORMAT_VERSION)),
     ]
     root_at = _SUPERBLOCK + _ENTRY
@@ -184,7 +228,7 @@ def build_shard_image(blobs: list[Blob]) -> ShardImage:
 
     # Each dataset's object header, in the order the data follows; its data address is known
     # once every header's size is, and headers differ only in rank and dtype.
-    type_attr = {d: _attribute("torch_dtype", _string_type(), heap.reference(d)) for d in stored}
+    type_attr = {d: _attribute("torch_dtype", STRING_TYPE, heap.reference(d)) for d in stored}
     fixed = [
         _PREFIX + 3 * 8 + 8 * len(b.shape) + _pad8(len(_datatype(stored[d]))) + 24 + len(type_attr[d]) + 8
         for b, d in zip(blobs, dtypes, strict=True)
@@ -209,22 +253,24 @@ def build_shard_image(blobs: list[Blob]) -> ShardImage:
             offsets[b.index] = None
     file_size = data_at
 
-    headers = b"".join(
-        _object_header(
-            [
-                _message(_DATASPACE, _dataspace(tuple(b.shape))),
-                _message(_DATATYPE, _datatype(stored[d])),
-                _message(_LAYOUT, struct.pack("<BBQQ", 3, 1, address, nbytes)),
-                type_attr[d],
-            ]
-        )
-        for b, d, (address, nbytes) in zip(blobs, dtypes, layout, strict=True)
-    )
+    # A dataset's object header is fixed bytes around its dims, address and size: one template
+    # per (dtype, rank), filled in by two packs.
+    templates: dict[tuple[str, int], tuple[bytes, struct.Struct, bytes, bytes]] = {}
+    place = struct.Struct("<QQ").pack
+    parts: list[bytes] = []
+    for b, d, (address, nbytes) in zip(blobs, dtypes, layout, strict=True):
+        rank = len(b.shape)
+        template = templates.get((d, rank))
+        if template is None:
+            template = templates[d, rank] = _header_template(_datatype(stored[d]), type_attr[d], rank)
+        before, dims, between, after = template
+        parts += (before, dims.pack(*b.shape), between, place(address, nbytes), after)
+    headers = b"".join(parts)
     if len(headers) != sum(fixed):
         raise AssertionError("object headers differ in size from their layout")
 
     root_messages[0] = _message(_SYMBOL_TABLE, struct.pack("<QQ", tree_at, local_heap_at))
-    root_messages[1] = _attribute("format", _string_type(), heap.reference(SHARD_FORMAT))
+    root_messages[1] = _attribute("format", STRING_TYPE, heap.reference(SHARD_FORMAT))
     superblock = (
         _SIGNATURE
         + struct.pack("<8B", 0, 0, 0, 0, 0, 8, 8, 0)

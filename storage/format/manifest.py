@@ -13,6 +13,7 @@ message that says which ckptflow can read it.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import platform
@@ -169,9 +170,14 @@ class Manifest(_Model):
 
 
 def writer_versions() -> dict[str, str]:
+    """What wrote a manifest: ckptflow's, torch's and Python's versions."""
+    return dict(_versions())
+
+
+@functools.cache
+def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
-    import h5py
     import torch
 
     try:
@@ -181,8 +187,6 @@ def writer_versions() -> dict[str, str]:
     return {
         "ckptflow": ours,
         "torch": torch.__version__,
-        "h5py": h5py.__version__,
-        "hdf5": h5py.version.hdf5_version,
         "python": platform.python_version(),
     }
 

@@ -68,9 +68,12 @@ def encode(state: object) -> tuple[Json, list[Leaf]]:
     value that cannot be stored; nothing has been written at that point.
     """
     leaves: list[Leaf] = []
+    deepest = [0]  # the most containers of the state nested in one another
     try:
-        structure = _encode(state, "", leaves, set())
-        depth = json_depth(structure)
+        structure = _encode(state, "", leaves, set(), deepest)
+        # Each container adds at most 3 levels of JSON ({"$dict": [[key, value]]}) and a leaf 1:
+        # only a state nested that deep needs its structure measured.
+        depth = json_depth(structure) if 3 * deepest[0] + 1 > MAX_DEPTH else 0
     except RecursionError:
         depth = MAX_DEPTH + 1
     if depth > MAX_DEPTH:  # a reader would refuse it: refuse it now, before anything is written
@@ -80,7 +83,7 @@ def encode(state: object) -> tuple[Json, list[Leaf]]:
     return structure, leaves
 
 
-def _encode(value: object, path: str, leaves: list[Leaf], active: set[int]) -> Json:
+def _encode(value: object, path: str, leaves: list[Leaf], active: set[int], deepest: list[int]) -> Json:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -96,7 +99,7 @@ def _encode(value: object, path: str, leaves: list[Leaf], active: set[int]) -> J
     if isinstance(value, np.ndarray):
         return {"$ndarray": _add_leaf(leaves, path, _numpy_to_tensor(value, path), True)}
     if isinstance(value, np.generic):
-        return _encode(value.item(), path, leaves, active)
+        return _encode(value.item(), path, leaves, active, deepest)
     if isinstance(value, (bytes, bytearray)):
         return {"$bytes": base64.b64encode(bytes(value)).decode("ascii")}
     if isinstance(value, torch.dtype):
@@ -105,8 +108,9 @@ def _encode(value: object, path: str, leaves: list[Leaf], active: set[int]) -> J
         if id(value) in active:
             raise UnsupportedValueError(path, "the state contains a reference cycle")
         active.add(id(value))
+        deepest[0] = max(deepest[0], len(active))
         try:
-            return _encode_container(value, path, leaves, active)
+            return _encode_container(value, path, leaves, active, deepest)
         finally:
             active.discard(id(value))
     raise UnsupportedValueError(
@@ -117,20 +121,30 @@ def _encode(value: object, path: str, leaves: list[Leaf], active: set[int]) -> J
     )
 
 
-def _encode_container(value: dict | list | tuple, path: str, leaves: list[Leaf], active: set[int]) -> Json:
+def _encode_container(
+    value: dict | list | tuple, path: str, leaves: list[Leaf], active: set[int], deepest: list[int]
+) -> Json:
     if isinstance(value, list):
-        return [_encode(v, join_path(path, i), leaves, active) for i, v in enumerate(value)]
+        return [_encode(v, join_path(path, i), leaves, active, deepest) for i, v in enumerate(value)]
     if isinstance(value, tuple):
-        return {"$tuple": [_encode(v, join_path(path, i), leaves, active) for i, v in enumerate(value)]}
+        return {
+            "$tuple": [_encode(v, join_path(path, i), leaves, active, deepest) for i, v in enumerate(value)]
+        }
     if all(isinstance(k, str) and not k.startswith("$") for k in value):
         return {
-            _check_text(k, path): _encode(v, join_path(path, k), leaves, active) for k, v in value.items()
+            _check_text(k, path): _encode(v, join_path(path, k), leaves, active, deepest)
+            for k, v in value.items()
         }
     pairs = []
     for k, v in value.items():
         if not isinstance(k, (str, int, float, bool, tuple, type(None))):
             raise UnsupportedValueError(path, f"dict key {k!r} of type {type(k).__qualname__}")
-        pairs.append([_encode(k, path, leaves, active), _encode(v, join_path(path, k), leaves, active)])
+        pairs.append(
+            [
+                _encode(k, path, leaves, active, deepest),
+                _encode(v, join_path(path, k), leaves, active, deepest),
+            ]
+        )
     return {"$dict": pairs}
 
 

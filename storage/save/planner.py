@@ -13,6 +13,7 @@ shard. Nothing here does I/O; the writer follows the plan.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ class Blob:
     shape: tuple[int, ...]
     source: torch.Tensor  # the data, viewed so that ``source.contiguous()`` is exactly the bytes
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return self.source.numel() * self.source.element_size()
 

@@ -123,19 +123,20 @@ def _write_shard(
         sink.abort()
         raise
     empty = new_hasher().hexdigest()
-    entries = {
-        b.index: BlobEntry(
+    names = {dtype: dtype_name(dtype) for dtype in {b.dtype for b in members}}
+    entries = {}
+    for b in members:
+        nbytes = b.nbytes
+        entries[b.index] = BlobEntry(
             shard=shard.index,
             dataset=b.name,
             offset=image.offsets[b.index],
-            nbytes=b.nbytes,
-            dtype=dtype_name(b.dtype),
+            nbytes=nbytes,
+            dtype=names[b.dtype],
             shape=list(b.shape),
             checksum=sums.get(b.index, empty),
-            piece_bytes=piece_size(b.nbytes, piece_bytes) if piece_bytes else None,
+            piece_bytes=piece_size(nbytes, piece_bytes) if piece_bytes else None,
             pieces=piece_sums.get(b.index, []) if piece_bytes else None,
         )
-        for b in members
-    }
     log.debug("wrote %s (%d bytes, %d blobs)", path, image.size, len(members))
     return ShardEntry(file=shard.file, size=image.size, checksum=file_hash.hexdigest(), rank=rank), entries

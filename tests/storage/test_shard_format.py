@@ -55,6 +55,19 @@ def _datasets(store: CheckpointStore, version: int) -> dict[str, tuple[Path, str
 
 
 class TestShardsAreHdf5:
+    def test_the_datatype_table_is_what_hdf5_encodes(self):
+        """ckptflow writes datatype messages from a table (no HDF5 call on a save): HDF5's own."""
+        from h5py import h5t
+
+        from ckptflow.storage.format.dtypenames import NATIVE, UINT_OF_WIDTH
+        from ckptflow.storage.format.h5layout import DATATYPES, STRING_TYPE
+
+        assert set(DATATYPES) == set(NATIVE.values()) | set(UINT_OF_WIDTH.values())
+        for code, message in DATATYPES.items():
+            assert h5t.py_create(np.dtype(code)).encode()[2:] == message, code
+        in_memory = h5t.py_create(h5py.string_dtype(), logical=True).encode()[2:]
+        assert STRING_TYPE[:4] + STRING_TYPE[8:] == in_memory[:4] + in_memory[8:]
+
     def test_h5py_reads_every_dtype_and_shape(self, tmp_path):
         state = _every_dtype()
         store = CheckpointStore(tmp_path / "store", options=StoreOptions(shards=3))
