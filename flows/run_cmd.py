@@ -165,7 +165,7 @@ def run_command(
         int, Opt("--seed", help="The run's seed (with --spec and --spec-config, its identity).")
     ] = (config_field("seed")),
     shards: Annotated[
-        int, Opt("--shards", help="HDF5 shard files per version, in all (at every world size).")
+        int, Opt("--shards", help="HDF5 shard files per version at most: one per 64 MiB of state.")
     ] = config_field("shards"),
     async_save: Annotated[
         bool, Opt("--async-save/--no-async-save", help="Save while the next epoch runs.")

@@ -177,7 +177,7 @@ class PipelineConfig(_Strict):
         "take before the run gives up waiting for the commit (fits a 30 s notice)",
     )
     shards: int = Field(
-        4, ge=1, le=256, description="HDF5 shard files per version, in all (at every world size)"
+        4, ge=1, le=256, description="HDF5 shard files per version at most: one per 64 MiB of state"
     )
     async_save: bool = Field(True, description="save while the next epoch trains")
     epoch_retries: int = Field(1, ge=0, description="retries of a failed epoch, from its start state")

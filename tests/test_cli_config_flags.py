@@ -228,10 +228,10 @@ class TestBoundsComeFromTheConfig:
         assert not store.exists()
 
 
-def test_shards_help_says_it_counts_the_files_of_a_version_at_every_world_size():
-    """The meaning of --shards: files per version in all, whatever the number of ranks."""
+def test_shards_help_says_it_caps_the_files_of_a_version():
+    """The meaning of --shards: files per version at most (a small state is one file)."""
     shards = next(p for p in RUN.params if p.name == "shards")
-    assert shards.help == "HDF5 shard files per version, in all (at every world size)."
+    assert shards.help == "HDF5 shard files per version at most: one per 64 MiB of state."
 
 
 def test_other_commands_do_not_import_the_config():
