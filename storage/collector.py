@@ -13,6 +13,7 @@ save or load in the process (of any thread) ends, if it was running before.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,3 +39,16 @@ def collector_paused() -> Iterator[None]:
             _depth -= 1
             if _depth == 0 and _resume:
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    """A process forked during a pause (a data loader's workers started while a save runs) has
+    no save or load of its own in flight: it starts unpaused, with the collector as it was."""
+    global _lock, _depth
+    _lock = threading.Lock()
+    if _depth and _resume:
+        gc.enable()
+    _depth = 0
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -209,6 +209,11 @@ def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
     return out
 
 
+def _no_constant(name: str) -> None:
+    """NaN and Infinity are not JSON, and ckptflow never writes them."""
+    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
+
+
 def load_versioned_json(
     data: bytes,
     where: str,
@@ -231,7 +236,7 @@ def load_versioned_json(
             f"{kind} {where} is {len(data)} bytes, more than the {MAX_BYTES} a {kind} may have"
         )
     try:
-        raw = json.loads(data)
+        raw = json.loads(data, parse_constant=_no_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{kind} {where} is not valid JSON: {exc}") from None
     except RecursionError:

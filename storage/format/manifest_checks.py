@@ -64,7 +64,7 @@ def check_manifest(m: Manifest, where: str) -> None:
     for prefix, blobs, tensors, structure in parts:
         # Every checksum in one match (a state may have 100,000 blobs); the slow way names a bad one.
         checksums = "".join(b.checksum for b in blobs)
-        sound = len(checksums) == 16 * len(blobs) and _HEX.fullmatch(checksums) is not None
+        sound = all(len(b.checksum) == 16 for b in blobs) and _HEX.fullmatch(checksums) is not None
         for i, blob in enumerate(blobs):
             _check_blob(blob, m.shards, f"{prefix}blobs[{i}]", where, checksum_ok=sound)
         for i, tensor in enumerate(tensors):

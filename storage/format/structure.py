@@ -181,7 +181,9 @@ def _check_tensor(tensor: torch.Tensor, path: str) -> torch.Tensor:
         raise UnsupportedValueError(
             path, f"tensor subclass {type(tensor).__qualname__} is not supported; store a plain tensor"
         )
-    return tensor.detach()
+    # A conjugate or negative view's memory holds the values before the sign flip: stored as
+    # it is, it would come back as the other value (with a checksum that agrees).
+    return tensor.detach().resolve_conj().resolve_neg()
 
 
 def _numpy_to_tensor(array: np.ndarray, path: str) -> torch.Tensor:

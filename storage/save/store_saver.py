@@ -113,8 +113,8 @@ class StoreSaver:
                 )
             if attempts > 1:  # a resubmitted save: drop what the failed attempt left
                 self.writer.clear_leftovers(job.version)
-            with collector_paused():
-                return self.writer.write(job, lambda b: staged[b.index], lambda b: staged[b.index + offset])
+            # Not paused here: training goes on meanwhile, and its garbage must not wait for a write.
+            return self.writer.write(job, lambda b: staged[b.index], lambda b: staged[b.index + offset])
 
         return self.saver.submit(write, job.version)
 

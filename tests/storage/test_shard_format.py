@@ -187,3 +187,49 @@ class TestManifestEncoding:
         got = CheckpointStore(store.url).load()
         assert list(got) == list(state)
         assert all(np.array_equal(got[k].numpy(), v.numpy()) for k, v in state.items())
+
+    def test_checksums_of_the_wrong_length_are_refused_even_when_they_add_up(self, tmp_path):
+        """15 + 17 hex digits join to 32 valid ones: each checksum is still checked on its own."""
+        store = CheckpointStore(tmp_path / "store")
+        info = store.save({"a": torch.ones(2), "b": torch.zeros(2)})
+        path = _manifest_path(store, info.version)
+        raw = json.loads(path.read_bytes())
+        raw.pop(SEAL_KEY)
+        first, second = raw["blobs"][0]["checksum"], raw["blobs"][1]["checksum"]
+        raw["blobs"][0]["checksum"], raw["blobs"][1]["checksum"] = first[:15], first[15:] + second
+        path.write_text(json.dumps(seal(raw, SEAL_KEY)))
+        with pytest.raises(ManifestError, match=r"blobs\[0\]\.checksum"):
+            CheckpointStore(store.url).load(info.version)
+
+    def test_nan_in_a_manifest_is_refused(self, tmp_path):
+        """JSON has no NaN; a manifest holding one (sealed over its bytes) was not written by ckptflow."""
+        store = CheckpointStore(tmp_path / "store")
+        info = store.save({"a": torch.ones(2)}, user={"note": 1.5})
+        path = _manifest_path(store, info.version)
+        raw = json.loads(path.read_bytes())
+        raw.pop(SEAL_KEY)
+        body = json.dumps(raw, separators=(",", ":")).replace('"note":1.5', '"note":NaN').encode()
+        from ckptflow.storage.format.checksum import digest
+
+        path.write_bytes(body[:-1] + b',"' + SEAL_KEY.encode() + b'":"' + digest(body).encode() + b'"}')
+        with pytest.raises(ManifestError, match="NaN is not a JSON value"):
+            CheckpointStore(store.url).load(info.version)
+
+
+class TestSignBitViews:
+    @pytest.mark.parametrize("how", ["save", "save_async"])
+    def test_conjugate_and_negative_views_keep_their_values(self, tmp_path, how):
+        """Bug fixed: a conjugate (or negative) view was written from its memory, which holds the
+        value before the flip: 1+2j came back as 1-2j, with a checksum that agreed."""
+        z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+        x = torch.tensor([1.0, -2.0])
+        state = {"conj": z.conj(), "neg": x._neg_view(), "z": z}
+        store = CheckpointStore(tmp_path / "store")
+        if how == "save":
+            store.save(state)
+        else:
+            store.save_async(state).wait()
+        got = CheckpointStore(store.url).load()
+        assert got["conj"].tolist() == [1 - 2j, 3 + 4j]
+        assert got["neg"].tolist() == [-1.0, 2.0]
+        assert got["z"].tolist() == [1 + 2j, 3 - 4j]
