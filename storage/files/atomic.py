@@ -20,10 +20,15 @@ from .location import Location
 TEMP_FILE = re.compile(r"^\..+\.[0-9a-f]{32}\.tmp$")  # what atomic_local_write leaves when killed
 
 
-def atomic_local_write(directory: str, name: str, data: bytes) -> None:
-    """Replace ``name`` with ``data``, complete and fsynced: a rename of a durable temporary file."""
-    os.replace(durable_temp(directory, name, data), os.path.join(directory, name))
-    fsync_dir(directory)
+def atomic_local_write(directory: str, name: str, data: bytes, *, durable: bool = True) -> None:
+    """Replace ``name`` with ``data``, complete and fsynced: a rename of a durable temporary file.
+
+    ``durable=False``: readers still see the old or the new bytes, never a mix, but a crash of
+    the machine (not of the process) may keep the old ones: for hints nobody trusts.
+    """
+    os.replace(durable_temp(directory, name, data, sync=durable), os.path.join(directory, name))
+    if durable:
+        fsync_dir(directory)
 
 
 def exclusive_remote_write(fs: Any, path: str, data: bytes) -> Any:
@@ -63,8 +68,9 @@ def exclusive_local_write(directory: str, name: str, data: bytes) -> None:
     fsync_dir(directory)
 
 
-def durable_temp(directory: str, name: str, data: bytes) -> str:
-    """A new temporary file beside ``name`` holding ``data``, fsynced; none left if it fails (a full disk)."""
+def durable_temp(directory: str, name: str, data: bytes, *, sync: bool = True) -> str:
+    """A new temporary file beside ``name`` holding ``data``, fsynced (``sync``); none left if it
+    fails (a full disk)."""
     tmp = os.path.join(directory, f".{name}.{uuid.uuid4().hex}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
@@ -72,7 +78,8 @@ def durable_temp(directory: str, name: str, data: bytes) -> str:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view) :]
-            os.fsync(fd)
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
     except BaseException:
@@ -89,10 +96,11 @@ def stale_temp_files(loc: Location) -> list[str]:
     return sorted(os.path.join(loc.root, n) for n in os.listdir(loc.root) if TEMP_FILE.match(n))
 
 
-def write_file_atomic(loc: Location, name: str, data: bytes) -> None:
-    """Write a small file under the root so that readers see the old or the new bytes, never a mix."""
+def write_file_atomic(loc: Location, name: str, data: bytes, *, durable: bool = True) -> None:
+    """Write a small file under the root so that readers see the old or the new bytes, never a mix
+    (``durable=False``: without fsync, see :func:`atomic_local_write`)."""
     if loc.is_local:
         os.makedirs(loc.root, exist_ok=True)
-        atomic_local_write(loc.root, name, data)
+        atomic_local_write(loc.root, name, data, durable=durable)
     else:
         loc.fs.pipe_file(loc.path(name), data)
