@@ -209,9 +209,12 @@ def clean_metrics(metrics: dict[str, Any] | None) -> dict[str, float]:
     return out
 
 
+class _NotJson(ValueError):
+    """NaN or Infinity in a document: Python's JSON reader takes them, JSON has no such values."""
+
+
 def _no_constant(name: str) -> None:
-    """NaN and Infinity are not JSON, and ckptflow never writes them."""
-    raise json.JSONDecodeError(f"{name} is not a JSON value", name, 0)
+    raise _NotJson(name)
 
 
 def load_versioned_json(
@@ -237,6 +240,11 @@ def load_versioned_json(
         )
     try:
         raw = json.loads(data, parse_constant=_no_constant)
+    except _NotJson as exc:
+        raise ManifestError(
+            f"{kind} {where} is not valid JSON: it holds {exc}, which JSON does not have and ckptflow "
+            "never writes"
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(f"{kind} {where} is not valid JSON: {exc}") from None
     except RecursionError:

@@ -212,7 +212,7 @@ class TestManifestEncoding:
         from ckptflow.storage.format.checksum import digest
 
         path.write_bytes(body[:-1] + b',"' + SEAL_KEY.encode() + b'":"' + digest(body).encode() + b'"}')
-        with pytest.raises(ManifestError, match="NaN is not a JSON value"):
+        with pytest.raises(ManifestError, match="it holds NaN, which JSON does not have"):
             CheckpointStore(store.url).load(info.version)
 
 
