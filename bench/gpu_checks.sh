@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of one device session, in one go (the device time is short): the CUDA tests, the
+# Every GPU check in one go, for a GPU machine lent for a few minutes: the CUDA tests, the
 # GPU rows of the storage and sharded benchmarks, and the save_async stall of a GPU-resident
 # state. Each step's output goes to $OUT (or ./gpu-out); a failing step does not stop the others.
 # Run from the repository root, after `make install`: bash bench/gpu_checks.sh
