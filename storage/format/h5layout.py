@@ -228,16 +228,20 @@ def build_shard_image(blobs: list[Blob]) -> ShardImage:
 
     # Each dataset's object header, in the order the data follows; its data address is known
     # once every header's size is, and headers differ only in rank and dtype.
+    # A header is fixed bytes around its dims, address and size: one template per (dtype, rank).
     type_attr = {d: _attribute("torch_dtype", STRING_TYPE, heap.reference(d)) for d in stored}
-    fixed = [
-        _PREFIX + 3 * 8 + 8 * len(b.shape) + _pad8(len(_datatype(stored[d]))) + 24 + len(type_attr[d]) + 8
-        for b, d in zip(blobs, dtypes, strict=True)
-    ]
+    templates: dict[tuple[str, int], tuple[bytes, struct.Struct, bytes, bytes]] = {}
+    for d, rank in {(d, len(b.shape)) for b, d in zip(blobs, dtypes, strict=True)}:
+        templates[d, rank] = _header_template(_datatype(stored[d]), type_attr[d], rank)
+    sizes = {
+        key: len(before) + dims.size + len(between) + 16 + len(after)
+        for key, (before, dims, between, after) in templates.items()
+    }
     header_at: list[int] = []
     pos = headers_at
-    for size in fixed:
+    for b, d in zip(blobs, dtypes, strict=True):
         header_at.append(pos)
-        pos += size
+        pos += sizes[d, len(b.shape)]
     data_at = pos
     offsets: dict[int, int | None] = {}
     layout: list[tuple[int, int]] = []  # (address, nbytes) per blob
@@ -253,21 +257,12 @@ def build_shard_image(blobs: list[Blob]) -> ShardImage:
             offsets[b.index] = None
     file_size = data_at
 
-    # A dataset's object header is fixed bytes around its dims, address and size: one template
-    # per (dtype, rank), filled in by two packs.
-    templates: dict[tuple[str, int], tuple[bytes, struct.Struct, bytes, bytes]] = {}
     place = struct.Struct("<QQ").pack
     parts: list[bytes] = []
     for b, d, (address, nbytes) in zip(blobs, dtypes, layout, strict=True):
-        rank = len(b.shape)
-        template = templates.get((d, rank))
-        if template is None:
-            template = templates[d, rank] = _header_template(_datatype(stored[d]), type_attr[d], rank)
-        before, dims, between, after = template
+        before, dims, between, after = templates[d, len(b.shape)]
         parts += (before, dims.pack(*b.shape), between, place(address, nbytes), after)
     headers = b"".join(parts)
-    if len(headers) != sum(fixed):
-        raise AssertionError("object headers differ in size from their layout")
 
     root_messages[0] = _message(_SYMBOL_TABLE, struct.pack("<QQ", tree_at, local_heap_at))
     root_messages[1] = _attribute("format", STRING_TYPE, heap.reference(SHARD_FORMAT))
