@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .format.manifest import Manifest
+from .format.manifest import Manifest, ManifestDraft
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class VersionInfo:
         return value if isinstance(value, int) and value > 0 else None
 
     @classmethod
-    def from_manifest(cls, m: Manifest, url: str, *, archived: bool = False) -> VersionInfo:
+    def from_manifest(cls, m: Manifest | ManifestDraft, url: str, *, archived: bool = False) -> VersionInfo:
         return cls(
             m.version,
             m.epoch,

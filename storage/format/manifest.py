@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import platform
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -139,27 +140,8 @@ class Manifest(_Model):
         return sum(s.size for s in self.shards)
 
     def to_json(self) -> bytes:
-        """The manifest as written, by every save path: sealed with its own checksum (format 3),
-        multi-process and chunked fields only when it has them, its format version the lowest that
-        reads what it holds."""
-        exclude: dict[str, Any] = {"world_size": True, "ranks": True}
-        if self.world_size > 1 or self.ranks:
-            exclude = {}
-        if not self.chunked:
-            exclude["chunked"] = True
-        pieces = any(b.pieces is not None for b in self.blobs)
-        if not pieces:  # no blob has pieces (the common case): leave their fields out at once
-            exclude["blobs"] = {"__all__": {"piece_bytes", "pieces"}}
-        raw = self.model_dump(mode="json", exclude=exclude)
-        needed = SHARDED_FORMAT_VERSION if self.chunked else SEALED_FORMAT_VERSION  # the oldest that reads it
-        blobs = [*raw["blobs"]] if pieces else []
-        for blob in [*blobs, *(b for part in raw.get("ranks", []) for b in part["blobs"])]:
-            if blob["pieces"] is None:  # a blob without pieces reads as formats 1-4 wrote it
-                del blob["piece_bytes"], blob["pieces"]
-            else:
-                needed = PIECES_FORMAT_VERSION
-        raw["format_version"] = max(self.format_version, needed, ORDERED_FORMAT_VERSION)
-        return sealed_json(raw, SEAL_KEY)
+        """The manifest as written (:func:`document_bytes`): what a save of the same content writes."""
+        return document_bytes(self.model_dump(mode="json"))
 
     def rank_view(self, rank: int) -> Manifest:
         """This manifest with rank ``rank``'s own state in place of the shared state (same shards)."""
@@ -167,6 +149,127 @@ class Manifest(_Model):
         return self.model_copy(
             update={"structure": part.structure, "blobs": part.blobs, "tensors": part.tensors, "ranks": []}
         )
+
+
+def blob_doc(
+    *,
+    shard: int,
+    dataset: str,
+    offset: int | None,
+    nbytes: int,
+    dtype: str,
+    shape: list[int],
+    checksum: str,
+    piece_bytes: int | None = None,
+    pieces: list[str] | None = None,
+) -> dict[str, Any]:
+    """A blob's manifest entry as a save writes it: :class:`BlobEntry`'s fields, in its order, as
+    JSON. A save of thousands of tensors builds a dict for each, not a model: 4 us less per tensor.
+    The piece fields are there only when the blob has pieces."""
+    doc = {
+        "shard": shard,
+        "dataset": dataset,
+        "offset": offset,
+        "nbytes": nbytes,
+        "dtype": dtype,
+        "shape": shape,
+        "checksum": checksum,
+    }
+    if pieces is not None:
+        doc["piece_bytes"] = piece_bytes
+        doc["pieces"] = pieces
+    return doc
+
+
+def tensor_doc(
+    path: str, blob: int, dtype: str, shape: list[int], stride: list[int] | None = None, offset: int = 0
+) -> dict[str, Any]:
+    """A tensor's manifest entry as a save writes it: :class:`TensorEntry`'s fields, in its order."""
+    return {"path": path, "blob": blob, "dtype": dtype, "shape": shape, "stride": stride, "offset": offset}
+
+
+@dataclass(frozen=True)
+class ManifestDraft:
+    """A manifest as a save builds it, before it is written: :class:`Manifest`'s fields, with the
+    entries (blobs, tensors, ranks' parts, chunked tensors) already JSON (:func:`blob_doc`,
+    :func:`tensor_doc`). Its bytes are those :meth:`Manifest.to_json` writes for the same content;
+    :meth:`manifest` validates them into one."""
+
+    version: int
+    epoch: int | None
+    step: int | None
+    metrics: dict[str, float]
+    created: str
+    writer: dict[str, str]
+    checksum_algorithm: str
+    nbytes: int
+    shards: list[ShardEntry]
+    blobs: list[dict[str, Any]]
+    tensors: list[dict[str, Any]]
+    structure: Any
+    user: dict[str, Any]
+    world_size: int = 1
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    chunked: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def total_size(self) -> int:
+        return sum(s.size for s in self.shards)
+
+    def document(self) -> dict[str, Any]:
+        """The JSON fields, in :class:`Manifest`'s order."""
+        return {
+            "format": FORMAT_NAME,
+            "format_version": 1,  # set by document_bytes: the lowest that reads what it holds
+            "version": self.version,
+            "epoch": self.epoch,
+            "step": self.step,
+            "metrics": self.metrics,
+            "created": self.created,
+            "writer": self.writer,
+            "checksum_algorithm": self.checksum_algorithm,
+            "nbytes": self.nbytes,
+            "shards": [s.model_dump(mode="json") for s in self.shards],
+            "blobs": self.blobs,
+            "tensors": self.tensors,
+            "structure": self.structure,
+            "user": self.user,
+            "world_size": self.world_size,
+            "ranks": self.ranks,
+            "chunked": self.chunked,
+        }
+
+    def to_json(self) -> bytes:
+        return document_bytes(self.document())
+
+    def manifest(self, where: str) -> Manifest:
+        """The manifest a reader gets from these bytes, validated and checked as a reader does."""
+        raw = json.loads(self.to_json())
+        del raw[SEAL_KEY]
+        return validate_manifest(raw, where)
+
+
+def document_bytes(raw: dict[str, Any]) -> bytes:
+    """A manifest's fields as written by every save path: sealed with its own checksum, the
+    multi-process and chunked fields only when it has them, a blob's piece fields only when it has
+    pieces, and its format version the lowest that reads what it holds (never below format 6,
+    whose seal covers its bytes in order). ``raw`` is changed in place."""
+    if raw.get("world_size", 1) == 1 and not raw.get("ranks"):
+        raw.pop("world_size", None)
+        raw.pop("ranks", None)
+    if not raw.get("chunked"):
+        raw.pop("chunked", None)
+    needed = SHARDED_FORMAT_VERSION if "chunked" in raw else SEALED_FORMAT_VERSION  # the oldest that reads it
+    for blobs in [raw["blobs"], *(part["blobs"] for part in raw.get("ranks", []))]:
+        for blob in blobs:
+            if "pieces" not in blob:
+                continue
+            if blob["pieces"] is None:  # a blob without pieces reads as formats 1-4 wrote it
+                del blob["piece_bytes"], blob["pieces"]
+            else:
+                needed = PIECES_FORMAT_VERSION
+    raw["format_version"] = max(raw["format_version"], needed, ORDERED_FORMAT_VERSION)
+    return sealed_json(raw, SEAL_KEY)
 
 
 def writer_versions() -> dict[str, str]:

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..errors import CheckpointError, RankFailedError, RankLoadError
 from ..format.dtypes import dtype_name
-from ..format.manifest import BlobEntry, RankPart, ShardEntry, TensorEntry
+from ..format.manifest import ShardEntry, tensor_doc
 from ..format.structure import Leaf, encode
 from .planner import (
     SHARD_BYTES,
@@ -233,7 +233,7 @@ class OwnPlan:
 
     structure: Any
     plan: SavePlan
-    entries: list[TensorEntry]
+    entries: list[dict[str, Any]]
 
     @classmethod
     def of(cls, rank_state: object, rank: int) -> OwnPlan:
@@ -242,22 +242,22 @@ class OwnPlan:
         one = ShardPlan(0, f"state-r{rank}.h5", [b.index for b in blobs], sum(b.nbytes for b in blobs))
         return cls(structure, SavePlan(blobs, refs, [one]), tensor_entries(leaves, refs))
 
-    def report(self, files: list[ShardEntry], written: dict[int, BlobEntry]) -> dict[str, Any]:
+    def report(self, files: list[ShardEntry], written: dict[int, dict[str, Any]]) -> dict[str, Any]:
         """What the rank tells the one committing, once its file is written."""
         return {
             "shard": files[0].model_dump(mode="json"),
-            "blobs": [written[i].model_dump(mode="json") for i in range(len(self.plan.blobs))],
+            "blobs": [written[i] for i in range(len(self.plan.blobs))],
             "structure": self.structure,
-            "tensors": [t.model_dump(mode="json") for t in self.entries],
+            "tensors": self.entries,
             "nbytes": self.plan.nbytes,
         }
 
     @staticmethod
-    def part(report: dict[str, Any], shard: int) -> RankPart:
-        """The manifest's entry of a rank's own state from its report; ``shard``: its file's number."""
-        blobs = [BlobEntry.model_validate(b).model_copy(update={"shard": shard}) for b in report["blobs"]]
-        tensors = [TensorEntry.model_validate(t) for t in report["tensors"]]
-        return RankPart(structure=report["structure"], blobs=blobs, tensors=tensors)
+    def part(report: dict[str, Any], shard: int) -> dict[str, Any]:
+        """The manifest's entry of a rank's own state (:class:`.RankPart`, as JSON) from its report;
+        ``shard``: its file's number."""
+        blobs = [{**b, "shard": shard} for b in report["blobs"]]
+        return {"structure": report["structure"], "blobs": blobs, "tensors": report["tensors"]}
 
 
 @dataclass(frozen=True)
@@ -316,7 +316,7 @@ class RankReport:
     own state's report, or why it failed. Typed in the process; JSON only between ranks."""
 
     shards: list[ShardEntry]
-    blobs: dict[int, BlobEntry]
+    blobs: dict[int, dict[str, Any]]  # manifest entries as JSON (:func:`.blob_doc`)
     own: dict[str, Any] | None
     error: str | None = None
 
@@ -327,7 +327,7 @@ class RankReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "shards": [s.model_dump(mode="json") for s in self.shards],
-            "blobs": {str(i): b.model_dump(mode="json") for i, b in self.blobs.items()},
+            "blobs": {str(i): b for i, b in self.blobs.items()},
             "own": self.own,
             "error": self.error,
         }
@@ -336,7 +336,7 @@ class RankReport:
     def from_json(cls, raw: dict[str, Any]) -> RankReport:
         return cls(
             [ShardEntry.model_validate(s) for s in raw["shards"]],
-            {int(i): BlobEntry.model_validate(b) for i, b in raw["blobs"].items()},
+            {int(i): b for i, b in raw["blobs"].items()},
             raw["own"],
             raw["error"],
         )
@@ -345,8 +345,8 @@ class RankReport:
 @dataclass(frozen=True)
 class Assembled:
     shards: list[ShardEntry]
-    blobs: list[BlobEntry]
-    ranks: list[RankPart]
+    blobs: list[dict[str, Any]]
+    ranks: list[dict[str, Any]]
     own_nbytes: int
 
 
@@ -357,14 +357,14 @@ def assemble(reports: list[RankReport], blob_count: int) -> Assembled:
     order and every blob entry's shard number is moved by its rank's offset.
     """
     shards: list[ShardEntry] = []
-    blobs: dict[int, BlobEntry] = {}
-    ranks: list[RankPart] = []
+    blobs: dict[int, dict[str, Any]] = {}
+    ranks: list[dict[str, Any]] = []
     own_nbytes = 0
     for rep in reports:
         base = len(shards)
         shards += rep.shards
         for key, entry in rep.blobs.items():
-            blobs[key] = entry.model_copy(update={"shard": entry.shard + base}) if base else entry
+            blobs[key] = {**entry, "shard": entry["shard"] + base} if base else entry
         if rep.own is not None:
             shards.append(ShardEntry.model_validate(rep.own["shard"]))
             ranks.append(OwnPlan.part(rep.own, len(shards) - 1))
@@ -382,19 +382,18 @@ def assemble(reports: list[RankReport], blob_count: int) -> Assembled:
     return Assembled(shards, [blobs[i] for i in range(blob_count)], ranks, own_nbytes)
 
 
-def tensor_entries(leaves: list[Leaf], refs: list[TensorRef]) -> list[TensorEntry]:
-    """The manifest's entries of the planned leaves: key path, blob, dtype, shape, view."""
-    return [
-        TensorEntry(
-            path=leaf.path,
-            blob=r.blob,
-            dtype=dtype_name(r.dtype),
-            shape=list(r.shape),
-            stride=list(r.stride) if r.stride is not None else None,
-            offset=r.offset,
-        )
-        for leaf, r in zip(leaves, refs, strict=True)
-    ]
+def tensor_entries(leaves: list[Leaf], refs: list[TensorRef]) -> list[dict[str, Any]]:
+    """The manifest's entries of the planned leaves (JSON: :func:`.tensor_doc`): key path, blob,
+    dtype, shape, view."""
+    names: dict[torch.dtype, str] = {}
+    entries = []
+    for leaf, r in zip(leaves, refs, strict=True):
+        name = names.get(r.dtype)
+        if name is None:
+            name = names[r.dtype] = dtype_name(r.dtype)
+        stride = list(r.stride) if r.stride is not None else None
+        entries.append(tensor_doc(leaf.path, r.blob, name, list(r.shape), stride, r.offset))
+    return entries
 
 
 __all__ = [

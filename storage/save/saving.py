@@ -40,15 +40,7 @@ from ..errors import (
 )
 from ..files.location import Location, translate_errors
 from ..format.checksum import ALGORITHM
-from ..format.manifest import (
-    BlobEntry,
-    Manifest,
-    ShardEntry,
-    TensorEntry,
-    clean_metrics,
-    utc_now,
-    writer_versions,
-)
+from ..format.manifest import ManifestDraft, ShardEntry, clean_metrics, utc_now, writer_versions
 from ..format.manifest_checks import MAX_DOCUMENT_DEPTH, json_depth
 from ..format.names import version_dir
 from ..format.structure import encode
@@ -76,7 +68,7 @@ class SaveJob:
     version: int
     request: SaveRequest  # its metrics checked
     structure: Any
-    refs: list[TensorEntry]
+    refs: list[dict[str, Any]]  # the tensors' manifest entries, as JSON
     plan: RankPlan
     claimed: bool = True  # False: its number is claimed when the write starts (a solo async save)
 
@@ -97,16 +89,16 @@ def new_manifest(
     *,
     structure: Any,
     shards: list[ShardEntry],
-    blobs: list[BlobEntry],
-    tensors: list[TensorEntry],
+    blobs: list[dict[str, Any]],
+    tensors: list[dict[str, Any]],
     nbytes: int,
     seconds: float,
     **extra: Any,
-) -> Manifest:
+) -> ManifestDraft:
     """The manifest of a save whose files are written, by any path (``extra``: the fields of a
-    save from several ranks, or of chunked tensors). Its format version is the lowest that can
-    read it (:meth:`Manifest.to_json`)."""
-    return Manifest(
+    save from several ranks, or of chunked tensors); its entries are JSON. Its format version is
+    the lowest that can read it (:func:`.document_bytes`)."""
+    return ManifestDraft(
         version=version,
         epoch=request.epoch,
         step=request.step,
@@ -292,7 +284,7 @@ class VersionWriter:
         if found is not None or not self._claim_exclusively(version):
             raise self._taken(version, claims.read_claim(self.loc, version))
 
-    def commit(self, manifest: Manifest) -> None:
+    def commit(self, manifest: ManifestDraft) -> None:
         """Commit under this writer's claim and under the store's lease, if a writer holds it (this
         one, or the process it writes for: the manifest records the lease's token); a failure drops
         the claim. While another writer holds the store, nothing is committed."""
@@ -300,7 +292,7 @@ class VersionWriter:
             with fence(self.loc):  # no takeover between the lease's check and the manifest's link
                 token = commit_lease(self.loc, self.lease, self.writes_for)
                 if token is not None:
-                    manifest = manifest.model_copy(update={"writer": {**manifest.writer, LEASE_KEY: token}})
+                    manifest = dataclasses.replace(manifest, writer={**manifest.writer, LEASE_KEY: token})
                 protocol.commit(self.loc, manifest, claim=self.claim_token.token)
         except BaseException:
             self.discard(manifest.version)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from ..files.byteio import open_sink, write_hashed
 from ..files.location import Location
 from ..format.checksum import digest, new_hasher, piece_size
 from ..format.dtypes import dtype_name
 from ..format.h5layout import build_shard_image
-from ..format.manifest import BlobEntry, ShardEntry
+from ..format.manifest import ShardEntry, blob_doc
 from .planner import Blob, SavePlan, ShardPlan
 
 log = logging.getLogger(__name__)
@@ -38,16 +39,17 @@ def write_shards(
     threads: int,
     rank: int = 0,
     piece_bytes: int | None = None,
-) -> tuple[list[ShardEntry], dict[int, BlobEntry]]:
+) -> tuple[list[ShardEntry], dict[int, dict[str, Any]]]:
     """Write every shard of ``plan`` under ``version_dir``; return their manifest entries.
 
-    The blob entries are keyed by blob index: those of the blobs in ``plan.shards``, which
-    in a multi-process save are this rank's share of ``plan.blobs``. With ``piece_bytes``,
-    each blob also gets a checksum per piece of that size (smaller for a small blob: :func:`piece_size`).
+    The blob entries (JSON: :func:`.blob_doc`) are keyed by blob index: those of the blobs in
+    ``plan.shards``, which in a multi-process save are this rank's share of ``plan.blobs``. With
+    ``piece_bytes``, each blob also gets a checksum per piece of that size (smaller for a small
+    blob: :func:`piece_size`).
     """
     if loc.is_local:  # object stores need no directories, and s3fs's makedirs would create a bucket
         loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
-    blob_entries: dict[int, BlobEntry] = {}
+    blob_entries: dict[int, dict[str, Any]] = {}
 
     def one(shard: ShardPlan) -> ShardEntry:
         entry, blobs = _write_shard(loc, version_dir, shard, plan.blobs, blob_bytes, rank, piece_bytes)
@@ -71,7 +73,7 @@ def _write_shard(
     blob_bytes: BlobBytes,
     rank: int,
     piece_bytes: int | None,
-) -> tuple[ShardEntry, dict[int, BlobEntry]]:
+) -> tuple[ShardEntry, dict[int, dict[str, Any]]]:
     members = [blobs[i] for i in shard.blobs]
     image = build_shard_image(members)
     path = loc.path(version_dir, shard.file)
@@ -127,7 +129,7 @@ def _write_shard(
     entries = {}
     for b in members:
         nbytes = b.nbytes
-        entries[b.index] = BlobEntry(
+        entries[b.index] = blob_doc(
             shard=shard.index,
             dataset=b.name,
             offset=image.offsets[b.index],

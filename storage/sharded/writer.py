@@ -46,8 +46,7 @@ from ..files.byteio import tensor_bytes
 from ..files.location import translate_errors
 from ..format.checksum import PIECE_BYTES
 from ..format.dtypes import dtype_name
-from ..format.manifest import BlobEntry, ChunkedEntry, ShardEntry
-from ..format.manifest_checks import check_manifest
+from ..format.manifest import ChunkedEntry, ManifestDraft, ShardEntry
 from ..format.names import version_dir
 from ..format.structure import decode, encode
 from ..info import SaveRequest, VersionInfo
@@ -159,8 +158,7 @@ class DcpWriter(StorageWriter):
             results.append(self._write_own(self.own, version, rank))
         for blob, item in zip(blobs, items, strict=True):
             entry = written[blob.index]
-            shard = files[entry.shard].model_dump(mode="json")
-            data = {"blob": entry.model_dump(mode="json"), "file": shard}
+            data = {"blob": entry, "file": files[entry["shard"]].model_dump(mode="json")}
             results.append(WriteResult(index=item.index, size_in_bytes=blob.nbytes, storage_data=data))
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         future.set_result(results)
@@ -171,9 +169,7 @@ class DcpWriter(StorageWriter):
         assert self.version is not None
         try:
             manifest = self._manifest(metadata, [r for rank in results for r in rank])
-            check_manifest(
-                manifest, self.versions.loc.display(version_dir(self.version))
-            )  # as a reader would
+            manifest.manifest(self.versions.loc.display(version_dir(self.version)))  # as a reader would
             with translate_errors(self.versions.loc, "saving to"):
                 self.versions.commit(manifest)
         except BaseException:
@@ -236,7 +232,7 @@ class DcpWriter(StorageWriter):
 
     # -- the manifest ------------------------------------------------------------
 
-    def _manifest(self, metadata: Metadata, results: list[WriteResult]) -> Any:
+    def _manifest(self, metadata: Metadata, results: list[WriteResult]) -> ManifestDraft:
         files: dict[str, ShardEntry] = {}
         found: dict[MetadataIndex, Any] = {}
         owns: dict[int, Any] = {}
@@ -250,7 +246,7 @@ class DcpWriter(StorageWriter):
                 files.setdefault(shard.file, shard)
         shards = sorted(files.values(), key=lambda s: (s.rank, s.file))
         number = {s.file: i for i, s in enumerate(shards)}
-        blobs: list[BlobEntry] = []
+        blobs: list[dict[str, Any]] = []
         tensors: dict[str, ChunkedEntry] = {}
         values: dict[str, Any] = {}
         mappings = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
@@ -261,8 +257,7 @@ class DcpWriter(StorageWriter):
             chunks = []
             for chunk in md.chunks:
                 data = _lookup(found, fqn, chunk.offsets)
-                entry = BlobEntry.model_validate(data["blob"])
-                blobs.append(entry.model_copy(update={"shard": number[data["file"]["file"]]}))
+                blobs.append({**data["blob"], "shard": number[data["file"]["file"]]})
                 chunks.append(chunk_entry(chunk.offsets, chunk.sizes, len(blobs) - 1))
             path = path_text(tuple(mappings.get(fqn, (fqn,))))
             tensors[fqn] = ChunkedEntry(
@@ -290,10 +285,10 @@ class DcpWriter(StorageWriter):
             shards=shards,
             blobs=blobs,
             tensors=[],
-            nbytes=sum(b.nbytes for b in blobs) + sum(int(o["nbytes"]) for o in owns.values()),
+            nbytes=sum(b["nbytes"] for b in blobs) + sum(int(o["nbytes"]) for o in owns.values()),
             seconds=time.perf_counter() - self.started,
             world_size=self.world_size,
-            chunked=list(tensors.values()),
+            chunked=[entry.model_dump(mode="json") for entry in tensors.values()],
             ranks=ranks,
         )
 

@@ -42,7 +42,7 @@ from ..errors import CheckpointError, FormatVersionError, ManifestError, Version
 from ..files.atomic import exclusive_local_write, exclusive_remote_write, write_file_atomic
 from ..files.byteio import fsync_dir
 from ..files.location import Location, bucket_missing, missing_bucket_error
-from ..format.manifest import MANIFEST_FILE, Manifest, parse_manifest
+from ..format.manifest import MANIFEST_FILE, Manifest, ManifestDraft, parse_manifest
 from ..format.manifest_checks import MAX_BYTES
 from ..format.names import parse_version_dir, version_dir
 from .claims import check_claim, drop_claim
@@ -161,7 +161,7 @@ def read_record(loc: Location, version: int) -> VersionRecord | None:
     return record
 
 
-def commit(loc: Location, manifest: Manifest, *, claim: str | None = None) -> None:
+def commit(loc: Location, manifest: Manifest | ManifestDraft, *, claim: str | None = None) -> None:
     """Write the manifest of a version whose shards are all durable: the version now exists.
 
     The manifest is created only if absent, so a commit never replaces another writer's.
@@ -182,7 +182,7 @@ def commit(loc: Location, manifest: Manifest, *, claim: str | None = None) -> No
         _write_latest(loc, vdir)
 
 
-def create_manifest(loc: Location, manifest: Manifest) -> None:
+def create_manifest(loc: Location, manifest: Manifest | ManifestDraft) -> None:
     """Create ``manifest.json`` of a version if it does not exist yet; raise VersionTakenError if it does.
 
     On an object store a PUT can be stored while its answer is lost (a reset, a 500, a timeout): the
@@ -231,7 +231,7 @@ def _stored_anyway(loc: Location, path: str, data: bytes) -> bool:
         return False
 
 
-def check_shards_present(loc: Location, manifest: Manifest) -> None:
+def check_shards_present(loc: Location, manifest: Manifest | ManifestDraft) -> None:
     """Refuse to commit a version whose shard files are not all there with their sizes.
 
     One listing of the version directory. It catches a shard removed while the

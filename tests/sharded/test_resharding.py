@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore
+from ckptflow.storage.format.manifest import parse_manifest
 from tests.sharded.conftest import FsdpJob, Saved, digest
 
 pytestmark = pytest.mark.timeout(300)
@@ -43,6 +44,16 @@ def test_one_process_without_a_process_group_gets_the_full_state(saved_by_store:
     groups = state["optimizer"]["param_groups"]
     assert groups[0]["lr"] == pytest.approx(1e-2) and tuple(groups[0]["betas"]) == (0.9, 0.999)
     assert "blocks.0.up.weight" in state["model"], "keys with dots stay whole keys"
+
+
+def test_the_manifest_written_is_what_the_manifest_schema_writes(saved_by_store: Saved) -> None:
+    """The sharded save builds its entries as JSON (chunked tensors, blobs with pieces, the ranks'
+    own states): its bytes are exactly those the schema validates and writes back."""
+    path = Path(saved_by_store.url) / f"v{saved_by_store.version:06d}" / "manifest.json"
+    data = path.read_bytes()
+    manifest = parse_manifest(data, str(path))
+    assert manifest.chunked and manifest.ranks and any(b.pieces for b in manifest.blobs)
+    assert manifest.to_json() == data
 
 
 def test_the_unfilled_model_really_differs(saved_by_store: Saved, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from ckptflow.storage import CheckpointStore, ManifestError, StoreOptions
 from ckptflow.storage.format.dtypes import SUPPORTED, dtype_name, storage_dtype
-from ckptflow.storage.format.manifest import SEAL_KEY, seal
+from ckptflow.storage.format.manifest import SEAL_KEY, parse_manifest, seal
 from tests.conftest import assert_same_state, tensor_bits
 
 
@@ -152,6 +152,29 @@ class TestManifestEncoding:
         assert raw["format_version"] == 6 and b"\n" not in data.strip()
         assert list(raw)[-1] == SEAL_KEY
         assert list(store.load()) == ["z", "a", "m"] and list(store.load()["m"]) == ["k2", "k1"]
+
+    def test_a_save_writes_what_the_manifest_schema_writes(self, tmp_path):
+        """A save builds its entries as JSON, not as models: its bytes must be exactly those the
+        schema (``Manifest``) validates and writes back, on every kind of entry a save makes."""
+        store = CheckpointStore(tmp_path / "store")
+        base = torch.arange(24, dtype=torch.float32)
+        tied = torch.randn(3, 3)
+        state = {
+            "views": {"a": base[2:10], "b": base.view(4, 6)[:, 1:3], "c": base},  # one blob, strided refs
+            "tied": {"x": tied, "y": tied},
+            "empty": torch.zeros(0, 5),
+            "array": np.arange(6, dtype=np.int16).reshape(2, 3),
+            "scalar": torch.tensor(3.5, dtype=torch.bfloat16),
+            "meta": {"lr": 0.1, "names": ["p", "q"], (1, 2): "tuple key"},
+        }
+        info = store.save(
+            state, epoch=2, step=7, metrics={"loss": 0.25}, user={"note": "x"}, rank_state={"rng": torch.ones(2)}
+        )
+        data = _manifest_path(store, info.version).read_bytes()
+        manifest = parse_manifest(data, "test")
+        assert manifest.to_json() == data
+        assert manifest.ranks and any(t.stride is not None for t in manifest.tensors)
+        assert_same_state(store.load(), state)
 
     def test_a_format_5_manifest_still_loads(self, tmp_path):
         """As ckptflow wrote them before format 6: indented, sealed over its keys sorted."""
