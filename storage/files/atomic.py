@@ -57,15 +57,17 @@ def _precondition_failed(exc: BaseException) -> bool:
     return code == "PreconditionFailed" or status == 412
 
 
-def exclusive_local_write(directory: str, name: str, data: bytes) -> None:
+def exclusive_local_write(directory: str, name: str, data: bytes, *, durable: bool = True) -> None:
     """Create ``name`` with ``data``, complete and fsynced, or raise FileExistsError: a hard link
-    of a temporary file never replaces an existing name, where a rename would."""
-    tmp = durable_temp(directory, name, data)
+    of a temporary file never replaces an existing name, where a rename would. ``durable=False``:
+    complete for every process, but not fsynced (what need not survive a crash of the machine)."""
+    tmp = durable_temp(directory, name, data, sync=durable)
     try:
         os.link(tmp, os.path.join(directory, name))
     finally:
         os.unlink(tmp)
-    fsync_dir(directory)
+    if durable:
+        fsync_dir(directory)
 
 
 def durable_temp(directory: str, name: str, data: bytes, *, sync: bool = True) -> str:

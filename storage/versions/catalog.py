@@ -159,7 +159,7 @@ def lookup(loc: Location, version: int) -> Located | None:
 
 def next_version(loc: Location, *, at_least: int = 0) -> int:
     """Above every version directory (committed or not) and every archived version, and >= ``at_least``."""
-    return max(max([*protocol.list_dirs(loc), *archived_for_writing(loc)], default=-1) + 1, at_least)
+    return max(max([*protocol.version_numbers(loc), *archived_for_writing(loc)], default=-1) + 1, at_least)
 
 
 def archived_for_writing(loc: Location) -> dict[int, ArchivedVersion]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import ManifestError, VersionTakenError
 from ..files.atomic import exclusive_local_write, exclusive_remote_write
+from ..files.byteio import fsync_dir
 from ..files.location import Location
 from ..files.processes import has_ended, this_process
 from ..format.manifest import MANIFEST_FILE
@@ -64,7 +65,13 @@ def claim_version(loc: Location, version: int, claim: Claim) -> bool:
     try:
         if loc.is_local:
             os.makedirs(loc.path(vdir), exist_ok=True)
-            exclusive_local_write(loc.path(vdir), CLAIM_FILE, data)
+            # The version's directory entry must survive a crash of the machine once its manifest
+            # is fsynced: the root is fsynced now, once per version. The claim itself is not: it
+            # stands for a live writer, and after a crash of the machine every writer of it is gone,
+            # so a claim that did not survive changes nothing (its leftovers are garbage either way,
+            # and their directory keeps the number from being reused).
+            fsync_dir(loc.root)
+            exclusive_local_write(loc.path(vdir), CLAIM_FILE, data, durable=False)
         else:
             exclusive_remote_write(loc.fs, loc.path(vdir, CLAIM_FILE), data)
     except FileExistsError:

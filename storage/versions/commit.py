@@ -79,22 +79,47 @@ class VersionRecord:
 def list_dirs(loc: Location) -> dict[int, bool]:
     """Every version directory under the root: version -> whether it has a manifest file.
 
-    One listing, no file read: enough to number a new version or find garbage.
+    One listing, no file read: enough to find the versions or the garbage.
     """
-    loc.fs.invalidate_cache()  # listings cached by fsspec (s3fs) miss changes made by other processes
-    if not loc.fs.exists(loc.root):
-        if bucket_missing(loc):  # else a mistyped bucket would look like an empty store
-            raise missing_bucket_error(loc)
+    if not _root_exists(loc):
         return {}
+    if loc.is_local:  # one scandir and a stat per version; fsspec's walk stats every file of every version
+        dirs = {}
+        with os.scandir(loc.root) as entries:
+            for entry in entries:
+                version = parse_version_dir(entry.name)
+                if version is not None:
+                    manifest = os.path.join(entry.path, MANIFEST_FILE)
+                    dirs[version] = entry.is_dir() and os.path.lexists(manifest)
+        return dict(sorted(dirs.items()))
     entries = loc.fs.find(loc.root, maxdepth=2, withdirs=True, detail=False)
-    dirs: dict[int, bool] = {}
+    found: dict[int, bool] = {}
     for path in entries:
         rel = path[len(loc.root) :].strip("/").split("/")
         version = parse_version_dir(rel[0])
         if version is None:
             continue
-        dirs[version] = dirs.get(version, False) or (len(rel) == 2 and rel[1] == MANIFEST_FILE)
-    return dict(sorted(dirs.items()))
+        found[version] = found.get(version, False) or (len(rel) == 2 and rel[1] == MANIFEST_FILE)
+    return dict(sorted(found.items()))
+
+
+def version_numbers(loc: Location) -> list[int]:
+    """The number of every version directory, committed or not: what numbering a new version needs.
+    One listing of the root (on an object store, of its prefixes), not of the versions' files, so
+    that a save costs the same in a store of ten versions or of ten thousand."""
+    if not _root_exists(loc):
+        return []
+    names = os.listdir(loc.root) if loc.is_local else loc.fs.ls(loc.root, detail=False)
+    return sorted(v for name in names if (v := parse_version_dir(name)) is not None)
+
+
+def _root_exists(loc: Location) -> bool:
+    loc.fs.invalidate_cache()  # listings cached by fsspec (s3fs) miss changes made by other processes
+    if loc.fs.exists(loc.root):
+        return True
+    if bucket_missing(loc):  # else a mistyped bucket would look like an empty store
+        raise missing_bucket_error(loc)
+    return False
 
 
 def newest_committed(

@@ -405,3 +405,38 @@ class TestKillDuringSaveOnS3:
             mib=S3_MIB,
             storage_options=options,
         )
+
+
+class TestDurableOnReturn:
+    def test_a_save_returns_once_everything_its_version_needs_is_fsynced(
+        self, tmp_path: Path, monkeypatch: Any
+    ) -> None:
+        """A process kill cannot undo what the kernel holds, but a crash of the machine undoes what
+        is not fsynced: before ``save`` returns, the shard's bytes, the manifest's bytes, their
+        entries in the version directory (after both), and the version directory's own entry in
+        the root must be on disk."""
+        import torch
+
+        from ckptflow.storage import CheckpointStore
+
+        synced: list[str] = []
+        real = os.fsync
+
+        def record(fd: int) -> None:
+            synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+            real(fd)
+
+        store = CheckpointStore(tmp_path / "store")
+        store.save({"w": torch.ones(3)})  # the store's first save also makes its root
+        monkeypatch.setattr(os, "fsync", record)
+        info = store.save({"w": torch.zeros(3)})
+        root = str(tmp_path / "store")
+        vdir = f"{root}/v{info.version:06d}"
+        (shard,) = [f"{vdir}/{s.file}" for s in store.manifest(info.version).shards]
+        manifest_bytes = [i for i, p in enumerate(synced) if p.startswith(f"{vdir}/.manifest.json.")]
+        assert root in synced, f"the version directory's entry in the root is not fsynced: {synced}"
+        assert shard in synced and manifest_bytes, synced
+        last_dir_sync = max(i for i, p in enumerate(synced) if p == vdir)
+        assert last_dir_sync > max(synced.index(shard), *manifest_bytes), (
+            "the version directory is fsynced after the shard and the manifest are written"
+        )
