@@ -89,8 +89,7 @@ def list_dirs(loc: Location) -> dict[int, bool]:
             for entry in entries:
                 version = parse_version_dir(entry.name)
                 if version is not None:
-                    manifest = os.path.join(entry.path, MANIFEST_FILE)
-                    dirs[version] = entry.is_dir() and os.path.lexists(manifest)
+                    dirs[version] = _has_manifest(entry)
         return dict(sorted(dirs.items()))
     entries = loc.fs.find(loc.root, maxdepth=2, withdirs=True, detail=False)
     found: dict[int, bool] = {}
@@ -101,6 +100,13 @@ def list_dirs(loc: Location) -> dict[int, bool]:
             continue
         found[version] = found.get(version, False) or (len(rel) == 2 and rel[1] == MANIFEST_FILE)
     return dict(sorted(found.items()))
+
+
+def _has_manifest(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir() and os.path.lexists(os.path.join(entry.path, MANIFEST_FILE))
+    except OSError:  # a symlink loop, say: no version that can be read (reading it says why)
+        return False
 
 
 def version_numbers(loc: Location) -> list[int]:

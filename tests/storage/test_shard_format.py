@@ -137,6 +137,39 @@ class TestSmallStates:
         large = store.save({f"w{i}": torch.randn(16 << 20) for i in range(8)})  # 512 MiB
         assert len(store.manifest(large.version).shards) == 4
 
+    def test_a_save_does_not_list_the_files_of_older_versions(self, tmp_path, monkeypatch):
+        """A save's cost must not grow with the versions a store holds: numbering the new version
+        lists the root, not every version's files (which slowed every save of a long run)."""
+        import os
+
+        from fsspec.implementations.local import LocalFileSystem
+
+        store = CheckpointStore(tmp_path / "store")
+        for _ in range(5):
+            store.save({"w": torch.randn(4)})
+        older = {str(tmp_path / "store" / f"v{v:06d}") for v in range(5)}
+        listed: list[str] = []
+        real_ls, real_scandir, real_listdir = LocalFileSystem.ls, os.scandir, os.listdir
+
+        def ls(fs, path, *args, **kwargs):
+            listed.append(str(path).rstrip("/"))
+            return real_ls(fs, path, *args, **kwargs)
+
+        def scandir(path="."):
+            listed.append(os.fspath(path).rstrip("/"))
+            return real_scandir(path)
+
+        def listdir(path="."):
+            listed.append(os.fspath(path).rstrip("/"))
+            return real_listdir(path)
+
+        monkeypatch.setattr(LocalFileSystem, "ls", ls)
+        monkeypatch.setattr(os, "scandir", scandir)
+        monkeypatch.setattr(os, "listdir", listdir)
+        store.save({"w": torch.randn(4)})
+        assert str(tmp_path / "store") in listed  # the root, to number the version
+        assert not older.intersection(listed), sorted(older.intersection(listed))
+
 
 def _manifest_path(store: CheckpointStore, version: int) -> Path:
     return Path(store.url) / f"v{version:06d}" / "manifest.json"
