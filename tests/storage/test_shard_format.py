@@ -201,7 +201,7 @@ class TestManifestEncoding:
             "meta": {"lr": 0.1, "names": ["p", "q"], (1, 2): "tuple key"},
         }
         info = store.save(
-            state, epoch=2, step=7, metrics={"loss": 0.25}, user={"note": "x"}, rank_state={"rng": torch.ones(2)}
+            state, epoch=2, step=7, metrics={"loss": 0.25}, user={"n": "x"}, rank_state={"rng": torch.ones(2)}
         )
         data = _manifest_path(store, info.version).read_bytes()
         manifest = parse_manifest(data, "test")
