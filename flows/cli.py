@@ -249,6 +249,76 @@ def show_command(
     console.print(present.tensors_table(manifest), markup=False)
 
 
+# -- log ------------------------------------------------------------------------
+
+
+@app.command("log")
+def log_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOptions = None) -> None:
+    """Show where each version came from: its parent (the version it was resumed or derived
+    from), its run and code, and where the chain forks or starts anew."""
+    store = _open(url, storage_options, command="log")
+    infos = store.versions()
+    notes = present.lineage_notes(infos)
+    if as_json:
+        versions = [
+            {"version": i.version, "epoch": i.epoch, "step": i.step, "created": i.created, "url": i.url}
+            | {"lineage": i.lineage, "note": notes.get(i.version)}
+            for i in infos
+        ]
+        typer.echo(json.dumps({"url": store.url, "versions": versions}, indent=2))
+        return
+    console = _console()
+    if not infos:
+        console.print(f"no committed versions in {store.url}", markup=False, soft_wrap=True)
+        return
+    console.print(present.log_table(infos, title=store.url), markup=False)
+
+
+# -- diff -----------------------------------------------------------------------
+
+
+@app.command("diff")
+def diff_command(
+    url: Url,
+    before: Annotated[str, typer.Argument(metavar="A", help="A version of the store (or `latest`).")],
+    after: Annotated[
+        str,
+        typer.Argument(
+            metavar="B",
+            help="A version of the store (default: the newest), a torch or safetensors file, or another "
+            "store's URL (URL@N for its version N).",
+        ),
+    ] = "latest",
+    values: Annotated[
+        bool,
+        typer.Option(
+            "--values",
+            help="Read the tensors that changed and show the bytes that differ, the largest absolute "
+            "difference and the relative norm of the difference.",
+        ),
+    ] = False,
+    as_json: JsonFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Show what changed between two versions: tensors added, removed, retyped, reshaped or
+    changed in value (told by checksums, nothing read), and the other values that changed."""
+    from ckptflow.storage.diff import compare, open_side
+
+    if not (before.isdigit() or before == "latest"):
+        raise typer.BadParameter(f"{before!r} is no version number: give one, or `latest`", param_hint="'A'")
+    store = _open(url, storage_options, command="diff")
+    result = compare(open_side(before, store), open_side(after, store, storage_options), values=values)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=2))
+        return
+    console = _console()
+    if result.changes or result.values:
+        console.print(present.diff_table(result), markup=False)
+    else:
+        console.print(f"{result.before} -> {result.after}", markup=False, soft_wrap=True)
+    console.print(present.diff_summary(result), markup=False, soft_wrap=True)
+
+
 # -- verify ---------------------------------------------------------------------
 
 

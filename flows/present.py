@@ -30,6 +30,7 @@ if TYPE_CHECKING:
         VersionDirectory,
         VersionInfo,
     )
+    from ckptflow.storage.diff import StateDiff
 
 
 def created_text(iso: str, *, zone: bool = True) -> str:
@@ -180,10 +181,21 @@ def summary_table(manifest: Manifest, url: str) -> Table:
         ("ranks", _ranks_text(manifest)),
         ("format", f"{manifest.format} v{manifest.format_version}, checksums {manifest.checksum_algorithm}"),
         ("writer", ", ".join(f"{name} {ver}" for name, ver in manifest.writer.items()) or "-"),
+        ("lineage", _lineage_text(info.lineage)),
     ]
     for label, value in rows:
         grid.add_row(label, value)
     return grid
+
+
+def _lineage_text(lineage: dict[str, Any]) -> str:
+    """``parent 4, run <id>, spec <spec>, config <hash>, git <commit>`` (``-``: none recorded)."""
+    parts = [f"parent {lineage['parent']}"] if "parent" in lineage else []
+    parts += [f"{key} {lineage[key]}" for key in ("run", "spec") if key in lineage]
+    if "config_hash" in lineage:
+        parts.append(f"config {lineage['config_hash']}")
+    parts += [f"{kind} {value}" for kind, value in lineage.get("code", {}).items()]
+    return ", ".join(parts) or "-"
 
 
 def _ranks_text(manifest: Manifest) -> str:
@@ -218,4 +230,131 @@ def tensors_table(manifest: Manifest) -> Table:
         chunks = len(chunked.chunks)
         shape = f"{tuple(chunked.shape)} in {chunks} chunk{'s' if chunks != 1 else ''}"
         table.add_row(chunked.path, chunked.dtype, shape, human_size(chunked.nbytes))
+    return table
+
+
+def _facts_text(facts: Any) -> str:
+    return f"{facts.dtype} {tuple(facts.shape)}"
+
+
+def _change_text(change: Any) -> str:
+    """A changed tensor's dtype and shape: both sides' where they differ."""
+    if change.before is None or change.after is None:
+        return _facts_text(change.before or change.after)
+    if change.kind == "values":
+        return _facts_text(change.after)
+    return f"{_facts_text(change.before)} -> {_facts_text(change.after)}"
+
+
+def _value_text(change: Any) -> str:
+    if change.kind == "added":
+        return repr(change.after)
+    if change.kind == "removed":
+        return repr(change.before)
+    return f"{change.before!r} -> {change.after!r}"
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def diff_summary(result: StateDiff) -> str:
+    """One line: how many tensors changed in which way, and their bytes."""
+    counts = [
+        f"{result.count(kind)} {kind if kind in ('added', 'removed') else 'changed in ' + kind}"
+        for kind in ("added", "removed", "dtype", "shape", "values")
+        if result.count(kind)
+    ]
+    changed = ", ".join(counts) if counts else "no tensor changed"
+    others = f"; {len(result.values)} other value(s) changed" if result.values else ""
+    return (
+        f"{changed} ({human_size(result.changed_bytes)} new or changed); "
+        f"{result.unchanged} unchanged ({human_size(result.unchanged_bytes)}){others}"
+    )
+
+
+def diff_table(result: StateDiff) -> Table:
+    """The tensors that changed, then the other values; with values compared, how much."""
+    table = Table(title=f"{result.before} -> {result.after}", title_justify="left")
+    table.add_column("key path", overflow="fold")
+    table.add_column("change")
+    table.add_column("dtype, shape / value", overflow="fold")
+    table.add_column("size", justify="right", no_wrap=True)
+    if result.compared_values:
+        table.add_column("bytes differing", justify="right")
+        table.add_column("max |diff|", justify="right")
+        table.add_column("rel. norm", justify="right")
+    for change in result.changes:
+        row = [change.path, change.kind, _change_text(change), human_size(change.nbytes)]
+        if result.compared_values:
+            differing = change.differing_bytes
+            row += ["-" if differing is None else f"{differing:,}", _number(change.max_abs)]
+            row.append(_number(change.rel_norm))
+        table.add_row(*row)
+    for value in result.values:
+        row = [value.path, f"value {value.kind}", _value_text(value), ""]
+        table.add_row(*(row + (["", "", ""] if result.compared_values else [])))
+    return table
+
+
+def lineage_notes(infos: list[VersionInfo]) -> dict[int, str]:
+    """What the chain of versions says at each one, oldest first: where it starts anew, forks
+    from an older version (a run resumed from it), or changes its config or run."""
+    by_version = {i.version: i for i in infos}
+    notes: dict[int, str] = {}
+    previous: VersionInfo | None = None
+    for info in infos:
+        parent = info.parent
+        said: list[str] = []
+        if parent is None:
+            if previous is not None:
+                said.append("a new start (no parent)")
+        elif parent not in by_version:
+            said.append(f"from version {parent}, which is no longer in the store")
+        elif previous is not None and parent != previous.version:
+            skipped = [v for v in by_version if parent < v < info.version]
+            said.append(
+                f"fork: from version {parent}" + (f", not {_versions_text(skipped)}" if skipped else "")
+            )
+        source = by_version.get(parent) if parent is not None else None
+        if source is not None:
+            mine, theirs = info.lineage.get("config_hash"), source.lineage.get("config_hash")
+            if mine and theirs and mine != theirs:
+                said.append("config changed")
+            if info.lineage.get("run") and source.lineage.get("run") not in (None, info.lineage.get("run")):
+                said.append("a new run")
+        if said:
+            notes[info.version] = "; ".join(said)
+        previous = info
+    return notes
+
+
+def _versions_text(versions: list[int]) -> str:
+    shown = ", ".join(str(v) for v in versions[:5])
+    return f"{shown}{', ...' if len(versions) > 5 else ''}"
+
+
+def log_table(infos: list[VersionInfo], *, title: str) -> Table:
+    """Each version with its parent, run, code and what the chain says at it."""
+    notes = lineage_notes(infos)
+    table = Table(title=title, title_justify="left")
+    table.add_column("version", justify="right")
+    table.add_column("epoch", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("parent", justify="right")
+    table.add_column("run")
+    table.add_column("code")
+    table.add_column("note", overflow="fold")
+    for info in infos:
+        run = info.lineage.get("run")
+        code = info.lineage.get("code", {}).get("git")
+        table.add_row(
+            str(info.version),
+            epoch_text(info),
+            optional(info.step),
+            optional(info.parent),
+            run[:8] if run else "-",
+            code[:10] if code else "-",
+            notes.get(info.version, ""),
+        )
     return table

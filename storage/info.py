@@ -50,6 +50,7 @@ class SaveRequest:
     version: int | None = None
     user: dict[str, Any] | None = None
     rank_state: object = None
+    lineage: dict[str, Any] | None = None  # :class:`.Lineage`'s fields (the parent filled in by the store)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,13 @@ class VersionInfo:
     save_seconds: float | None = None
     user: dict[str, Any] = field(default_factory=dict)
     archived: bool = False  # lives in a tarball under archive/ (url names the tarball and member)
+    lineage: dict[str, Any] = field(default_factory=dict)  # parent, run, spec, config_hash, code
+
+    @property
+    def parent(self) -> int | None:
+        """The version this one was resumed or derived from (None: a new start, or not recorded)."""
+        value = self.lineage.get("parent")
+        return value if isinstance(value, int) else None
 
     @property
     def in_epoch(self) -> int | None:
@@ -94,7 +102,16 @@ class VersionInfo:
             m.user.get("save_seconds"),
             dict(m.user),
             archived,
+            _lineage_of(m),
         )
+
+
+def _lineage_of(m: Manifest | ManifestDraft) -> dict[str, Any]:
+    if m.lineage is None:
+        return {}
+    if isinstance(m.lineage, dict):
+        return {k: v for k, v in m.lineage.items() if v not in (None, {})}
+    return m.lineage.model_dump(exclude_none=True, exclude_defaults=True)
 
 
 __all__ = ["EPOCH_STEPS", "IN_EPOCH", "StoreOptions", "VersionInfo", "in_epoch"]

@@ -39,10 +39,13 @@ from .versions.lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
 from .versions.lease import LEASE_KEY, StoreLease, refuse_if_held
 
 if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
+    from pathlib import Path
+
     import torch
 
     from .archive.tarballs import ArchivedVersion
     from .archive.tarindex import TarIndex
+    from .diff import StateDiff
     from .save.distributed import RankGroup
     from .sharded.reader import DcpReader
     from .sharded.writer import DcpWriter
@@ -129,14 +132,20 @@ class CheckpointStore:
         version: int | None = None,
         user: dict[str, Any] | None = None,
         rank_state: object = None,
+        lineage: dict[str, Any] | None = None,
     ) -> VersionInfo:
         """Write ``state`` as a new committed version and return it.
 
         ``rank_state``: this process's own state (RNG states, data position), kept apart
         from ``state``; in a distributed store ``state`` is the replicated state, the
         same on every rank, and each rank passes its own ``rank_state``.
+
+        ``lineage``: where the state came from (``parent``, ``run``, ``spec``, ``config_hash``,
+        ``code``); the parent defaults to the version this store object last loaded or
+        committed, so that resumes and forks show in ``ckptflow log``.
         """
-        return self._saves.save(state, SaveRequest(epoch, step, metrics, version, user, rank_state))
+        request = SaveRequest(epoch, step, metrics, version, user, rank_state, lineage)
+        return self._saves.save(state, request)
 
     def save_async(
         self,
@@ -148,6 +157,7 @@ class CheckpointStore:
         version: int | None = None,
         user: dict[str, Any] | None = None,
         rank_state: object = None,
+        lineage: dict[str, Any] | None = None,
     ) -> SaveHandle:
         """Copy ``state`` to host memory, then write and commit it in the background.
 
@@ -156,7 +166,8 @@ class CheckpointStore:
         raises its failure, if it failed and nobody called ``wait()``. In a
         distributed store each rank copies only the share it writes.
         """
-        return self._saves.save_async(state, SaveRequest(epoch, step, metrics, version, user, rank_state))
+        request = SaveRequest(epoch, step, metrics, version, user, rank_state, lineage)
+        return self._saves.save_async(state, request)
 
     def dcp_writer(
         self,
@@ -292,8 +303,17 @@ class CheckpointStore:
             from .sharded import dcp_calls
 
             self._saves.join_inflight()  # an async save's collectives use the same group: not beside these
-            return dcp_calls.load(self.loc, self.options, self.group, self._locate, version, into, verify)
-        return self._reads.load(version, keys=keys, map_location=map_location, verify=verify, into=into)
+            return dcp_calls.load(self.loc, self.options, self.group, self._loaded, version, into, verify)
+        located = self._loaded(version)
+        return self._reads.load_located(
+            located, keys=keys, map_location=map_location, verify=verify, into=into
+        )
+
+    def _loaded(self, version: int | None) -> catalog.Located:
+        """The version a load reads, which becomes the parent of this store's next save."""
+        located = self._locate(version)
+        self._saves.parent = located.version
+        return located
 
     def load_rank_state(
         self,
@@ -314,6 +334,30 @@ class CheckpointStore:
         return self._reads.load_rank_state(
             version, rank=rank, world_size=world_size, map_location=map_location, verify=verify
         )
+
+    def diff(
+        self, a: int, b: int | str | Path | CheckpointStore | None = None, *, values: bool = False
+    ) -> StateDiff:
+        """What changed from version ``a`` to ``b`` (default: the newest committed version):
+        tensors added, removed, retyped, reshaped or changed in value (told by their checksums,
+        without reading them), and the other values of the state that changed.
+
+        ``b`` may also be a ``torch.save`` or safetensors file, another store, or another store's
+        URL (``URL@N`` for its version N). ``values=True`` reads the tensors that changed and adds
+        the bytes that differ, the largest absolute difference and the relative norm of the
+        difference.
+        """
+        from .diff import _Side, _VersionSide, compare, open_side
+
+        before = _VersionSide(self, a)
+        after: _Side
+        if b is None or isinstance(b, int):
+            after = _VersionSide(self, b)
+        elif isinstance(b, CheckpointStore):
+            after = _VersionSide(b, None)
+        else:
+            after = open_side(b, self)
+        return compare(before, after, values=values)
 
     def verify(self, version: int | None = None) -> VersionInfo:
         """Check every byte of a version (loose or archived) against its checksums, and its tar structure.

@@ -471,6 +471,8 @@ def emit_committed(info: VersionInfo, store_url: str) -> None:
             "metrics": info.metrics,
             "created": info.created,
             "url": info.url,
+            "parent": info.parent,
+            "lineage": info.lineage,
         },
     )
 

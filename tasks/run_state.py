@@ -520,4 +520,7 @@ def save_options(run: RunState, version: int | None) -> dict[str, Any]:
         length = run.spec.steps_per_epoch(epoch)
         if length:
             user[EPOCH_STEPS] = length
-    return {"epoch": epoch, "step": run.step, "metrics": metrics, "version": version, "user": user}
+    from .lineage import run_lineage
+
+    kwargs = {"epoch": epoch, "step": run.step, "metrics": metrics, "version": version, "user": user}
+    return {**kwargs, "lineage": run_lineage(run.config)}

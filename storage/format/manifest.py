@@ -28,12 +28,13 @@ from .dtypenames import itemsize
 from .manifest_checks import MAX_BYTES, check_manifest, document_depth_problem
 
 FORMAT_NAME = "ckptflow-checkpoint"
-FORMAT_VERSION = 6  # the newest this code reads, and the one it writes
+FORMAT_VERSION = 7  # the newest this code reads, and the one it writes
 RANKS_FORMAT_VERSION = 2  # added ``world_size`` and ``ranks`` (per-rank state of a multi-process save)
 SEALED_FORMAT_VERSION = 3  # added ``manifest_checksum``, the manifest's checksum of itself
 SHARDED_FORMAT_VERSION = 4  # added ``chunked``: tensors stored as chunks of a global shape (DTensor)
 PIECES_FORMAT_VERSION = 5  # added blobs' ``piece_bytes`` and ``pieces``: checksums of fixed-size pieces
 ORDERED_FORMAT_VERSION = 6  # compact JSON, sealed over its keys in document order (one hash of its bytes)
+LINEAGE_FORMAT_VERSION = 7  # added ``lineage``: the version a save was derived from, its run, spec and code
 SEAL_KEY = "manifest_checksum"
 MANIFEST_FILE = "manifest.json"
 
@@ -114,6 +115,18 @@ class RankPart(_Model):
     tensors: list[TensorEntry]
 
 
+class Lineage(_Model):
+    """Where a version came from: the version its state was resumed or derived from (``parent``),
+    the run that saved it (a Prefect flow run's id, when there is one), the spec and a hash of the
+    run's config, and the git commit of the spec's code (``code``: ``{"git": commit}``)."""
+
+    parent: int | None = Field(default=None, ge=0)
+    run: str | None = None
+    spec: str | None = None
+    config_hash: str | None = None
+    code: dict[str, str] = Field(default_factory=dict)
+
+
 class Manifest(_Model):
     format: str = FORMAT_NAME
     format_version: int = 1
@@ -133,6 +146,7 @@ class Manifest(_Model):
     world_size: int = Field(default=1, ge=1)  # processes that saved it
     ranks: list[RankPart] = Field(default_factory=list)  # one per rank, or none
     chunked: list[ChunkedEntry] = Field(default_factory=list)  # tensors stored as chunks
+    lineage: Lineage | None = None  # where it came from (format 7); None: saved before, or unknown
 
     @property
     def total_size(self) -> int:
@@ -211,6 +225,7 @@ class ManifestDraft:
     world_size: int = 1
     ranks: list[dict[str, Any]] = field(default_factory=list)
     chunked: list[dict[str, Any]] = field(default_factory=list)
+    lineage: dict[str, Any] | None = None  # :class:`Lineage`'s fields
 
     @property
     def total_size(self) -> int:
@@ -237,6 +252,7 @@ class ManifestDraft:
             "world_size": self.world_size,
             "ranks": self.ranks,
             "chunked": self.chunked,
+            "lineage": self.lineage,
         }
 
     def to_json(self) -> bytes:
@@ -252,14 +268,18 @@ class ManifestDraft:
 def document_bytes(raw: dict[str, Any]) -> bytes:
     """A manifest's fields as written by every save path: sealed with its own checksum, the
     multi-process and chunked fields only when it has them, a blob's piece fields only when it has
-    pieces, and its format version the lowest that reads what it holds (never below format 6,
-    whose seal covers its bytes in order). ``raw`` is changed in place."""
+    pieces, a lineage only when it has one, and its format version the lowest that reads what it
+    holds (never below format 6, whose seal covers its bytes in order). ``raw`` is changed in place."""
     if raw.get("world_size", 1) == 1 and not raw.get("ranks"):
         raw.pop("world_size", None)
         raw.pop("ranks", None)
     if not raw.get("chunked"):
         raw.pop("chunked", None)
+    if raw.get("lineage") is None:
+        raw.pop("lineage", None)
     needed = SHARDED_FORMAT_VERSION if "chunked" in raw else SEALED_FORMAT_VERSION  # the oldest that reads it
+    if "lineage" in raw:
+        needed = LINEAGE_FORMAT_VERSION
     for blobs in [raw["blobs"], *(part["blobs"] for part in raw.get("ranks", []))]:
         for blob in blobs:
             if "pieces" not in blob:
@@ -267,7 +287,7 @@ def document_bytes(raw: dict[str, Any]) -> bytes:
             if blob["pieces"] is None:  # a blob without pieces reads as formats 1-4 wrote it
                 del blob["piece_bytes"], blob["pieces"]
             else:
-                needed = PIECES_FORMAT_VERSION
+                needed = max(needed, PIECES_FORMAT_VERSION)
     raw["format_version"] = max(raw["format_version"], needed, ORDERED_FORMAT_VERSION)
     return sealed_json(raw, SEAL_KEY)
 

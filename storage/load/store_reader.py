@@ -88,8 +88,21 @@ class StoreReader:
         into: Any = None,
     ) -> Any:
         """The state saved in ``version`` (default: the newest committed one)."""
+        return self.load_located(
+            self.locate(version), keys=keys, map_location=map_location, verify=verify, into=into
+        )
+
+    def load_located(
+        self,
+        located: catalog.Located,
+        *,
+        keys: Sequence[str] | None = None,
+        map_location: str | torch.device = "cpu",
+        verify: bool | None = None,
+        into: Any = None,
+    ) -> Any:
+        """The state of a version already found by :meth:`locate`."""
         with collector_paused():
-            located = self.locate(version)
             return read_state(
                 self.loc, self.options, located, located.manifest, keys, map_location, verify, into
             )

@@ -92,12 +92,19 @@ def _when_done(future: Future[Any], callback: Callable[[VersionInfo], None]) -> 
 
 
 class AsyncSaver:
-    def __init__(self) -> None:
+    def __init__(self, committed: Callable[[VersionInfo], None] | None = None) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: SaveHandle | None = None
+        self._committed = committed  # told of each commit before its handle's waiters are
 
     def submit(self, job: Callable[[], VersionInfo], version: int) -> SaveHandle:
-        handle = SaveHandle(self, job, version)
+        def tracked() -> VersionInfo:
+            info = job()
+            if self._committed is not None:
+                self._committed(info)
+            return info
+
+        handle = SaveHandle(self, tracked, version)
         self._inflight = handle
         return handle
 

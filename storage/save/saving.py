@@ -80,7 +80,12 @@ def checked(request: SaveRequest) -> SaveRequest:
         raise UnsupportedValueError(
             "user", f"the metadata nests more than the {MAX_DOCUMENT_DEPTH - 1} levels it may hold"
         )
-    return dataclasses.replace(request, metrics=clean_metrics(request.metrics), user=dict(request.user or {}))
+    return dataclasses.replace(
+        request,
+        metrics=clean_metrics(request.metrics),
+        user=dict(request.user or {}),
+        lineage=_lineage(request.lineage),
+    )
 
 
 def new_manifest(
@@ -112,8 +117,26 @@ def new_manifest(
         tensors=tensors,
         structure=structure,
         user={**(request.user or {}), "save_seconds": round(seconds, 4)},
+        lineage=request.lineage,
         **extra,
     )
+
+
+def _lineage(given: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The manifest's lineage: :class:`.Lineage`'s fields in its order (None: none given);
+    UnsupportedValueError for one a manifest could not hold."""
+    if not given:
+        return None
+    from pydantic import ValidationError
+
+    from ..format.manifest import Lineage, validation_problems
+
+    try:
+        return Lineage.model_validate(given).model_dump(mode="json")
+    except ValidationError as exc:
+        raise UnsupportedValueError(
+            "lineage", f"{validation_problems(exc)} (its fields: parent, run, spec, config_hash, code)"
+        ) from None
 
 
 class VersionWriter:

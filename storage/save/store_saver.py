@@ -13,6 +13,7 @@ its failure, if nobody did); the staging buffer is released when the store is cl
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,9 @@ class StoreSaver:
         self.loc = loc
         self.options = options
         self.group = group  # None: one process (the writer's group of one)
-        self.saver = AsyncSaver()
+        self.saver = AsyncSaver(self._committed)
+        # The version this store last loaded or committed: the parent of its next save's lineage.
+        self.parent: int | None = None
         self._lock = threading.Lock()
         self._made_writer: VersionWriter | None = None
         self._made_staging: StagingBuffer | None = None
@@ -71,7 +74,20 @@ class StoreSaver:
         """Write ``state`` and commit it before returning."""
         self.saver.wait_previous()
         with collector_paused():
-            return self._save(state, request)
+            info = self._save(state, self._with_parent(request))
+        self._committed(info)
+        return info
+
+    def _with_parent(self, request: SaveRequest) -> SaveRequest:
+        """``request`` with this store's last loaded or committed version as its lineage's parent,
+        unless it names one."""
+        lineage = dict(request.lineage or {})
+        if "parent" not in lineage and self.parent is not None:
+            lineage["parent"] = self.parent
+        return dataclasses.replace(request, lineage=lineage or None)
+
+    def _committed(self, info: VersionInfo) -> None:
+        self.parent = info.version
 
     def _save(self, state: object, request: SaveRequest) -> VersionInfo:
         if holds_sharded(state):  # DTensors, or objects with state_dict(): DCP plans the save
@@ -89,7 +105,7 @@ class StoreSaver:
         """Copy ``state`` to the staging buffer, then write and commit it in the background."""
         self.saver.wait_previous()
         with collector_paused():
-            return self._save_async(state, request)
+            return self._save_async(state, self._with_parent(request))
 
     def _save_async(self, state: object, request: SaveRequest) -> SaveHandle:
         if holds_sharded(state):
@@ -122,7 +138,7 @@ class StoreSaver:
         """A StorageWriter for one ``dcp.save``/``dcp.async_save`` of the caller's own."""
         from ..sharded import dcp_calls
 
-        return dcp_calls.new_writer(self.writer, request, lambda: self.staging)
+        return dcp_calls.new_writer(self.writer, self._with_parent(request), lambda: self.staging)
 
     def join_inflight(self) -> None:
         """Wait for the async save in flight, if any, to end (without raising its failure)."""

@@ -56,6 +56,23 @@ def test_the_manifest_written_is_what_the_manifest_schema_writes(saved_by_store:
     assert manifest.to_json() == data
 
 
+def test_diff_tells_chunked_tensors_apart_by_their_checksums(saved_by_store: Saved, tmp_path: Path) -> None:
+    """A version against itself: every chunk's checksum matches, nothing is read. Against a torch
+    file of its full state (one tensor each, where the store holds chunks): both are read and
+    compared, and nothing differs; a changed element is found."""
+    store = CheckpointStore(saved_by_store.url)
+    version = saved_by_store.version
+    same = store.diff(version, version)
+    assert same.is_empty() and same.unchanged == len(store.manifest(version).chunked) > 0
+    state = store.load(version)
+    torch.save(state, tmp_path / "full.pt")
+    assert store.diff(version, tmp_path / "full.pt").changes == []
+    state["model"]["blocks.0.up.weight"][0, 0] += 1
+    torch.save(state, tmp_path / "changed.pt")
+    changed = store.diff(version, tmp_path / "changed.pt")
+    assert [(c.path, c.kind) for c in changed.changes] == [("model/blocks.0.up.weight", "values")]
+
+
 def test_the_unfilled_model_really_differs(saved_by_store: Saved, tmp_path: Path) -> None:
     """The load tests start from another seed: a load that filled nothing would fail them."""
     job = FsdpJob.run("fresh", 2, saved_by_store.url, tmp_path / "fresh")

@@ -1,0 +1,357 @@
+"""What changed between two checkpoints: tensors added, removed, retyped, reshaped or changed in
+value, and the other values of the state (step counters, learning rates) that changed.
+
+A side is a committed version of a store, or a ``torch.save`` / safetensors file. Tensors are
+matched by key path (``model/fc.weight``; a safetensors file's names are such paths, as
+``ckptflow restore --format safetensors`` writes them). Between store versions, a tensor's stored
+checksum tells whether its bytes changed, so nothing is read unless values are asked for; a file's
+tensors are hashed the same way. Where the checksums cannot tell (a tensor stored as a view of a
+larger blob, or chunked differently by sharded saves of other world sizes), both tensors are read
+and compared. With ``values=True``, the tensors that changed are read, a batch at a time, and the
+bytes that differ, the largest absolute difference and the relative norm of the difference are
+reported.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+    from .format.manifest import Manifest
+    from .store import CheckpointStore
+
+READ_BATCH = 256 << 20  # tensors read together, per side, when values are compared
+FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
+
+
+@dataclass(frozen=True)
+class TensorFacts:
+    dtype: str
+    shape: list[int]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class TensorChange:
+    """One tensor that differs: ``kind`` is ``added``, ``removed``, ``dtype``, ``shape`` or ``values``.
+
+    ``nbytes``: the bytes of the tensor as it is now (as it was, for a removed one). With values
+    compared: ``differing_bytes`` of its bytes differ, ``max_abs`` is the largest absolute
+    difference of an element and ``rel_norm`` the norm of the difference over the norm of the
+    older tensor (None where it has none: bool tensors, a zero older tensor)."""
+
+    path: str
+    kind: str
+    before: TensorFacts | None
+    after: TensorFacts | None
+    nbytes: int
+    differing_bytes: int | None = None
+    max_abs: float | None = None
+    rel_norm: float | None = None
+
+
+@dataclass(frozen=True)
+class ValueChange:
+    """A value of the state that is not a tensor: ``kind`` is ``added``, ``removed`` or ``changed``
+    (``before`` / ``after`` are None on the side it is absent from)."""
+
+    path: str
+    kind: str
+    before: Any
+    after: Any
+
+
+@dataclass(frozen=True)
+class StateDiff:
+    before: str
+    after: str
+    changes: list[TensorChange]
+    unchanged: int  # tensors whose bytes are the same
+    unchanged_bytes: int
+    values: list[ValueChange] = field(default_factory=list)
+    compared_values: bool = False
+
+    @property
+    def changed_bytes(self) -> int:
+        """The bytes of the tensors that are new or changed (what an incremental save writes)."""
+        return sum(c.nbytes for c in self.changes if c.kind != "removed")
+
+    def count(self, kind: str) -> int:
+        return sum(1 for c in self.changes if c.kind == kind)
+
+    def is_empty(self) -> bool:
+        return not self.changes and not self.values
+
+    def to_json(self) -> dict[str, Any]:
+        document = asdict(self)
+        document["changed_bytes"] = self.changed_bytes
+        return document
+
+
+# -- the two sides ---------------------------------------------------------------------------
+
+
+class _Side:
+    """What a diff needs of a checkpoint: its tensors' facts and fingerprints, its other values, and
+    a way to read tensors by key path."""
+
+    label: str
+    facts: dict[str, TensorFacts]
+    # Equal fingerprints: equal bytes. ("bytes", checksum) is comparable across kinds of side;
+    # other kinds only with their own kind; None: unknown without reading the tensor.
+    prints: dict[str, tuple | None]
+    values: dict[str, Any]
+
+    def read(self, paths: list[str]) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+class _VersionSide(_Side):
+    def __init__(self, store: CheckpointStore, version: int | None) -> None:
+        manifest = store.manifest(version)
+        self.store, self.version = store, manifest.version
+        self.label = store.version_url(manifest.version)
+        self.facts, self.prints = _manifest_tensors(manifest)
+        self.values = dict(_leaf_values(manifest.structure))
+
+    def read(self, paths: list[str]) -> dict[str, torch.Tensor]:
+        from .format.structure import encode
+
+        state = self.store._reads.load(self.version, keys=paths)  # not store.load: no parent for a save
+        _, leaves = encode(state)
+        return {leaf.path: leaf.tensor for leaf in leaves}
+
+
+class _FileSide(_Side):
+    def __init__(self, path: Path) -> None:
+        from .files.byteio import tensor_bytes
+        from .format.checksum import digest
+        from .format.dtypes import dtype_name
+        from .format.structure import encode
+
+        self.label = str(path)
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            state: Any = load_file(str(path))
+        else:
+            import torch
+
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # not a torch file, or one that needs unpickling what it may not
+                raise CheckpointError(
+                    f"{path} cannot be read as a torch.save file with weights_only=True: "
+                    f"{str(exc).splitlines()[0]}"
+                ) from None
+        try:
+            structure, leaves = encode(state)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
+        self.tensors = {leaf.path: leaf.tensor for leaf in leaves}
+        self.facts = {
+            p: TensorFacts(dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
+            for p, t in self.tensors.items()
+        }
+        self.prints = {p: ("bytes", digest(tensor_bytes(t))) for p, t in self.tensors.items()}
+        self.values = dict(_leaf_values(structure))
+
+    def read(self, paths: list[str]) -> dict[str, torch.Tensor]:
+        return {p: self.tensors[p] for p in paths}
+
+
+def _manifest_tensors(manifest: Manifest) -> tuple[dict[str, TensorFacts], dict[str, tuple | None]]:
+    facts: dict[str, TensorFacts] = {}
+    prints: dict[str, tuple | None] = {}
+    for t in manifest.tensors:
+        blob = manifest.blobs[t.blob]
+        nbytes = t.nbytes or 0
+        facts[t.path] = TensorFacts(t.dtype, list(t.shape), nbytes)
+        whole = t.stride is None and t.offset == 0 and blob.dtype == t.dtype and blob.nbytes == nbytes
+        prints[t.path] = ("bytes", blob.checksum) if whole else None
+    for c in manifest.chunked:
+        facts[c.path] = TensorFacts(c.dtype, list(c.shape), c.nbytes)
+        if len(c.chunks) == 1 and c.chunks[0].sizes == c.shape:  # one chunk: the whole tensor's bytes
+            prints[c.path] = ("bytes", manifest.blobs[c.chunks[0].blob].checksum)
+        else:  # the same boxes with the same checksums: the same bytes
+            boxes = tuple(
+                (tuple(k.offsets), tuple(k.sizes), manifest.blobs[k.blob].checksum)
+                for k in sorted(c.chunks, key=lambda k: k.offsets)
+            )
+            prints[c.path] = ("chunks", boxes)
+    return facts, prints
+
+
+def _leaf_values(structure: Any) -> Iterator[tuple[str, Any]]:
+    """The non-tensor leaves of an encoded structure, by key path."""
+    from .format.structure import decode
+
+    tensor = object()
+    state = decode(structure, lambda index, is_numpy: tensor, lambda index: tensor)
+    for path, value in _leaf_values_of(state, ""):
+        if value is not tensor:
+            yield path, _plain(value)
+
+
+def _leaf_values_of(value: Any, path: str) -> Iterator[tuple[str, Any]]:
+    """Key paths as :func:`.structure.encode` makes them; a leaf's JSON-ready value."""
+    from .format.structure import join_path
+
+    stack: list[tuple[Any, str]] = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((v, join_path(where, k)) for k, v in reversed(list(item.items())))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, join_path(where, i)) for i, v in reversed(list(enumerate(item))))
+        else:
+            yield where, item
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # JSON has no NaN or Infinity
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{len(value)} bytes>"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def open_side(spec: str | Path, store: CheckpointStore | None, storage_options: Any = None) -> _Side:
+    """A side from what a user names: a version number of ``store``, ``latest``, a torch or
+    safetensors file, or another store's URL (``URL@N`` for its version N)."""
+    from .store import CheckpointStore
+
+    text = str(spec)
+    if store is not None and (text.isdigit() or text == "latest"):
+        return _VersionSide(store, None if text == "latest" else int(text))
+    path = Path(text)
+    if path.suffix in FILE_SUFFIXES and path.is_file():
+        return _FileSide(path)
+    url, _, number = text.rpartition("@")
+    if not (url and number.isdigit()):
+        url, number = text, ""
+    other = CheckpointStore(url, storage_options=storage_options)
+    if not other.probe(must_exist=False):
+        raise CheckpointError(
+            f"{text!r} is no version number, no torch or safetensors file ({', '.join(FILE_SUFFIXES)}) "
+            "and no store: give a version of the store, a file, or another store's URL (URL@N for its "
+            "version N)"
+        )
+    return _VersionSide(other, int(number) if number else None)
+
+
+# -- the comparison --------------------------------------------------------------------------
+
+
+def compare(before: _Side, after: _Side, *, values: bool = False) -> StateDiff:
+    """What changed from ``before`` to ``after``."""
+    changes: dict[str, TensorChange] = {}
+    unknown: list[str] = []  # same dtype and shape, fingerprints that cannot tell: read both
+    unchanged: list[str] = []
+    for path, old in before.facts.items():
+        new = after.facts.get(path)
+        if new is None:
+            changes[path] = TensorChange(path, "removed", old, None, old.nbytes)
+        elif old.dtype != new.dtype:
+            changes[path] = TensorChange(path, "dtype", old, new, new.nbytes)
+        elif old.shape != new.shape:
+            changes[path] = TensorChange(path, "shape", old, new, new.nbytes)
+        else:
+            a, b = before.prints.get(path), after.prints.get(path)
+            if a is not None and b is not None and a[0] == b[0] and (a[0] != "chunks" or _same_boxes(a, b)):
+                if a == b:
+                    unchanged.append(path)
+                else:
+                    changes[path] = TensorChange(path, "values", old, new, new.nbytes)
+            else:
+                unknown.append(path)
+    for path, new in after.facts.items():
+        if path not in before.facts:
+            changes[path] = TensorChange(path, "added", None, new, new.nbytes)
+    to_read = unknown + ([p for p, c in changes.items() if c.kind == "values"] if values else [])
+    for path, (old_tensor, new_tensor) in _read_pairs(before, after, to_read):
+        measured = _measure(old_tensor, new_tensor, values)
+        if measured is None:
+            unchanged.append(path)
+        else:
+            old, new = before.facts[path], after.facts[path]
+            changes[path] = TensorChange(path, "values", old, new, new.nbytes, *measured)
+    order = {p: i for i, p in enumerate([*before.facts, *(p for p in after.facts if p not in before.facts)])}
+    value_changes = [
+        ValueChange(p, _value_kind(before.values, after.values, p), before.values.get(p), after.values.get(p))
+        for p in [*before.values, *(p for p in after.values if p not in before.values)]
+        if before.values.get(p, _ABSENT) != after.values.get(p, _ABSENT)
+    ]
+    return StateDiff(
+        before.label,
+        after.label,
+        sorted(changes.values(), key=lambda c: order[c.path]),
+        len(unchanged),
+        sum(after.facts[p].nbytes for p in unchanged),
+        value_changes,
+        values,
+    )
+
+
+_ABSENT = object()
+
+
+def _value_kind(before: dict[str, Any], after: dict[str, Any], path: str) -> str:
+    return "added" if path not in before else "removed" if path not in after else "changed"
+
+
+def _same_boxes(a: tuple, b: tuple) -> bool:
+    return [box[:2] for box in a[1]] == [box[:2] for box in b[1]]
+
+
+def _read_pairs(
+    before: _Side, after: _Side, paths: list[str]
+) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor]]]:
+    """Both sides' tensors at ``paths``, read a batch of about READ_BATCH bytes at a time."""
+    batch: list[str] = []
+    size = 0
+    for path in [*paths, None]:
+        if path is not None:
+            batch.append(path)
+            size += before.facts[path].nbytes
+            if size < READ_BATCH:
+                continue
+        if batch:
+            olds, news = before.read(batch), after.read(batch)
+            for p in batch:
+                yield p, (olds[p], news[p])
+        batch, size = [], 0
+
+
+def _measure(a: torch.Tensor, b: torch.Tensor, values: bool) -> tuple[int, float | None, float | None] | None:
+    """None when the two tensors hold the same bytes; else the bytes that differ and, for numbers,
+    the largest absolute difference and the relative norm of the difference."""
+    import torch
+
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    raw_a, raw_b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    differing = int((raw_a != raw_b).sum()) if a.numel() else 0
+    if differing == 0:
+        return None
+    if not values or a.dtype == torch.bool or a.is_complex():
+        return differing, None, None
+    old, new = a.double(), b.double()
+    delta = (new - old).abs()
+    finite = torch.isfinite(delta)
+    max_abs = float(delta[finite].max()) if bool(finite.any()) else None
+    norm = float(torch.linalg.vector_norm(old[torch.isfinite(old)]))
+    rel = float(torch.linalg.vector_norm(delta[finite])) / norm if norm else None
+    return differing, max_abs, rel
+
+
+__all__ = ["StateDiff", "TensorChange", "TensorFacts", "ValueChange", "compare", "open_side"]
