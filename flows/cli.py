@@ -260,9 +260,16 @@ def log_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpt
     infos = store.versions()
     notes = present.lineage_notes(infos)
     if as_json:
-        versions = [
-            {"version": i.version, "epoch": i.epoch, "step": i.step, "created": i.created, "url": i.url}
-            | {"lineage": i.lineage, "note": notes.get(i.version)}
+        versions: list[dict[str, Any]] = [
+            {
+                "version": i.version,
+                "epoch": i.epoch,
+                "step": i.step,
+                "created": i.created,
+                "url": i.url,
+                "lineage": i.lineage,
+                "note": notes.get(i.version),
+            }
             for i in infos
         ]
         typer.echo(json.dumps({"url": store.url, "versions": versions}, indent=2))
