@@ -105,8 +105,8 @@ class _Side:
 
     label: str
     facts: dict[str, TensorFacts]
-    # Equal fingerprints: equal bytes. ("bytes", checksum) is comparable across kinds of side;
-    # other kinds only with their own kind; None: unknown without reading the tensor.
+    # Equal fingerprints: equal bytes. ("bytes <algorithm>", checksum) compares across kinds of
+    # side, ("chunks <algorithm>", boxes) only where the boxes agree; None: unknown unless read.
     prints: dict[str, tuple | None]
     values: dict[str, Any]
 
@@ -133,7 +133,7 @@ class _VersionSide(_Side):
 class _FileSide(_Side):
     def __init__(self, path: Path) -> None:
         from .files.byteio import tensor_bytes
-        from .format.checksum import digest
+        from .format.checksum import ALGORITHM, digest
         from .format.dtypes import dtype_name
         from .format.structure import encode
 
@@ -161,7 +161,8 @@ class _FileSide(_Side):
             p: TensorFacts(dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
             for p, t in self.tensors.items()
         }
-        self.prints = {p: ("bytes", digest(tensor_bytes(t))) for p, t in self.tensors.items()}
+        kind = f"bytes {ALGORITHM}"
+        self.prints = {p: (kind, digest(tensor_bytes(t))) for p, t in self.tensors.items()}
         self.values = dict(_leaf_values(structure))
 
     def read(self, paths: list[str]) -> dict[str, torch.Tensor]:
@@ -171,22 +172,23 @@ class _FileSide(_Side):
 def _manifest_tensors(manifest: Manifest) -> tuple[dict[str, TensorFacts], dict[str, tuple | None]]:
     facts: dict[str, TensorFacts] = {}
     prints: dict[str, tuple | None] = {}
+    whole_kind, chunks_kind = f"bytes {manifest.checksum_algorithm}", f"chunks {manifest.checksum_algorithm}"
     for t in manifest.tensors:
         blob = manifest.blobs[t.blob]
         nbytes = t.nbytes or 0
         facts[t.path] = TensorFacts(t.dtype, list(t.shape), nbytes)
         whole = t.stride is None and t.offset == 0 and blob.dtype == t.dtype and blob.nbytes == nbytes
-        prints[t.path] = ("bytes", blob.checksum) if whole else None
+        prints[t.path] = (whole_kind, blob.checksum) if whole else None
     for c in manifest.chunked:
         facts[c.path] = TensorFacts(c.dtype, list(c.shape), c.nbytes)
         if len(c.chunks) == 1 and c.chunks[0].sizes == c.shape:  # one chunk: the whole tensor's bytes
-            prints[c.path] = ("bytes", manifest.blobs[c.chunks[0].blob].checksum)
+            prints[c.path] = (whole_kind, manifest.blobs[c.chunks[0].blob].checksum)
         else:  # the same boxes with the same checksums: the same bytes
             boxes = tuple(
                 (tuple(k.offsets), tuple(k.sizes), manifest.blobs[k.blob].checksum)
                 for k in sorted(c.chunks, key=lambda k: k.offsets)
             )
-            prints[c.path] = ("chunks", boxes)
+            prints[c.path] = (chunks_kind, boxes)
     return facts, prints
 
 
@@ -268,7 +270,7 @@ def compare(before: _Side, after: _Side, *, values: bool = False) -> StateDiff:
             changes[path] = TensorChange(path, "shape", old, new, new.nbytes)
         else:
             a, b = before.prints.get(path), after.prints.get(path)
-            if a is not None and b is not None and a[0] == b[0] and (a[0] != "chunks" or _same_boxes(a, b)):
+            if a is not None and b is not None and a[0] == b[0] and _same_boxes(a, b):
                 if a == b:
                     unchanged.append(path)
                 else:
@@ -311,6 +313,9 @@ def _value_kind(before: dict[str, Any], after: dict[str, Any], path: str) -> str
 
 
 def _same_boxes(a: tuple, b: tuple) -> bool:
+    """Two fingerprints of one kind that can be compared: whole tensors, or chunks in the same boxes."""
+    if not a[0].startswith("chunks"):
+        return True
     return [box[:2] for box in a[1]] == [box[:2] for box in b[1]]
 
 
