@@ -309,12 +309,11 @@ def diff_command(
 ) -> None:
     """Show what changed between two versions: tensors added, removed, retyped, reshaped or
     changed in value (told by checksums, nothing read), and the other values that changed."""
-    from ckptflow.storage.diff import compare, open_side
-
     if not (before.isdigit() or before == "latest"):
         raise typer.BadParameter(f"{before!r} is no version number: give one, or `latest`", param_hint="'A'")
     store = _open(url, storage_options, command="diff")
-    result = compare(open_side(before, store), open_side(after, store, storage_options), values=values)
+    first = None if before == "latest" else int(before)
+    result = store.diff(first, after, values=values, storage_options=storage_options)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2))
         return

@@ -26,11 +26,11 @@ if TYPE_CHECKING:
         Manifest,
         PrunePlan,
         RetentionPolicy,
+        StateDiff,
         StoresBelow,
         VersionDirectory,
         VersionInfo,
     )
-    from ckptflow.storage.diff import StateDiff
 
 
 def created_text(iso: str, *, zone: bool = True) -> str:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from .archive.extract import extract_epoch
 from .archive.tarindex import TarIndex
+from .diff import StateDiff
 from .errors import (
     CheckpointError,
     CorruptArchiveError,
@@ -82,6 +83,7 @@ __all__ = [
     "RetentionPolicy",
     "SaveFailedError",
     "SaveHandle",
+    "StateDiff",
     "StateMismatchError",
     "StorageUnavailableError",
     "StoreLease",

@@ -15,6 +15,7 @@ reported.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -228,28 +229,28 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def open_side(spec: str | Path, store: CheckpointStore | None, storage_options: Any = None) -> _Side:
-    """A side from what a user names: a version number of ``store``, ``latest``, a torch or
-    safetensors file, or another store's URL (``URL@N`` for its version N)."""
-    from .store import CheckpointStore
+def file_side(spec: str | os.PathLike[str]) -> _Side | None:
+    """The torch or safetensors file ``spec`` names, or None when it names none."""
+    path = Path(spec)
+    return _FileSide(path) if path.suffix in FILE_SUFFIXES and path.is_file() else None
 
-    text = str(spec)
-    if store is not None and (text.isdigit() or text == "latest"):
-        return _VersionSide(store, None if text == "latest" else int(text))
-    path = Path(text)
-    if path.suffix in FILE_SUFFIXES and path.is_file():
-        return _FileSide(path)
-    url, _, number = text.rpartition("@")
-    if not (url and number.isdigit()):
-        url, number = text, ""
-    other = CheckpointStore(url, storage_options=storage_options)
-    if not other.probe(must_exist=False):
-        raise CheckpointError(
-            f"{text!r} is no version number, no torch or safetensors file ({', '.join(FILE_SUFFIXES)}) "
-            "and no store: give a version of the store, a file, or another store's URL (URL@N for its "
-            "version N)"
-        )
-    return _VersionSide(other, int(number) if number else None)
+
+def version_side(store: CheckpointStore, version: int | None) -> _Side:
+    """A committed version of ``store`` (None: the newest)."""
+    return _VersionSide(store, version)
+
+
+def split_version(spec: str) -> tuple[str, int | None]:
+    """``URL@N`` as (URL, N); a spec without a version number after its last ``@``: (spec, None)."""
+    url, _, number = spec.rpartition("@")
+    return (url, int(number)) if url and number.isdigit() else (spec, None)
+
+
+def no_side(spec: str) -> CheckpointError:
+    return CheckpointError(
+        f"{spec!r} is no version number, no torch or safetensors file ({', '.join(FILE_SUFFIXES)}) and "
+        "no store: give a version of the store, a file, or another store's URL (URL@N for its version N)"
+    )
 
 
 # -- the comparison --------------------------------------------------------------------------
@@ -359,4 +360,4 @@ def _measure(a: torch.Tensor, b: torch.Tensor, values: bool) -> tuple[int, float
     return differing, max_abs, rel
 
 
-__all__ = ["StateDiff", "TensorChange", "TensorFacts", "ValueChange", "compare", "open_side"]
+__all__ = ["StateDiff", "TensorChange", "TensorFacts", "ValueChange", "compare", "file_side", "version_side"]

@@ -39,8 +39,6 @@ from .versions.lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
 from .versions.lease import LEASE_KEY, StoreLease, refuse_if_held
 
 if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, prune or archive
-    from pathlib import Path
-
     import torch
 
     from .archive.tarballs import ArchivedVersion
@@ -336,27 +334,40 @@ class CheckpointStore:
         )
 
     def diff(
-        self, a: int, b: int | str | Path | CheckpointStore | None = None, *, values: bool = False
+        self,
+        a: int | None,
+        b: int | str | os.PathLike[str] | CheckpointStore | None = None,
+        *,
+        values: bool = False,
+        storage_options: dict[str, Any] | None = None,
     ) -> StateDiff:
-        """What changed from version ``a`` to ``b`` (default: the newest committed version):
+        """What changed from version ``a`` to ``b`` (None: the newest committed version):
         tensors added, removed, retyped, reshaped or changed in value (told by their checksums,
         without reading them), and the other values of the state that changed.
 
         ``b`` may also be a ``torch.save`` or safetensors file, another store, or another store's
-        URL (``URL@N`` for its version N). ``values=True`` reads the tensors that changed and adds
-        the bytes that differ, the largest absolute difference and the relative norm of the
-        difference.
+        URL (``URL@N`` for its version N; ``storage_options`` open it). ``values=True`` reads the
+        tensors that changed and adds the bytes that differ, the largest absolute difference and
+        the relative norm of the difference.
         """
-        from .diff import _Side, _VersionSide, compare, open_side
+        from .diff import compare, file_side, no_side, split_version, version_side
 
-        before = _VersionSide(self, a)
-        after: _Side
+        before = version_side(self, a)
         if b is None or isinstance(b, int):
-            after = _VersionSide(self, b)
+            after = version_side(self, b)
         elif isinstance(b, CheckpointStore):
-            after = _VersionSide(b, None)
+            after = version_side(b, None)
+        elif str(b).isdigit() or str(b) == "latest":
+            after = version_side(self, None if str(b) == "latest" else int(str(b)))
         else:
-            after = open_side(b, self)
+            found = file_side(b)
+            if found is None:
+                url, number = split_version(os.fspath(b))
+                other = CheckpointStore(url, storage_options=storage_options)
+                if not other.probe(must_exist=False):
+                    raise no_side(os.fspath(b))
+                found = version_side(other, number)
+            after = found
         return compare(before, after, values=values)
 
     def verify(self, version: int | None = None) -> VersionInfo:
