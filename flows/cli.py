@@ -334,12 +334,14 @@ def verify_command(
     version: VersionOpt = None,
     step: StepOpt = None,
     all_versions: Annotated[bool, typer.Option("--all", help="Verify every committed version.")] = False,
+    as_json: JsonFlag = False,
     storage_options: StorageOptions = None,
 ) -> None:
     """Check every shard of a version against the sizes and checksums in its manifest.
 
     Exit 0 when all match (one line per verified version); exit 1 naming the bad file otherwise.
     With --all, every committed version, loose or archived, and every unreadable one (a failure).
+    With --json, one document: each version's result ("ok", or its "error"), and the same exit code.
     """
     if all_versions and version is not None:
         raise typer.BadParameter("give either --version or --all, not both", param_hint="'--all'")
@@ -347,29 +349,46 @@ def verify_command(
         raise typer.BadParameter("give either --step or --all, not both", param_hint="'--all'")
     _refuse_both(version, step)
     store = _open(url, storage_options, command="verify")
-    if not all_versions:
-        typer.echo(f"ok {present.describe(store.verify(_chosen(store, version, step)))}")
-        return
     from ckptflow.storage import CheckpointError, StorageUnavailableError, VersionNotFoundError
 
+    results: list[dict[str, Any]] = []  # for --json: each version's result, in the order checked
+    if not all_versions:
+        chosen = _chosen(store, version, step)
+        if not as_json:
+            typer.echo(f"ok {present.describe(store.verify(chosen))}")
+            return
+        try:
+            results.append({"ok": True, **present.version_json(store.verify(chosen))})
+        except StorageUnavailableError:
+            raise
+        except VersionNotFoundError:
+            raise
+        except CheckpointError as exc:
+            results.append({"version": chosen, "ok": False, "error": _one_line(exc)})
+        _print_verified(store.url, results, [])
+        return
     survey = store.survey()
     numbers = sorted({*survey.committed, *survey.unreadable})
     if not numbers and not survey.bad_archives:
         raise VersionNotFoundError(None, store.url, [])
     failed = 0
+    archives = []
     for tar, error in survey.bad_archives.items():
         failed += 1
-        typer.echo(
-            f"error: the index of archive/{tar} is unreadable, its versions are unchecked: "
-            f"{_one_line(error)} (`ckptflow archive URL --reindex` rebuilds it)",
-            err=True,
-        )
+        archives.append({"tar": tar, "error": _one_line(error)})
+        if not as_json:
+            typer.echo(
+                f"error: the index of archive/{tar} is unreadable, its versions are unchecked: "
+                f"{_one_line(error)} (`ckptflow archive URL --reindex` rebuilds it)",
+                err=True,
+            )
     for number in numbers:
         if number in survey.unreadable:
             failed += 1
-            typer.echo(
-                f"error: version {number} is unreadable: {_one_line(survey.unreadable[number])}", err=True
-            )
+            problem = f"unreadable: {_one_line(survey.unreadable[number])}"
+            results.append({"version": number, "ok": False, "error": problem})
+            if not as_json:
+                typer.echo(f"error: version {number} is {problem}", err=True)
             continue
         try:
             info = store.verify_located(survey.committed[number])
@@ -377,10 +396,25 @@ def verify_command(
             raise
         except CheckpointError as exc:
             failed += 1
-            typer.echo(f"error: version {number}: {_one_line(exc)}", err=True)
+            results.append({"version": number, "ok": False, "error": _one_line(exc)})
+            if not as_json:
+                typer.echo(f"error: version {number}: {_one_line(exc)}", err=True)
             continue
-        typer.echo(f"ok {present.describe(info)}")
-    if failed:
+        results.append({"ok": True, **present.version_json(info)})
+        if not as_json:
+            typer.echo(f"ok {present.describe(info)}")
+    if as_json:
+        _print_verified(store.url, results, archives)
+    elif failed:
+        raise typer.Exit(1)
+
+
+def _print_verified(url: str, results: list[dict[str, Any]], archives: list[dict[str, str]]) -> None:
+    """verify --json: the document, then exit 1 if anything failed."""
+    ok = all(r["ok"] for r in results) and not archives
+    document = {"url": url, "ok": ok, "versions": results, "unreadable_archives": archives}
+    typer.echo(json.dumps(document, indent=2))
+    if not ok:
         raise typer.Exit(1)
 
 
@@ -390,6 +424,11 @@ def verify_command(
 class Format(str, Enum):
     torch = "torch"
     safetensors = "safetensors"
+
+
+class Mode(str, Enum):
+    min = "min"
+    max = "max"
 
 
 @app.command("restore")
@@ -431,10 +470,29 @@ def restore_command(
         ),
     ] = None,
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUT if it exists.")] = False,
+    best: Annotated[
+        str | None,
+        typer.Option(
+            "--best",
+            metavar="METRIC",
+            help="Restore the version with the best METRIC (needs --best-mode); ties go to the newest.",
+        ),
+    ] = None,
+    best_mode: Annotated[
+        Mode | None, typer.Option("--best-mode", help=BEST_MODE_HELP, show_default=False)
+    ] = None,
     storage_options: StorageOptions = None,
 ) -> None:
     """Write a version (or part of it) to one torch or safetensors file, or a sharded directory."""
     _refuse_both(version, step)
+    if best is not None and (version is not None or step is not None):
+        raise typer.BadParameter("give --best or --version/--step, not both", param_hint="'--best'")
+    if best is not None and best_mode is None:
+        raise typer.BadParameter(
+            best_mode_needed(best).replace("--keep-best", "--best"), param_hint="'--best'"
+        )
+    if best is None and best_mode is not None:
+        raise typer.BadParameter("--best-mode goes with --best METRIC", param_hint="'--best-mode'")
     if max_shard_size is not None and file_format is not Format.safetensors:
         _fail("--max-shard-size writes safetensors shards: add --format safetensors")
     if out.is_symlink():
@@ -448,7 +506,11 @@ def restore_command(
         _fail(f"{out} is a directory; give a file name (or --max-shard-size for a sharded directory)")
     missing_dirs = _missing_directories(out)
     store = _open(url, storage_options, command="restore")
-    info = store.info(_chosen(store, version, step))
+    if best is not None and best_mode is not None:
+        info = store.best(best, best_mode.value)
+        typer.echo(f"the best by {best} ({best_mode.value}): {present.describe(info)}")
+    else:
+        info = store.info(_chosen(store, version, step))
     selected = [k for item in keys or [] for k in item.split(",") if k.strip("/ ")]
     try:
         state = store.load(info.version, keys=selected or None)
@@ -512,11 +574,6 @@ def _directories_kept_on_success(directories: list[Path]) -> Iterator[None]:
 
 
 # -- prune and gc ---------------------------------------------------------------
-
-
-class Mode(str, Enum):
-    min = "min"
-    max = "max"
 
 
 @app.command("prune")

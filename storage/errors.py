@@ -37,11 +37,15 @@ class UnsupportedValueError(CheckpointError, TypeError):
 class VersionNotFoundError(CheckpointError, LookupError):
     """The requested version is not committed in this store."""
 
-    def __init__(self, version: int | None, url: str, committed: list[int]) -> None:
+    def __init__(
+        self, version: int | None, url: str, committed: list[int], *, reason: str | None = None
+    ) -> None:
         self.version = version
         self.committed = committed
         listing = ", ".join(str(v) for v in committed) if committed else "none"
         what = "no committed checkpoint" if version is None else f"version {version} is not committed"
+        if reason is not None:  # another question than a number: say which (e.g. no version has a metric)
+            what = reason
         super().__init__(f"{what} in {url} (committed versions: {listing})")
 
 

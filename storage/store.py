@@ -24,7 +24,7 @@ from collections.abc import Collection, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .archive.tarballs import archive_location
-from .errors import CheckpointError
+from .errors import CheckpointError, VersionNotFoundError
 from .files.location import open_location, probe, translate_errors
 from .format.manifest import Manifest
 from .info import SaveRequest, StoreOptions, VersionInfo
@@ -245,6 +245,29 @@ class CheckpointStore:
     def latest(self) -> VersionInfo | None:
         """The newest committed version (the one a resumed run starts from), or None."""
         return self._reads.latest()
+
+    def best(self, metric: str, mode: Literal["min", "max"]) -> VersionInfo:
+        """The committed version with the best ``metric`` (``mode``: ``"max"`` if higher is better,
+        an accuracy; ``"min"`` if lower is, a loss: there is no default); ties go to the newest.
+        Versions without the metric are passed over; VersionNotFoundError when none has it,
+        naming the metrics they have."""
+        if mode not in ("min", "max"):
+            raise ValueError(
+                f"mode must be 'max' (a higher {metric} is better) or 'min' (a lower one is), got {mode!r}"
+            )
+        infos = self.versions()
+        scored = [i for i in infos if metric in i.metrics]
+        if not scored:
+            known = sorted({name for i in infos for name in i.metrics})
+            have = f"their metrics: {', '.join(known)}" if known else "they record no metrics"
+            raise VersionNotFoundError(
+                None,
+                self.loc.display(),
+                [i.version for i in infos],
+                reason=f"no committed version records the metric {metric!r} ({have})",
+            )
+        sign = 1 if mode == "min" else -1
+        return min(scored, key=lambda i: (sign * i.metrics[metric], -i.version))
 
     def info(self, version: int | None = None) -> VersionInfo:
         """One committed version (the newest when ``version`` is None); raises if not committed."""

@@ -314,6 +314,22 @@ class TestVerify:
         assert errors[1].startswith("error: version 1 is unreadable")
         assert invoke("verify", url).exit_code == 0  # the newest is intact
 
+    def test_json_reports_each_version_with_the_same_exit_code(self, store):
+        url, _ = store
+        one = invoke("verify", url, "--version", "1", "--json")
+        assert one.exit_code == 0, one.output
+        assert [(v["version"], v["ok"]) for v in json.loads(one.stdout)["versions"]] == [(1, True)]
+        shard = sorted((Path(url) / "v000000").glob("shard-*.h5"))[-1]
+        flip_byte(shard)
+        every = invoke("verify", url, "--all", "--json")
+        assert every.exit_code == 1
+        document = json.loads(every.stdout)
+        assert document["ok"] is False
+        assert [(v["version"], v["ok"]) for v in document["versions"]] == [(0, False), (1, True), (2, True)]
+        assert f"v000000/{shard.name}" in document["versions"][0]["error"]
+        bad = invoke("verify", url, "--version", "0", "--json")
+        assert bad.exit_code == 1 and json.loads(bad.stdout)["versions"][0]["ok"] is False
+
     def test_missing_shard(self, store):
         url, _ = store
         shard = sorted((Path(url) / "v000002").glob("shard-*.h5"))[0]
@@ -916,3 +932,45 @@ def test_in_process_refuses_ranks(tmp_path):
     assert result.exit_code == 2
     assert "--in-process trains in this process" in result.output
     assert not (tmp_path / "s").exists()
+
+
+class TestRestoreBest:
+    def test_restores_the_best_by_a_metric_in_the_direction_given(self, tmp_path):
+        url = str(tmp_path / "store")
+        with CheckpointStore(url) as s:
+            for epoch, acc in [(1, 0.5), (2, 0.9), (3, 0.7)]:
+                s.save({"w": torch.full((2,), float(epoch))}, epoch=epoch, metrics={"val_acc": acc})
+        result = invoke(
+            "restore", url, "--best", "val_acc", "--best-mode", "max", "--out", str(tmp_path / "b.pt")
+        )
+        assert result.exit_code == 0, result.output
+        assert "the best by val_acc (max): version 2" in result.stdout
+        assert torch.equal(torch.load(tmp_path / "b.pt", weights_only=True)["w"], torch.full((2,), 2.0))
+        worst = invoke(
+            "restore", url, "--best", "val_acc", "--best-mode", "min", "--out", str(tmp_path / "w.pt")
+        )
+        assert worst.exit_code == 0 and "version 1" in worst.stdout
+
+    def test_without_a_direction_or_the_metric_it_says_what_to_give(self, tmp_path):
+        url = str(tmp_path / "store")
+        many_versions(url, 2)
+        usage = invoke("restore", url, "--best", "loss", "--out", str(tmp_path / "x.pt"))
+        assert usage.exit_code == 2 and "needs --best-mode" in usage.output
+        both = invoke(
+            "restore", url, "--best", "loss", "--best-mode", "min", "--version", "1", "--out", "x.pt"
+        )
+        assert both.exit_code == 2 and "not both" in both.output
+        missing = invoke(
+            "restore", url, "--best", "f1", "--best-mode", "max", "--out", str(tmp_path / "x.pt")
+        )
+        assert missing.exit_code == 1 and "no committed version records the metric 'f1'" in missing.stderr
+        assert "their metrics: loss" in missing.stderr and not (tmp_path / "x.pt").exists()
+
+    def test_store_best_ties_go_to_the_newest(self, tmp_path):
+        url = str(tmp_path / "store")
+        many_versions(url, 4, losses=[0.3, 0.1, 0.2, 0.1])
+        store = CheckpointStore(url)
+        assert store.best("loss", "min").version == 3
+        assert store.best("loss", "max").version == 0
+        with pytest.raises(ValueError, match="mode must be 'max'"):
+            store.best("loss", "lower")  # type: ignore[arg-type]
