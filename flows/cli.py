@@ -196,7 +196,8 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
         return
     console = _console()
     if infos:
-        console.print(present.versions_table(infos, title=store.url), markup=False)
+        console.print(store.url, markup=False, soft_wrap=True)
+        console.print(present.versions_table(infos, store=store.url), markup=False)
     else:
         console.print(f"no committed versions in {store.url}", markup=False, soft_wrap=True)
     if survey.writing:
@@ -278,7 +279,8 @@ def log_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpt
     if not infos:
         console.print(f"no committed versions in {store.url}", markup=False, soft_wrap=True)
         return
-    console.print(present.log_table(infos, title=store.url), markup=False)
+    console.print(store.url, markup=False, soft_wrap=True)
+    console.print(present.log_table(infos), markup=False)
 
 
 # -- diff -----------------------------------------------------------------------
@@ -318,10 +320,9 @@ def diff_command(
         typer.echo(json.dumps(result.to_json(), indent=2))
         return
     console = _console()
+    console.print(f"{result.before} -> {result.after}", markup=False, soft_wrap=True)
     if result.changes or result.values:
         console.print(present.diff_table(result), markup=False)
-    else:
-        console.print(f"{result.before} -> {result.after}", markup=False, soft_wrap=True)
     console.print(present.diff_summary(result), markup=False, soft_wrap=True)
 
 

@@ -134,24 +134,28 @@ def version_json(info: VersionInfo) -> dict[str, Any]:
     }
 
 
-def versions_table(infos: list[VersionInfo], *, title: str) -> Table:
-    table = Table(title=title, title_justify="left")
+def versions_table(infos: list[VersionInfo], *, store: str) -> Table:
+    """The versions of ``store`` (printed above the table, whole), each one's place in it
+    (``v000003``, or ``archive/<tar>[v000003]``), so that the table reads at 80 columns
+    (``ls --json``: full URLs)."""
+    table = Table()
     table.add_column("version", justify="right", no_wrap=True)
     table.add_column("epoch", justify="right", no_wrap=True)
     table.add_column("step", justify="right", no_wrap=True)
     table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("created (UTC)")
+    table.add_column("created (UTC)", no_wrap=True)
     table.add_column("metrics", overflow="fold")
-    table.add_column("url", overflow="fold")
+    table.add_column("where", overflow="fold")
+    prefix = store.rstrip("/") + "/"
     for info in infos:
         table.add_row(
             str(info.version),
             epoch_text(info),
             "" if info.step is None else str(info.step),
             human_size(info.size),
-            created_text(info.created, zone=False),
+            created_text(info.created, zone=False)[:16],  # to the minute: 2026-11-29 04:07
             metrics_text(info.metrics),
-            info.url,
+            info.url[len(prefix) :] if info.url.startswith(prefix) else info.url,
         )
     return table
 
@@ -275,7 +279,7 @@ def diff_summary(result: StateDiff) -> str:
 
 def diff_table(result: StateDiff) -> Table:
     """The tensors that changed, then the other values; with values compared, how much."""
-    table = Table(title=f"{result.before} -> {result.after}", title_justify="left")
+    table = Table()
     table.add_column("key path", overflow="fold")
     table.add_column("change")
     table.add_column("dtype, shape / value", overflow="fold")
@@ -334,10 +338,10 @@ def _versions_text(versions: list[int]) -> str:
     return f"{shown}{', ...' if len(versions) > 5 else ''}"
 
 
-def log_table(infos: list[VersionInfo], *, title: str) -> Table:
+def log_table(infos: list[VersionInfo]) -> Table:
     """Each version with its parent, run, code and what the chain says at it."""
     notes = lineage_notes(infos)
-    table = Table(title=title, title_justify="left")
+    table = Table()
     table.add_column("version", justify="right")
     table.add_column("epoch", justify="right")
     table.add_column("step", justify="right")

@@ -222,11 +222,23 @@ class TestLs:
         url, _ = store
         result = invoke("ls", url, env=WIDE)
         assert result.exit_code == 0, result.output
+        assert result.stdout.startswith(CheckpointStore(url).url)  # the title; each row says where in it
         for info in CheckpointStore(url).versions():
-            assert info.url in result.stdout
+            assert f" v{info.version:06d} " in result.stdout
         assert "loss=0.5 acc=0.9" in result.stdout
         assert " KiB " in result.stdout
         assert "note:" not in result.stdout
+
+    def test_the_table_reads_at_80_columns(self, store):
+        """No cell of a row is cut into pieces by the terminal's width (as the URLs were)."""
+        url, _ = store
+        result = invoke("ls", url, env={"COLUMNS": "80"})
+        assert result.exit_code == 0, result.output
+        rows = [line for line in result.stdout.splitlines() if line.startswith("│")]
+        assert all(len(line) <= 80 for line in result.stdout.splitlines())
+        first_lines = [row for row in rows if row.split("│")[1].strip()]  # a version's first line
+        assert [row.split("│")[1].strip() for row in first_lines] == ["0", "1", "2"]
+        assert [row.split("│")[-2].strip() for row in first_lines] == ["v000000", "v000001", "v000002"]
 
     def test_leftovers_are_not_listed_and_get_a_note(self, store):
         url, _ = store

@@ -60,8 +60,9 @@ def invoke(*args: str, env: dict[str, str] | None = None):
 
 
 def row_of(out: str, url: str, version: int) -> str:
-    """The ls table's line of ``version`` (found by its URL, which ends the line)."""
-    (line,) = [line for line in out.splitlines() if f"{url}/v{version:06d}" in line]
+    """The ls table's line of ``version`` (found by its place in the store, which ends the line)."""
+    assert out.startswith(url), "the table's title is the store"
+    (line,) = [line for line in out.splitlines() if line.rstrip(" │").endswith(f" v{version:06d}")]
     return line
 
 
