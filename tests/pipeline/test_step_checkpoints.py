@@ -336,7 +336,9 @@ def test_a_minute_cadence_saves_inside_epochs(prefect_server, tmp_path):
     inside = [v for v in CheckpointStore(config.storage).versions() if v.in_epoch]
     assert len(inside) >= 4, positions(CheckpointStore(config.storage))  # 2.4 s of steps, a save every 0.3 s
     steps = [v.step for v in inside]
-    assert steps == sorted(steps) and all(b - a >= 3 for a, b in itertools.pairwise(steps))  # >= 0.3 s apart
+    # >= 0.3 s apart: 3 steps of 0.1 s, or 2 when a loaded machine stretches them past 0.15 s (CI
+    # saw 6 -> 8); a save at the next step would mean the cadence was not kept
+    assert steps == sorted(steps) and all(b - a >= 2 for a, b in itertools.pairwise(steps)), steps
 
 
 @pytest.mark.crash
