@@ -489,9 +489,7 @@ def restore_command(
     if best is not None and (version is not None or step is not None):
         raise typer.BadParameter("give --best or --version/--step, not both", param_hint="'--best'")
     if best is not None and best_mode is None:
-        raise typer.BadParameter(
-            best_mode_needed(best).replace("--keep-best", "--best"), param_hint="'--best'"
-        )
+        raise typer.BadParameter(best_mode_needed(best, "--best"), param_hint="'--best'")
     if best is None and best_mode is not None:
         raise typer.BadParameter("--best-mode goes with --best METRIC", param_hint="'--best-mode'")
     if max_shard_size is not None and file_format is not Format.safetensors:

@@ -64,9 +64,10 @@ BEST_MODE_HELP = (
 )
 
 
-def best_mode_needed(metric: str) -> str:
-    """The usage error for --keep-best without --best-mode (prune and run say the same)."""
+def best_mode_needed(metric: str, flag: str = "--keep-best") -> str:
+    """The usage error for ``flag`` (--keep-best, restore's --best) without --best-mode (prune, run
+    and restore say the same)."""
     return (
-        f"--keep-best {metric} needs --best-mode: max if a higher {metric} is better (an accuracy), "
+        f"{flag} {metric} needs --best-mode: max if a higher {metric} is better (an accuracy), "
         "min if a lower one is (a loss)"
     )

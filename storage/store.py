@@ -255,8 +255,10 @@ class CheckpointStore:
             raise ValueError(
                 f"mode must be 'max' (a higher {metric} is better) or 'min' (a lower one is), got {mode!r}"
             )
+        from .versions.retention import ranked_by
+
         infos = self.versions()
-        scored = [i for i in infos if metric in i.metrics]
+        scored = ranked_by(infos, metric, mode)
         if not scored:
             known = sorted({name for i in infos for name in i.metrics})
             have = f"their metrics: {', '.join(known)}" if known else "they record no metrics"
@@ -266,8 +268,7 @@ class CheckpointStore:
                 [i.version for i in infos],
                 reason=f"no committed version records the metric {metric!r} ({have})",
             )
-        sign = 1 if mode == "min" else -1
-        return min(scored, key=lambda i: (sign * i.metrics[metric], -i.version))
+        return scored[0]
 
     def info(self, version: int | None = None) -> VersionInfo:
         """One committed version (the newest when ``version`` is None); raises if not committed."""

@@ -15,12 +15,22 @@ dry run prints its plan, and the real prune carries out that plan.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 from ..format.manifest import Manifest
 from ..info import in_epoch
+
+
+class _HasMetrics(Protocol):
+    @property
+    def version(self) -> int: ...
+    @property
+    def metrics(self) -> Mapping[str, float]: ...
+
+
+Ranked = TypeVar("Ranked", bound=_HasMetrics)
 
 
 @dataclass(frozen=True)
@@ -72,10 +82,16 @@ def best_versions(manifests: list[Manifest], policy: RetentionPolicy) -> list[in
     metric = policy.keep_best
     if not metric:
         return []
-    scored = [m for m in manifests if metric in m.metrics]
-    sign = 1 if policy.best_mode == "min" else -1
-    scored.sort(key=lambda m: (sign * m.metrics[metric], -m.version))
-    return [m.version for m in scored[: policy.best_count]]
+    assert policy.best_mode is not None  # checked with the policy
+    return [m.version for m in ranked_by(manifests, metric, policy.best_mode)[: policy.best_count]]
+
+
+def ranked_by(versions: Sequence[Ranked], metric: str, mode: Literal["min", "max"]) -> list[Ranked]:
+    """Those of ``versions`` (manifests, or VersionInfo) that record ``metric``, best first: the
+    lowest (``min``) or highest (``max``), ties to the newest."""
+    sign = 1 if mode == "min" else -1
+    scored = [v for v in versions if metric in v.metrics]
+    return sorted(scored, key=lambda v: (sign * v.metrics[metric], -v.version))
 
 
 def _epoch(m: Manifest) -> int:
