@@ -14,6 +14,7 @@ too; a save at an epoch's end shows the bare epoch, as before.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -87,7 +88,11 @@ def prune_lines(
     if held:
         lines.append(f"{'would also keep' if dry_run else 'also kept'} {held}")
     kept = ", ".join(str(v) for v in plan.remaining) or "none"
-    freed = human_size(sum(infos[v].size for v in plan.remove if v in infos))
+    # Carried out: the bytes it removed; a dry run: the bytes the versions wrote (an estimate: a
+    # version's files stay while a kept version references them).
+    freed = human_size(
+        plan.freed if plan.freed is not None else sum(infos[v].new_bytes for v in plan.remove if v in infos)
+    )
     lines.append(f"{keep_verb} versions: {kept}; {free_verb} {freed}")
     return lines
 
@@ -125,6 +130,7 @@ def version_json(info: VersionInfo) -> dict[str, Any]:
         "in_epoch": info.in_epoch,  # None for a save at an epoch's end
         "epoch_steps": info.epoch_steps,
         "size": info.size,
+        "new_bytes": info.new_bytes,  # its own files; the rest of size is referenced in other versions
         "nbytes": info.nbytes,
         "created": info.created,
         "metrics": info.metrics,
@@ -137,22 +143,26 @@ def version_json(info: VersionInfo) -> dict[str, Any]:
 def versions_table(infos: list[VersionInfo], *, store: str) -> Table:
     """The versions of ``store`` (printed above the table, whole), each one's place in it
     (``v000003``, or ``archive/<tar>[v000003]``), so that the table reads at 80 columns
-    (``ls --json``: full URLs)."""
+    (``ls --json``: full URLs). A column none of the versions fills (epoch, step) is left out, and
+    ``new`` (the bytes a version's save wrote) is there only when a version references others'."""
+    columns: list[tuple[str, Callable[[VersionInfo], str]]] = [("version", lambda i: str(i.version))]
+    if any(i.epoch is not None for i in infos):
+        columns.append(("epoch", epoch_text))
+    if any(i.step is not None for i in infos):
+        columns.append(("step", lambda i: "" if i.step is None else str(i.step)))
+    columns.append(("size", lambda i: human_size(i.size)))
+    if any(i.new_bytes != i.size for i in infos):
+        columns.append(("new", lambda i: human_size(i.new_bytes)))
     table = Table()
-    table.add_column("version", justify="right", no_wrap=True)
-    table.add_column("epoch", justify="right", no_wrap=True)
-    table.add_column("step", justify="right", no_wrap=True)
-    table.add_column("size", justify="right", no_wrap=True)
+    for name, _ in columns:
+        table.add_column(name, justify="right", no_wrap=True)
     table.add_column("created (UTC)", no_wrap=True)
     table.add_column("metrics", overflow="fold")
     table.add_column("where", overflow="fold")
     prefix = store.rstrip("/") + "/"
     for info in infos:
         table.add_row(
-            str(info.version),
-            epoch_text(info),
-            "" if info.step is None else str(info.step),
-            human_size(info.size),
+            *(cell(info) for _, cell in columns),
             created_text(info.created, zone=False)[:16],  # to the minute: 2026-11-29 04:07
             metrics_text(info.metrics),
             info.url[len(prefix) :] if info.url.startswith(prefix) else info.url,
@@ -178,7 +188,8 @@ def summary_table(manifest: Manifest, url: str) -> Table:
         ("created", created_text(manifest.created)),
         (
             "size",
-            f"{human_size(manifest.total_size)} on storage, {human_size(manifest.nbytes)} of tensors, "
+            f"{human_size(manifest.total_size)} on storage{_shared_text(manifest)}, "
+            f"{human_size(manifest.nbytes)} of tensors, "
             f"{len(manifest.tensors) + len(manifest.chunked)} tensors in {len(manifest.shards)} shards",
         ),
         ("save time", f"{saved:.2f} s" if isinstance(saved, (int, float)) else "-"),
@@ -190,6 +201,16 @@ def summary_table(manifest: Manifest, url: str) -> Table:
     for label, value in rows:
         grid.add_row(label, value)
     return grid
+
+
+def _shared_text(manifest: Manifest) -> str:
+    """`` (12 KiB new, the rest in versions 0, 3)`` for a version that references others' bytes."""
+    others = sorted({s.version for s in manifest.shards if s.version is not None})
+    if not others:
+        return ""
+    return f" ({human_size(manifest.own_size)} new, the rest in version{'s' * (len(others) > 1)} " + (
+        f"{', '.join(map(str, others))})"
+    )
 
 
 def _lineage_text(lineage: dict[str, Any]) -> str:
@@ -215,8 +236,9 @@ def shards_table(manifest: Manifest) -> Table:
     table.add_column("rank", justify="right")
     table.add_column("size", justify="right", no_wrap=True)
     table.add_column("checksum", overflow="fold")
-    for shard in manifest.shards:
-        table.add_row(shard.file, str(shard.rank), human_size(shard.size), shard.checksum)
+    for shard, (where, file) in zip(manifest.shards, manifest.shard_files(), strict=True):
+        name = file if shard.version is None else f"{where}/{file}"  # another version's file
+        table.add_row(name, str(shard.rank), human_size(shard.size), shard.checksum)
     return table
 
 

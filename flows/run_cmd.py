@@ -167,6 +167,13 @@ def run_command(
     shards: Annotated[
         int, Opt("--shards", help="HDF5 shard files per version at most: one per 64 MiB of state.")
     ] = config_field("shards"),
+    dedup: Annotated[
+        bool,
+        Opt(
+            "--dedup/--no-dedup",
+            help="Write only tensors whose bytes no committed version holds (--no-dedup: full copies).",
+        ),
+    ] = config_field("dedup"),
     async_save: Annotated[
         bool, Opt("--async-save/--no-async-save", help="Save while the next epoch runs.")
     ] = config_field("async_save"),

@@ -20,6 +20,9 @@ class StoreOptions:
     threads: int = 4
     verify_on_load: bool = True
     shard_bytes: int = 64 << 20  # one shard file per this many bytes of state, up to ``shards``
+    # Content-addressed saves: bytes a committed version of the store holds are referenced, not
+    # written again (:mod:`.save.dedup`). False: every version is a full, self-contained copy.
+    dedup: bool = True
 
     def __post_init__(self) -> None:
         if self.shards < 1:
@@ -69,6 +72,12 @@ class VersionInfo:
     user: dict[str, Any] = field(default_factory=dict)
     archived: bool = False  # lives in a tarball under archive/ (url names the tarball and member)
     lineage: dict[str, Any] = field(default_factory=dict)  # parent, run, spec, config_hash, code
+    own_size: int | None = None  # bytes its save wrote; the rest of ``size`` is referenced (None: all)
+
+    @property
+    def new_bytes(self) -> int:
+        """Bytes this version's save wrote (its own files); ``size`` counts what it references too."""
+        return self.size if self.own_size is None else self.own_size
 
     @property
     def parent(self) -> int | None:
@@ -103,6 +112,7 @@ class VersionInfo:
             dict(m.user),
             archived,
             _lineage_of(m),
+            m.own_size,
         )
 
 

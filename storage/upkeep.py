@@ -64,6 +64,7 @@ class Upkeep:
         :class:`LeaseLostError` if this store's own lease was taken over.
         """
         self._saves.join_inflight()  # not wait_previous: its failure is the saving thread's to raise
+        self._saves.forget_index()  # what its next save references may be removed here
         own = self._saves.lease
         if own is not None:
             with translate_errors(self.loc, "checking the writer lease of"):

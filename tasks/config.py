@@ -179,6 +179,11 @@ class PipelineConfig(_Strict):
     shards: int = Field(
         4, ge=1, le=256, description="HDF5 shard files per version at most: one per 64 MiB of state"
     )
+    dedup: bool = Field(
+        True,
+        description="write only the tensors whose bytes no committed version holds, and reference the "
+        "rest (off: every version a full copy)",
+    )
     async_save: bool = Field(True, description="save while the next epoch trains")
     epoch_retries: int = Field(1, ge=0, description="retries of a failed epoch, from its start state")
     save_retries: int = Field(3, ge=0, description="retries of a failed save or commit task")

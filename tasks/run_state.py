@@ -95,7 +95,7 @@ def open_store(
     ``distributed``: a rank's :class:`~ckptflow.storage.RankGroup` (every rank writes a share).
     """
     options = config.resolved_storage_options() if storage_options is None else storage_options
-    shards = StoreOptions(shards=config.shards)
+    shards = StoreOptions(shards=config.shards, dedup=config.dedup)
     return CheckpointStore(config.storage, storage_options=options, options=shards, distributed=distributed)
 
 

@@ -162,10 +162,11 @@ def extract_version(
 def _from_index(src: Location, tar_name: str, index: TarIndex, prefix: str, out: _Staging) -> set[str]:
     if index.tar != tar_name:
         raise CheckpointError(f"the index given describes {index.tar!r}, not {src.display(tar_name)}")
-    for entry in index.under(prefix):
+    entries = [*index.under(prefix), *_referenced(src, tar_name, index, prefix, out)]
+    for entry in entries:
         check_member_name(entry.name, src.display(tar_name))
     check_members(src, index, prefix)  # the tarball's size, and these members' headers
-    for entry in index.under(prefix):
+    for entry in entries:
         chunks = _range_chunks(src, tar_name, entry.offset, entry.size, entry.name)
         actual = out.write(entry.name, chunks)
         if actual != entry.checksum:
@@ -173,6 +174,29 @@ def _from_index(src: Location, tar_name: str, index: TarIndex, prefix: str, out:
                 _member(src, tar_name, entry.name), expected=entry.checksum, actual=actual
             )
     return {e.name for e in index.members}
+
+
+def _referenced(src: Location, tar_name: str, index: TarIndex, prefix: str, out: _Staging) -> list[Any]:
+    """The members of other versions' files whose bytes the version references (format 8): they
+    are extracted too, each into its own version's directory (which holds no manifest), so that
+    the extracted version loads. One already there is refused, as the version's own would be."""
+    where = src.display(tar_name)
+    version = parse_version_dir(prefix.rstrip("/"))
+    manifest = index.manifests(where).get(version) if version is not None else None
+    if manifest is None:
+        return []
+    found = []
+    for shard, (vdir, file) in zip(manifest.shards, manifest.shard_files(), strict=True):
+        if shard.version is None:
+            continue
+        target = os.path.join(out.out_dir, vdir, file)
+        if os.path.lexists(target):
+            raise CheckpointError(
+                f"{target} exists: version {version} references that file of version {shard.version} "
+                "and extract never replaces a file; choose a new directory"
+            )
+        found.append(index.entry(f"{vdir}/{file}"))
+    return found
 
 
 def _range_chunks(src: Location, tar_name: str, start: int, length: int, name: str) -> Iterator[memoryview]:
@@ -260,6 +284,12 @@ def _check_against_manifest(out: _Staging, prefix: str, where: str) -> None:
         return
     with open(staged.temp, "rb") as f:
         manifest = parse_manifest(f.read(), f"{where} member {prefix}{MANIFEST_FILE}")
+    others = sorted({s.version for s in manifest.shards if s.version is not None})
+    if others:
+        raise CheckpointError(
+            f"{where}: {prefix}{MANIFEST_FILE} references bytes of version(s) {others}, which only the "
+            "tarball's index can find: rebuild it (`ckptflow archive URL --reindex`) and extract again"
+        )
     for shard in manifest.shards:
         name = f"{where} member {prefix}{shard.file}"
         got = out.files.get(prefix + shard.file)

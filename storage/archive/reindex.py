@@ -39,13 +39,12 @@ def rebuild_index(aloc: Location, tar: str) -> TarIndex:
     any archived version does not match its manifest (then nothing is written)."""
     where = aloc.display(tar)
     entries, manifests = _scan(aloc, tar, where)
-    for version, manifest in manifests.items():
-        vdir = f"v{version:06d}"
-        for shard in manifest.shards:
-            entry = entries.get(f"{vdir}/{shard.file}")
+    for _version, manifest in manifests.items():
+        for shard, (vdir, file) in zip(manifest.shards, manifest.shard_files(), strict=True):
+            entry = entries.get(f"{vdir}/{file}")
             if entry is None or entry.size != shard.size or entry.checksum != shard.checksum:
                 raise CheckpointError(
-                    f"cannot rebuild the index of {where}: member {vdir}/{shard.file} is missing or does not "
+                    f"cannot rebuild the index of {where}: member {vdir}/{file} is missing or does not "
                     "match its manifest; the tarball is damaged: restore it from a copy"
                 )
     size = aloc.fs.size(aloc.path(tar))

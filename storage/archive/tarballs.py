@@ -109,9 +109,8 @@ def list_archived(
 def _check_members(index: TarIndex, manifest: Manifest, where: str) -> None:
     """Every file of an archived version is a member of its tarball, of the size its manifest says."""
     sizes = {e.name: e.size for e in index.members}
-    vdir = version_dir(manifest.version)
-    for shard in manifest.shards:
-        name = f"{vdir}/{shard.file}"
+    for shard, (vdir, file) in zip(manifest.shards, manifest.shard_files(), strict=True):
+        name = f"{vdir}/{file}"
         if sizes.get(name) != shard.size:
             found = "no such member" if name not in sizes else f"a member of {sizes[name]} bytes"
             raise ManifestError(
@@ -126,11 +125,13 @@ def archive_versions(loc: Location, manifests: list[Manifest], *, name: str | No
         raise ValueError("nothing to archive: no versions given")
     ordered = sorted(manifests, key=lambda m: m.version)
     members: list[Member] = []
+    taken: set[str] = set()  # a file several versions reference is one member
     for m in ordered:
         vdir = version_dir(m.version)
-        members.extend(
-            Member(f"{vdir}/{s.file}", loc.path(vdir, s.file), s.size, s.checksum) for s in m.shards
-        )
+        for s, (where, file) in zip(m.shards, m.shard_files(), strict=True):
+            if f"{where}/{file}" not in taken:  # the files of other versions it references too
+                taken.add(f"{where}/{file}")
+                members.append(Member(f"{where}/{file}", loc.path(where, file), s.size, s.checksum))
         data = loc.fs.cat_file(loc.path(vdir, MANIFEST_FILE))
         members.append(
             Member(f"{vdir}/{MANIFEST_FILE}", loc.path(vdir, MANIFEST_FILE), len(data), digest(data))
@@ -152,10 +153,9 @@ def archive_versions(loc: Location, manifests: list[Manifest], *, name: str | No
 def archived_sources(loc: Location, archived: ArchivedVersion) -> list[ShardSource]:
     """The shards of an archived version, as byte ranges of its tarball."""
     aloc = archive_location(loc)
-    vdir = version_dir(archived.manifest.version)
     sources = []
-    for shard in archived.manifest.shards:
-        entry = archived.index.entry(f"{vdir}/{shard.file}")
+    for shard, (vdir, file) in zip(archived.manifest.shards, archived.manifest.shard_files(), strict=True):
+        entry = archived.index.entry(f"{vdir}/{file}")
         if entry.size != shard.size or entry.checksum != shard.checksum:
             raise CheckpointError(
                 f"{aloc.display(archived.tar)}: member {entry.name} disagrees with its manifest"

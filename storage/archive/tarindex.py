@@ -38,6 +38,7 @@ from ..files.atomic import write_file_atomic
 from ..files.location import Location
 from ..format.checksum import ALGORITHM
 from ..format.manifest import (
+    MANIFEST_FILE,
     Manifest,
     check_seal,
     check_sealed_bytes,
@@ -116,8 +117,13 @@ class TarIndex(_Model):
         return [e for e in self.members if e.name.startswith(prefix)]
 
     def versions(self) -> list[int]:
-        """Versions with members in this tarball (top-level directories named ``v%06d``)."""
-        found = {parse_version_dir(e.name.split("/", 1)[0]) for e in self.members if "/" in e.name}
+        """Versions archived in this tarball: top-level directories named ``v%06d`` with a manifest
+        member (a directory of only shards holds bytes its versions reference)."""
+        found = {
+            parse_version_dir(e.name.split("/", 1)[0])
+            for e in self.members
+            if e.name.endswith(f"/{MANIFEST_FILE}")
+        }
         return sorted(v for v in found if v is not None)
 
     def to_json(self) -> bytes:

@@ -14,7 +14,7 @@ import ctypes
 import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import fsspec
 from fsspec.spec import AbstractBufferedFile
@@ -177,14 +177,13 @@ def _read_local(fs: fsspec.AbstractFileSystem, path: str, ranges: Iterable[ReadR
 HASH_CHUNK = 1 << 20  # read-and-hash step: small enough that the hash reads the bytes from the CPU cache
 
 
-def read_hashed_local(fd: int, path: str, offset: int, out: memoryview) -> str:
+def read_hashed_local(fd: int, path: str, offset: int, out: memoryview, hasher: Any) -> str:
     """Fill ``out`` with the bytes of the file ``fd`` (at ``path``, opened by :func:`open_regular`)
-    at ``offset`` and return their xxh3-64, in one pass.
+    at ``offset`` and return their digest by ``hasher`` (a fresh xxhash object), in one pass.
 
     Each chunk is hashed right after it is read, while it is still in the CPU
     cache: one trip through memory instead of two (a third faster here).
     """
-    hasher = new_hasher()
     for start in range(0, len(out), HASH_CHUNK):
         view, pos = out[start : start + HASH_CHUNK], offset + start
         chunk = view

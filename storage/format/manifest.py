@@ -24,17 +24,21 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from ..errors import FormatVersionError, ManifestError
+from .checksum import KEY_DIGITS
 from .dtypenames import itemsize
 from .manifest_checks import MAX_BYTES, check_manifest, document_depth_problem
 
 FORMAT_NAME = "ckptflow-checkpoint"
-FORMAT_VERSION = 7  # the newest this code reads, and the one it writes
+FORMAT_VERSION = 8  # the newest this code reads, and the one it writes
 RANKS_FORMAT_VERSION = 2  # added ``world_size`` and ``ranks`` (per-rank state of a multi-process save)
 SEALED_FORMAT_VERSION = 3  # added ``manifest_checksum``, the manifest's checksum of itself
 SHARDED_FORMAT_VERSION = 4  # added ``chunked``: tensors stored as chunks of a global shape (DTensor)
 PIECES_FORMAT_VERSION = 5  # added blobs' ``piece_bytes`` and ``pieces``: checksums of fixed-size pieces
 ORDERED_FORMAT_VERSION = 6  # compact JSON, sealed over its keys in document order (one hash of its bytes)
 LINEAGE_FORMAT_VERSION = 7  # added ``lineage``: the version a save was derived from, its run, spec and code
+SHARED_FORMAT_VERSION = (
+    8  # blob checksums of xxh3-128 (content addresses); shards' ``version`` (another's file)
+)
 SEAL_KEY = "manifest_checksum"
 MANIFEST_FILE = "manifest.json"
 
@@ -48,6 +52,15 @@ class ShardEntry(_Model):
     size: int = Field(ge=0)
     checksum: str
     rank: int = 0
+    # A file of another version's directory of the same store (format 8): bytes an earlier save
+    # wrote, which this version references instead of writing them again. None: its own file.
+    version: int | None = Field(default=None, ge=0)
+
+    def directory(self, own: int) -> str:
+        """The version directory holding this shard's file, for a shard of version ``own``'s manifest."""
+        from .names import version_dir
+
+        return version_dir(own if self.version is None else self.version)
 
 
 class BlobEntry(_Model):
@@ -57,6 +70,9 @@ class BlobEntry(_Model):
     nbytes: int = Field(ge=0)
     dtype: str
     shape: list[int]
+    # xxh3-64 (16 hex digits), or from format 8 xxh3-128 (32): then it is also the blob's content
+    # address, and a later save that holds the same bytes (same dtype and size) references this blob
+    # instead of writing it again.
     checksum: str
     # The blob's bytes cut into pieces of ``piece_bytes`` (the last one shorter), each with its
     # own checksum: a load that needs part of the blob (a resharded load) reads and verifies
@@ -150,8 +166,18 @@ class Manifest(_Model):
 
     @property
     def total_size(self) -> int:
-        """Bytes on storage: all shards (the manifest itself not counted)."""
+        """Bytes on storage the version reads: all its shards, its own and those it references in
+        other versions (the manifest itself not counted)."""
         return sum(s.size for s in self.shards)
+
+    @property
+    def own_size(self) -> int:
+        """Bytes this version's save wrote: the shards in its own directory."""
+        return sum(s.size for s in self.shards if s.version is None)
+
+    def shard_files(self) -> list[tuple[str, str]]:
+        """Each shard's (version directory, file name): its own, or another version's it references."""
+        return [(s.directory(self.version), s.file) for s in self.shards]
 
     def to_json(self) -> bytes:
         """The manifest as written (:func:`document_bytes`): what a save of the same content writes."""
@@ -231,6 +257,10 @@ class ManifestDraft:
     def total_size(self) -> int:
         return sum(s.size for s in self.shards)
 
+    @property
+    def own_size(self) -> int:
+        return sum(s.size for s in self.shards if s.version is None)
+
     def document(self) -> dict[str, Any]:
         """The JSON fields, in :class:`Manifest`'s order."""
         return {
@@ -244,7 +274,7 @@ class ManifestDraft:
             "writer": self.writer,
             "checksum_algorithm": self.checksum_algorithm,
             "nbytes": self.nbytes,
-            "shards": [s.model_dump(mode="json") for s in self.shards],
+            "shards": [s.model_dump(mode="json", exclude_none=True) for s in self.shards],
             "blobs": self.blobs,
             "tensors": self.tensors,
             "structure": self.structure,
@@ -269,7 +299,9 @@ def document_bytes(raw: dict[str, Any]) -> bytes:
     """A manifest's fields as written by every save path: sealed with its own checksum, the
     multi-process and chunked fields only when it has them, a blob's piece fields only when it has
     pieces, a lineage only when it has one, and its format version the lowest that reads what it
-    holds (never below format 6, whose seal covers its bytes in order). ``raw`` is changed in place."""
+    holds (never below format 6, whose seal covers its bytes in order; format 8 for content keys
+    and shards of other versions); a shard's ``version`` only when it has one. ``raw`` is changed
+    in place."""
     if raw.get("world_size", 1) == 1 and not raw.get("ranks"):
         raw.pop("world_size", None)
         raw.pop("ranks", None)
@@ -280,8 +312,16 @@ def document_bytes(raw: dict[str, Any]) -> bytes:
     needed = SHARDED_FORMAT_VERSION if "chunked" in raw else SEALED_FORMAT_VERSION  # the oldest that reads it
     if "lineage" in raw:
         needed = LINEAGE_FORMAT_VERSION
+    for shard in raw["shards"]:
+        if "version" in shard:
+            if shard["version"] is None:
+                del shard["version"]
+            else:
+                needed = max(needed, SHARED_FORMAT_VERSION)
     for blobs in [raw["blobs"], *(part["blobs"] for part in raw.get("ranks", []))]:
         for blob in blobs:
+            if len(blob["checksum"]) == KEY_DIGITS:
+                needed = max(needed, SHARED_FORMAT_VERSION)
             if "pieces" not in blob:
                 continue
             if blob["pieces"] is None:  # a blob without pieces reads as formats 1-4 wrote it

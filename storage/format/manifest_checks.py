@@ -7,7 +7,8 @@ The schema (types, ranges) is pydantic's job in :mod:`.manifest`; this module
 checks what ties the fields together, without recursion and before any I/O:
 
 - every shard name is one plain path component (:mod:`.names`): a shard is a
-  file *inside* its version;
+  file *inside* its version, or inside another version of the same store that
+  it names by number (format 8), never its own number; no file is listed twice;
 - every blob names a listed shard, a known dtype, a shape whose size times the
   dtype's width is its byte count, and a byte range inside its shard; piece
   checksums (format 5), if any, one per piece of its size;
@@ -18,7 +19,8 @@ checks what ties the fields together, without recursion and before any I/O:
   listed blob of the chunk's dtype and size;
 - the structure is at most :data:`MAX_DEPTH` deep, uses only known ``$`` tags
   with payloads of the right kind, and refers only to listed tensors;
-- checksums are 16 hex digits (xxh3-64).
+- checksums are 16 hex digits (xxh3-64); a blob's may be 32 (xxh3-128, its
+  content key, format 8).
 
 Every violation raises :class:`ManifestError` naming the manifest and the field.
 """
@@ -44,6 +46,7 @@ MAX_DOCUMENT_DEPTH = MAX_DEPTH + 16  # nesting of a whole manifest or index (a s
 MAX_BYTES = 256 << 20  # a manifest (or an index) larger than this is refused before parsing
 MAX_COUNT = 1 << 48  # a size, stride or offset in elements (or bytes) above this is not a real one
 _CHECKSUM = re.compile(r"[0-9a-f]{16}")
+_KEY = re.compile(r"[0-9a-f]{32}")
 _HEX = re.compile(r"[0-9a-f]*")
 _TAGS = {"$tensor", "$ndarray", "$chunked", "$tuple", "$float", "$bytes", "$dtype", "$dict"}
 MAX_CHUNKS = 1 << 16  # chunks of one tensor: a mesh of this many ranks is far beyond any job's
@@ -55,8 +58,14 @@ def check_manifest(m: Manifest, where: str) -> None:
     for name, value in m.metrics.items():
         if not math.isfinite(value):  # saving refuses them too; JSON output has no NaN
             raise _fail(where, f"metrics.{name}", f"{value} is not a finite number")
+    seen: set[tuple[int | None, str]] = set()
     for i, shard in enumerate(m.shards):
         _check_shard(shard, f"shards[{i}]", where)
+        if shard.version == m.version:
+            raise _fail(where, f"shards[{i}].version", "names the manifest's own version (leave it out)")
+        if (shard.version, shard.file) in seen:
+            raise _fail(where, f"shards[{i}]", f"{shard.file!r} of that version is listed twice")
+        seen.add((shard.version, shard.file))
     if m.ranks and len(m.ranks) != m.world_size:
         raise ManifestError(f"manifest {where}: {len(m.ranks)} rank parts for a world size of {m.world_size}")
     parts = [("", m.blobs, m.tensors, m.structure)]
@@ -64,7 +73,7 @@ def check_manifest(m: Manifest, where: str) -> None:
     for prefix, blobs, tensors, structure in parts:
         # Every checksum in one match (a state may have 100,000 blobs); the slow way names a bad one.
         checksums = "".join(b.checksum for b in blobs)
-        sound = all(len(b.checksum) == 16 for b in blobs) and _HEX.fullmatch(checksums) is not None
+        sound = all(len(b.checksum) in (16, 32) for b in blobs) and _HEX.fullmatch(checksums) is not None
         for i, blob in enumerate(blobs):
             _check_blob(blob, m.shards, f"{prefix}blobs[{i}]", where, checksum_ok=sound)
         for i, tensor in enumerate(tensors):
@@ -99,8 +108,8 @@ def _check_blob(
             f"{field}.nbytes",
             f"{blob.nbytes} bytes for shape {blob.shape} of {blob.dtype} ({width} B each)",
         )
-    if not checksum_ok and not _CHECKSUM.fullmatch(blob.checksum):
-        raise _fail(where, f"{field}.checksum", f"{blob.checksum!r} is not an xxh3-64 checksum")
+    if not checksum_ok and not (_CHECKSUM.fullmatch(blob.checksum) or _KEY.fullmatch(blob.checksum)):
+        raise _fail(where, f"{field}.checksum", f"{blob.checksum!r} is not an xxh3-64 or xxh3-128 checksum")
     _check_pieces(blob, field, where)
     if blob.offset is None:
         if blob.nbytes:

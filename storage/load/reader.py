@@ -31,7 +31,7 @@ from ..files.byteio import (
 )
 from ..files.localfs import open_regular
 from ..files.location import Location
-from ..format.checksum import digest, new_hasher
+from ..format.checksum import blob_digest, blob_hasher, new_hasher
 from ..format.manifest import BlobEntry, Manifest
 
 if TYPE_CHECKING:
@@ -54,11 +54,12 @@ class ShardSource:
     name: str  # for messages: the shard's URL, or the tarball's URL and the member
 
 
-def loose_sources(loc: Location, version_dir: str, manifest: Manifest) -> list[ShardSource]:
-    """The shards of a version stored as files in its directory."""
+def loose_sources(loc: Location, manifest: Manifest) -> list[ShardSource]:
+    """The shards of a loose version: files in its directory, and the files of other versions'
+    directories whose bytes it references."""
     return [
-        ShardSource(loc.path(version_dir, s.file), 0, s.size, loc.display(version_dir, s.file))
-        for s in manifest.shards
+        ShardSource(loc.path(where, name), 0, s.size, loc.display(where, name))
+        for s, (where, name) in zip(manifest.shards, manifest.shard_files(), strict=True)
     ]
 
 
@@ -209,7 +210,7 @@ def _check_window(sources: list[ShardSource], manifest: Manifest, i: int, window
             for k in range(window.lo // size, -(-end // size))
         ]
     for lo, hi, expected, what in pieces:
-        hasher = new_hasher()
+        hasher = blob_hasher(expected)
         for at, buf in window.parts:
             a, b = max(lo, at), min(hi, at + buf.numel())
             if b > a:
@@ -282,21 +283,23 @@ def _read_and_check(
                         blob = manifest.blobs[run[0]]
                         offset = _offset(source, blob.offset)
                         assert offset is not None
-                        actual = read_hashed_local(fd, source.path, offset, out[run[0]].numpy().data)
+                        actual = read_hashed_local(
+                            fd, source.path, offset, out[run[0]].numpy().data, blob_hasher(blob.checksum)
+                        )
                         _compare(source, blob, actual)
                         continue
                     first, last = manifest.blobs[run[0]], manifest.blobs[run[-1]]
                     start = _offset(source, first.offset)
                     assert start is not None and last.offset is not None and first.offset is not None
                     span = bytearray(last.offset + last.nbytes - first.offset)
-                    read_hashed_local(fd, source.path, start, memoryview(span))
+                    read_hashed_local(fd, source.path, start, memoryview(span), new_hasher())
                     view = memoryview(span)
                     for i in run:
                         blob = manifest.blobs[i]
                         at = (blob.offset or 0) - first.offset
                         data = view[at : at + blob.nbytes]
                         out[i].numpy().data[:] = data
-                        _compare(source, blob, digest(data))
+                        _compare(source, blob, blob_digest(data, blob.checksum))
             finally:
                 os.close(fd)
 
@@ -381,7 +384,7 @@ def _parallel(threads: int, calls: list[Callable[[], None]]) -> None:
 
 def _check_blob(sources: list[ShardSource], manifest: Manifest, i: int, data: torch.Tensor) -> None:
     blob = manifest.blobs[i]
-    actual = digest(data.numpy().data) if data.numel() else digest(b"")
+    actual = blob_digest(data.numpy().data if data.numel() else b"", blob.checksum)
     if actual != blob.checksum:
         raise CorruptShardError(
             f"{sources[blob.shard].name} (dataset {blob.dataset})",

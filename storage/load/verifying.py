@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from ..errors import CorruptShardError
 from ..files.byteio import read_chunks
 from ..files.location import Location
-from ..format.checksum import new_hasher
+from ..format.checksum import blob_hasher, new_hasher
 from ..format.manifest import BlobEntry, Manifest
 from .reader import ShardSource, check_size
 
@@ -70,7 +70,7 @@ def _ranges(blob: BlobEntry) -> list[_Range]:
 def _digests(loc: Location, source: ShardSource, size: int, ranges: list[_Range]) -> tuple[str, list[str]]:
     """xxh3 of the shard's ``size`` bytes and of each range of it (sorted by start; they may nest)."""
     whole = new_hasher()
-    hashers = [new_hasher() for _ in ranges]
+    hashers = [blob_hasher(r.expected) for r in ranges]
     first = 0  # ranges before this one ended before the chunks to come
     position = 0
     for chunk in read_chunks(loc.fs, source.path, source.offset, size, local=loc.is_local):

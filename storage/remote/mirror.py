@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..archive.tarballs import archive_location
 from ..archive.tarindex import index_name, read_index
 from ..errors import CheckpointError
-from ..files.location import Location
+from ..files.location import Location, open_location
 from ..format.manifest import MANIFEST_FILE, Manifest
 from ..format.names import version_dir
 from .options import TransferOptions
@@ -43,10 +43,31 @@ def mirror_version(loc: Location, manifest: Manifest, url: str, storage_options:
     """Upload the loose version ``manifest`` describes from the local store ``loc`` to ``url``: its
     shards, then its manifest. Returns the URL of the version's directory on the mirror."""
     vdir = version_dir(manifest.version)
-    remote = f"{url.rstrip('/')}/{vdir}"
-    for name in [s.file for s in manifest.shards] + [MANIFEST_FILE]:
-        upload_file(loc.path(vdir, name), f"{remote}/{name}", storage_options=storage_options)
-    return remote
+    root = url.rstrip("/")
+    # The files of other versions it references first (each into its own version's directory
+    # there, skipped when the mirror has it already), then its own, then its manifest: the mirror
+    # never holds a manifest whose bytes are not all there.
+    shards = sorted(
+        zip(manifest.shards, manifest.shard_files(), strict=True), key=lambda p: p[0].version is None
+    )
+    for shard, (where, name) in shards:
+        if shard.version is not None and _mirrored(f"{root}/{where}/{name}", shard.size, storage_options):
+            continue
+        upload_file(loc.path(where, name), f"{root}/{where}/{name}", storage_options=storage_options)
+    upload_file(
+        loc.path(vdir, MANIFEST_FILE), f"{root}/{vdir}/{MANIFEST_FILE}", storage_options=storage_options
+    )
+    return f"{root}/{vdir}"
+
+
+def _mirrored(url: str, size: int, storage_options: dict[str, Any]) -> bool:
+    """Whether the mirror holds a file of ``size`` bytes at ``url`` (a referenced shard an earlier
+    upload sent: shard files are never rewritten in place)."""
+    try:
+        found = open_location(url.rsplit("/", 1)[0], storage_options)
+        return int(found.fs.size(found.path(url.rsplit("/", 1)[1]))) == size
+    except (FileNotFoundError, OSError):
+        return False
 
 
 def mirror_archive(loc: Location, tar: str, url: str, storage_options: dict[str, Any]) -> str:

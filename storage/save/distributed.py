@@ -354,17 +354,25 @@ def assemble(reports: list[RankReport], blob_count: int) -> Assembled:
     """Rank 0: one shard list and one blob list from every rank's report.
 
     Each rank numbered its shards from 0; here they are concatenated in rank
-    order and every blob entry's shard number is moved by its rank's offset.
+    order (a file of another version that several ranks reference listed once)
+    and every blob entry's shard number follows its shard.
     """
     shards: list[ShardEntry] = []
     blobs: dict[int, dict[str, Any]] = {}
     ranks: list[dict[str, Any]] = []
     own_nbytes = 0
+    listed: dict[tuple[int | None, str], int] = {}  # a file of another version, listed once
     for rep in reports:
-        base = len(shards)
-        shards += rep.shards
+        number = []
+        for shard in rep.shards:
+            place = (shard.version, shard.file)
+            if shard.version is None or place not in listed:
+                listed[place] = len(shards)
+                shards.append(shard)
+            number.append(listed[place])
+        moved = number != list(range(len(number)))
         for key, entry in rep.blobs.items():
-            blobs[key] = {**entry, "shard": entry["shard"] + base} if base else entry
+            blobs[key] = {**entry, "shard": number[entry["shard"]]} if moved else entry
         if rep.own is not None:
             shards.append(ShardEntry.model_validate(rep.own["shard"]))
             ranks.append(OwnPlan.part(rep.own, len(shards) - 1))

@@ -40,7 +40,14 @@ from ..errors import (
 )
 from ..files.location import Location, translate_errors
 from ..format.checksum import ALGORITHM
-from ..format.manifest import ManifestDraft, ShardEntry, clean_metrics, utc_now, writer_versions
+from ..format.manifest import (
+    MANIFEST_FILE,
+    ManifestDraft,
+    ShardEntry,
+    clean_metrics,
+    utc_now,
+    writer_versions,
+)
 from ..format.manifest_checks import MAX_DOCUMENT_DEPTH, json_depth
 from ..format.names import version_dir
 from ..format.structure import encode
@@ -48,8 +55,9 @@ from ..info import SaveRequest, StoreOptions, VersionInfo
 from ..versions import catalog, claims
 from ..versions import commit as protocol
 from ..versions.catalog import archived_for_writing
-from ..versions.housekeeping import last_change
+from ..versions.housekeeping import last_change, referenced
 from ..versions.lease import DEFAULT_TIMEOUT, LEASE_KEY, StoreLease, commit_lease, fence, read_lease
+from . import dedup
 from .distributed import RankGroup, RankPlan, RankReport, assemble, plan_rank, tensor_entries
 from .planner import Blob
 
@@ -147,6 +155,7 @@ class VersionWriter:
         self.claim_token = claims.new_claim(uuid.uuid4().hex)  # how this writer claims version numbers
         self.lease: StoreLease | None = None  # the store's lease, when this writer's store holds it
         self.writes_for: frozenset[int] = frozenset()  # pids of this host whose lease it commits under
+        self._index: dedup.ContentIndex | None = None  # what the next save may reference (:mod:`.dedup`)
 
     @property
     def rank(self) -> int:
@@ -251,6 +260,13 @@ class VersionWriter:
         if (record is not None and not record.is_writing()) or version in archived_for_writing(self.loc):
             raise VersionExistsError(version, self.loc.display())
         if record is not None:
+            kept = referenced(self.loc).keep(version)
+            if kept:
+                raise CheckpointError(
+                    f"version {version} of {self.loc.display()} was removed, but its directory keeps "
+                    f"{', '.join(sorted(kept))}, whose bytes committed versions reference: its number "
+                    "cannot be written again; save without a version number (the next free one)"
+                )
             self.clear_leftovers(version)
         if not self._claim_exclusively(version):
             raise self._taken(version, claims.read_claim(self.loc, version))
@@ -320,6 +336,30 @@ class VersionWriter:
         except BaseException:
             self.discard(manifest.version)
             raise
+        if self.options.dedup and not manifest.chunked:
+            self._index = dedup.ContentIndex(manifest.version, manifest.shards, manifest.blobs)
+
+    def content_index(self, parent: int | None) -> dedup.ContentIndex | None:
+        """The blobs the next save may reference: those of ``parent`` (the version the store last
+        committed or loaded), else of the newest committed version; None when there is none, or it
+        is archived (its bytes are then no loose files to reference)."""
+        index = self._index
+        if index is not None and (parent is None or index.version == parent):
+            with translate_errors(self.loc, "reading"):  # still committed (another process may prune)
+                path = self.loc.path(version_dir(index.version), MANIFEST_FILE)
+                self.loc.fs.invalidate_cache(path)
+                if self.loc.fs.exists(path):
+                    return index
+        with translate_errors(self.loc, "reading"):
+            found = catalog.lookup(self.loc, parent) if parent is not None else catalog.newest(self.loc)
+        if found is None or found.is_archived or found.manifest.chunked:
+            return None
+        self._index = dedup.ContentIndex(found.version, found.manifest.shards, found.manifest.blobs)
+        return self._index
+
+    def forget_index(self) -> None:
+        """Read the index again at the next save (versions were removed: its files may be gone)."""
+        self._index = None
 
     def discard(self, version: int) -> None:
         """After a failed save: remove its partial files (its claim shows they are this writer's,
@@ -356,9 +396,28 @@ class VersionWriter:
                 elif self.rank == 0:
                     self.ensure_claim(job.version)
                 threads = self.options.threads
+                plan, split = job.plan.shared, None
+                if self.options.dedup and plan.shards:  # reference what the store holds, write the rest
+                    split = dedup.split(
+                        plan,
+                        shared_bytes,
+                        self.content_index((job.request.lineage or {}).get("parent")),
+                        rank=self.rank,
+                        shard_bytes=self.options.shard_bytes,
+                        threads=threads,
+                    )
+                    plan = split.plan
                 shards, written = write_shards(
-                    self.loc, vdir, job.plan.shared, shared_bytes, threads=threads, rank=self.rank
+                    self.loc,
+                    vdir,
+                    plan,
+                    shared_bytes,
+                    threads=threads,
+                    rank=self.rank,
+                    keys=split.keys if split is not None else None,
                 )
+                if split is not None:
+                    shards, written = split.merge(shards, written)
                 own = None
                 if job.plan.own is not None:
                     files, own_written = write_shards(

@@ -2,8 +2,9 @@
 
 Each shard is laid out by :mod:`.h5layout` and then streamed front to back:
 metadata bytes from the layout, tensor bytes straight from memory. While the
-bytes go out, they are hashed twice: into the shard's checksum (the whole
-file) and into the blob's own checksum. A shard is complete only when its
+bytes go out, they are hashed into the shard's checksum (the whole file) and,
+unless a content-addressed save computed each blob's key before (:mod:`.dedup`),
+into the blob's own checksum. A shard is complete only when its
 sink commits (fsync on local disks, the final part on object stores); the
 manifest that references it is written afterwards by :mod:`.commit`.
 """
@@ -39,20 +40,22 @@ def write_shards(
     threads: int,
     rank: int = 0,
     piece_bytes: int | None = None,
+    keys: dict[int, str] | None = None,
 ) -> tuple[list[ShardEntry], dict[int, dict[str, Any]]]:
     """Write every shard of ``plan`` under ``version_dir``; return their manifest entries.
 
     The blob entries (JSON: :func:`.blob_doc`) are keyed by blob index: those of the blobs in
     ``plan.shards``, which in a multi-process save are this rank's share of ``plan.blobs``. With
     ``piece_bytes``, each blob also gets a checksum per piece of that size (smaller for a small
-    blob: :func:`piece_size`).
+    blob: :func:`piece_size`). ``keys``: the blobs' content keys, computed before the write (a
+    content-addressed save, :mod:`.dedup`), are their checksums; the writer then hashes only files.
     """
     if loc.is_local:  # object stores need no directories, and s3fs's makedirs would create a bucket
         loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
     blob_entries: dict[int, dict[str, Any]] = {}
 
     def one(shard: ShardPlan) -> ShardEntry:
-        entry, blobs = _write_shard(loc, version_dir, shard, plan.blobs, blob_bytes, rank, piece_bytes)
+        entry, blobs = _write_shard(loc, version_dir, shard, plan.blobs, blob_bytes, rank, piece_bytes, keys)
         blob_entries.update(blobs)
         return entry
 
@@ -73,6 +76,7 @@ def _write_shard(
     blob_bytes: BlobBytes,
     rank: int,
     piece_bytes: int | None,
+    keys: dict[int, str] | None,
 ) -> tuple[ShardEntry, dict[int, dict[str, Any]]]:
     members = [blobs[i] for i in shard.blobs]
     image = build_shard_image(members)
@@ -100,7 +104,7 @@ def _write_shard(
                 )
             if len(data) <= SMALL and (seg.blob is None or not piece_bytes):
                 # Thousands of small tensors cost one write and one hash call each, not three.
-                if seg.blob is not None:
+                if seg.blob is not None and keys is None:
                     sums[seg.blob] = digest(data)
                 pending.append(data)
                 pending_bytes += len(data)
@@ -108,7 +112,7 @@ def _write_shard(
                     flush()
                 continue
             flush()
-            if seg.blob is None:
+            if seg.blob is None or keys is not None:
                 write_hashed(sink, data, file_hash)
                 continue
             blob_hash = new_hasher()
@@ -136,7 +140,7 @@ def _write_shard(
             nbytes=nbytes,
             dtype=names[b.dtype],
             shape=list(b.shape),
-            checksum=sums.get(b.index, empty),
+            checksum=keys[b.index] if keys is not None else sums.get(b.index, empty),
             piece_bytes=piece_size(nbytes, piece_bytes) if piece_bytes else None,
             pieces=piece_sums.get(b.index, []) if piece_bytes else None,
         )

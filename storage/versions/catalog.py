@@ -41,7 +41,7 @@ class Located:
     def sources(self, loc: Location) -> list[ShardSource]:
         if self.archived is not None:
             return archived_sources(loc, self.archived)
-        return loose_sources(loc, version_dir(self.version), self.manifest)
+        return loose_sources(loc, self.manifest)
 
     def check_tarball(self, loc: Location, *, whole: bool) -> None:
         """An archived version: check its tarball's tar structure, all of it (``whole``: what verify
@@ -82,10 +82,22 @@ def survey(loc: Location) -> Survey:
     unreadable = {
         v: r.error for v, r in records.items() if r.error is not None and r.is_unreadable() and v not in found
     }
+    referenced: dict[int, set[str]] = {}  # files of other versions' directories loose versions read
+    for record in records.values():
+        for shard in record.manifest.shards if record.manifest is not None else ():
+            if shard.version is not None:
+                referenced.setdefault(shard.version, set()).add(shard.file)
     return Survey(
         committed=found,
         unreadable=unreadable,
-        writing=[v for v, r in records.items() if r.is_writing() and v not in found],
+        writing=[
+            v
+            for v, r in records.items()
+            if r.is_writing()
+            and v not in found
+            # a removed version's directory that keeps only files others reference is no leftover
+            and not (v in referenced and set(protocol.list_files(loc, v)) <= referenced[v])
+        ],
         set_aside=protocol.list_set_aside(loc),
         bad_archives=bad,
     )

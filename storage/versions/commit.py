@@ -42,7 +42,7 @@ from ..errors import CheckpointError, FormatVersionError, ManifestError, Version
 from ..files.atomic import exclusive_local_write, exclusive_remote_write, write_file_atomic
 from ..files.byteio import fsync_dir
 from ..files.location import Location, bucket_missing, missing_bucket_error
-from ..format.manifest import MANIFEST_FILE, Manifest, ManifestDraft, parse_manifest
+from ..format.manifest import MANIFEST_FILE, Manifest, ManifestDraft, ShardEntry, parse_manifest
 from ..format.manifest_checks import MAX_BYTES
 from ..format.names import parse_version_dir, version_dir
 from .claims import check_claim, drop_claim
@@ -265,25 +265,32 @@ def _stored_anyway(loc: Location, path: str, data: bytes) -> bool:
 def check_shards_present(loc: Location, manifest: Manifest | ManifestDraft) -> None:
     """Refuse to commit a version whose shard files are not all there with their sizes.
 
-    One listing of the version directory. It catches a shard removed while the
-    save ran (``gc`` from another process, a lifecycle rule), which would
-    otherwise become a committed version that cannot be loaded.
+    One listing of each directory its shards are in: its own, and those of the versions whose
+    bytes it references. It catches a shard removed while the save ran (``gc`` or ``prune`` from
+    another process, a lifecycle rule), which would otherwise become a committed version that
+    cannot be loaded.
     """
-    vdir = version_dir(manifest.version)
-    loc.fs.invalidate_cache(loc.path(vdir))
-    try:
-        found = {
-            e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
-            for e in loc.fs.ls(loc.path(vdir), detail=True)
-        }
-    except FileNotFoundError:
-        found = {}
-    wrong = [s.file for s in manifest.shards if found.get(s.file) != s.size]
+    wrong: list[str] = []
+    by_dir: dict[str, list[ShardEntry]] = {}
+    for shard in manifest.shards:
+        by_dir.setdefault(shard.directory(manifest.version), []).append(shard)
+    for vdir, shards in by_dir.items():
+        loc.fs.invalidate_cache(loc.path(vdir))
+        try:
+            found = {
+                e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
+                for e in loc.fs.ls(loc.path(vdir), detail=True)
+            }
+        except FileNotFoundError:
+            found = {}
+        own = shards[0].version is None
+        wrong += [s.file if own else f"{vdir}/{s.file}" for s in shards if found.get(s.file) != s.size]
     if wrong:
+        vdir = version_dir(manifest.version)
         raise CheckpointError(
             f"not committing {loc.display(vdir)}: shard files {', '.join(wrong)} are missing or changed "
-            "since they were written (was `ckptflow gc` run on a store being saved to?). The previous "
-            "version stays the latest; save again"
+            "since they were written (was `ckptflow gc` or `prune` run on a store being saved to?). The "
+            "previous version stays the latest; save again"
         )
 
 
@@ -322,16 +329,43 @@ def refresh_latest(loc: Location, committed: list[int]) -> None:
         loc.fs.rm_file(loc.path(LATEST_FILE))
 
 
-def remove_version(loc: Location, version: int) -> None:
-    """Delete a version directory, manifest first, so a crash midway leaves garbage, not a broken version."""
+def remove_version(loc: Location, version: int, *, keep: frozenset[str] = frozenset()) -> None:
+    """Delete a version directory, manifest first, so a crash midway leaves garbage, not a broken
+    version. ``keep``: its files whose bytes committed versions reference; they stay, and so does
+    the directory, until no committed version references them (gc removes them then)."""
     vdir = loc.path(version_dir(version))
+    remove_manifest(loc, version)
+    files = list_files(loc, version) if keep else []
+    if not any(name in keep for name in files):
+        if loc.fs.exists(vdir):
+            loc.remove_tree(vdir)
+        return
+    for name in files:
+        if name not in keep:
+            loc.remove_file(loc.path(version_dir(version), name))
+
+
+def remove_manifest(loc: Location, version: int) -> None:
+    """Make a version stop existing: remove its manifest (durably on a local disk)."""
     manifest = loc.path(version_dir(version), MANIFEST_FILE)
     if loc.fs.exists(manifest):
         loc.fs.rm_file(manifest)
         if loc.is_local:
-            fsync_dir(vdir)
-    if loc.fs.exists(vdir):
-        loc.remove_tree(vdir)
+            fsync_dir(loc.path(version_dir(version)))
+
+
+def list_files(loc: Location, version: int) -> list[str]:
+    """The names of the files in a version's directory (none if it is gone)."""
+    path = loc.path(version_dir(version))
+    loc.fs.invalidate_cache(path)
+    try:
+        return sorted(
+            e["name"].rstrip("/").rsplit("/", 1)[-1]
+            for e in loc.fs.ls(path, detail=True)
+            if e["type"] == "file"
+        )
+    except FileNotFoundError:
+        return []
 
 
 def set_aside(loc: Location, version: int) -> str:

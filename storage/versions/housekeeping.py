@@ -9,6 +9,16 @@ cannot be cut out of a tar). ``gc`` removes what crashes leave: version
 directories without a manifest, tarballs without an index, temp files of
 atomic writes (in the root and in ``archive/``), and says which it removed and
 which it spared as too recent (:class:`GarbageReport`).
+
+Versions share bytes (format 8): a version's manifest may reference shard
+files in an older version's directory instead of writing the same bytes
+again. Removal is then mark and sweep: the files that committed loose
+versions reference (:func:`referenced`) are never removed, whatever removes;
+a deleted or pruned version loses its manifest and its other files, and its
+directory keeps the referenced ones until no committed version needs them,
+when ``gc`` (or the next prune) removes them. The marks are read from the
+committed manifests at the time of the removal, so a crash at any instant
+loses nothing a committed version references.
 """
 
 from __future__ import annotations
@@ -42,6 +52,69 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+class References:
+    """Which files of version directories committed loose versions reference (the marks)."""
+
+    def __init__(self, loc: Location) -> None:
+        self.files: dict[int, set[str]] = {}
+        self.unknown = False  # a loose manifest could not be read: what it references is unknown
+        for _v, record in protocol.scan(loc).items():
+            if record.manifest is None:
+                self.unknown = self.unknown or (record.error is not None and record.is_unreadable())
+                continue
+            for shard in record.manifest.shards:
+                if shard.version is not None:
+                    self.files.setdefault(shard.version, set()).add(shard.file)
+
+    def keep(self, version: int) -> frozenset[str]:
+        """The files of ``version``'s directory that must stay when it is removed."""
+        return frozenset(self.files.get(version, ()))
+
+    def spare_all(self) -> bool:
+        if self.unknown:
+            log.warning(
+                "a version's manifest cannot be read, so the bytes it references are unknown: removed "
+                "versions keep their shard files until it is readable or set aside (then run gc)"
+            )
+        return self.unknown
+
+
+def referenced(loc: Location) -> References:
+    """The marks: what committed loose versions reference in other versions' directories."""
+    return References(loc)
+
+
+def remove_versions(loc: Location, versions: list[int]) -> int:
+    """Remove loose versions but the files others reference; return the bytes freed. Every
+    manifest goes first, then the marks are read from the manifests that stay, then the sweep: a
+    crash at any point leaves garbage, never a committed version without its bytes."""
+    for version in versions:
+        protocol.remove_manifest(loc, version)
+    return sweep(loc, versions, referenced(loc))
+
+
+def sweep(loc: Location, versions: list[int], refs: References) -> int:
+    """Remove the files of the (manifest-less) directories of ``versions`` that no committed
+    version references, and each directory left empty; return the bytes freed."""
+    spare_all = refs.spare_all()
+    freed = 0
+    for version in versions:
+        files = protocol.list_files(loc, version)
+        keep = refs.keep(version)
+        if spare_all:
+            keep = keep | {f for f in files if f.endswith(".h5")}
+        freed += sum(_size(loc, loc.path(version_dir(version), f)) for f in files if f not in keep)
+        protocol.remove_version(loc, version, keep=frozenset(keep))
+    return freed
+
+
+def _size(loc: Location, path: str) -> int:
+    try:
+        return int(loc.fs.size(path) or 0)
+    except FileNotFoundError:
+        return 0
+
+
 def delete_version(loc: Location, version: int) -> None:
     """Delete one committed version; an archived one only if it is alone in its tarball."""
     found = catalog.committed(loc)
@@ -58,7 +131,7 @@ def delete_version(loc: Location, version: int) -> None:
             )
         remove_tarball(loc, archived.tar)
     if version in protocol.list_dirs(loc):
-        protocol.remove_version(loc, version)
+        remove_versions(loc, [version])
     protocol.refresh_latest(loc, [v for v in numbers if v != version])
 
 
@@ -78,12 +151,13 @@ def prune(loc: Location, policy: RetentionPolicy) -> PrunePlan:
     the policy keeps; its loose copy, if any, goes.
     """
     carried = plan(loc, policy)
+    freed = 0
     for tar in carried.tarballs:
+        freed += _size(loc, archive_location(loc).path(tar))
         remove_tarball(loc, tar)
-    for version in carried.loose:
-        protocol.remove_version(loc, version)
+    freed += remove_versions(loc, list(carried.loose))
     protocol.refresh_latest(loc, list(carried.remaining))
-    return carried
+    return dataclasses.replace(carried, freed=freed)
 
 
 def archive(loc: Location, versions: list[int], *, name: str | None = None) -> TarIndex:
@@ -101,15 +175,13 @@ def drop_loose(loc: Location, versions: list[int]) -> list[int]:
     """Remove the loose copies of versions that a committed tarball holds; return those removed."""
     archived = list_archived(loc)
     loose = protocol.list_dirs(loc)
-    removed = []
     for v in versions:
         if v not in archived:
             raise CheckpointError(
                 f"version {v} is not in a committed tarball: its loose files are its only copy"
             )
-        if v in loose:
-            protocol.remove_version(loc, v)
-            removed.append(v)
+    removed = [v for v in versions if v in loose]
+    remove_versions(loc, removed)
     return removed
 
 
@@ -131,6 +203,7 @@ class GarbageReport:
 
     removed: Leftovers
     spared: Leftovers
+    freed: int = 0  # bytes removed (0 in a dry run)
 
 
 def find_garbage(loc: Location, min_age: float = 0.0) -> GarbageReport:
@@ -138,9 +211,9 @@ def find_garbage(loc: Location, min_age: float = 0.0) -> GarbageReport:
     aloc = archive_location(loc)
     _, partial = list_tarballs(loc)
     temps = [os.path.relpath(p, loc.root) for p in (*stale_temp_files(loc), *stale_temp_files(aloc))]
-    versions = _by_age(
-        loc, [(v, loc.path(version_dir(v))) for v, ok in protocol.list_dirs(loc).items() if not ok], min_age
-    )
+    refs = referenced(loc)
+    leftover = [v for v, ok in protocol.list_dirs(loc).items() if not ok and _holds_garbage(loc, v, refs)]
+    versions = _by_age(loc, [(v, loc.path(version_dir(v))) for v in leftover], min_age)
     tarballs = _by_age(loc, [(tar, aloc.path(tar)) for tar in partial], min_age)
     temp_files = _by_age(loc, [(name, loc.path(name)) for name in temps], min_age)
     return GarbageReport(
@@ -161,14 +234,14 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> GarbageReport:
     an archive job in another process may still be writing it.
     """
     report = find_garbage(loc, min_age)
-    for v in report.removed.versions:
-        loc.remove_tree(loc.path(version_dir(v)))
+    freed = sweep(loc, list(report.removed.versions), referenced(loc))
     aloc = archive_location(loc)
     tarballs = []
     for tar in report.removed.tarballs:
         if aloc.fs.exists(aloc.path(index_name(tar))):
             continue  # committed since it was listed: no leftover
         log.info("removing %s: a tarball without an index (archiving was interrupted)", tar)
+        freed += _size(loc, aloc.path(tar))
         aloc.remove_file(aloc.path(tar))
         tarballs.append(tar)
     for v in claims.stray_claims(loc):  # a writer killed between its commit and removing its claim
@@ -176,7 +249,18 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> GarbageReport:
     for name in report.removed.temp_files:
         with contextlib.suppress(FileNotFoundError):
             os.remove(loc.path(name))
-    return dataclasses.replace(report, removed=dataclasses.replace(report.removed, tarballs=tuple(tarballs)))
+    return dataclasses.replace(
+        report, removed=dataclasses.replace(report.removed, tarballs=tuple(tarballs)), freed=freed
+    )
+
+
+def _holds_garbage(loc: Location, version: int, refs: References) -> bool:
+    """Whether a directory without a manifest holds a file no committed version references (a
+    pruned version's directory that keeps only referenced shards is not garbage)."""
+    keep = refs.keep(version)
+    if not keep:
+        return True
+    return any(name not in keep for name in protocol.list_files(loc, version))
 
 
 def settled(loc: Location, path: str, min_age: float) -> bool:
