@@ -134,7 +134,7 @@ class _VersionSide(_Side):
 class _FileSide(_Side):
     def __init__(self, path: Path) -> None:
         from .files.byteio import tensor_bytes
-        from .format.checksum import ALGORITHM, digest
+        from .format.checksum import KEY_ALGORITHM, content_key
         from .format.dtypes import dtype_name
         from .format.structure import encode
 
@@ -162,8 +162,8 @@ class _FileSide(_Side):
             p: TensorFacts(dtype_name(t.dtype), list(t.shape), t.numel() * t.element_size())
             for p, t in self.tensors.items()
         }
-        kind = f"bytes {ALGORITHM}"
-        self.prints = {p: (kind, digest(tensor_bytes(t))) for p, t in self.tensors.items()}
+        kind = f"bytes {KEY_ALGORITHM}"  # as a content-addressed save's blob checksums
+        self.prints = {p: (kind, content_key(tensor_bytes(t))) for p, t in self.tensors.items()}
         self.values = dict(_leaf_values(structure))
 
     def read(self, paths: list[str]) -> dict[str, torch.Tensor]:
@@ -171,25 +171,30 @@ class _FileSide(_Side):
 
 
 def _manifest_tensors(manifest: Manifest) -> tuple[dict[str, TensorFacts], dict[str, tuple | None]]:
+    from .format.checksum import KEY_ALGORITHM, KEY_DIGITS
+
     facts: dict[str, TensorFacts] = {}
     prints: dict[str, tuple | None] = {}
-    whole_kind, chunks_kind = f"bytes {manifest.checksum_algorithm}", f"chunks {manifest.checksum_algorithm}"
+    def algorithm(checksum: str) -> str:  # a blob's: xxh3-128 (a content key, format 8) or the manifest's
+        return KEY_ALGORITHM if len(checksum) == KEY_DIGITS else manifest.checksum_algorithm
+
     for t in manifest.tensors:
         blob = manifest.blobs[t.blob]
         nbytes = t.nbytes or 0
         facts[t.path] = TensorFacts(t.dtype, list(t.shape), nbytes)
         whole = t.stride is None and t.offset == 0 and blob.dtype == t.dtype and blob.nbytes == nbytes
-        prints[t.path] = (whole_kind, blob.checksum) if whole else None
+        prints[t.path] = (f"bytes {algorithm(blob.checksum)}", blob.checksum) if whole else None
     for c in manifest.chunked:
         facts[c.path] = TensorFacts(c.dtype, list(c.shape), c.nbytes)
+        first = manifest.blobs[c.chunks[0].blob].checksum if c.chunks else ""
         if len(c.chunks) == 1 and c.chunks[0].sizes == c.shape:  # one chunk: the whole tensor's bytes
-            prints[c.path] = (whole_kind, manifest.blobs[c.chunks[0].blob].checksum)
+            prints[c.path] = (f"bytes {algorithm(first)}", first)
         else:  # the same boxes with the same checksums: the same bytes
             boxes = tuple(
                 (tuple(k.offsets), tuple(k.sizes), manifest.blobs[k.blob].checksum)
                 for k in sorted(c.chunks, key=lambda k: k.offsets)
             )
-            prints[c.path] = (chunks_kind, boxes)
+            prints[c.path] = (f"chunks {algorithm(first)}", boxes)
     return facts, prints
 
 

@@ -12,7 +12,9 @@ is due beyond that waits its turn in the queue, never in a commit, so a slow
 or silent upload target cannot hold training up. The flow drains the queue
 before it exits. Its order keeps every
 committed version loadable at every instant: tarball and index, then the
-upload verified (when configured), then the loose files removed. Re-running
+upload verified (when configured), then the loose files removed (but the
+newest committed version's, which the next save may reference: the next job
+removes them). Re-running
 it after a crash picks up where it stopped: a committed tarball is reused,
 a verified remote copy is skipped.
 
@@ -83,6 +85,14 @@ class ArchiveResult:
     dropped: list[int]  # versions whose loose files were removed
 
 
+def _droppable(store: CheckpointStore, versions: list[int]) -> list[int]:
+    """The archived versions whose loose copies go now: all but the newest committed version's,
+    which the save in flight may reference (content-addressed saves reference the files of the
+    version they continue, and the files it references); the next job drops it."""
+    newest = store.latest()
+    return [v for v in versions if newest is None or v != newest.version]
+
+
 def upload_target(config: ArchiveConfig) -> tuple[str, dict[str, Any]] | None:
     """``upload_to`` and its fsspec options: on S3 with timeouts and bounded attempts (those set
     in ``upload_options``' ``config_kwargs`` win), so a silent target fails a job in bounded time."""
@@ -103,7 +113,7 @@ def archive_versions(store: CheckpointStore, versions: list[int], config: Archiv
         url, options = target
         uploaded = store.mirror_archive(index.tar, url, storage_options=options)
         logger.info("uploaded %s (%d bytes) to %s", index.tar, index.size, uploaded)
-    dropped = [] if config.keep_loose else store.drop_loose(versions)
+    dropped = [] if config.keep_loose else store.drop_loose(_droppable(store, versions))
     logger.info("archived versions %s into %s", versions, store.tarball_url(index.tar))
     return ArchiveResult(store.tarball_url(index.tar), versions, index.size, uploaded, dropped)
 

@@ -18,7 +18,14 @@ a deleted or pruned version loses its manifest and its other files, and its
 directory keeps the referenced ones until no committed version needs them,
 when ``gc`` (or the next prune) removes them. The marks are read from the
 committed manifests at the time of the removal, so a crash at any instant
-loses nothing a committed version references.
+loses nothing a committed version references. On a local disk the marks and
+the sweep hold the store's fence (:func:`.lease.fence`), under which every
+commit checks that its files are there and creates its manifest: a save that
+references a file commits either before the marks (and marks it) or after
+the sweep (and finds it gone, and fails). On object stores there is no such
+fence: a save whose file a removal in another process sweeps between the save's
+check and its manifest's PUT would commit without it, so removals there must
+not run beside another process's saves (the lease keeps other writers out).
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from ..files.location import Location
 from ..format.names import version_dir
 from . import catalog, claims
 from . import commit as protocol
+from .lease import fence
 from .retention import PrunePlan, RetentionPolicy, plan_prune
 
 log = logging.getLogger(__name__)
@@ -90,7 +98,8 @@ def remove_versions(loc: Location, versions: list[int]) -> int:
     crash at any point leaves garbage, never a committed version without its bytes."""
     for version in versions:
         protocol.remove_manifest(loc, version)
-    return sweep(loc, versions, referenced(loc))
+    with fence(loc):  # no commit between the marks and the sweep (a commit checks its files under it)
+        return sweep(loc, versions, referenced(loc))
 
 
 def sweep(loc: Location, versions: list[int], refs: References) -> int:
@@ -234,7 +243,8 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> GarbageReport:
     an archive job in another process may still be writing it.
     """
     report = find_garbage(loc, min_age)
-    freed = sweep(loc, list(report.removed.versions), referenced(loc))
+    with fence(loc):
+        freed = sweep(loc, list(report.removed.versions), referenced(loc))
     aloc = archive_location(loc)
     tarballs = []
     for tar in report.removed.tarballs:

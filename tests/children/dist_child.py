@@ -51,6 +51,10 @@ def make_state(seed: int, version: int) -> dict[str, Any]:
         model[f"layers.{i}.weight"] = torch.randn(WIDTH, cols, generator=gen).to(dtype)
         model[f"layers.{i}.bias"] = torch.randn(WIDTH, generator=gen)
     model["head.weight"] = model["embed.weight"]  # tied: the same tensor under two keys
+    # A frozen part, the same in every version: later versions reference its bytes in version 0.
+    frozen = torch.Generator().manual_seed(seed)
+    for i in range(2 * LAYERS):  # many tensors of a layer's size: the ranks' shares stay even
+        model[f"frozen.{i}"] = torch.randn(WIDTH, WIDTH, generator=frozen)
     packed = torch.randn(2 * WIDTH, WIDTH, generator=gen)
     model["qkv.q"], model["qkv.k"] = packed[:WIDTH], packed[WIDTH:]  # two views of one storage
     optimizer = {

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore, RankStateWarning, StoreOptions
+from ckptflow.storage.format.manifest import SHARED_FORMAT_VERSION
 from ckptflow.storage.versions.commit import list_dirs
 from tests.children import CHILDREN
 from tests.children.dist_child import digest, make_rank_state, make_state
@@ -164,6 +165,16 @@ class TestRoundTrip:
             assert ok(result, "save0")["version"] == 0
             assert_loaded_like(result, "load0", make_state(SEED, 0))
 
+    def test_a_frozen_part_is_written_once(self, two_rank_job):
+        """Each rank references the bytes of its share that version 0 holds (the frozen part)."""
+        url, _ = two_rank_job
+        raw = json.loads((Path(url) / "v000001" / "manifest.json").read_bytes())
+        shared = [s for s in raw["shards"] if s.get("version") == 0]
+        assert shared and all(s["file"].startswith("shard-r") for s in shared)
+        frozen = [t for t in raw["tensors"] if t["path"].startswith("model/frozen.")]
+        assert {raw["shards"][raw["blobs"][t["blob"]]["shard"]].get("version") for t in frozen} == {0}
+        assert {s["rank"] for s in shared} == {0, 1}  # both ranks referenced their share
+
     def test_same_world_size_gives_each_rank_its_own_state(self, two_rank_job):
         _, results = two_rank_job
         for rank, result in enumerate(results):
@@ -223,7 +234,7 @@ class TestRoundTrip:
     def test_manifest_records_the_world_size_and_the_ranks(self, two_rank_job):
         url, _ = two_rank_job
         raw = json.loads((Path(url) / "v000000" / "manifest.json").read_bytes())
-        assert raw["format_version"] == 6  # every manifest is written in the newest format
+        assert raw["format_version"] == SHARED_FORMAT_VERSION  # content keys: the newest format
         assert raw["world_size"] == 2
         assert len(raw["ranks"]) == 2
 
@@ -450,7 +461,7 @@ class TestSingleProcess:
         store = CheckpointStore(tmp_path / "store", options=StoreOptions(shards=2, shard_bytes=1))
         store.save(make_state(SEED, 0), epoch=0)
         raw = json.loads((tmp_path / "store" / "v000000" / "manifest.json").read_bytes())
-        assert raw["format_version"] == 6
+        assert raw["format_version"] == SHARED_FORMAT_VERSION  # content keys
         assert "ranks" not in raw and "world_size" not in raw
         assert all(s["file"].startswith("shard-r0-") for s in raw["shards"])
         assert store.load_rank_state(0) is None
@@ -461,7 +472,8 @@ class TestSingleProcess:
         own = make_rank_state(SEED, 0, 0)
         store.save(make_state(SEED, 0), epoch=0, rank_state=own)
         raw = json.loads((tmp_path / "store" / "v000000" / "manifest.json").read_bytes())
-        assert raw["format_version"] == 6 and raw["world_size"] == 1 and len(raw["ranks"]) == 1
+        assert raw["format_version"] == SHARED_FORMAT_VERSION
+        assert raw["world_size"] == 1 and len(raw["ranks"]) == 1
         fresh = CheckpointStore(tmp_path / "store")
         got = fresh.load_rank_state(0)
         assert_same_state(got, own)

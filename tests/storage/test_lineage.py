@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptflow.storage import CheckpointStore, UnsupportedValueError
+from ckptflow.storage import CheckpointStore, StoreOptions, UnsupportedValueError
 from ckptflow.storage.format.manifest import FORMAT_VERSION, LINEAGE_FORMAT_VERSION
 
 
@@ -45,13 +45,13 @@ def test_a_new_store_object_that_loaded_nothing_starts_anew(tmp_path: Path) -> N
 
 
 def test_what_the_caller_gives_is_kept_and_the_format_says_it(tmp_path: Path) -> None:
-    store = CheckpointStore(tmp_path / "store")
+    store = CheckpointStore(tmp_path / "store", options=StoreOptions(dedup=False))  # no content keys
     plain = store.save(state(1))
     given = {"run": "r-1", "spec": "m:Spec", "config_hash": "abc", "code": {"git": "0" * 40}}
     info = store.save(state(2), lineage=given)
     assert info.lineage == {**given, "parent": plain.version}
     assert store.versions()[-1].lineage == info.lineage
-    assert raw_manifest(store, info.version)["format_version"] == LINEAGE_FORMAT_VERSION == FORMAT_VERSION
+    assert raw_manifest(store, info.version)["format_version"] == LINEAGE_FORMAT_VERSION == FORMAT_VERSION - 1
     assert "lineage" not in raw_manifest(store, plain.version), "no lineage, no format 7"
     assert raw_manifest(store, plain.version)["format_version"] == 6  # older ckptflow still reads it
     explicit = store.save(state(3), lineage={"parent": plain.version})
