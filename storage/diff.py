@@ -175,6 +175,7 @@ def _manifest_tensors(manifest: Manifest) -> tuple[dict[str, TensorFacts], dict[
 
     facts: dict[str, TensorFacts] = {}
     prints: dict[str, tuple | None] = {}
+
     def algorithm(checksum: str) -> str:  # a blob's: xxh3-128 (a content key, format 8) or the manifest's
         return KEY_ALGORITHM if len(checksum) == KEY_DIGITS else manifest.checksum_algorithm
 
