@@ -59,6 +59,10 @@ def content_key(data: bytes | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
+def key_hasher() -> xxhash.xxh3_128:
+    return xxhash.xxh3_128()
+
+
 def blob_hasher(checksum: str) -> xxhash.xxh3_64 | xxhash.xxh3_128:
     """A hasher of the algorithm of a blob's ``checksum``: xxh3-128 for a content key, else xxh3-64."""
     return xxhash.xxh3_128() if len(checksum) == KEY_DIGITS else xxhash.xxh3_64()

@@ -22,18 +22,16 @@ removes a file a committed version references.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.checksum import content_key
+from ..format.checksum import content_key, digest
 from ..format.dtypes import dtype_name
 from ..format.manifest import BlobEntry, ShardEntry
 from .planner import Blob, SavePlan, assign_shards
 
 BlobBytes = Callable[[Blob], memoryview]
 MIN_SHARE = 4  # a referenced shard file supplies at least 1/MIN_SHARE of its bytes
-PARALLEL_BYTES = 64 << 20  # states larger than this are hashed by several threads
 
 Key = tuple[str, str, int]  # (xxh3-128 of the bytes, dtype name, bytes)
 
@@ -48,12 +46,20 @@ class Held:
 
 
 class ContentIndex:
-    """The blobs one committed version holds or references, by content key, dtype and size."""
+    """The blobs one committed version holds or references, by content key, dtype and size; and,
+    for an index this process's own save left, the samples of those blobs (:func:`sample`)."""
 
     def __init__(
-        self, version: int, shards: list[ShardEntry], blobs: Iterable[dict[str, Any] | BlobEntry]
+        self,
+        version: int,
+        shards: list[ShardEntry],
+        blobs: Iterable[dict[str, Any] | BlobEntry],
+        samples: set[Sample] | None = None,
     ) -> None:
         self.version = version
+        # None: unknown (an index read from a manifest): every blob of a held dtype and size is
+        # hashed whole before it is written or referenced.
+        self.samples = samples
         # Every shard in the form a later version's manifest lists it: with the version it is in.
         self.shards = [
             s if s.version is not None else s.model_copy(update={"version": version}) for s in shards
@@ -65,6 +71,15 @@ class ContentIndex:
             if len(checksum) != 32 or not b["nbytes"] or b["offset"] is None or b.get("pieces"):
                 continue  # not content-addressed (an older format), empty, or a chunk with pieces
             self.held[(checksum, b["dtype"], b["nbytes"])] = Held(b["shard"], b["dataset"], b["offset"])
+        self.sizes = {(dtype, nbytes) for _, dtype, nbytes in self.held}
+
+    def may_hold(self, blob: Blob, name: str, sampled: Sample | None) -> bool:
+        """Whether the index may hold ``blob``'s bytes: a blob of its dtype and size is held and,
+        where samples are known, one with its sample (a blob whose sample no held blob has
+        differs from every one of them)."""
+        if (name, blob.nbytes) not in self.sizes:
+            return False
+        return sampled is None or self.samples is None or sampled in self.samples
 
 
 @dataclass(frozen=True)
@@ -73,8 +88,11 @@ class Split:
     the entries of those it references."""
 
     plan: SavePlan  # the blobs to write, planned into this version's shard files
-    keys: dict[int, str]  # every blob's content key (its checksum in the manifest)
+    # The content keys computed before the write (the blobs the index may hold, and small ones):
+    # their checksums in the manifest; the writer computes the others' as it writes them.
+    keys: dict[int, str]
     reused: dict[int, tuple[ShardEntry, Held]]  # blob index -> the file and place of its bytes
+    samples: set[Sample]  # every large blob's sample, for the index this save leaves
 
     @property
     def reused_bytes(self) -> int:
@@ -115,41 +133,49 @@ def split(
     *,
     rank: int,
     shard_bytes: int,
-    threads: int,
 ) -> Split:
-    """Hash this rank's blobs of ``plan`` and split them into those ``index`` holds and those to
-    write, planned into as many files as ``plan`` had (none when every blob is referenced)."""
+    """Split this rank's blobs of ``plan`` into those ``index`` holds and those to write, planned
+    into as many files as ``plan`` had (none when every blob is referenced).
+
+    A large blob is hashed whole here only when the index may hold it (:meth:`ContentIndex.may_hold`:
+    its sample matches a held blob's); the others, which changed for certain (every blob of a dense
+    save), are hashed by the writer as it writes them, as without dedup."""
     mine = [plan.blobs[i] for shard in plan.shards for i in shard.blobs]
-    keys = _keys(mine, blob_bytes, threads)
+    keys: dict[int, str] = {}
+    samples: set[Sample] = set()
+    found: dict[int, Held] = {}
+    for blob in mine:
+        name = dtype_name(blob.dtype)
+        data = blob_bytes(blob)
+        sampled = sample(data, name) if blob.nbytes > SAMPLED else None
+        if sampled is not None:
+            samples.add(sampled)
+        if sampled is not None and (index is None or not index.may_hold(blob, name, sampled)):
+            continue  # changed: the writer hashes it
+        keys[blob.index] = key = content_key(data)
+        held = index.held.get((key, name, blob.nbytes)) if index is not None and blob.nbytes else None
+        if held is not None:
+            found[blob.index] = held
     reused: dict[int, tuple[ShardEntry, Held]] = {}
-    if index is not None and index.held:
-        found: dict[int, Held] = {}
-        for blob in mine:
-            if blob.nbytes:
-                held = index.held.get((keys[blob.index], dtype_name(blob.dtype), blob.nbytes))
-                if held is not None:
-                    found[blob.index] = held
+    if found and index is not None:
         supplied: dict[int, int] = {}
         for i, held in found.items():
             supplied[held.shard] = supplied.get(held.shard, 0) + plan.blobs[i].nbytes
         worth = {s for s, n in supplied.items() if n * MIN_SHARE >= index.shards[s].size}
         reused = {i: (index.shards[h.shard], h) for i, h in found.items() if h.shard in worth}
     if not reused:
-        return Split(plan, keys, {})
+        return Split(plan, keys, {}, samples)
     new = [b for b in mine if b.index not in reused]
     files = assign_shards(new, shards=len(plan.shards), rank=rank, shard_bytes=shard_bytes) if new else []
-    return Split(SavePlan(plan.blobs, plan.refs, files), keys, reused)
+    return Split(SavePlan(plan.blobs, plan.refs, files), keys, reused, samples)
 
 
-def _keys(blobs: list[Blob], blob_bytes: BlobBytes, threads: int) -> dict[int, str]:
-    """Every blob's content key; a large state is hashed by ``threads`` threads (xxh3 releases
-    the GIL), largest blobs first."""
+Sample = tuple[str, int, str]  # (dtype name, bytes, xxh3-64 of the first and last SAMPLE_BYTES)
+SAMPLE_BYTES = 4 << 10
+SAMPLED = 4 * SAMPLE_BYTES  # blobs above this size are sampled first; smaller ones hashed whole
 
-    def one(blob: Blob) -> tuple[int, str]:
-        return blob.index, content_key(blob_bytes(blob))
 
-    if threads > 1 and sum(b.nbytes for b in blobs) > PARALLEL_BYTES:
-        ordered = sorted(blobs, key=lambda b: -b.nbytes)
-        with ThreadPoolExecutor(threads, thread_name_prefix="ckptflow-hash") as pool:
-            return dict(pool.map(one, ordered))
-    return dict(one(b) for b in blobs)
+def sample(data: memoryview, dtype: str) -> Sample:
+    """A cheap fingerprint of a large blob: its first and last 4 KiB. Two blobs with different
+    samples differ; with the same sample, only their content keys tell."""
+    return dtype, len(data), digest(bytes(data[:SAMPLE_BYTES]) + bytes(data[-SAMPLE_BYTES:]))

@@ -156,6 +156,7 @@ class VersionWriter:
         self.lease: StoreLease | None = None  # the store's lease, when this writer's store holds it
         self.writes_for: frozenset[int] = frozenset()  # pids of this host whose lease it commits under
         self._index: dedup.ContentIndex | None = None  # what the next save may reference (:mod:`.dedup`)
+        self._samples: set[dedup.Sample] | None = None  # the samples of the blobs of the save in flight
 
     @property
     def rank(self) -> int:
@@ -337,7 +338,7 @@ class VersionWriter:
             self.discard(manifest.version)
             raise
         if self.options.dedup and not manifest.chunked:
-            self._index = dedup.ContentIndex(manifest.version, manifest.shards, manifest.blobs)
+            self._index = dedup.ContentIndex(manifest.version, manifest.shards, manifest.blobs, self._samples)
 
     def content_index(self, parent: int | None) -> dedup.ContentIndex | None:
         """The blobs the next save may reference: those of ``parent`` (the version the store last
@@ -404,7 +405,6 @@ class VersionWriter:
                         self.content_index((job.request.lineage or {}).get("parent")),
                         rank=self.rank,
                         shard_bytes=self.options.shard_bytes,
-                        threads=threads,
                     )
                     plan = split.plan
                 shards, written = write_shards(
@@ -418,6 +418,7 @@ class VersionWriter:
                 )
                 if split is not None:
                     shards, written = split.merge(shards, written)
+                    self._samples = split.samples if self.group.is_solo else None
                 own = None
                 if job.plan.own is not None:
                     files, own_written = write_shards(

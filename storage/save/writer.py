@@ -18,7 +18,7 @@ from typing import Any
 
 from ..files.byteio import open_sink, write_hashed
 from ..files.location import Location
-from ..format.checksum import digest, new_hasher, piece_size
+from ..format.checksum import content_key, digest, key_hasher, new_hasher, piece_size
 from ..format.dtypes import dtype_name
 from ..format.h5layout import build_shard_image
 from ..format.manifest import ShardEntry, blob_doc
@@ -47,8 +47,9 @@ def write_shards(
     The blob entries (JSON: :func:`.blob_doc`) are keyed by blob index: those of the blobs in
     ``plan.shards``, which in a multi-process save are this rank's share of ``plan.blobs``. With
     ``piece_bytes``, each blob also gets a checksum per piece of that size (smaller for a small
-    blob: :func:`piece_size`). ``keys``: the blobs' content keys, computed before the write (a
-    content-addressed save, :mod:`.dedup`), are their checksums; the writer then hashes only files.
+    blob: :func:`piece_size`). ``keys`` (a content-addressed save, :mod:`.dedup`): the content keys
+    computed before the write, their blobs' checksums; the other blobs' checksums are their content
+    keys too (xxh3-128), computed as they are written.
     """
     if loc.is_local:  # object stores need no directories, and s3fs's makedirs would create a bucket
         loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
@@ -104,18 +105,18 @@ def _write_shard(
                 )
             if len(data) <= SMALL and (seg.blob is None or not piece_bytes):
                 # Thousands of small tensors cost one write and one hash call each, not three.
-                if seg.blob is not None and keys is None:
-                    sums[seg.blob] = digest(data)
+                if seg.blob is not None and (keys is None or seg.blob not in keys):
+                    sums[seg.blob] = digest(data) if keys is None else content_key(data)
                 pending.append(data)
                 pending_bytes += len(data)
                 if pending_bytes >= BATCH:
                     flush()
                 continue
             flush()
-            if seg.blob is None or keys is not None:
+            if seg.blob is None or (keys is not None and seg.blob in keys):
                 write_hashed(sink, data, file_hash)
                 continue
-            blob_hash = new_hasher()
+            blob_hash = new_hasher() if keys is None else key_hasher()
             pieces = (
                 (piece_size(len(data), piece_bytes), piece_sums.setdefault(seg.blob, []))
                 if piece_bytes
@@ -128,7 +129,7 @@ def _write_shard(
     except BaseException:
         sink.abort()
         raise
-    empty = new_hasher().hexdigest()
+    empty = new_hasher().hexdigest() if keys is None else content_key(b"")
     names = {dtype: dtype_name(dtype) for dtype in {b.dtype for b in members}}
     entries = {}
     for b in members:
@@ -140,7 +141,7 @@ def _write_shard(
             nbytes=nbytes,
             dtype=names[b.dtype],
             shape=list(b.shape),
-            checksum=keys[b.index] if keys is not None else sums.get(b.index, empty),
+            checksum=keys[b.index] if keys is not None and b.index in keys else sums.get(b.index, empty),
             piece_bytes=piece_size(nbytes, piece_bytes) if piece_bytes else None,
             pieces=piece_sums.get(b.index, []) if piece_bytes else None,
         )

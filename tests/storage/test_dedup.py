@@ -129,6 +129,22 @@ def test_a_load_resumes_the_sharing(tmp_path: Path) -> None:
     assert resumed.save(fine_tune(1)).new_bytes < resumed.versions()[0].size / 4
 
 
+def test_a_tensor_changed_only_in_its_middle_is_written_again(tmp_path: Path) -> None:
+    """A large blob is hashed before the write only when its first and last 4 KiB match a held
+    blob's: a change between them still shows in its content key."""
+    store = CheckpointStore(tmp_path / "s")
+    big = torch.randn(256, 1024)
+    store.save({"big": big, "frozen": torch.ones(1024, 1024)})
+    changed = big.clone()
+    changed[128, 500] += 1.0  # outside the samples
+    info = store.save({"big": changed, "frozen": torch.ones(1024, 1024)})
+    assert info.new_bytes >= big.numel() * 4  # big written again; frozen referenced
+    assert info.new_bytes < info.size
+    fresh = CheckpointStore(tmp_path / "s")
+    assert torch.equal(fresh.load(version=1)["big"], changed)
+    assert torch.equal(fresh.load(version=0)["big"], big)
+
+
 def test_a_file_that_supplies_little_is_not_kept_alive(tmp_path: Path) -> None:
     """A version references a shard only when it supplies at least a quarter of its bytes."""
     store = CheckpointStore(tmp_path / "s", options=StoreOptions(shards=1))
