@@ -19,7 +19,8 @@ version a full copy), ``torch.save`` + fsync (a new file per save), DCP ``save``
 
 Per method: the bytes each save wrote (median over the saves after the first),
 the store's size after all saves, the save's time (median over the saves after
-the first; ``os.sync()`` untimed before each), and the load time of the last
+the first; the methods take turns at each save, in a rotating order, with
+``os.sync()`` untimed before each), and the load time of the last
 version (median of ``--repeats``; ckptflow verifies every checksum; torch.load
 ``weights_only=True``; DCP into a preallocated state). "changed" is the bytes of
 the tensors that differ from the previous save; "unique" the bytes of all the
@@ -240,19 +241,23 @@ def measure(kind: str, make: Callable[[], Run], saves: int, repeats: int, work: 
                 sum(nbytes(t) for k, t in flat.items() if not torch.equal(t, before.get(k, t.new_empty(0))))
             )
     total = sum(nbytes(t) for t in tensors(states[0]).values())
-    rows = []
+    roots = []
     for make_method in METHODS:
         root = Path(tempfile.mkdtemp(dir=work, prefix="incr-"))
         shutil.rmtree(root)
-        method = make_method(root)
-        written, times = [], []
-        for i, state in enumerate(states):
+        roots.append(make_method(root))
+    written: dict[str, list[int]] = {m.name: [] for m in roots}
+    times: dict[str, list[float]] = {m.name: [] for m in roots}
+    for i, state in enumerate(states):  # the methods take turns, in a rotating order
+        for method in roots[i % len(roots) :] + roots[: i % len(roots)]:
             os.sync()
-            before = dir_bytes(root)
+            before = dir_bytes(method.root)
             start = time.perf_counter()
             method.save(state, i)
-            times.append(time.perf_counter() - start)
-            written.append(dir_bytes(root) - before)
+            times[method.name].append(time.perf_counter() - start)
+            written[method.name].append(dir_bytes(method.root) - before)
+    rows = []
+    for method in roots:
         loads = []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -265,13 +270,13 @@ def measure(kind: str, make: Callable[[], Run], saves: int, repeats: int, work: 
                 "state": total,
                 "changed": statistics.median(changed) if changed else 0,
                 "unique": sum(unique.values()),
-                "written": statistics.median(written[1:]),
-                "store": dir_bytes(root),
-                "save": statistics.median(times[1:]),
+                "written": statistics.median(written[method.name][1:]),
+                "store": dir_bytes(method.root),
+                "save": statistics.median(times[method.name][1:]),
                 "load": statistics.median(loads),
             }
         )
-        shutil.rmtree(root)
+        shutil.rmtree(method.root)
     return rows
 
 

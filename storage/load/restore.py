@@ -85,19 +85,29 @@ def read_state(
             loc, located.sources(loc), manifest, blobs, verify=check, threads=options.threads, buffers=buffers
         )
 
+    # Row chunks of a tensor (a large tensor of a content-addressed save) are read straight into
+    # their rows of the tensor they make up, when that is on the host: no copy after the read.
+    placed = {i: out for i in chunked_ids if (out := _row_chunked(manifest, i, given)) is not None}
+    into_rows = {
+        c.blob: as_bytes(out.narrow(0, c.offsets[0], c.sizes[0]))
+        for i, out in placed.items()
+        for c in manifest.chunked[i].chunks
+    }
     with translate_errors(loc, "loading from"):
         if check:
             located.check_tarball(loc, whole=False)
         raw = read(
             [b for b in wanted if b not in to_gpu],
-            {blob: as_bytes(t) for blob, t in targets.items() if not t.is_cuda},
+            {**into_rows, **{blob: as_bytes(t) for blob, t in targets.items() if not t.is_cuda}},
         )
         if to_gpu:
             sizes = {b: manifest.blobs[b].nbytes for b in sorted(to_gpu)}
             raw.update(gpu.read_onto(gpu_device, sizes, read, onto))
     tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
+    on_host = given if device.type == "cpu" else {}
     whole = {
-        i: _assemble(manifest, i, raw, given if device.type == "cpu" else {}).to(device) for i in chunked_ids
+        i: (placed[i] if i in placed else _assemble(manifest, i, raw, on_host)).to(device)
+        for i in chunked_ids
     }
     if given:  # the caller's tensors on an accelerator: filled from the copies read above
         _copied_into(given, {manifest.tensors[i].path: (tensors, i) for i in leaf_ids})
@@ -122,6 +132,32 @@ def _copied_into(given: dict[str, torch.Tensor], read: dict[str, tuple[dict[int,
         ):
             target.detach().copy_(tensor)  # a parameter that requires grad, too
             tensors[i] = target
+
+
+def _row_chunked(manifest: Manifest, index: int, given: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The host tensor chunked tensor ``index`` is read into when its chunks are whole rows, in
+    order (the caller's plain CPU tensor at its path when it fits, else a new one); None for
+    other chunks (a DTensor's), which are read apart and put together."""
+    import torch
+
+    from ..format.dtypes import dtype_from_name
+
+    entry = manifest.chunked[index]
+    rest = entry.shape[1:]
+    at = 0
+    for chunk in entry.chunks:
+        if chunk.offsets[0] != at or any(chunk.offsets[1:]) or chunk.sizes[1:] != rest:
+            return None
+        at += chunk.sizes[0]
+    if not entry.shape or at != entry.shape[0]:
+        return None
+    dtype = dtype_from_name(entry.dtype)
+    out = given.get(entry.path)
+    fits = type(out) is torch.Tensor and out.device.type == "cpu" and out.dtype == dtype
+    fits = fits and out is not None and out.is_contiguous()
+    if out is None or not fits or list(out.shape) != entry.shape:
+        out = torch.empty(entry.shape, dtype=dtype)
+    return out
 
 
 def _assemble(

@@ -167,7 +167,7 @@ def split(
         return Split(plan, keys, {}, samples)
     new = [b for b in mine if b.index not in reused]
     files = assign_shards(new, shards=len(plan.shards), rank=rank, shard_bytes=shard_bytes) if new else []
-    return Split(SavePlan(plan.blobs, plan.refs, files), keys, reused, samples)
+    return Split(SavePlan(plan.blobs, plan.refs, files, plan.chunks), keys, reused, samples)
 
 
 Sample = tuple[str, int, str]  # (dtype name, bytes, xxh3-64 of the first and last SAMPLE_BYTES)

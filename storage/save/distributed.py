@@ -48,6 +48,7 @@ from .planner import (
     TensorRef,
     assign_rank_shards,
     plan_blobs,
+    plan_chunked_blobs,
     shard_file_name,
 )
 
@@ -281,14 +282,16 @@ def plan_rank(
     rank: int,
     world_size: int,
     shard_bytes: int = SHARD_BYTES,
+    chunk_bytes: int | None = None,
 ) -> RankPlan:
-    """Plan the replicated ``leaves``' blobs, this rank's files of them, and its own state's file.
+    """Plan the replicated ``leaves``' blobs (tensors above ``chunk_bytes`` in row chunks), this
+    rank's files of them, and its own state's file.
 
     Every rank computes the same split from the same state, so nothing needs to be exchanged
     before writing. A rank has a file of its own when it passed ``rank_state``, and always in a
     job of several ranks (so that each rank's part of the version can be loaded back).
     """
-    blobs, refs = plan_blobs(leaves)
+    blobs, refs, chunks = plan_chunked_blobs(leaves, chunk_bytes)
     own = rank_state is not None or world_size > 1
     files = assign_rank_shards(
         blobs, shards=shards, world_size=world_size, rank=rank, shard_bytes=shard_bytes
@@ -296,7 +299,7 @@ def plan_rank(
     if not files and rank == 0 and not own and world_size == 1:
         files = [ShardPlan(0, shard_file_name(0, 0))]  # a state without tensors still gets one file
     own_plan = OwnPlan.of(rank_state if rank_state is not None else {}, rank) if own else None
-    return RankPlan(SavePlan(blobs, refs, files), own_plan)
+    return RankPlan(SavePlan(blobs, refs, files, chunks), own_plan)
 
 
 def staged_blobs(plan: RankPlan) -> tuple[list[Blob], int]:

@@ -50,6 +50,19 @@ class TensorRef:
 
 
 @dataclass(frozen=True)
+class ChunkPlan:
+    """A large tensor stored as row chunks, each its own blob (``rows``: first row, row count and
+    blob of each, in order), so that a save that changes part of it writes only the chunks that
+    changed (:mod:`.dedup`); it reads back as a chunked tensor of the manifest."""
+
+    leaf: int
+    path: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    rows: list[tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
 class ShardPlan:
     index: int
     file: str
@@ -60,8 +73,9 @@ class ShardPlan:
 @dataclass(frozen=True)
 class SavePlan:
     blobs: list[Blob]
-    refs: list[TensorRef]
+    refs: list[TensorRef]  # one per leaf that is not chunked, in order
     shards: list[ShardPlan]
+    chunks: list[ChunkPlan] = field(default_factory=list)  # the leaves stored as row chunks
 
     @property
     def nbytes(self) -> int:
@@ -69,6 +83,7 @@ class SavePlan:
 
 
 SHARD_BYTES = 64 << 20  # the default of StoreOptions.shard_bytes
+CHUNK_BYTES = 16 << 20  # content-addressed saves cut larger tensors into row chunks of this size
 
 
 def shard_file_name(rank: int, index: int) -> str:
@@ -83,23 +98,60 @@ def plan_save(leaves: list[Leaf], *, shards: int, rank: int = 0, shard_bytes: in
     return SavePlan(blobs, refs, assign_shards(blobs, shards=shards, rank=rank, shard_bytes=shard_bytes))
 
 
-def plan_blobs(leaves: list[Leaf]) -> tuple[list[Blob], list[TensorRef]]:
+def plan_blobs(leaves: list[Leaf], chunk_bytes: int | None = None) -> tuple[list[Blob], list[TensorRef]]:
     """Group leaves by the storage they live in; one blob per group (or per view)."""
+    blobs, refs, _ = plan_chunked_blobs(leaves, chunk_bytes)
+    return blobs, refs
+
+
+def plan_chunked_blobs(
+    leaves: list[Leaf], chunk_bytes: int | None
+) -> tuple[list[Blob], list[TensorRef], list[ChunkPlan]]:
+    """:func:`plan_blobs`, with every contiguous tensor of its own storage larger than
+    ``chunk_bytes`` (None: none) cut into row chunks of at most that size, a blob each."""
     groups: dict[object, list[int]] = {}
     for i, leaf in enumerate(leaves):
         groups.setdefault(_storage_key(leaf.tensor, i), []).append(i)
     blobs: list[Blob] = []
     refs: list[TensorRef | None] = [None] * len(leaves)
+    chunks: list[ChunkPlan] = []
     names: set[str] = set()
     for members in groups.values():
         if len(members) == 1:  # most tensors: a storage of their own
-            t = leaves[members[0]].tensor
+            leaf = leaves[members[0]]
+            t = leaf.tensor
             shape = tuple(t.shape)
-            blob = _new_blob(blobs, names, leaves[members[0]].path, t.dtype, shape, t)
+            if chunk_bytes is not None and _chunked(leaf, chunk_bytes):
+                chunks.append(_plan_chunks(members[0], leaf, chunk_bytes, blobs, names))
+                continue
+            blob = _new_blob(blobs, names, leaf.path, t.dtype, shape, t)
             refs[members[0]] = TensorRef(blob, t.dtype, shape)
         else:
             _plan_group(leaves, members, blobs, refs, names)
-    return blobs, [r for r in refs if r is not None]
+    return blobs, [r for r in refs if r is not None], chunks
+
+
+def _chunked(leaf: Leaf, chunk_bytes: int) -> bool:
+    t = leaf.tensor
+    return (
+        not leaf.is_numpy
+        and t.dim() >= 1
+        and t.shape[0] > 1
+        and t.is_contiguous()
+        and t.numel() * t.element_size() > chunk_bytes
+    )
+
+
+def _plan_chunks(index: int, leaf: Leaf, chunk_bytes: int, blobs: list[Blob], names: set[str]) -> ChunkPlan:
+    t = leaf.tensor
+    row_bytes = max(1, t[0].numel() * t.element_size())
+    step = max(1, chunk_bytes // row_bytes)
+    rows = []
+    for first in range(0, t.shape[0], step):
+        part = t[first : first + step]
+        blob = _new_blob(blobs, names, f"{leaf.path}@{first}", t.dtype, tuple(part.shape), part)
+        rows.append((first, part.shape[0], blob))
+    return ChunkPlan(index, leaf.path, t.dtype, tuple(t.shape), rows)
 
 
 def _storage_key(t: torch.Tensor, i: int) -> object:

@@ -40,6 +40,7 @@ from ..errors import (
 )
 from ..files.location import Location, translate_errors
 from ..format.checksum import ALGORITHM
+from ..format.dtypes import dtype_name
 from ..format.manifest import (
     MANIFEST_FILE,
     ManifestDraft,
@@ -50,7 +51,7 @@ from ..format.manifest import (
 )
 from ..format.manifest_checks import MAX_DOCUMENT_DEPTH, json_depth
 from ..format.names import version_dir
-from ..format.structure import encode
+from ..format.structure import Leaf, encode
 from ..info import SaveRequest, StoreOptions, VersionInfo
 from ..versions import catalog, claims
 from ..versions import commit as protocol
@@ -59,7 +60,7 @@ from ..versions.housekeeping import last_change, referenced
 from ..versions.lease import DEFAULT_TIMEOUT, LEASE_KEY, StoreLease, commit_lease, fence, read_lease
 from . import dedup
 from .distributed import RankGroup, RankPlan, RankReport, assemble, plan_rank, tensor_entries
-from .planner import Blob
+from .planner import CHUNK_BYTES, Blob, ChunkPlan
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,50 @@ def new_manifest(
     )
 
 
+def chunked_structure(structure: Any, leaves: list[Leaf], chunks: list[ChunkPlan]) -> tuple[Any, list[Leaf]]:
+    """The structure and leaves with each chunked leaf taken out: its ``{"$tensor": i}`` becomes
+    ``{"$chunked": k}`` (its place among ``chunks``), the other leaves renumbered in order."""
+    chunk_of = {c.leaf: k for k, c in enumerate(chunks)}
+    number: dict[int, int] = {}
+    kept: list[Leaf] = []
+    for i, leaf in enumerate(leaves):
+        if i not in chunk_of:
+            number[i] = len(kept)
+            kept.append(leaf)
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if isinstance(node, dict):
+            if len(node) == 1 and "$tensor" in node:
+                i = node["$tensor"]
+                return {"$chunked": chunk_of[i]} if i in chunk_of else {"$tensor": number[i]}
+            return {k: walk(v) for k, v in node.items()}
+        return node
+
+    return walk(structure), kept
+
+
+def chunked_docs(chunks: list[ChunkPlan]) -> list[dict[str, Any]]:
+    """The manifest's chunked entries (:class:`.ChunkedEntry`'s fields) of tensors in row chunks."""
+    docs = []
+    for c in chunks:
+        rest = list(c.shape[1:])
+        docs.append(
+            {
+                "path": c.path,
+                "dtype": dtype_name(c.dtype),
+                "shape": list(c.shape),
+                "requires_grad": False,
+                "chunks": [
+                    {"offsets": [first, *[0] * len(rest)], "sizes": [rows, *rest], "blob": blob}
+                    for first, rows, blob in c.rows
+                ],
+            }
+        )
+    return docs
+
+
 def _lineage(given: dict[str, Any] | None) -> dict[str, Any] | None:
     """The manifest's lineage: :class:`.Lineage`'s fields in its order (None: none given);
     UnsupportedValueError for one a manifest could not hold."""
@@ -183,7 +228,10 @@ class VersionWriter:
                 shard_bytes=self.options.shard_bytes,
                 rank=self.rank,
                 world_size=self.world_size,
+                chunk_bytes=CHUNK_BYTES if self.options.dedup else None,
             )
+            if plan.shared.chunks:  # large tensors in row chunks: chunked tensors of the manifest
+                structure, leaves = chunked_structure(structure, leaves, plan.shared.chunks)
             refs = tensor_entries(leaves, plan.shared.refs)
         except Exception as exc:
             if not self.group.is_solo:  # the other ranks wait for this one in the claim: tell them
@@ -337,7 +385,7 @@ class VersionWriter:
         except BaseException:
             self.discard(manifest.version)
             raise
-        if self.options.dedup and not manifest.chunked:
+        if self.options.dedup:  # (a DCP save's blobs have no content keys: the index skips them)
             self._index = dedup.ContentIndex(manifest.version, manifest.shards, manifest.blobs, self._samples)
 
     def content_index(self, parent: int | None) -> dedup.ContentIndex | None:
@@ -353,7 +401,7 @@ class VersionWriter:
                     return index
         with translate_errors(self.loc, "reading"):
             found = catalog.lookup(self.loc, parent) if parent is not None else catalog.newest(self.loc)
-        if found is None or found.is_archived or found.manifest.chunked:
+        if found is None or found.is_archived:
             return None
         self._index = dedup.ContentIndex(found.version, found.manifest.shards, found.manifest.blobs)
         return self._index
@@ -454,6 +502,7 @@ class VersionWriter:
                 seconds=seconds,
                 world_size=self.world_size,
                 ranks=parts.ranks,
+                chunked=chunked_docs(job.plan.shared.chunks),
             )
             with translate_errors(self.loc, "saving to"):
                 self.commit(manifest)
