@@ -674,7 +674,7 @@ def gc_command(
         typer.echo(f"left {store.display(name)}: {recent}, a write may be in progress {again}")
     if not (report.removed or report.spared):
         typer.echo(f"no uncommitted leftovers in {store.url}")
-    elif not dry_run:
+    elif report.freed:
         typer.echo(f"freed {present.human_size(report.freed)}")
 
 

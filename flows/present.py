@@ -88,8 +88,7 @@ def prune_lines(
     if held:
         lines.append(f"{'would also keep' if dry_run else 'also kept'} {held}")
     kept = ", ".join(str(v) for v in plan.remaining) or "none"
-    # Carried out: the bytes it removed; a dry run: the bytes the versions wrote (an estimate: a
-    # version's files stay while a kept version references them).
+    # The bytes it removes (a dry run: would remove now): files a kept version references stay.
     freed = human_size(
         plan.freed if plan.freed is not None else sum(infos[v].new_bytes for v in plan.remove if v in infos)
     )
@@ -143,14 +142,14 @@ def version_json(info: VersionInfo) -> dict[str, Any]:
 def versions_table(infos: list[VersionInfo], *, store: str) -> Table:
     """The versions of ``store`` (printed above the table, whole), each one's place in it
     (``v000003``, or ``archive/<tar>[v000003]``), so that the table reads at 80 columns
-    (``ls --json``: full URLs). A column none of the versions fills (epoch, step) is left out, and
-    ``new`` (the bytes a version's save wrote) is there only when a version references others'."""
-    columns: list[tuple[str, Callable[[VersionInfo], str]]] = [("version", lambda i: str(i.version))]
-    if any(i.epoch is not None for i in infos):
-        columns.append(("epoch", epoch_text))
-    if any(i.step is not None for i in infos):
-        columns.append(("step", lambda i: "" if i.step is None else str(i.step)))
-    columns.append(("size", lambda i: human_size(i.size)))
+    (``ls --json``: full URLs). ``new`` (the bytes a version's save wrote) is there only when a
+    version references others' bytes."""
+    columns: list[tuple[str, Callable[[VersionInfo], str]]] = [
+        ("version", lambda i: str(i.version)),
+        ("epoch", epoch_text),
+        ("step", lambda i: "" if i.step is None else str(i.step)),
+        ("size", lambda i: human_size(i.size)),
+    ]
     if any(i.new_bytes != i.size for i in infos):
         columns.append(("new", lambda i: human_size(i.new_bytes)))
     table = Table()

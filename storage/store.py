@@ -94,6 +94,13 @@ class CheckpointStore:
         """The store's URL without credentials."""
         return self.loc.display()
 
+    @property
+    def fences_commits(self) -> bool:
+        """Whether removals and commits exclude each other here (a local disk's flock of the root):
+        a save never commits a reference to a file a removal in another process sweeps meanwhile.
+        On object stores they do not; see :mod:`.versions.housekeeping`."""
+        return self.loc.is_local
+
     def __repr__(self) -> str:
         return f"CheckpointStore({self.url!r})"
 

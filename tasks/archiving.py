@@ -12,9 +12,9 @@ is due beyond that waits its turn in the queue, never in a commit, so a slow
 or silent upload target cannot hold training up. The flow drains the queue
 before it exits. Its order keeps every
 committed version loadable at every instant: tarball and index, then the
-upload verified (when configured), then the loose files removed (but the
-newest committed version's, which the next save may reference: the next job
-removes them). Re-running
+upload verified (when configured), then the loose files removed (on an object
+store, but the newest committed version's, which the next save may reference:
+the next job removes them). Re-running
 it after a crash picks up where it stopped: a committed tarball is reused,
 a verified remote copy is skipped.
 
@@ -86,9 +86,13 @@ class ArchiveResult:
 
 
 def _droppable(store: CheckpointStore, versions: list[int]) -> list[int]:
-    """The archived versions whose loose copies go now: all but the newest committed version's,
-    which the save in flight may reference (content-addressed saves reference the files of the
-    version they continue, and the files it references); the next job drops it."""
+    """The archived versions whose loose copies go now. On an object store, all but the newest
+    committed version's, which the save in flight in the training processes may reference
+    (content-addressed saves reference the files of the version they continue, and those it
+    references) and which no fence keeps from being swept between that save's check and its
+    commit there; the next job drops it. On a local disk, all (the fence keeps them apart)."""
+    if store.fences_commits:
+        return versions
     newest = store.latest()
     return [v for v in versions if newest is None or v != newest.version]
 

@@ -726,7 +726,7 @@ class TestGc:
         assert dry.stdout.strip() == f"would remove uncommitted {url}/v000003"
         assert leftover.exists()
         real = invoke("gc", url)
-        assert real.stdout.strip() == f"removed uncommitted {url}/v000003"
+        assert real.stdout.strip() == f"removed uncommitted {url}/v000003\nfreed 7 B"  # b"partial"
         assert not leftover.exists()
         assert committed(url) == [0, 1, 2]
         assert invoke("verify", url, "--all").exit_code == 0
@@ -750,7 +750,7 @@ class TestGc:
             "900s", "3600s"
         )
         real = invoke("gc", url, "--min-age", "0")
-        assert real.stdout.strip() == f"removed uncommitted {url}/v000003"
+        assert real.stdout.strip() == f"removed uncommitted {url}/v000003\nfreed 13 B"  # b"being written"
         assert not leftover.exists()
         assert committed(url) == [0, 1, 2]
         assert invoke("gc", url, "--min-age", "-1").exit_code == 2
@@ -815,6 +815,7 @@ class TestRunOptions:
         "seed": ["--seed", "3"],
         "shards": ["--shards", "2"],
         "async_save": ["--no-async-save"],
+        "dedup": ["--no-dedup"],
         "save_every": ["--save-every", "2"],
         "save_every_steps": ["--save-every-steps", "40"],
         "save_every_minutes": ["--save-every-minutes", "15"],
@@ -869,6 +870,7 @@ class TestRunOptions:
         "stop_grace_seconds": 12.0,
         "shards": 2,
         "async_save": False,
+        "dedup": False,
         "epoch_retries": 0,
         "save_retries": 0,
         "save_timeout_seconds": 30.0,

@@ -49,6 +49,7 @@ SAMPLES: dict[str, tuple[list[str], str, Any]] = {
     "--stop-grace": (["--stop-grace", "10"], "stop_grace_seconds", 10.0),
     "--shards": (["--shards", "7"], "shards", 7),
     "--async-save": (["--no-async-save"], "async_save", False),
+    "--dedup": (["--no-dedup"], "dedup", False),
     "--epoch-retries": (["--epoch-retries", "4"], "epoch_retries", 4),
     "--save-retries": (["--save-retries", "5"], "save_retries", 5),
     "--save-timeout": (["--save-timeout", "12.5"], "save_timeout_seconds", 12.5),

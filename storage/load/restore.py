@@ -143,13 +143,15 @@ def _row_chunked(manifest: Manifest, index: int, given: dict[str, torch.Tensor])
     from ..format.dtypes import dtype_from_name
 
     entry = manifest.chunked[index]
+    if not entry.shape:
+        return None
     rest = entry.shape[1:]
     at = 0
     for chunk in entry.chunks:
         if chunk.offsets[0] != at or any(chunk.offsets[1:]) or chunk.sizes[1:] != rest:
             return None
         at += chunk.sizes[0]
-    if not entry.shape or at != entry.shape[0]:
+    if at != entry.shape[0]:
         return None
     dtype = dtype_from_name(entry.dtype)
     out = given.get(entry.path)

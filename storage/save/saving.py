@@ -133,7 +133,8 @@ def new_manifest(
 
 def chunked_structure(structure: Any, leaves: list[Leaf], chunks: list[ChunkPlan]) -> tuple[Any, list[Leaf]]:
     """The structure and leaves with each chunked leaf taken out: its ``{"$tensor": i}`` becomes
-    ``{"$chunked": k}`` (its place among ``chunks``), the other leaves renumbered in order."""
+    ``{"$chunked": k}`` (its place among ``chunks``), the other leaves (``$tensor``, ``$ndarray``)
+    renumbered in order."""
     chunk_of = {c.leaf: k for k, c in enumerate(chunks)}
     number: dict[int, int] = {}
     kept: list[Leaf] = []
@@ -146,9 +147,9 @@ def chunked_structure(structure: Any, leaves: list[Leaf], chunks: list[ChunkPlan
         if isinstance(node, list):
             return [walk(v) for v in node]
         if isinstance(node, dict):
-            if len(node) == 1 and "$tensor" in node:
-                i = node["$tensor"]
-                return {"$chunked": chunk_of[i]} if i in chunk_of else {"$tensor": number[i]}
+            if len(node) == 1 and ("$tensor" in node or "$ndarray" in node):  # a leaf (arrays: never chunked)
+                ((tag, i),) = node.items()
+                return {"$chunked": chunk_of[i]} if i in chunk_of else {tag: number[i]}
             return {k: walk(v) for k, v in node.items()}
         return node
 

@@ -63,10 +63,13 @@ T = TypeVar("T")
 class References:
     """Which files of version directories committed loose versions reference (the marks)."""
 
-    def __init__(self, loc: Location) -> None:
+    def __init__(self, loc: Location, without: frozenset[int] = frozenset()) -> None:
+        """``without``: versions whose manifests do not count (a dry run of their removal)."""
         self.files: dict[int, set[str]] = {}
         self.unknown = False  # a loose manifest could not be read: what it references is unknown
-        for _v, record in protocol.scan(loc).items():
+        for v, record in protocol.scan(loc).items():
+            if v in without:
+                continue
             if record.manifest is None:
                 self.unknown = self.unknown or (record.error is not None and record.is_unreadable())
                 continue
@@ -87,34 +90,62 @@ class References:
         return self.unknown
 
 
-def referenced(loc: Location) -> References:
-    """The marks: what committed loose versions reference in other versions' directories."""
-    return References(loc)
+def referenced(loc: Location, without: frozenset[int] = frozenset()) -> References:
+    """The marks: what committed loose versions (but ``without``) reference in other versions'
+    directories."""
+    return References(loc, without)
 
 
 def remove_versions(loc: Location, versions: list[int]) -> int:
     """Remove loose versions but the files others reference; return the bytes freed. Every
     manifest goes first, then the marks are read from the manifests that stay, then the sweep: a
     crash at any point leaves garbage, never a committed version without its bytes."""
+    sizes = {v: _file_sizes(loc, v) for v in versions}  # the manifests' bytes count as freed too
     for version in versions:
         protocol.remove_manifest(loc, version)
     with fence(loc):  # no commit between the marks and the sweep (a commit checks its files under it)
-        return sweep(loc, versions, referenced(loc))
+        return sweep(loc, versions, referenced(loc), sizes)
 
 
-def sweep(loc: Location, versions: list[int], refs: References) -> int:
+def sweep(
+    loc: Location, versions: list[int], refs: References, sizes: dict[int, dict[str, int]] | None = None
+) -> int:
     """Remove the files of the (manifest-less) directories of ``versions`` that no committed
-    version references, and each directory left empty; return the bytes freed."""
-    spare_all = refs.spare_all()
+    version references, and each directory left empty; return the bytes freed (``sizes``: of
+    the files as they were before their manifests went)."""
     freed = 0
     for version in versions:
-        files = protocol.list_files(loc, version)
-        keep = refs.keep(version)
-        if spare_all:
-            keep = keep | {f for f in files if f.endswith(".h5")}
-        freed += sum(_size(loc, loc.path(version_dir(version), f)) for f in files if f not in keep)
-        protocol.remove_version(loc, version, keep=frozenset(keep))
+        found = _file_sizes(loc, version)
+        keep = _kept(refs, version, list(found))
+        before = {**found, **(sizes or {}).get(version, {})}
+        freed += sum(size for name, size in before.items() if name not in keep)
+        protocol.remove_version(loc, version, keep=keep)
     return freed
+
+
+def freed_by_removing(loc: Location, versions: list[int]) -> int:
+    """The bytes :func:`remove_versions` would free now (reads only): their files but those the
+    other committed versions reference."""
+    refs = referenced(loc, frozenset(versions))
+    total = 0
+    for version in versions:
+        found = _file_sizes(loc, version)
+        keep = _kept(refs, version, list(found))
+        total += sum(size for name, size in found.items() if name not in keep)
+    return total
+
+
+def _kept(refs: References, version: int, files: list[str]) -> frozenset[str]:
+    keep = refs.keep(version)
+    if refs.spare_all():
+        keep = keep | {f for f in files if f.endswith(".h5")}
+    return frozenset(keep)
+
+
+def _file_sizes(loc: Location, version: int) -> dict[str, int]:
+    return {
+        name: _size(loc, loc.path(version_dir(version), name)) for name in protocol.list_files(loc, version)
+    }
 
 
 def _size(loc: Location, path: str) -> int:
@@ -148,9 +179,15 @@ def plan(loc: Location, policy: RetentionPolicy) -> PrunePlan:
     """What pruning by ``policy`` would do now (reads only)."""
     found = catalog.committed(loc)
     tarball_of = {v: a.tar for v, a in list_archived(loc).items()}
-    return plan_prune(
+    planned = plan_prune(
         [x.manifest for x in found], policy, tarball_of=tarball_of, loose=protocol.list_dirs(loc)
     )
+    aloc = archive_location(loc)
+    tars = sum(
+        _size(loc, aloc.path(tar)) + _size(loc, aloc.path(index_name(tar))) for tar in planned.tarballs
+    )
+    loose = freed_by_removing(loc, list(planned.loose)) if planned.loose else 0
+    return dataclasses.replace(planned, freed=tars + loose)
 
 
 def prune(loc: Location, policy: RetentionPolicy) -> PrunePlan:
@@ -162,7 +199,8 @@ def prune(loc: Location, policy: RetentionPolicy) -> PrunePlan:
     carried = plan(loc, policy)
     freed = 0
     for tar in carried.tarballs:
-        freed += _size(loc, archive_location(loc).path(tar))
+        aloc = archive_location(loc)
+        freed += _size(loc, aloc.path(tar)) + _size(loc, aloc.path(index_name(tar)))
         remove_tarball(loc, tar)
     freed += remove_versions(loc, list(carried.loose))
     protocol.refresh_latest(loc, list(carried.remaining))

@@ -109,7 +109,7 @@ class PrunePlan:
     loose: tuple[int, ...]  # version directories removed (loose copies of held versions included)
     kept_in: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # tarball -> kept versions in it
     best: tuple[int, ...] = ()  # the versions kept as the best by the policy's metric, best first
-    freed: int | None = None  # bytes removed, once carried out (None: a plan, not yet carried out)
+    freed: int | None = None  # bytes it removes (a plan: would remove now; None: not computed)
 
     @property
     def remaining(self) -> tuple[int, ...]:

@@ -418,3 +418,51 @@ def test_sigkill_at_every_removal_of_a_prune_delete_or_gc_loses_no_referenced_by
             break
         kill_before += 1
     assert kill_before >= {"prune": 4, "delete": 1, "gc": 2}[operation]  # so many instants were tried
+
+
+# -- row chunks of large tensors -------------------------------------------------------------------
+
+
+def test_a_partly_changed_large_tensor_writes_only_its_changed_chunks(tmp_path: Path) -> None:
+    """A tensor above 16 MiB is saved as row chunks: a save that changes one row of an embedding
+    writes that row's chunk; every way of reading it back gets the whole tensor."""
+    from ckptflow.storage.save.planner import CHUNK_BYTES
+
+    store = CheckpointStore(tmp_path / "s")
+    emb = torch.randn(48 * 1024, 256)  # 48 MiB: 3 chunks
+    store.save({"emb": emb, "bias": torch.zeros(8)})
+    changed = emb.clone()
+    changed[40_000] += 1.0
+    info = store.save({"emb": changed, "bias": torch.zeros(8)})
+    assert CHUNK_BYTES <= info.new_bytes < CHUNK_BYTES + (64 << 10)  # one chunk and a header
+    raw = manifest(store, 1)
+    assert raw["structure"]["emb"] == {"$chunked": 0}
+    assert [c["sizes"][0] for c in raw["chunked"][0]["chunks"]] == [16384, 16384, 16384]
+    fresh = CheckpointStore(tmp_path / "s")
+    assert torch.equal(fresh.load(version=1)["emb"], changed)
+    assert torch.equal(fresh.load(version=0, keys=["emb"])["emb"], emb)
+    target = {"emb": torch.empty(48 * 1024, 256), "bias": torch.ones(8)}
+    fresh.load(version=1, into=target)  # into the caller's tensors, in place
+    assert torch.equal(target["emb"], changed) and torch.equal(target["bias"], torch.zeros(8))
+    diff = fresh.diff(0, 1)
+    assert [(c.path, c.kind) for c in diff.changes] == [("emb", "values")]
+    assert all(e is None for e in verify_all(fresh).values())
+
+
+def test_a_chunked_version_reads_through_dcp_and_exports_whole(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    store = CheckpointStore(tmp_path / "s")
+    emb = torch.randn(40 * 1024, 256)
+    store.save({"model": {"emb": emb}})
+    into = {"model": {"emb": torch.empty(40 * 1024, 256)}}
+    dcp.load(into, storage_reader=CheckpointStore(tmp_path / "s").dcp_reader(), no_dist=True)
+    assert torch.equal(into["model"]["emb"], emb)
+    from typer.testing import CliRunner
+
+    from ckptflow.flows.cli import app
+
+    out = tmp_path / "model.pt"
+    result = CliRunner().invoke(app, ["restore", str(tmp_path / "s"), "--out", str(out), "--keys", "model"])
+    assert result.exit_code == 0, result.output
+    assert torch.equal(torch.load(out, weights_only=True)["emb"], emb)
