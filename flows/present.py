@@ -143,28 +143,36 @@ def versions_table(infos: list[VersionInfo], *, store: str) -> Table:
     """The versions of ``store`` (printed above the table, whole), each one's place in it
     (``v000003``, or ``archive/<tar>[v000003]``), so that the table reads at 80 columns
     (``ls --json``: full URLs). ``new`` (the bytes a version's save wrote) is there only when a
-    version references others' bytes."""
+    version references others' bytes; the place is then left out while every version is loose."""
     columns: list[tuple[str, Callable[[VersionInfo], str]]] = [
         ("version", lambda i: str(i.version)),
         ("epoch", epoch_text),
         ("step", lambda i: "" if i.step is None else str(i.step)),
         ("size", lambda i: human_size(i.size)),
     ]
-    if any(i.new_bytes != i.size for i in infos):
+    prefix = store.rstrip("/") + "/"
+
+    def where(info: VersionInfo) -> str:
+        return info.url[len(prefix) :] if info.url.startswith(prefix) else info.url
+
+    shared = any(i.new_bytes != i.size for i in infos)
+    if shared:
         columns.append(("new", lambda i: human_size(i.new_bytes)))
     table = Table()
     for name, _ in columns:
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("created (UTC)", no_wrap=True)
     table.add_column("metrics", overflow="fold")
-    table.add_column("where", overflow="fold")
-    prefix = store.rstrip("/") + "/"
+    # Every version loose: its place is its number's directory. Left out beside ``new``, for room.
+    placed = not shared or any(where(i) != f"v{i.version:06d}" for i in infos)
+    if placed:
+        table.add_column("where", overflow="fold")
     for info in infos:
         table.add_row(
             *(cell(info) for _, cell in columns),
             created_text(info.created, zone=False)[:16],  # to the minute: 2026-11-29 04:07
             metrics_text(info.metrics),
-            info.url[len(prefix) :] if info.url.startswith(prefix) else info.url,
+            *([where(info)] if placed else []),
         )
     return table
 
