@@ -39,6 +39,7 @@ Run: ``.venv/bin/python bench/bench_incremental.py [--saves 20] [--dense-saves 5
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import shutil
 import statistics
@@ -137,13 +138,7 @@ def nbytes(t: torch.Tensor) -> int:
 
 def snapshot(state: dict[str, Any]) -> dict[str, Any]:
     """A deep copy (the run changes its tensors in place)."""
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: snapshot(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [snapshot(v) for v in state]
-    return state
+    return copy.deepcopy(state)
 
 
 # -- the methods ----------------------------------------------------------------------------------------
