@@ -87,7 +87,8 @@ def read_state(
 
     # Row chunks of a tensor (a large tensor of a content-addressed save) are read straight into
     # their rows of the tensor they make up, when that is on the host: no copy after the read.
-    placed = {i: out for i in chunked_ids if (out := _row_chunked(manifest, i, given)) is not None}
+    on_host = given if device.type == "cpu" else {}  # the caller's tensors are filled on the host only
+    placed = {i: out for i in chunked_ids if (out := _row_chunked(manifest, i, on_host)) is not None}
     into_rows = {
         c.blob: as_bytes(out.narrow(0, c.offsets[0], c.sizes[0]))
         for i, out in placed.items()
@@ -104,7 +105,6 @@ def read_state(
             sizes = {b: manifest.blobs[b].nbytes for b in sorted(to_gpu)}
             raw.update(gpu.read_onto(gpu_device, sizes, read, onto))
     tensors = build_tensors(manifest, raw, leaf_ids, device, targets)
-    on_host = given if device.type == "cpu" else {}
     whole = {
         i: (placed[i] if i in placed else _assemble(manifest, i, raw, on_host)).to(device)
         for i in chunked_ids
