@@ -268,9 +268,10 @@ def test_a_mirror_gets_the_referenced_bytes_before_the_manifest(tmp_path: Path) 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_sequences_of_saves_prunes_gcs_and_archives_lose_nothing(tmp_path: Path, seed: int) -> None:
     """A property test: after any sequence of saves (frozen-base, dense, unchanged; sync, async),
-    prunes, deletes, gcs, archives and dropped loose copies, every committed version loads bitwise
-    and verifies."""
-    _random_sequence(StoreTarget("local", str(tmp_path / "s"), None), seed, steps=14)
+    prunes, deletes, gcs, archives, dropped loose copies and uploads to a mirror, every committed
+    version loads bitwise and verifies (and each uploaded one loads from the mirror)."""
+    target = StoreTarget("local", str(tmp_path / "s"), None)
+    _random_sequence(target, seed, steps=14, mirror=tmp_path / "mirror")
 
 
 @pytest.mark.s3
@@ -279,13 +280,16 @@ def test_random_sequences_on_s3(s3_bucket) -> None:
     _random_sequence(StoreTarget("s3", f"s3://{bucket}/run1", options), seed=7, steps=10)
 
 
-def _random_sequence(target: StoreTarget, seed: int, *, steps: int) -> None:
+OPERATIONS = ["save", "save", "save", "async", "prune", "delete", "gc", "archive", "upload", "reload"]
+
+
+def _random_sequence(target: StoreTarget, seed: int, *, steps: int, mirror: Path | None = None) -> None:
     rng = random.Random(seed)
     store = CheckpointStore(target.url, storage_options=target.storage_options)
     expected: dict[int, dict] = {}
     last: dict | None = None
     for _ in range(steps):
-        op = rng.choice(["save", "save", "save", "async", "prune", "delete", "gc", "archive", "reload"])
+        op = rng.choice(OPERATIONS)
         committed = [v.version for v in store.versions()]
         if op in ("save", "async"):
             kind = rng.choice(["fine", "dense", "same"])
@@ -321,6 +325,12 @@ def _random_sequence(target: StoreTarget, seed: int, *, steps: int) -> None:
                 store.archive(chosen)
                 if rng.random() < 0.5:
                     store.drop_loose(chosen)
+        elif op == "upload" and target.backend == "local" and mirror is not None:
+            loose = [v for v in committed if v not in store.archived()]
+            if loose:  # a loose version up to the mirror: it loads there bitwise, with what it references
+                version = rng.choice(loose)
+                store.mirror_version(version, str(mirror), storage_options={})
+                assert_same_state(CheckpointStore(mirror).load(version=version), expected[version])
         elif op == "reload":
             store = CheckpointStore(target.url, storage_options=target.storage_options)
         fresh = CheckpointStore(target.url, storage_options=target.storage_options)
