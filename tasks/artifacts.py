@@ -96,7 +96,8 @@ def checkpoint_row(info: VersionInfo) -> dict[str, Any]:
         {
             "size": human_size(info.size),
             "save seconds": round(seconds, 3) if seconds is not None else None,
-            "throughput": f"{info.size / seconds / 1e6:.0f} MB/s" if seconds else "",
+            # what the save wrote: a version that references older versions' bytes wrote only its own
+            "throughput": f"{info.new_bytes / seconds / 1e6:.0f} MB/s" if seconds else "",
             "committed": readable_time(info.created),
             "url": info.url,
         }

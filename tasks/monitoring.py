@@ -467,6 +467,7 @@ def emit_committed(info: VersionInfo, store_url: str) -> None:
             "epoch": info.epoch,
             "step": info.step,
             "size": info.size,
+            "new_bytes": info.new_bytes,  # what its save wrote; the rest of size is older versions'
             "save_seconds": info.save_seconds,
             "metrics": info.metrics,
             "created": info.created,

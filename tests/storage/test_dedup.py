@@ -476,3 +476,16 @@ def test_a_chunked_version_reads_through_dcp_and_exports_whole(tmp_path: Path) -
     result = CliRunner().invoke(app, ["restore", str(tmp_path / "s"), "--out", str(out), "--keys", "model"])
     assert result.exit_code == 0, result.output
     assert torch.equal(torch.load(out, weights_only=True)["emb"], emb)
+
+
+def test_the_checkpoint_table_s_throughput_counts_the_bytes_a_save_wrote(tmp_path: Path) -> None:
+    """Bug: the Prefect table's throughput divided the bytes a version reads (its references
+    included) by the save's time, claiming GB/s for a save that wrote a few KiB."""
+    from ckptflow.tasks.artifacts import checkpoint_row
+
+    store = CheckpointStore(tmp_path / "s")
+    store.save(fine_tune(0))
+    info = store.save(fine_tune(1))
+    assert info.save_seconds
+    shown = float(checkpoint_row(info)["throughput"].split()[0])
+    assert shown == round(info.new_bytes / info.save_seconds / 1e6)
