@@ -341,7 +341,7 @@ class CheckpointStore:
     def _loaded(self, version: int | None) -> catalog.Located:
         """The version a load reads, which becomes the parent of this store's next save."""
         located = self._locate(version)
-        self._saves.parent = located.version
+        self._saves.loaded(located.version)
         return located
 
     def load_rank_state(

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.checksum import content_key, digest
+from ..format.checksum import KEY_DIGITS, content_key, digest
 from ..format.dtypes import dtype_name
 from ..format.manifest import BlobEntry, ShardEntry
 from .planner import Blob, SavePlan, assign_shards
@@ -43,6 +43,8 @@ class Held:
     shard: int
     dataset: str
     offset: int
+    piece_bytes: int | None = None  # the piece checksums of a blob a DCP save wrote, kept with it
+    pieces: list[str] | None = None
 
 
 class ContentIndex:
@@ -65,12 +67,21 @@ class ContentIndex:
             s if s.version is not None else s.model_copy(update={"version": version}) for s in shards
         ]
         self.held: dict[Key, Held] = {}
+        # The other places of bytes held more than once (the ones of a LayerNorm's weights in every
+        # block, a replicated chunk on every rank): a save references the place in the file that
+        # supplies it most, so that the file is worth keeping (MIN_SHARE).
+        self.also: dict[Key, list[Held]] = {}
         for blob in blobs:
             b = blob if isinstance(blob, dict) else blob.model_dump()
             checksum = b["checksum"]
-            if len(checksum) != 32 or not b["nbytes"] or b["offset"] is None or b.get("pieces"):
-                continue  # not content-addressed (an older format), empty, or a chunk with pieces
-            self.held[(checksum, b["dtype"], b["nbytes"])] = Held(b["shard"], b["dataset"], b["offset"])
+            if len(checksum) != KEY_DIGITS or not b["nbytes"] or b["offset"] is None:
+                continue  # not content-addressed (an older format), or empty
+            key = (checksum, b["dtype"], b["nbytes"])
+            held = Held(b["shard"], b["dataset"], b["offset"], b.get("piece_bytes"), b.get("pieces"))
+            if key in self.held:
+                self.also.setdefault(key, []).append(held)
+            else:
+                self.held[key] = held
         self.sizes = {(dtype, nbytes) for _, dtype, nbytes in self.held}
 
     def may_hold(self, blob: Blob, name: str, sampled: Sample | None) -> bool:
@@ -122,6 +133,8 @@ class Split:
                 dtype=dtype_name(blob.dtype),
                 shape=list(blob.shape),
                 checksum=self.keys[index],
+                piece_bytes=held.piece_bytes,
+                pieces=held.pieces,
             )
         return shards, entries
 
@@ -144,6 +157,7 @@ def split(
     keys: dict[int, str] = {}
     samples: set[Sample] = set()
     found: dict[int, Held] = {}
+    elsewhere: dict[int, list[Held]] = {}  # blobs held in more than one place: all of them
     for blob in mine:
         name = dtype_name(blob.dtype)
         data = blob_bytes(blob)
@@ -153,11 +167,20 @@ def split(
         if sampled is not None and (index is None or not index.may_hold(blob, name, sampled)):
             continue  # changed: the writer hashes it
         keys[blob.index] = key = content_key(data)
-        held = index.held.get((key, name, blob.nbytes)) if index is not None and blob.nbytes else None
-        if held is not None:
-            found[blob.index] = held
+        if index is None or not blob.nbytes or (key, name, blob.nbytes) not in index.held:
+            continue
+        found[blob.index] = index.held[(key, name, blob.nbytes)]
+        if (key, name, blob.nbytes) in index.also:
+            elsewhere[blob.index] = [found[blob.index], *index.also[(key, name, blob.nbytes)]]
     reused: dict[int, tuple[ShardEntry, Held]] = {}
     if found and index is not None:
+        if elsewhere:  # each from the file that could supply this save the most
+            could: dict[int, int] = {}
+            for i, places in ((i, elsewhere.get(i, [h])) for i, h in found.items()):
+                for s in {h.shard for h in places}:
+                    could[s] = could.get(s, 0) + plan.blobs[i].nbytes
+            for i, places in elsewhere.items():
+                found[i] = max(places, key=lambda h: could[h.shard])
         supplied: dict[int, int] = {}
         for i, held in found.items():
             supplied[held.shard] = supplied.get(held.shard, 0) + plan.blobs[i].nbytes

@@ -202,7 +202,8 @@ class VersionWriter:
         self.lease: StoreLease | None = None  # the store's lease, when this writer's store holds it
         self.writes_for: frozenset[int] = frozenset()  # pids of this host whose lease it commits under
         self._index: dedup.ContentIndex | None = None  # what the next save may reference (:mod:`.dedup`)
-        self._samples: set[dedup.Sample] | None = None  # the samples of the blobs of the save in flight
+        # The samples of the blobs this rank wrote or referenced in its last save, and its version.
+        self._samples: tuple[int, set[dedup.Sample]] | None = None
 
     @property
     def rank(self) -> int:
@@ -386,8 +387,10 @@ class VersionWriter:
         except BaseException:
             self.discard(manifest.version)
             raise
-        if self.options.dedup:  # (a DCP save's blobs have no content keys: the index skips them)
-            self._index = dedup.ContentIndex(manifest.version, manifest.shards, manifest.blobs, self._samples)
+        if self.options.dedup:
+            self._index = dedup.ContentIndex(
+                manifest.version, manifest.shards, manifest.blobs, self._samples_of(manifest.version)
+            )
 
     def content_index(self, parent: int | None) -> dedup.ContentIndex | None:
         """The blobs the next save may reference: those of ``parent`` (the version the store last
@@ -404,8 +407,21 @@ class VersionWriter:
             found = catalog.lookup(self.loc, parent) if parent is not None else catalog.newest(self.loc)
         if found is None or found.is_archived:
             return None
-        self._index = dedup.ContentIndex(found.version, found.manifest.shards, found.manifest.blobs)
+        self._index = dedup.ContentIndex(
+            found.version, found.manifest.shards, found.manifest.blobs, self._samples_of(found.version)
+        )
         return self._index
+
+    def keep_samples(self, version: int, split: dedup.Split) -> None:
+        """Remember the samples of this rank's blobs in the save of ``version`` (:func:`.dedup.sample`),
+        for the index the next save reads. A rank of a multi-process save knows only its own share's:
+        a blob another rank wrote then counts as changed on this one, and is written again (never
+        referenced wrongly); deterministic plans give every rank the same share at every save."""
+        self._samples = (version, split.samples)
+
+    def _samples_of(self, version: int) -> set[dedup.Sample] | None:
+        """The samples kept for ``version``, if this rank's last save wrote it; else None (unknown)."""
+        return self._samples[1] if self._samples is not None and self._samples[0] == version else None
 
     def forget_index(self) -> None:
         """Read the index again at the next save (versions were removed: its files may be gone)."""
@@ -467,7 +483,7 @@ class VersionWriter:
                 )
                 if split is not None:
                     shards, written = split.merge(shards, written)
-                    self._samples = split.samples if self.group.is_solo else None
+                    self.keep_samples(job.version, split)
                 own = None
                 if job.plan.own is not None:
                     files, own_written = write_shards(

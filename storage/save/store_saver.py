@@ -47,6 +47,7 @@ class StoreSaver:
         self._made_staging: StagingBuffer | None = None
         self._lease: StoreLease | None = None
         self._writes_for: frozenset[int] = frozenset()
+        self._open_writer: DcpWriter | None = None  # the last made for a dcp.save of the caller's own
 
     @property
     def writer(self) -> VersionWriter:
@@ -81,12 +82,14 @@ class StoreSaver:
     def _with_parent(self, request: SaveRequest) -> SaveRequest:
         """``request`` with this store's last loaded or committed version as its lineage's parent,
         unless it names one."""
+        self._settle()
         lineage = dict(request.lineage or {})
         if "parent" not in lineage and self.parent is not None:
             lineage["parent"] = self.parent
         return dataclasses.replace(request, lineage=lineage or None)
 
     def _committed(self, info: VersionInfo) -> None:
+        self._settle()
         self.parent = info.version
 
     def _save(self, state: object, request: SaveRequest) -> VersionInfo:
@@ -138,7 +141,22 @@ class StoreSaver:
         """A StorageWriter for one ``dcp.save``/``dcp.async_save`` of the caller's own."""
         from ..sharded import dcp_calls
 
-        return dcp_calls.new_writer(self.writer, self._with_parent(request), lambda: self.staging)
+        writer = dcp_calls.new_writer(self.writer, self._with_parent(request), lambda: self.staging)
+        self._open_writer = writer
+        return writer
+
+    def _settle(self) -> None:
+        """The caller's own ``dcp.save`` tells only the coordinator's writer that it committed: the
+        other ranks learn it here, before the parent of their next save or load is set, so that
+        every rank's next save starts from (and references the bytes of) that version."""
+        writer, self._open_writer = self._open_writer, None
+        if writer is not None and writer.number is not None and writer.is_committed():
+            self.parent = writer.number
+
+    def loaded(self, version: int) -> None:
+        """The store loaded ``version``: the parent of its next save."""
+        self._settle()
+        self.parent = version
 
     def join_inflight(self) -> None:
         """Wait for the async save in flight, if any, to end (without raising its failure)."""

@@ -113,15 +113,19 @@ def _write_shard(
                     flush()
                 continue
             flush()
-            if seg.blob is None or (keys is not None and seg.blob in keys):
+            keyed = keys is not None and seg.blob in keys  # hashed before: its pieces only, if any
+            if seg.blob is None or (keyed and not piece_bytes):
                 write_hashed(sink, data, file_hash)
                 continue
-            blob_hash = new_hasher() if keys is None else key_hasher()
             pieces = (
                 (piece_size(len(data), piece_bytes), piece_sums.setdefault(seg.blob, []))
                 if piece_bytes
                 else None
             )
+            if keyed:
+                write_hashed(sink, data, file_hash, pieces=pieces)
+                continue
+            blob_hash = new_hasher() if keys is None else key_hasher()
             write_hashed(sink, data, file_hash, blob_hash, pieces=pieces)
             sums[seg.blob] = blob_hash.hexdigest()
         flush()

@@ -11,8 +11,10 @@ planner and collectives in place of the store's own:
 1. ``prepare_global_plan`` (the coordinator, rank 0): claims the version number,
    exclusively, before any rank writes, and hands it to every rank's plan;
 2. ``write_data`` (every rank): its chunks as blobs of HDF5 shards named after
-   its rank, checksummed as they stream out; its non-tensor values as JSON
-   (what DCP would torch.save is taken from the planner's state, never pickled);
+   its rank, checksummed as they stream out, except the chunks the parent version
+   holds, which it references (:mod:`..save.dedup`: a frozen base is written once);
+   its non-tensor values as JSON (what DCP would torch.save is taken from the
+   planner's state, never pickled);
 3. ``finish`` (the coordinator, after every rank's write succeeded): one
    manifest from DCP's metadata and every rank's results, written last: the
    commit. A rank that failed or died means no manifest, so the previous
@@ -50,6 +52,7 @@ from ..format.manifest import ChunkedEntry, ManifestDraft, ShardEntry
 from ..format.names import version_dir
 from ..format.structure import decode, encode
 from ..info import SaveRequest, VersionInfo
+from ..save import dedup
 from ..save.distributed import OwnPlan
 from ..save.planner import Blob, assign_shards, dataset_name, shards_per_rank
 from ..save.planner import SavePlan as BlobPlan
@@ -139,26 +142,38 @@ class DcpWriter(StorageWriter):
             blobs.append(Blob(len(blobs), name, tensor.dtype, tuple(tensor.shape), tensor))
             items.append(item)
         blob_bytes = written_bytes(blobs, self.staging)
-        files_here = shards_per_rank(self.versions.options.shards, self.world_size)[rank]
-        shard_bytes = self.versions.options.shard_bytes
-        shards = assign_shards(blobs, shards=files_here, rank=rank, shard_bytes=shard_bytes) if blobs else []
+        options = self.versions.options
+        files_here = shards_per_rank(options.shards, self.world_size)[rank]
+        shards = assign_shards(blobs, shards=files_here, rank=rank, shard_bytes=options.shard_bytes)
+        blob_plan = BlobPlan(blobs, [], shards if blobs else [])
         with translate_errors(self.versions.loc, "saving to"):
             if rank == 0:
                 self.versions.ensure_claim(version)
+            split = None
+            if options.dedup and blob_plan.shards:  # reference the chunks the store holds, write the rest
+                parent = (self.request.lineage or {}).get("parent")
+                index = self.versions.content_index(parent)
+                split = dedup.split(blob_plan, blob_bytes, index, rank=rank, shard_bytes=options.shard_bytes)
+                blob_plan = split.plan
             files, written = write_shards(
                 self.versions.loc,
                 version_dir(version),
-                BlobPlan(blobs, [], shards),
+                blob_plan,
                 blob_bytes,
-                threads=self.versions.options.threads,
+                threads=options.threads,
                 rank=rank,
                 piece_bytes=PIECE_BYTES,
+                keys=split.keys if split is not None else None,
             )
+            if split is not None:
+                files, written = split.merge(files, written)
+                self.versions.keep_samples(version, split)
         if self.own is not None:
             results.append(self._write_own(self.own, version, rank))
+        file_docs = [f.model_dump(mode="json") for f in files]
         for blob, item in zip(blobs, items, strict=True):
             entry = written[blob.index]
-            data = {"blob": entry, "file": files[entry["shard"]].model_dump(mode="json")}
+            data = {"blob": entry, "file": file_docs[entry["shard"]]}
             results.append(WriteResult(index=item.index, size_in_bytes=blob.nbytes, storage_data=data))
         future: torch.futures.Future[list[WriteResult]] = torch.futures.Future()
         future.set_result(results)
@@ -233,7 +248,7 @@ class DcpWriter(StorageWriter):
     # -- the manifest ------------------------------------------------------------
 
     def _manifest(self, metadata: Metadata, results: list[WriteResult]) -> ManifestDraft:
-        files: dict[str, ShardEntry] = {}
+        files: dict[tuple[int, str], ShardEntry] = {}  # by (version, file): a file may be another version's
         found: dict[MetadataIndex, Any] = {}
         owns: dict[int, Any] = {}
         for result in results:
@@ -242,10 +257,13 @@ class DcpWriter(StorageWriter):
                 continue
             found[result.index] = result.storage_data
             if "file" in result.storage_data:
-                shard = ShardEntry.model_validate(result.storage_data["file"])
-                files.setdefault(shard.file, shard)
-        shards = sorted(files.values(), key=lambda s: (s.rank, s.file))
-        number = {s.file: i for i, s in enumerate(shards)}
+                place = _place(result.storage_data["file"])
+                if place not in files:
+                    files[place] = ShardEntry.model_validate(result.storage_data["file"])
+        # This version's own files first, by rank; then the referenced ones, by version.
+        order = sorted(files, key=lambda place: (place[0] >= 0, place[0], files[place].rank, place[1]))
+        shards = [files[place] for place in order]
+        number = {place: i for i, place in enumerate(order)}
         blobs: list[dict[str, Any]] = []
         tensors: dict[str, ChunkedEntry] = {}
         values: dict[str, Any] = {}
@@ -257,7 +275,7 @@ class DcpWriter(StorageWriter):
             chunks = []
             for chunk in md.chunks:
                 data = _lookup(found, fqn, chunk.offsets)
-                blobs.append({**data["blob"], "shard": number[data["file"]["file"]]})
+                blobs.append({**data["blob"], "shard": number[_place(data["file"])]})
                 chunks.append(chunk_entry(chunk.offsets, chunk.sizes, len(blobs) - 1))
             path = path_text(tuple(mappings.get(fqn, (fqn,))))
             tensors[fqn] = ChunkedEntry(
@@ -310,6 +328,12 @@ def _value_result(item: Any, planner: SavePlanner) -> WriteResult:
             f"{item.index.fqn}/{leaves[0].path}", "a tensor inside a non-tensor value"
         )
     return WriteResult(index=item.index, size_in_bytes=0, storage_data={"value": structure})
+
+
+def _place(file: dict[str, Any]) -> tuple[int, str]:
+    """Where a shard file (its entry, as JSON) is: its version (-1: the version being saved), its name."""
+    version = file.get("version")
+    return (-1 if version is None else int(version), file["file"])
 
 
 def _lookup(found: dict[MetadataIndex, Any], fqn: str, offsets: Any) -> Any:

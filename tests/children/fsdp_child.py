@@ -2,7 +2,7 @@
 
     RANK=r WORLD_SIZE=w MASTER_ADDR=127.0.0.1 MASTER_PORT=p \\
         python -m tests.children.fsdp_child SCENARIO URL OUTDIR [--mesh 1d|2d] [--version V]
-            [--device cpu|cuda]
+            [--device cpu|cuda] [--frozen]
 
 Every rank builds the same small transformer (:func:`build`), shards it with
 ``fully_shard`` per block on a 1-D mesh of all ranks (``--mesh 2d``: a 2x2
@@ -21,6 +21,10 @@ tensors, gloo for the store's CPU collectives.
 - ``save_async``: like ``save`` with ``save_async``, training two more steps
   before waiting for it (``full.json`` is the state when it was called), then
   again as version 2 (``second.json``);
+- ``frozen_saves``: a fine-tune from seed 0 whose embedding and blocks are frozen (only the
+  head trains): versions by ``save`` and ``save`` again, ``save_async`` one Adam step later,
+  then ``dcp.save`` twice one step later; ``result-r0.json`` lists each one's
+  ``[version, new_bytes, size]`` (``saves``) and ``full.json`` is the state of the last;
 - ``kill_in_save``: like ``save`` at seed 1, but rank 1 blocks in the middle
   of writing its shard (after creating ``OUTDIR/blocked``) until the test
   SIGKILLs it; rank 0 records the error its save raised (``save``: type, message,
@@ -218,7 +222,7 @@ def fail_in_write() -> None:
     from ckptflow.storage import StorageUnavailableError
     from ckptflow.storage.save import writer
 
-    def full(sink: Any, data: Any, *hashers: Any) -> None:
+    def full(sink: Any, data: Any, *hashers: Any, **pieces: Any) -> None:
         raise StorageUnavailableError("no space left on device (rank 1's disk)")
 
     writer.write_hashed = full  # type: ignore[assignment]
@@ -239,6 +243,7 @@ def main() -> None:
         "looked before a save committed version 2) while the other ranks see version 2",
     )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--frozen", action="store_true", help="freeze all but the head, as frozen_saves")
     args = parser.parse_args()
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -256,12 +261,18 @@ def main() -> None:
     if args.rank0_looks_early and rank == 0:
         locate = store._locate
         store._locate = lambda version: locate(1 if version is None else version)  # type: ignore[method-assign]
-    saving = args.scenario in ("save", "dcp_save", "kill_in_save", "save_async", "fail_in_save", "full_disk")
+    saving = args.scenario in {"save", "dcp_save", "kill_in_save", "save_async", "fail_in_save", "full_disk"}
+    saving = saving or args.scenario == "frozen_saves"
+    # Seeds other than the stored version's where a save must write (dedup would reference it all).
+    seeds = {"kill_in_save": 1, "full_disk": 2, "fail_in_save": 3}
     model, opt = (
-        build(0 if args.scenario != "kill_in_save" else 1, args.mesh, args.device)
+        build(seeds.get(args.scenario, 0), args.mesh, args.device)
         if saving
         else build(7, args.mesh, args.device)
     )
+    if args.frozen or args.scenario == "frozen_saves":
+        for name, param in model.named_parameters():
+            param.requires_grad_(name.startswith("head."))
     if saving:
         train(model, opt, 2)
         state = state_of(model, opt)
@@ -303,6 +314,19 @@ def main() -> None:
                 (args.out / "full.json").write_text(json.dumps(full))
                 (args.out / "second.json").write_text(json.dumps(second))
             result["after"] = full_digest(model, opt) not in (full, second)
+        elif args.scenario == "frozen_saves":
+            infos = [store.save(state, epoch=1), store.save(state_of(model, opt), epoch=2)]
+            train(model, opt, 1)
+            infos.append(store.save_async(state_of(model, opt), epoch=3).wait())
+            train(model, opt, 1)
+            for _ in range(2):  # the second: its parent is the first, its chunks all referenced
+                writer = store.dcp_writer(epoch=4)
+                dcp.save(state_of(model, opt), storage_writer=writer, process_group=store.group.group)
+                if rank == 0:  # the coordinator committed it
+                    assert writer.info is not None
+                    infos.append(writer.info)
+            if rank == 0:
+                result["saves"] = [[i.version, i.new_bytes, i.size] for i in infos]
         elif args.scenario == "dcp_save":
             writer = store.dcp_writer(epoch=1, metrics={"loss": 1.5})
             dcp.save(state, storage_writer=writer, process_group=store.group.group)
