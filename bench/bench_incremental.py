@@ -14,7 +14,8 @@ Three runs of successive saves, each state built from a fixed seed:
 
 Methods, each writing to a real disk and ending with its files fsynced: ckptflow
 (content-addressed, the default), ckptflow ``StoreOptions(dedup=False)`` (every
-version a full copy), ``torch.save`` + fsync (a new file per save), DCP ``save``
+version a full copy), ckptflow through ``dcp.save(storage_writer=store.dcp_writer())``
+(the sharded save path, in one process), ``torch.save`` + fsync (a new file per save), DCP ``save``
 (``FileSystemWriter(sync_files=True)``, a new directory per save).
 
 Per method: the bytes each save wrote (median over the saves after the first),
@@ -175,6 +176,24 @@ class Ckptflow(Method):
         return CheckpointStore(self.root / "store").load(version=n)
 
 
+class CkptflowDcp(Method):
+    """ckptflow's sharded save path: DCP's planner, ckptflow's writer (``store.dcp_writer()``)."""
+
+    name = "ckptflow, `dcp.save`"
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.store = CheckpointStore(root / "store")
+
+    def save(self, state: dict[str, Any], n: int) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(state, storage_writer=self.store.dcp_writer(version=n), no_dist=True)
+
+    def load(self, n: int, like: dict[str, Any]) -> object:
+        return CheckpointStore(self.root / "store").load(version=n)
+
+
 class TorchSave(Method):
     name = "`torch.save` + fsync"
 
@@ -209,6 +228,7 @@ class Dcp(Method):
 METHODS: list[Callable[[Path], Method]] = [
     lambda root: Ckptflow(root, dedup=True),
     lambda root: Ckptflow(root, dedup=False),
+    CkptflowDcp,
     TorchSave,
     Dcp,
 ]

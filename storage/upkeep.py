@@ -63,8 +63,10 @@ class Upkeep:
         :class:`StoreLockedError` naming the holder while another live writer has the store,
         :class:`LeaseLostError` if this store's own lease was taken over.
         """
-        self._saves.join_inflight()  # not wait_previous: its failure is the saving thread's to raise
-        self._saves.forget_index()  # what its next save references may be removed here
+        # Not wait_previous: its failure is the saving thread's to raise. What the next save may
+        # reference stays valid while its version is committed (removal keeps every file a
+        # committed version references), which the save checks (VersionWriter.content_index).
+        self._saves.join_inflight()
         own = self._saves.lease
         if own is not None:
             with translate_errors(self.loc, "checking the writer lease of"):

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ..format.checksum import KEY_DIGITS, content_key, digest
+from ..format.checksum import KEY_DIGITS, content_key, new_hasher
 from ..format.dtypes import dtype_name
 from ..format.manifest import BlobEntry, ShardEntry
 from .planner import Blob, SavePlan, assign_shards
@@ -57,8 +57,11 @@ class ContentIndex:
         shards: list[ShardEntry],
         blobs: Iterable[dict[str, Any] | BlobEntry],
         samples: set[Sample] | None = None,
+        *,
+        identity: tuple[object, ...] | None = None,
     ) -> None:
         self.version = version
+        self.identity = identity  # of the manifest it was read from, to tell a later one in its place
         # None: unknown (an index read from a manifest): every blob of a held dtype and size is
         # hashed whole before it is written or referenced.
         self.samples = samples
@@ -158,8 +161,9 @@ def split(
     samples: set[Sample] = set()
     found: dict[int, Held] = {}
     elsewhere: dict[int, list[Held]] = {}  # blobs held in more than one place: all of them
+    names: dict[Any, str] = {}
     for blob in mine:
-        name = dtype_name(blob.dtype)
+        name = names.get(blob.dtype) or names.setdefault(blob.dtype, dtype_name(blob.dtype))
         data = blob_bytes(blob)
         sampled = sample(data, name) if blob.nbytes > SAMPLED else None
         if sampled is not None:
@@ -201,4 +205,7 @@ SAMPLED = 4 * SAMPLE_BYTES  # blobs above this size are sampled first; smaller o
 def sample(data: memoryview, dtype: str) -> Sample:
     """A cheap fingerprint of a large blob: its first and last 4 KiB. Two blobs with different
     samples differ; with the same sample, only their content keys tell."""
-    return dtype, len(data), digest(bytes(data[:SAMPLE_BYTES]) + bytes(data[-SAMPLE_BYTES:]))
+    hasher = new_hasher()
+    hasher.update(data[:SAMPLE_BYTES])
+    hasher.update(data[-SAMPLE_BYTES:])
+    return dtype, len(data), hasher.hexdigest()

@@ -56,7 +56,7 @@ from ..info import SaveRequest, StoreOptions, VersionInfo
 from ..versions import catalog, claims
 from ..versions import commit as protocol
 from ..versions.catalog import archived_for_writing
-from ..versions.housekeeping import last_change, referenced
+from ..versions.housekeeping import last_change
 from ..versions.lease import DEFAULT_TIMEOUT, LEASE_KEY, StoreLease, commit_lease, fence, read_lease
 from . import dedup
 from .distributed import RankGroup, RankPlan, RankReport, assemble, plan_rank, tensor_entries
@@ -311,7 +311,7 @@ class VersionWriter:
         if (record is not None and not record.is_writing()) or version in archived_for_writing(self.loc):
             raise VersionExistsError(version, self.loc.display())
         if record is not None:
-            kept = referenced(self.loc).keep(version)
+            kept = catalog.references(self.loc).keep(version)
             if kept:
                 raise CheckpointError(
                     f"version {version} of {self.loc.display()} was removed, but its directory keeps "
@@ -388,29 +388,51 @@ class VersionWriter:
             self.discard(manifest.version)
             raise
         if self.options.dedup:
-            self._index = dedup.ContentIndex(
-                manifest.version, manifest.shards, manifest.blobs, self._samples_of(manifest.version)
-            )
+            with contextlib.suppress(Exception):  # (unknown: the next save reads the index again)
+                self._index = None
+                self._index = dedup.ContentIndex(
+                    manifest.version,
+                    manifest.shards,
+                    manifest.blobs,
+                    self._samples_of(manifest.version),
+                    identity=self._manifest_identity(manifest.version),
+                )
 
     def content_index(self, parent: int | None) -> dedup.ContentIndex | None:
         """The blobs the next save may reference: those of ``parent`` (the version the store last
         committed or loaded), else of the newest committed version; None when there is none, or it
-        is archived (its bytes are then no loose files to reference)."""
+        is archived (its bytes are then no loose files to reference). The index kept from the last
+        save or read is used while its version is committed: removal keeps every file a committed
+        version references, so a prune or gc here or in another process leaves it valid."""
         index = self._index
-        if index is not None and (parent is None or index.version == parent):
-            with translate_errors(self.loc, "reading"):  # still committed (another process may prune)
-                path = self.loc.path(version_dir(index.version), MANIFEST_FILE)
-                self.loc.fs.invalidate_cache(path)
-                if self.loc.fs.exists(path):
+        if index is not None and index.identity is not None and (parent is None or index.version == parent):
+            with translate_errors(self.loc, "reading"):  # still this manifest (another process may prune)
+                if self._manifest_identity(index.version) == index.identity:
                     return index
         with translate_errors(self.loc, "reading"):
             found = catalog.lookup(self.loc, parent) if parent is not None else catalog.newest(self.loc)
-        if found is None or found.is_archived:
-            return None
+            if found is None or found.is_archived:
+                return None
+            identity = self._manifest_identity(found.version)
         self._index = dedup.ContentIndex(
-            found.version, found.manifest.shards, found.manifest.blobs, self._samples_of(found.version)
+            found.version,
+            found.manifest.shards,
+            found.manifest.blobs,
+            self._samples_of(found.version),
+            identity=identity,
         )
         return self._index
+
+    def _manifest_identity(self, version: int) -> tuple[object, ...] | None:
+        """What tells ``version``'s manifest file from another written in its place (a version
+        deleted and saved again under its number): size, ETag or mtime and inode; None if absent."""
+        path = self.loc.path(version_dir(version), MANIFEST_FILE)
+        self.loc.fs.invalidate_cache(path)
+        try:
+            info = self.loc.fs.info(path)
+        except FileNotFoundError:
+            return None
+        return tuple(str(info.get(k)) for k in ("size", "ETag", "mtime", "ino", "LastModified"))
 
     def keep_samples(self, version: int, split: dedup.Split) -> None:
         """Remember the samples of this rank's blobs in the save of ``version`` (:func:`.dedup.sample`),
@@ -422,10 +444,6 @@ class VersionWriter:
     def _samples_of(self, version: int) -> set[dedup.Sample] | None:
         """The samples kept for ``version``, if this rank's last save wrote it; else None (unknown)."""
         return self._samples[1] if self._samples is not None and self._samples[0] == version else None
-
-    def forget_index(self) -> None:
-        """Read the index again at the next save (versions were removed: its files may be gone)."""
-        self._index = None
 
     def discard(self, version: int) -> None:
         """After a failed save: remove its partial files (its claim shows they are this writer's,

@@ -164,12 +164,6 @@ class StoreSaver:
         if inflight is not None:
             inflight.join()
 
-    def forget_index(self) -> None:
-        """Versions were removed: the next save reads what it may reference again (:mod:`.dedup`)."""
-        with self._lock:
-            if self._made_writer is not None:
-                self._made_writer.forget_index()
-
     def write_under(self, lease: StoreLease | None) -> None:
         """Make commits need ``lease``; None: commit without one."""
         with self._lock:

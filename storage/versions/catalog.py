@@ -60,6 +60,37 @@ class Located:
         return loc.display(version_dir(self.version))
 
 
+class References:
+    """Which files of version directories committed loose versions reference: the marks that
+    removal keeps (:mod:`.housekeeping`), and what makes a directory without a manifest no leftover."""
+
+    def __init__(
+        self, records: dict[int, protocol.VersionRecord], without: frozenset[int] = frozenset()
+    ) -> None:
+        """``records``: every version directory's (:func:`.commit.scan`); ``without``: versions whose
+        manifests do not count (a dry run of their removal)."""
+        self.files: dict[int, set[str]] = {}
+        self.unknown = False  # a loose manifest could not be read: what it references is unknown
+        for v, record in records.items():
+            if v in without:
+                continue
+            if record.manifest is None:
+                self.unknown = self.unknown or (record.error is not None and record.is_unreadable())
+                continue
+            for shard in record.manifest.shards:
+                if shard.version is not None:
+                    self.files.setdefault(shard.version, set()).add(shard.file)
+
+    def keep(self, version: int) -> frozenset[str]:
+        """The files of ``version``'s directory that must stay when it is removed."""
+        return frozenset(self.files.get(version, ()))
+
+
+def references(loc: Location, without: frozenset[int] = frozenset()) -> References:
+    """The marks as the store holds them now (reads every loose manifest)."""
+    return References(protocol.scan(loc), without)
+
+
 @dataclass(frozen=True)
 class Survey:
     """Every version of a store by state: what ``ls`` and ``verify --all`` report."""
@@ -78,15 +109,11 @@ class Survey:
 def survey(loc: Location) -> Survey:
     """The state of every version, loose and archived (reads every manifest and index)."""
     bad: dict[str, CheckpointError] = {}
-    records, found = _scan(loc, bad)
+    records, found = scan(loc, bad)
     unreadable = {
         v: r.error for v, r in records.items() if r.error is not None and r.is_unreadable() and v not in found
     }
-    referenced: dict[int, set[str]] = {}  # files of other versions' directories loose versions read
-    for record in records.values():
-        for shard in record.manifest.shards if record.manifest is not None else ():
-            if shard.version is not None:
-                referenced.setdefault(shard.version, set()).add(shard.file)
+    marks = References(records)
     return Survey(
         committed=found,
         unreadable=unreadable,
@@ -96,7 +123,7 @@ def survey(loc: Location) -> Survey:
             if r.is_writing()
             and v not in found
             # a removed version's directory that keeps only files others reference is no leftover
-            and not (v in referenced and set(protocol.list_files(loc, v)) <= referenced[v])
+            and not (v in marks.files and set(protocol.list_files(loc, v)) <= marks.files[v])
         ],
         set_aside=protocol.list_set_aside(loc),
         bad_archives=bad,
@@ -105,11 +132,11 @@ def survey(loc: Location) -> Survey:
 
 def committed(loc: Location) -> list[Located]:
     """Every committed version, oldest first."""
-    return list(_scan(loc, {})[1].values())
+    return list(scan(loc)[1].values())
 
 
-def _scan(
-    loc: Location, bad: dict[str, CheckpointError]
+def scan(
+    loc: Location, bad: dict[str, CheckpointError] | None = None
 ) -> tuple[dict[int, protocol.VersionRecord], dict[int, Located]]:
     """Every version directory's record, and the committed versions by number (the loose copy
     wins over an archived one); ``bad`` collects the tarballs whose index cannot be read."""

@@ -13,7 +13,7 @@ which it spared as too recent (:class:`GarbageReport`).
 Versions share bytes (format 8): a version's manifest may reference shard
 files in an older version's directory instead of writing the same bytes
 again. Removal is then mark and sweep: the files that committed loose
-versions reference (:func:`referenced`) are never removed, whatever removes;
+versions reference (:class:`.catalog.References`) are never removed, whatever removes;
 a deleted or pruned version loses its manifest and its other files, and its
 directory keeps the referenced ones until no committed version needs them,
 when ``gc`` (or the next prune) removes them. The marks are read from the
@@ -52,48 +52,13 @@ from ..files.location import Location
 from ..format.names import version_dir
 from . import catalog, claims
 from . import commit as protocol
+from .catalog import References
 from .lease import fence
 from .retention import PrunePlan, RetentionPolicy, plan_prune
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class References:
-    """Which files of version directories committed loose versions reference (the marks)."""
-
-    def __init__(self, loc: Location, without: frozenset[int] = frozenset()) -> None:
-        """``without``: versions whose manifests do not count (a dry run of their removal)."""
-        self.files: dict[int, set[str]] = {}
-        self.unknown = False  # a loose manifest could not be read: what it references is unknown
-        for v, record in protocol.scan(loc).items():
-            if v in without:
-                continue
-            if record.manifest is None:
-                self.unknown = self.unknown or (record.error is not None and record.is_unreadable())
-                continue
-            for shard in record.manifest.shards:
-                if shard.version is not None:
-                    self.files.setdefault(shard.version, set()).add(shard.file)
-
-    def keep(self, version: int) -> frozenset[str]:
-        """The files of ``version``'s directory that must stay when it is removed."""
-        return frozenset(self.files.get(version, ()))
-
-    def spare_all(self) -> bool:
-        if self.unknown:
-            log.warning(
-                "a version's manifest cannot be read, so the bytes it references are unknown: removed "
-                "versions keep their shard files until it is readable or set aside (then run gc)"
-            )
-        return self.unknown
-
-
-def referenced(loc: Location, without: frozenset[int] = frozenset()) -> References:
-    """The marks: what committed loose versions (but ``without``) reference in other versions'
-    directories."""
-    return References(loc, without)
 
 
 def remove_versions(loc: Location, versions: list[int]) -> int:
@@ -104,7 +69,7 @@ def remove_versions(loc: Location, versions: list[int]) -> int:
     for version in versions:
         protocol.remove_manifest(loc, version)
     with fence(loc):  # no commit between the marks and the sweep (a commit checks its files under it)
-        return sweep(loc, versions, referenced(loc), sizes)
+        return sweep(loc, versions, catalog.references(loc), sizes)
 
 
 def sweep(
@@ -113,6 +78,11 @@ def sweep(
     """Remove the files of the (manifest-less) directories of ``versions`` that no committed
     version references, and each directory left empty; return the bytes freed (``sizes``: of
     the files as they were before their manifests went)."""
+    if refs.unknown and versions:
+        log.warning(
+            "a version's manifest cannot be read, so the bytes it references are unknown: removed "
+            "versions keep their shard files until it is readable or set aside (then run gc)"
+        )
     freed = 0
     for version in versions:
         found = _file_sizes(loc, version)
@@ -123,10 +93,10 @@ def sweep(
     return freed
 
 
-def freed_by_removing(loc: Location, versions: list[int]) -> int:
+def freed_by_removing(loc: Location, versions: list[int], refs: References | None = None) -> int:
     """The bytes :func:`remove_versions` would free now (reads only): their files but those the
-    other committed versions reference."""
-    refs = referenced(loc, frozenset(versions))
+    other committed versions reference (``refs``, without ``versions``: read now if not given)."""
+    refs = refs if refs is not None else catalog.references(loc, frozenset(versions))
     total = 0
     for version in versions:
         found = _file_sizes(loc, version)
@@ -137,7 +107,7 @@ def freed_by_removing(loc: Location, versions: list[int]) -> int:
 
 def _kept(refs: References, version: int, files: list[str]) -> frozenset[str]:
     keep = refs.keep(version)
-    if refs.spare_all():
+    if refs.unknown:
         keep = keep | {f for f in files if f.endswith(".h5")}
     return frozenset(keep)
 
@@ -177,7 +147,8 @@ def delete_version(loc: Location, version: int) -> None:
 
 def plan(loc: Location, policy: RetentionPolicy) -> PrunePlan:
     """What pruning by ``policy`` would do now (reads only)."""
-    found = catalog.committed(loc)
+    records, committed = catalog.scan(loc)
+    found = list(committed.values())
     tarball_of = {v: a.tar for v, a in list_archived(loc).items()}
     planned = plan_prune(
         [x.manifest for x in found], policy, tarball_of=tarball_of, loose=protocol.list_dirs(loc)
@@ -186,7 +157,8 @@ def plan(loc: Location, policy: RetentionPolicy) -> PrunePlan:
     tars = sum(
         _size(loc, aloc.path(tar)) + _size(loc, aloc.path(index_name(tar))) for tar in planned.tarballs
     )
-    loose = freed_by_removing(loc, list(planned.loose)) if planned.loose else 0
+    gone = frozenset(planned.loose)
+    loose = freed_by_removing(loc, list(gone), References(records, gone)) if gone else 0
     return dataclasses.replace(planned, freed=tars + loose)
 
 
@@ -258,7 +230,7 @@ def find_garbage(loc: Location, min_age: float = 0.0) -> GarbageReport:
     aloc = archive_location(loc)
     _, partial = list_tarballs(loc)
     temps = [os.path.relpath(p, loc.root) for p in (*stale_temp_files(loc), *stale_temp_files(aloc))]
-    refs = referenced(loc)
+    refs = catalog.references(loc)
     leftover = [v for v, ok in protocol.list_dirs(loc).items() if not ok and _holds_garbage(loc, v, refs)]
     versions = _by_age(loc, [(v, loc.path(version_dir(v))) for v in leftover], min_age)
     tarballs = _by_age(loc, [(tar, aloc.path(tar)) for tar in partial], min_age)
@@ -282,7 +254,7 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> GarbageReport:
     """
     report = find_garbage(loc, min_age)
     with fence(loc):
-        freed = sweep(loc, list(report.removed.versions), referenced(loc))
+        freed = sweep(loc, list(report.removed.versions), catalog.references(loc))
     aloc = archive_location(loc)
     tarballs = []
     for tar in report.removed.tarballs:

@@ -177,6 +177,30 @@ def test_prune_keeps_the_bytes_kept_versions_reference_and_says_what_it_freed(tm
     assert not (root / "v000000").exists()
 
 
+def test_an_unreadable_manifest_makes_removals_keep_every_shard_file(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What an unreadable manifest references is unknown: a prune keeps every shard file of the
+    versions it removes (saying so once), and they load again once the manifest is mended."""
+    root = tmp_path / "s"
+    store = CheckpointStore(root)
+    for step in range(4):
+        store.save(fine_tune(step))
+    damaged = root / "v000003" / "manifest.json"
+    good = damaged.read_bytes()
+    damaged.write_bytes(good[: len(good) // 2])
+    with caplog.at_level("WARNING", logger="ckptflow"):
+        assert store.prune(keep_last=1) == [0, 1]  # version 2 kept; 3 unreadable, not counted
+    warned = [r for r in caplog.records if "bytes it references are unknown" in r.getMessage()]
+    assert len(warned) == 1, caplog.text
+    for version in (0, 1):
+        assert [p.name for p in (root / f"v{version:06d}").iterdir()] == ["shard-r0-00.h5"]
+    damaged.write_bytes(good)
+    assert_same_state(CheckpointStore(root).load(version=3), fine_tune(3))
+    store.gc()  # version 1's head is referenced by nothing now; version 0's base by 2 and 3
+    assert not (root / "v000001").exists() and (root / "v000000" / "shard-r0-00.h5").exists()
+
+
 def test_a_removed_version_number_is_not_reused_while_its_bytes_are_referenced(
     tmp_path: Path,
 ) -> None:
@@ -208,7 +232,7 @@ def test_verify_checks_the_bytes_a_version_references(tmp_path: Path) -> None:
 
 def test_a_save_never_commits_a_reference_to_a_file_removed_meanwhile(tmp_path: Path) -> None:
     """Another process pruned the version this store's next save references: the save reads what
-    it may reference again (here the same process: the index is forgotten on every removal)."""
+    it may reference again (its manifest is gone: the store reads the index of the newest)."""
     root = tmp_path / "s"
     store = CheckpointStore(root)
     store.save(fine_tune(0))
@@ -217,6 +241,24 @@ def test_a_save_never_commits_a_reference_to_a_file_removed_meanwhile(tmp_path: 
     CheckpointStore(root).delete(2)  # another store object removes what `store` last committed
     info = store.save(fine_tune(3))
     assert_same_state(CheckpointStore(root).load(version=info.version), fine_tune(3))
+
+
+def test_a_version_saved_again_under_its_number_is_not_mistaken_for_the_one_removed(
+    tmp_path: Path,
+) -> None:
+    """Bug: the index a store kept of its last save was trusted while a manifest of that number
+    existed. Another store object deleted the version and saved another state under its number:
+    the next save referenced the new file at the old one's offsets, and failed (its commit check
+    found the file changed). The index is now tied to its manifest file, not to its number."""
+    root = tmp_path / "s"
+    store = CheckpointStore(root)
+    store.save(fine_tune(0))
+    other = CheckpointStore(root)
+    other.delete(0)
+    other.save(dense(0), version=0)
+    info = store.save(fine_tune(1))
+    assert_same_state(CheckpointStore(root).load(version=info.version), fine_tune(1))
+    assert verify_all(CheckpointStore(root)) == {0: None, info.version: None}
 
 
 def test_archives_are_self_contained_and_extract_gives_a_loadable_store(tmp_path: Path) -> None:
