@@ -46,6 +46,8 @@ from ..format.dtypes import dtype_from_name
 from ..load import gpu
 from ..load.loader import as_bytes, build_tensors
 from ..load.reader import Span, read_blobs, read_spans
+from ..versions import catalog
+from .ids import checkpoint_version
 from .layout import Flat, Source, flatten
 
 if TYPE_CHECKING:
@@ -83,7 +85,15 @@ class DcpReader(StorageReader):
     # -- DCP's calls --------------------------------------------------------------
 
     def reset(self, checkpoint_id: Any = None) -> None:
-        pass
+        """``checkpoint_id`` (DCP's): read that version of the store instead (:mod:`.ids`)."""
+        if checkpoint_id is None:
+            return
+        number = checkpoint_version(checkpoint_id, self.loc)
+        if number != self.version:
+            with translate_errors(self.loc, "reading"):
+                located = catalog.find(self.loc, number)
+            self.located, self.manifest = located, located.manifest
+            self._flat, self._sources = None, {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         flat = self._flatten()

@@ -58,6 +58,7 @@ from ..save.planner import Blob, assign_shards, dataset_name, shards_per_rank
 from ..save.planner import SavePlan as BlobPlan
 from ..save.saving import checked, new_manifest
 from ..versions.commit import read_record
+from .ids import checkpoint_version
 from .layout import chunk_entry, path_text, sharded_structure
 
 if TYPE_CHECKING:
@@ -98,6 +99,16 @@ class DcpWriter(StorageWriter):
     # -- DCP's calls, in the order it makes them ------------------------------
 
     def reset(self, checkpoint_id: Any = None) -> None:
+        """A new save; ``checkpoint_id`` (DCP's): the version it writes (:mod:`.ids`)."""
+        if checkpoint_id is not None:
+            number = checkpoint_version(checkpoint_id, self.versions.loc)
+            asked = self.claimed if self.claimed is not None else self.request.version
+            if asked is not None and asked != number:
+                raise CheckpointError(
+                    f"checkpoint_id {checkpoint_id!r} names version {number}, but this writer saves "
+                    f"version {asked}: give one of them"
+                )
+            self.request = dataclasses.replace(self.request, version=number)
         self.version, self.info, self.started = None, None, time.perf_counter()
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
