@@ -119,7 +119,8 @@ Url = Annotated[
     str,
     typer.Argument(
         metavar="URL",
-        help="The store: a path, file://..., s3://bucket/prefix, memory://...",
+        help="The store: a path, file://..., s3://bucket/prefix, memory://... (or a checkpoint file "
+        "of the Lightning plugin, e.g. run1/last.ckpt: its store, and its version by default).",
         show_default=False,
     ),
 ]
@@ -144,15 +145,28 @@ GC_MIN_AGE = 900.0  # seconds: gc spares leftovers younger than this unless told
 
 def _open(url: str, storage_options: dict[str, Any] | None, *, command: str) -> CheckpointStore:
     """The store at ``url``; fails within seconds when nothing is stored there, it cannot be reached,
-    or it is a version's directory or a directory of stores (naming the store(s) for ``command``)."""
-    from ckptflow.storage import CheckpointStore, quick_answer_options
+    or it is a version's directory or a directory of stores (naming the store(s) for ``command``).
 
-    store = CheckpointStore(url, storage_options=quick_answer_options(url, storage_options))
+    A Lightning checkpoint path (``last.ckpt``, a pointer the plugin wrote) stands for its store,
+    and its version is the one a command reads unless told another (:func:`_chosen`)."""
+    from ckptflow.storage import CheckpointStore, check_pointed, lightning_pointer, quick_answer_options
+
+    pointer = lightning_pointer(url, quick_answer_options(url, storage_options))
+    target = pointer.store_url if pointer is not None else url
+    store = CheckpointStore(target, storage_options=quick_answer_options(target, storage_options))
     store.probe(must_exist=True)
     problem = present.misplaced_message(store.misplaced(), store.url, command=command)
     if problem is not None:
         _fail(problem)
+    if pointer is not None:
+        check_pointed(pointer, url, store)
+        _POINTED[id(store)] = (store, pointer.version)
+        typer.echo(f"{url} is a Lightning checkpoint: version {pointer.version} of {store.url}", err=True)
     return store
+
+
+# A store opened through a pointer (by id; held, so that its id is not reused) -> the version named.
+_POINTED: dict[int, tuple[CheckpointStore, int]] = {}
 
 
 def _console() -> Console:
@@ -166,8 +180,12 @@ def _refuse_both(version: int | None, step: int | None) -> None:
 
 
 def _chosen(store: CheckpointStore, version: int | None, step: int | None) -> int | None:
-    """The version ``--version`` or ``--step`` names (None: the newest); fails naming the steps
-    nearest to ``step`` when no committed version has it."""
+    """The version ``--version`` or ``--step`` names (None: the newest, or the one the pointer the
+    store was opened through names); fails naming the steps nearest to ``step`` when no committed
+    version has it."""
+    if version is None and step is None:
+        pointed = _POINTED.get(id(store))
+        return pointed[1] if pointed is not None and pointed[0] is store else None
     return version if step is None else store.version_at_step(step)
 
 

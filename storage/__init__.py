@@ -41,6 +41,7 @@ from .files.processes import has_ended as process_ended
 from .files.processes import this_process as current_process
 from .format.manifest import FORMAT_VERSION, Manifest
 from .info import EPOCH_STEPS, IN_EPOCH
+from .integrations.pointers import check_pointed, lightning_pointer
 from .load.restore import RankStateWarning
 from .remote.options import quick_answer_options, upload_storage_options
 from .save.async_save import SaveHandle
@@ -99,8 +100,10 @@ __all__ = [
     "VersionNotFoundError",
     "VersionState",
     "VersionTakenError",
+    "check_pointed",
     "current_process",
     "extract_epoch",
+    "lightning_pointer",
     "process_ended",
     "quick_answer_options",
     "read_lease",

@@ -34,33 +34,27 @@ import logging
 import posixpath
 import secrets
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
-from ..errors import CheckpointError, ManifestError
-from ..files.location import Location, open_location, redact, translate_errors
+from ..errors import CheckpointError
+from ..files.location import redact, translate_errors
 from ..save.async_save import SaveHandle
 from ..store import CheckpointStore
-from ..versions.metadata import read_json, write_json
+from ..versions.metadata import write_json
+from .pointers import (
+    POINTER_FORMAT,
+    SAME_DIR,
+    Pointer,
+    check_pointed,
+    directory,
+    pointer_location,
+    read_pointer,
+)
 from .pyvalues import from_storable, to_storable
 
 log = logging.getLogger(__name__)
-
-POINTER_FORMAT = 1  # "path" and "token" were added later: a pointer without them is an earlier one's
-_SAME_DIR = "."  # a pointer's store when it is the pointer's own directory
-
-
-@dataclass(frozen=True)
-class Pointer:
-    """A pointer as read: its store's URL (resolved), the version it names, the path it was written
-    for and its token (both None in a pointer an earlier ckptflow wrote)."""
-
-    store_url: str
-    version: int
-    written_for: str | None
-    token: str | None
 
 
 class CkptflowCheckpointIO(CheckpointIO):
@@ -128,19 +122,7 @@ class CkptflowCheckpointIO(CheckpointIO):
         if pointer is None:
             raise FileNotFoundError(f"no checkpoint at {path}")
         store = self._open(pointer.store_url)
-        if pointer.token is not None:
-            info = store.find(pointer.version)
-            if info is None:
-                raise CheckpointError(
-                    f"{path} names version {pointer.version} of {store.url}, which is not committed "
-                    "there: it was deleted, or the pointer was copied away from its store"
-                )
-            if info.user.get("lightning_token") != pointer.token:
-                raise CheckpointError(
-                    f"{path} names version {pointer.version} of {store.url}, which was not saved for "
-                    "it: the pointer was copied away from its store, or not written by "
-                    "CkptflowCheckpointIO; copy a checkpoint's directory whole, with its store"
-                )
+        check_pointed(pointer, path, store)
         state = store.load(pointer.version, map_location=_device(map_location))
         return from_storable(state)
 
@@ -152,7 +134,7 @@ class CkptflowCheckpointIO(CheckpointIO):
         pointer = self._read_pointer(path)
         if pointer is None:
             return
-        loc, name = _pointer_location(path, self.storage_options)
+        loc, name = pointer_location(path, self.storage_options)
         with translate_errors(loc, "removing"):
             loc.remove_file(loc.path(name))
         self._delete_version(pointer, path)
@@ -175,7 +157,7 @@ class CkptflowCheckpointIO(CheckpointIO):
         Runs in the caller's thread (sync saves) or the writer's (async ones); every call from
         Lightning first waits for the one in flight, so two never overlap."""
         old = self._read_pointer(path)
-        loc, name = _pointer_location(path, self.storage_options)
+        loc, name = pointer_location(path, self.storage_options)
         write_json(loc, name, {"ckptflow_pointer": POINTER_FORMAT, **new})
         if old is not None and old.token != new["token"]:
             self._delete_version(old, path)
@@ -190,31 +172,7 @@ class CkptflowCheckpointIO(CheckpointIO):
 
     def _read_pointer(self, path: str) -> Pointer | None:
         """The pointer at ``path`` with its store's URL resolved, or None if there is no file."""
-        loc, name = _pointer_location(path, self.storage_options)
-        try:
-            pointer = read_json(loc, name)  # None: no file
-        except ManifestError:  # not JSON, too big or too deep
-            pointer = False
-        if pointer is None:
-            return None
-        if (
-            not isinstance(pointer, dict)
-            or pointer.get("ckptflow_pointer") != POINTER_FORMAT
-            or not isinstance(pointer.get("store"), str)
-            or not isinstance(pointer.get("version"), int)
-            or not isinstance(pointer.get("path", ""), str)
-            or not isinstance(pointer.get("token", ""), str)
-        ):
-            raise CheckpointError(
-                f"{path} is not a ckptflow checkpoint pointer (a small JSON file written by "
-                "CkptflowCheckpointIO); load a torch.save checkpoint without the plugin"
-            )
-        return Pointer(
-            self._resolve(path, pointer["store"]),
-            pointer["version"],
-            pointer.get("path"),
-            pointer.get("token"),
-        )
+        return read_pointer(path, self.storage_options)
 
     def _delete_version(self, pointer: Pointer, path: str) -> None:
         """Delete the version the pointer at ``path`` named, if this plugin saved it for that path in
@@ -249,19 +207,16 @@ class CkptflowCheckpointIO(CheckpointIO):
     def _store_for(self, path: str) -> tuple[CheckpointStore, str]:
         """The store a checkpoint at ``path`` goes to, and how its pointer names it."""
         if self.url is None:
-            return self._open(_directory(path)), _SAME_DIR
+            return self._open(directory(path)), SAME_DIR
         store = self._open(self.url)
         return store, store.url
-
-    def _resolve(self, path: str, store_ref: str) -> str:
-        return _directory(path) if store_ref == _SAME_DIR else store_ref
 
     def _written_for(self, path: str, store_ref: str) -> str:
         """What a pointer at ``path`` and its version record as the path: its name beside a store
         in its own directory (which may be moved whole), else its full URL."""
-        if store_ref == _SAME_DIR:
+        if store_ref == SAME_DIR:
             return posixpath.basename(path)
-        loc, name = _pointer_location(path, self.storage_options)
+        loc, name = pointer_location(path, self.storage_options)
         return loc.display(name)
 
     def _open(self, url: str) -> CheckpointStore:
@@ -281,12 +236,32 @@ class CkptflowCheckpointIO(CheckpointIO):
             raise CheckpointError(f"a checkpoint was committed but its pointer was not written: {failure}")
 
 
-def _directory(path: str) -> str:
-    return posixpath.dirname(path) or "."
+def load_from_checkpoint(
+    cls: Any,
+    path: Any,
+    *,
+    map_location: Any = None,
+    strict: bool | None = None,
+    storage_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint(path)`` for a checkpoint this plugin wrote: the module (or data
+    module) ``cls`` built from the checkpoint's hyper-parameters, ``kwargs`` overriding them, with
+    its weights loaded (``strict`` as Lightning's). Lightning's own classmethod reads ``path`` with
+    ``torch.load`` and cannot read a pointer (``UnpicklingError ... operand 123``)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.core.saving import _load_state
 
-
-def _pointer_location(path: str, storage_options: dict[str, Any]) -> tuple[Location, str]:
-    return open_location(_directory(path), storage_options), posixpath.basename(path)
+    checkpoint = CkptflowCheckpointIO(storage_options=storage_options).load_checkpoint(path, map_location)
+    checkpoint.setdefault(cls.CHECKPOINT_HYPER_PARAMS_KEY, {})
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY].update(kwargs)
+    if issubclass(cls, pl.LightningDataModule):
+        return _load_state(cls, checkpoint, **kwargs)
+    model = _load_state(cls, checkpoint, strict=strict, **kwargs)
+    assert isinstance(model, pl.LightningModule)
+    weights = checkpoint.get("state_dict") or {}
+    first = next((t for t in weights.values() if hasattr(t, "device")), None)
+    return model.to(first.device) if first is not None else model
 
 
 def _count(value: Any) -> int | None:

@@ -386,3 +386,60 @@ def test_trainer_ckpt_path_reads_a_pointer_to_a_store_of_another_plugin(tmp_path
         )
         assert_bitwise_equal(model.state_dict(), trained.state_dict())
     assert not (tmp_path / "elsewhere").exists()
+
+
+def test_load_from_checkpoint_builds_the_module_from_a_pointer(tmp_path: Path) -> None:
+    """Every Lightning tutorial loads a module with ``Model.load_from_checkpoint(path)``, which reads
+    the path with torch.load: on a pointer it fails with an UnpicklingError. The plugin's module
+    gives the same call for its pointers: hyper-parameters as saved (a Namespace, a Path), keyword
+    arguments overriding them, the weights of the checkpoint."""
+    import pickle as std_pickle
+
+    from ckptflow.storage.integrations.lightning import load_from_checkpoint
+    from tests.children.lightning_child import Regressor
+
+    fitted = fit_here(tmp_path / "ckpt", CkptflowCheckpointIO(), epochs=2)
+    path = tmp_path / "ckpt" / "last.ckpt"
+    with pytest.raises(std_pickle.UnpicklingError):  # Lightning's own, documented as not reading a pointer
+        Regressor.load_from_checkpoint(path)
+    model = load_from_checkpoint(Regressor, path)
+    assert isinstance(model, Regressor)
+    assert isinstance(model.hparams.hparams_ns, argparse.Namespace) and model.hparams.hparams_ns.width == 32
+    assert model.hparams.data_dir == pathlib.Path("/data") and model.hparams.lr == 0.01
+    assert_bitwise_equal(model.state_dict(), fitted.state_dict())
+    assert load_from_checkpoint(Regressor, str(path), lr=0.5).hparams.lr == 0.5
+
+
+def test_the_cli_takes_a_lightning_checkpoint_where_it_takes_a_store(tmp_path: Path) -> None:
+    """``ckptflow show/verify/restore run/last.ckpt`` read the version the pointer names, in its store;
+    ``ls`` lists its store; a pointer copied away from its store is refused, naming it."""
+    from typer.testing import CliRunner
+
+    from ckptflow.flows.cli import app
+
+    fitted = fit_here(tmp_path / "ckpt", CkptflowCheckpointIO(), epochs=2)
+    last = tmp_path / "ckpt" / "last.ckpt"
+    version = json.loads(last.read_text())["version"]
+    first = min(pointers(tmp_path / "ckpt").values())
+    runner = CliRunner()
+
+    shown = runner.invoke(app, ["show", str(last), "--json"])
+    assert shown.exit_code == 0, shown.output
+    assert json.loads(shown.stdout)["version"] == version
+    assert f"version {version} of {tmp_path / 'ckpt'}" in shown.stderr
+    listed = runner.invoke(app, ["ls", str(last), "--json"])
+    assert listed.exit_code == 0 and version in [v["version"] for v in json.loads(listed.stdout)["versions"]]
+    assert runner.invoke(app, ["verify", str(last)]).stdout.startswith(f"ok version {version} ")
+    assert runner.invoke(app, ["show", str(last), "--version", str(first), "--json"]).exit_code == 0
+
+    out = tmp_path / "weights.pt"
+    restored = runner.invoke(app, ["restore", str(last), "--out", str(out), "--keys", "state_dict"])
+    assert restored.exit_code == 0, restored.output
+    assert_bitwise_equal(torch.load(out, weights_only=True), fitted.state_dict())
+
+    (tmp_path / "elsewhere").mkdir()
+    CheckpointStore(tmp_path / "elsewhere").save({"x": torch.zeros(1)}, version=version)
+    copied = tmp_path / "elsewhere" / "last.ckpt"
+    copied.write_text(last.read_text())
+    refused = runner.invoke(app, ["show", str(copied)])
+    assert refused.exit_code == 1 and "copied away from its store" in refused.output
