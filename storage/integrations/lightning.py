@@ -57,6 +57,11 @@ from .pyvalues import from_storable, to_storable
 log = logging.getLogger(__name__)
 
 
+# Lightning's hyper-parameters (the module's and the data module's): an object there that cannot be
+# stored is left out with a warning (a loss module, an enum), not a failed fit (see :mod:`.pyvalues`).
+HPARAM_KEYS = ("hyper_parameters", "datamodule_hyper_parameters")
+
+
 class CkptflowCheckpointIO(CheckpointIO):
     """Lightning's ``CheckpointIO`` over ckptflow stores.
 
@@ -88,7 +93,7 @@ class CkptflowCheckpointIO(CheckpointIO):
                 "CkptflowCheckpointIO(storage_options=...)"
             )
         path = str(path)
-        state = to_storable(checkpoint)
+        state = to_storable(checkpoint, omit_under=HPARAM_KEYS)
         self._finish_inflight()
         store, store_ref = self._store_for(path)
         written_for, token = self._written_for(path, store_ref), secrets.token_hex(16)

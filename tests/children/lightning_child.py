@@ -15,6 +15,8 @@ prints ``started at epoch E`` as its first line of output and ``done`` as its la
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import enum
 import json
 import os
 import pathlib
@@ -47,6 +49,36 @@ class Regressor(pl.LightningModule):
             "optimizer": opt,
             "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
         }
+
+
+@dataclasses.dataclass
+class Width:
+    hidden: int
+    depth: int
+
+
+class Optim(enum.Enum):
+    ADAM = "adam"
+    SGD = "sgd"
+
+
+class Configured(pl.LightningModule):
+    """A module built from a dataclass, an enum and a loss module, all in its hyper-parameters."""
+
+    def __init__(self, width: Width, optim: Optim, loss_fn: torch.nn.Module) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.loss_fn = loss_fn
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, width.hidden), torch.nn.Tanh(), torch.nn.Linear(width.hidden, 1)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return self.loss_fn(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
 
 
 class Reporter(pl.Callback):

@@ -145,12 +145,55 @@ class Opaque:
 
 
 def test_an_object_json_cannot_hold_is_refused_by_its_key_before_anything_is_written(tmp_path: Path) -> None:
+    """Outside the hyper-parameters (a callback's state), an object is refused, naming its key."""
     io = CkptflowCheckpointIO()
     with pytest.raises(UnsupportedValueError) as err:
-        io.save_checkpoint(checkpoint(hyper_parameters={"loss_fn": Opaque()}), tmp_path / "c.ckpt")
-    assert "hyper_parameters/loss_fn" in str(err.value)
+        io.save_checkpoint(checkpoint(callbacks={"Tracker": {"fn": Opaque()}}), tmp_path / "c.ckpt")
+    assert "callbacks/Tracker/fn" in str(err.value)
     assert "store it as a dict, string or number instead" in str(err.value)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fit_whose_hyperparameters_hold_a_dataclass_an_enum_and_a_module_checkpoints(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Bug: ``save_hyperparameters()`` with a dataclass, an enum or a loss module crashed the fit at
+    its first checkpoint, after an epoch of training. A dataclass is stored as its fields (it comes
+    back as a namespace of them); a module or an enum is left out with one warning per key, and
+    ``load_from_checkpoint`` takes it as a keyword argument, as Lightning's does."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    from ckptflow.storage.integrations.lightning import load_from_checkpoint
+    from tests.children.lightning_child import Configured, Optim, Width, data
+
+    pl.seed_everything(0, verbose=False)
+    model = Configured(Width(hidden=16, depth=1), Optim.ADAM, torch.nn.MSELoss())
+    trainer = pl.Trainer(
+        max_epochs=2,
+        accelerator="cpu",
+        devices=1,
+        plugins=[CkptflowCheckpointIO()],
+        callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with caplog.at_level("WARNING", logger="ckptflow"):
+        trainer.fit(model, DataLoader(data(), batch_size=16))
+    left_out = [r.getMessage() for r in caplog.records if "is not stored" in r.getMessage()]
+    assert len(left_out) == 2, left_out  # once per key, not at every checkpoint
+    assert any("hyper_parameters/loss_fn: a torch.nn.modules.loss.MSELoss" in m for m in left_out)
+    assert any("hyper_parameters/optim" in m and "loss_fn=..." not in m for m in left_out)
+
+    raw = CkptflowCheckpointIO().load_checkpoint(tmp_path / "ckpt" / "last.ckpt")
+    assert raw["hyper_parameters"]["width"] == argparse.Namespace(hidden=16, depth=1)
+    assert "loss_fn" not in raw["hyper_parameters"] and "optim" not in raw["hyper_parameters"]
+    loaded = load_from_checkpoint(
+        Configured, tmp_path / "ckpt" / "last.ckpt", optim=Optim.SGD, loss_fn=torch.nn.L1Loss()
+    )
+    assert loaded.hparams.width.hidden == 16 and loaded.hparams.optim is Optim.SGD
+    assert_bitwise_equal(loaded.state_dict(), model.state_dict())
 
 
 class Planted:
