@@ -44,6 +44,7 @@ one rule, applied on both sides):
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -159,7 +160,11 @@ def restore_trainer_checkpoint(
 ) -> str | None:
     """Write ``version`` (default: the newest) as ``output_dir/checkpoint-N``; return its path,
     or None if the store has no version (a new run: said in a warning, since a mistyped URL reads
-    the same; ``resume_only`` raises instead). A directory of that name is replaced."""
+    the same; ``resume_only`` raises instead). A directory of that name is replaced.
+
+    The Trainer's state names its best checkpoint by path (``load_best_model_at_end``): that
+    checkpoint is restored too, beside it, and the path is rewritten to ``output_dir``, so a run
+    resumed on another disk or into another directory still ends with its best model."""
     store = CheckpointStore(url, storage_options=storage_options)
     try:
         state = store.load(version)
@@ -178,20 +183,61 @@ def restore_trainer_checkpoint(
         which = "the newest version" if version is None else f"version {version}"
         raise ValueError(f"{which} of {store.url} is not a Trainer checkpoint (saved by CkptflowCallback)")
     saved = state[KEY]
+    best = _write_checkpoint(saved, Path(output_dir))
+    if best is not None and best != saved["name"]:
+        found = [v.version for v in store.versions() if v.user.get(KEY) == best]
+        if found:
+            _write_checkpoint(store.load(found[-1])[KEY], Path(output_dir))
+        else:
+            log.warning(
+                "the Trainer's best checkpoint, %s, is not in %s: load_best_model_at_end will not find it",
+                best,
+                store.url,
+            )
+    return str(Path(output_dir) / saved["name"])
+
+
+def _write_checkpoint(saved: dict[str, Any], output_dir: Path) -> str | None:
+    """Write a stored checkpoint directory into ``output_dir``, whole or not at all, with its
+    Trainer state's best checkpoint moved into ``output_dir``; the best one's name, if any."""
     _check_name(saved["name"])
-    target = Path(output_dir) / saved["name"]
+    target = output_dir / saved["name"]
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{saved['name']}.", dir=target.parent))
     try:
         for entry in saved["files"]:
             _write_file(staging, entry)
+        best = _move_best(staging / TRAINER_STATE, output_dir)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return str(target)
+    return best
+
+
+TRAINER_STATE = "trainer_state.json"  # the Trainer's state; best_model_checkpoint is a path
+
+
+def _move_best(state_file: Path, output_dir: Path) -> str | None:
+    """Point the Trainer state's ``best_model_checkpoint`` into ``output_dir`` (it names the
+    directory the run saved to); return the best checkpoint's name, or None."""
+    if not state_file.is_file():
+        return None
+    state = json.loads(state_file.read_text())
+    best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
+    if not isinstance(best, str) or not best:
+        return None
+    name = posixpath.basename(best.replace("\\", "/").rstrip("/"))
+    if file_name_problem(name) is not None or not name.startswith(f"{PREFIX_CHECKPOINT_DIR}-"):
+        log.warning("the Trainer state's best checkpoint %r is no checkpoint directory: left as it is", best)
+        return None
+    moved = str(output_dir / name)
+    if moved != best:
+        state["best_model_checkpoint"] = moved
+        state_file.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    return name
 
 
 def read_checkpoint_dir(path: Path) -> dict[str, Any]:

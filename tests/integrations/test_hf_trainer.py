@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -337,3 +338,68 @@ class TestSaveTotalLimit:
     ) -> None:
         saved = [(v, f"checkpoint-{2 * (v + 1)}") for v in range(6)]
         assert rotated_out(saved, limit=limit, best=best) == gone
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def test_a_run_resumed_into_another_directory_still_ends_with_its_best_model(tmp_path: Path) -> None:
+    """Bug: ``trainer_state.json`` names the best checkpoint by the old directory's path: resumed into a
+    new output directory (another disk), ``load_best_model_at_end`` read the old disk or silently kept
+    the last model. The restore writes the best checkpoint beside the newest and points the state at it."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from tests.children.hf_child import dataset
+
+    def trainer(output_dir: Path, *callbacks: TrainerCallback) -> Trainer:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=64, n_positions=16))
+        scores = {2: 0.1, 4: 0.9, 6: 0.2, 8: 0.3, 10: 0.4, 12: 0.5}  # the best: step 4
+        training = TrainingArguments(
+            output_dir=str(output_dir),
+            max_steps=12,
+            save_steps=2,
+            eval_strategy="steps",
+            eval_steps=2,
+            load_best_model_at_end=True,
+            metric_for_best_model="score",
+            greater_is_better=True,
+            per_device_train_batch_size=16,
+            report_to="none",
+            use_cpu=True,
+            disable_tqdm=True,
+        )
+        data = dataset()
+        made = Trainer(
+            model=model, args=training, train_dataset=data, eval_dataset=data[:8], callbacks=list(callbacks)
+        )
+        made.compute_metrics = lambda _: {"score": scores[made.state.global_step]}
+        return made
+
+    store = str(tmp_path / "store")
+    trainer(tmp_path / "old", CkptflowCallback(store, async_save=False), StopAt(8)).train()
+    best_weights = load_file(tmp_path / "old" / "checkpoint-4" / "model.safetensors")
+    shutil.rmtree(tmp_path / "old")  # the old disk is gone
+
+    new = tmp_path / "new"
+    start = restore_trainer_checkpoint(store, new)
+    assert start == str(new / "checkpoint-8")
+    state = json.loads((new / "checkpoint-8" / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"] == str(new / "checkpoint-4")
+    assert (new / "checkpoint-4" / "model.safetensors").is_file()
+
+    resumed = trainer(new, CkptflowCallback(store, async_save=False))
+    resumed.train(resume_from_checkpoint=start)
+    assert resumed.state.best_model_checkpoint == str(new / "checkpoint-4")
+    for name, tensor in resumed.model.state_dict().items():
+        if name in best_weights:
+            assert torch.equal(tensor, best_weights[name]), f"{name} is not the best model's"
