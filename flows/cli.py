@@ -443,6 +443,7 @@ def _print_verified(url: str, results: list[dict[str, Any]], archives: list[dict
 class Format(str, Enum):
     torch = "torch"
     safetensors = "safetensors"
+    hf = "hf"
 
 
 class Mode(str, Enum):
@@ -467,7 +468,9 @@ def restore_command(
             "--format",
             help="torch: the nested state as saved, for torch.load(FILE, weights_only=True) (numpy arrays "
             "become tensors). safetensors: only the tensors, flat, keyed by slash-joined key path "
-            "(e.g. model/layer.weight); non-tensor values are left out.",
+            "(e.g. model/layer.weight); non-tensor values are left out. hf: a Hugging Face Trainer "
+            "checkpoint's model as a directory OUT that from_pretrained loads (config, weights, "
+            "tokenizer; not the optimizer).",
         ),
     ] = Format.torch,
     keys: Annotated[
@@ -512,6 +515,8 @@ def restore_command(
         raise typer.BadParameter("--best-mode goes with --best METRIC", param_hint="'--best-mode'")
     if max_shard_size is not None and file_format is not Format.safetensors:
         _fail("--max-shard-size writes safetensors shards: add --format safetensors")
+    if file_format is Format.hf and keys:
+        _fail("--format hf writes a Trainer checkpoint's whole model: leave out --keys")
     if out.is_symlink():
         _fail(
             f"{out} is a symbolic link (to {os.readlink(out)}): restore writes no file through a link; "
@@ -519,7 +524,7 @@ def restore_command(
         )
     if out.exists() and not force:
         _fail(f"{out} exists; pass --force to overwrite it")
-    if out.is_dir() and max_shard_size is None:
+    if out.is_dir() and max_shard_size is None and file_format is not Format.hf:
         _fail(f"{out} is a directory; give a file name (or --max-shard-size for a sharded directory)")
     missing_dirs = _missing_directories(out)
     store = _open(url, storage_options, command="restore")
@@ -533,6 +538,20 @@ def restore_command(
         state = store.load(info.version, keys=selected or None)
     except KeyError as exc:
         _fail(f"{exc.args[0]} (version {info.version})")
+    if file_format is Format.hf:
+        from ckptflow.storage import export_pretrained
+
+        with _directories_kept_on_success(missing_dirs):
+            if out.exists():  # --force: replaced once the new directory is whole
+                _replace_dir(out, lambda tmp: export_pretrained(state, tmp))
+                names = sorted(p.name for p in out.iterdir())
+            else:
+                names = export_pretrained(state, out)
+        typer.echo(
+            f"restored version {info.version} (epoch {present.epoch_text(info)}) to {out}/ for "
+            f"from_pretrained: {', '.join(names)}"
+        )
+        return
     from .export import selected_subtree, write_hf_shards, write_state
 
     subtree = selected_subtree(state, selected[0]) if len(selected) == 1 else None
@@ -555,6 +574,24 @@ def restore_command(
         f"restored version {info.version} (epoch {present.epoch_text(info)}) to {out}: "
         f"{tensors} tensors, {present.human_size(out.stat().st_size)}"
     )
+
+
+def _replace_dir(out: Path, write: Any) -> None:
+    """Write a directory beside ``out`` with ``write(path)``, then put it in ``out``'s place."""
+    import shutil
+    import tempfile
+
+    spare = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    fresh = spare / out.name
+    try:
+        write(fresh)
+        if out.is_dir():
+            shutil.rmtree(out)
+        else:
+            out.unlink()
+        fresh.rename(out)
+    finally:
+        shutil.rmtree(spare, ignore_errors=True)
 
 
 def _missing_directories(out: Path) -> list[Path]:

@@ -55,6 +55,14 @@ if TYPE_CHECKING:
     from .save.distributed import RankGroup
 
 
+def export_pretrained(state: Any, out: Any) -> list[str]:
+    """Write a Hugging Face Trainer checkpoint's model files as a ``from_pretrained`` directory
+    (:func:`.integrations.hfdir.export_pretrained`; imports torch, not transformers)."""
+    from .integrations.hfdir import export_pretrained as export
+
+    return export(state, out)
+
+
 def __getattr__(name: str) -> Any:
     if name == "RankGroup":
         from .save.distributed import RankGroup

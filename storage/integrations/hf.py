@@ -44,30 +44,26 @@ one rule, applied on both sides):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
 import posixpath
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from transformers import TrainerCallback
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import CheckpointError, VersionNotFoundError
-from ..format.names import is_plain_name
 from ..store import CheckpointStore
+from .hfdir import KEY, file_name_problem, write_checkpoint
 
 log = logging.getLogger(__name__)
 
-KEY = "hf_checkpoint"
 _TORCH_SUFFIXES = (".pt", ".pth", ".bin")
 
 
@@ -183,11 +179,11 @@ def restore_trainer_checkpoint(
         which = "the newest version" if version is None else f"version {version}"
         raise ValueError(f"{which} of {store.url} is not a Trainer checkpoint (saved by CkptflowCallback)")
     saved = state[KEY]
-    best = _write_checkpoint(saved, Path(output_dir))
+    best = write_checkpoint(saved, Path(output_dir))
     if best is not None and best != saved["name"]:
         found = [v.version for v in store.versions() if v.user.get(KEY) == best]
         if found:
-            _write_checkpoint(store.load(found[-1])[KEY], Path(output_dir))
+            write_checkpoint(store.load(found[-1])[KEY], Path(output_dir))
         else:
             log.warning(
                 "the Trainer's best checkpoint, %s, is not in %s: load_best_model_at_end will not find it",
@@ -195,49 +191,6 @@ def restore_trainer_checkpoint(
                 store.url,
             )
     return str(Path(output_dir) / saved["name"])
-
-
-def _write_checkpoint(saved: dict[str, Any], output_dir: Path) -> str | None:
-    """Write a stored checkpoint directory into ``output_dir``, whole or not at all, with its
-    Trainer state's best checkpoint moved into ``output_dir``; the best one's name, if any."""
-    _check_name(saved["name"])
-    target = output_dir / saved["name"]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{saved['name']}.", dir=target.parent))
-    try:
-        for entry in saved["files"]:
-            _write_file(staging, entry)
-        best = _move_best(staging / TRAINER_STATE, output_dir)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return best
-
-
-TRAINER_STATE = "trainer_state.json"  # the Trainer's state; best_model_checkpoint is a path
-
-
-def _move_best(state_file: Path, output_dir: Path) -> str | None:
-    """Point the Trainer state's ``best_model_checkpoint`` into ``output_dir`` (it names the
-    directory the run saved to); return the best checkpoint's name, or None."""
-    if not state_file.is_file():
-        return None
-    state = json.loads(state_file.read_text())
-    best = state.get("best_model_checkpoint") if isinstance(state, dict) else None
-    if not isinstance(best, str) or not best:
-        return None
-    name = posixpath.basename(best.replace("\\", "/").rstrip("/"))
-    if file_name_problem(name) is not None or not name.startswith(f"{PREFIX_CHECKPOINT_DIR}-"):
-        log.warning("the Trainer state's best checkpoint %r is no checkpoint directory: left as it is", best)
-        return None
-    moved = str(output_dir / name)
-    if moved != best:
-        state["best_model_checkpoint"] = moved
-        state_file.write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-    return name
 
 
 def read_checkpoint_dir(path: Path) -> dict[str, Any]:
@@ -303,52 +256,6 @@ def _regular_files(root: Path) -> Iterator[tuple[str, Path]]:
 
 def _skipped_unreadable(exc: OSError) -> None:
     log.warning("%s is skipped: %s", exc.filename, exc.strerror)
-
-
-def file_name_problem(path: Any) -> str | None:
-    """Why the relative path ``path`` cannot be stored, or written back the same inside the
-    checkpoint directory (None: it can). Any Unicode name is fine, dots and spaces included."""
-    if not isinstance(path, str) or not path:
-        return "is empty"
-    if path.startswith("/"):
-        return "is an absolute path"
-    if any(part in ("", ".", "..") for part in path.split("/")):
-        return "has an empty, '.' or '..' component"
-    bad = sorted({c for c in path if c in "\\:\0"})
-    if bad:
-        return f"has {' and '.join(map(repr, bad))}, a path separator or drive on some systems"
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        return "is not valid UTF-8"
-    return None
-
-
-def _check_name(name: Any) -> None:
-    """A crafted manifest must not make the restore write outside the output directory."""
-    if not is_plain_name(name):
-        raise ValueError(f"refusing to restore a checkpoint named {name!r}: not a plain directory name")
-
-
-def _check_path(path: Any) -> str:
-    """``path`` if it is a relative path that stays inside the checkpoint directory."""
-    problem = file_name_problem(path)
-    if problem:
-        raise ValueError(f"refusing to write {path!r} outside the checkpoint directory: it {problem}")
-    return str(path)
-
-
-def _write_file(root: Path, entry: dict[str, Any]) -> None:
-    out = root / _check_path(entry["path"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if entry["kind"] == "safetensors":
-        save_file(entry["tensors"], out, metadata={"format": "pt"})
-    elif entry["kind"] == "torch":
-        torch.save(entry["value"], out)
-    elif entry["kind"] == "bytes":
-        out.write_bytes(entry["value"].numpy().tobytes())
-    else:
-        raise ValueError(f"unknown file kind {entry['kind']!r} for {entry['path']}")
 
 
 def _metrics_at(history: list[dict[str, Any]], step: int) -> dict[str, float]:

@@ -403,3 +403,41 @@ def test_a_run_resumed_into_another_directory_still_ends_with_its_best_model(tmp
     for name, tensor in resumed.model.state_dict().items():
         if name in best_weights:
             assert torch.equal(tensor, best_weights[name]), f"{name} is not the best model's"
+
+
+def test_restore_format_hf_gives_a_directory_from_pretrained_loads(tmp_path: Path) -> None:
+    """Bug: the README's export (``restore --keys model --max-shard-size``) fit no Trainer store (its
+    tensors are under ``hf_checkpoint/files/N/tensors``) and wrote no config.json, so from_pretrained
+    fell back to a default config and failed. ``--format hf`` writes the checkpoint's model files."""
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+    from typer.testing import CliRunner
+
+    from ckptflow.flows.cli import app
+
+    train_with_limit(tmp_path, None, async_save=False)
+    out = tmp_path / "export" / "model"
+    result = CliRunner().invoke(
+        app, ["restore", str(tmp_path / "store"), "--format", "hf", "--out", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "config.json" in result.stdout and "model.safetensors" in result.stdout
+    names = sorted(p.name for p in out.iterdir())
+    assert "config.json" in names and "optimizer.pt" not in names and "trainer_state.json" not in names
+    model = GPT2LMHeadModel.from_pretrained(out)
+    saved = load_file(tmp_path / "out" / "checkpoint-12" / "model.safetensors")
+    for name, tensor in saved.items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+
+    again = CliRunner().invoke(app, ["restore", str(tmp_path / "store"), "--format", "hf", "--out", str(out)])
+    assert again.exit_code == 1 and "exists; pass --force" in again.output
+    forced = CliRunner().invoke(
+        app, ["restore", str(tmp_path / "store"), "--format", "hf", "--out", str(out), "--force"]
+    )
+    assert forced.exit_code == 0 and sorted(p.name for p in out.iterdir()) == names
+
+    plain = tmp_path / "plain"
+    CheckpointStore(plain).save({"w": torch.zeros(2)})
+    refused = CliRunner().invoke(app, ["restore", str(plain), "--format", "hf", "--out", str(tmp_path / "x")])
+    assert refused.exit_code == 1 and "not a Hugging Face Trainer checkpoint" in refused.output
+    assert not (tmp_path / "x").exists()
