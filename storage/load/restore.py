@@ -7,6 +7,8 @@ one documented rule when the number of ranks changed.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -15,6 +17,8 @@ from ..files.location import Location, translate_errors
 from ..format.manifest import Manifest
 from ..info import StoreOptions
 from .reader import read_blobs
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -74,6 +78,8 @@ def read_state(
     check = options.verify_on_load if verify is None else verify
     device = torch.device(map_location)
     given = tensor_paths(into) if into is not None else {}
+    if given and not keys:
+        _warn_unfilled(given, manifest, leaf_ids, chunked_ids)
     targets = target_buffers(manifest, leaf_ids, given, device)
     onto = {b: as_bytes(t) for b, t in targets.items() if t.is_cuda}  # through pinned memory
     # chunks are put together on the host and moved whole: on the GPU they would take it twice
@@ -115,6 +121,44 @@ def read_state(
     return decode(
         structure, lambda i, is_numpy: tensors[i].cpu().numpy() if is_numpy else tensors[i], whole.__getitem__
     )
+
+
+def _warn_unfilled(
+    given: dict[str, Any], manifest: Manifest, leaf_ids: list[int], chunked_ids: list[int]
+) -> None:
+    """Say which tensors of ``into`` the version does not hold (they are left as they are, and the
+    state returned has the version's keys), and why when it is an optimizer's layout."""
+    stored = {manifest.tensors[i].path for i in leaf_ids} | {manifest.chunked[i].path for i in chunked_ids}
+    missing = sorted(p for p in given if p not in stored)
+    if not missing:
+        return
+    hint = ""
+    if any(_by_name(p) for p in missing) and any(_by_number(p) for p in stored):
+        hint = (
+            "; the version keeps an optimizer's state by parameter number, as opt.state_dict() gives "
+            "it, and the state to fill by name, as get_state_dict gives it: pass what load() returns "
+            "to opt.load_state_dict(...) or to torch's set_state_dict(model, opt, ...), which take "
+            "either layout"
+        )
+    log.warning(
+        "version %d holds no tensor at %d key path(s) of the state to fill (%s%s): those are left as "
+        "they are, and the state returned has the version's keys%s",
+        manifest.version,
+        len(missing),
+        ", ".join(missing[:3]),
+        ", ..." if len(missing) > 3 else "",
+        hint,
+    )
+
+
+def _by_name(path: str) -> bool:
+    parts = path.split("/")
+    return any(a == "state" and not b.isdigit() for a, b in itertools.pairwise(parts))
+
+
+def _by_number(path: str) -> bool:
+    parts = path.split("/")
+    return any(a == "state" and b.isdigit() for a, b in itertools.pairwise(parts))
 
 
 def _copied_into(given: dict[str, torch.Tensor], read: dict[str, tuple[dict[int, Any], int]]) -> None:

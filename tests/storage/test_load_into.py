@@ -3,6 +3,9 @@ very tensors given; anything else comes back new, with the saved values. (GPU ta
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore
@@ -52,3 +55,34 @@ def test_meta_targets_get_the_saved_values_back_not_meta_tensors(tmp_path):
     loaded = store.load(into=target)
     assert all(t.device.type == "cpu" for t in loaded.values())
     assert_same_state(loaded, state)
+
+
+def test_an_optimizer_saved_by_number_into_a_state_by_name_is_said_and_loads_through_torch(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A version of ``opt.state_dict()`` (parameters by number) loaded ``into`` get_state_dict's layout
+    (by name) left the state to fill as it was without a word. It is said, with the way that works:
+    torch's set_state_dict takes what load() returns."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    store = CheckpointStore(tmp_path / "s")
+    store.save({"model": model.state_dict(), "optimizer": opt.state_dict()})
+    saved = {k: v["exp_avg"].clone() for k, v in opt.state_dict()["state"].items()}
+
+    fresh = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    msd, osd = get_state_dict(fresh, fresh_opt)
+    with caplog.at_level("WARNING", logger="ckptflow"):
+        state = store.load(into={"model": msd, "optimizer": osd})
+    said = [r.getMessage() for r in caplog.records if "holds no tensor" in r.getMessage()]
+    assert len(said) == 1 and "by parameter number" in said[0] and "set_state_dict" in said[0], said
+    set_state_dict(fresh, fresh_opt, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for number, exp_avg in saved.items():
+        assert torch.equal(fresh_opt.state_dict()["state"][number]["exp_avg"], exp_avg)
+    for a, b in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
