@@ -13,6 +13,7 @@ new or empty directory that is no symbolic link, never into an existing store.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -34,6 +35,7 @@ def archive_command(
         bool,
         typer.Option("--reindex", help="Rebuild unreadable tarball indexes from the tarballs instead."),
     ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead.")] = False,
     storage_options: StorageOptionsOpt = None,
 ) -> None:
     """Consolidate committed versions into archive/epochs-A-B.tar (plus its index)."""
@@ -49,6 +51,13 @@ def archive_command(
     with store.lease(owner="ckptflow archive"):
         if reindex:
             rebuilt = store.reindex()
+            if as_json:
+                docs = [
+                    {"tarball": i.tar, "versions": sorted(int(v) for v in i.extra.get("manifests", {}))}
+                    for i in rebuilt
+                ]
+                typer.echo(json.dumps({"url": store.url, "rebuilt": docs}, indent=2))
+                return
             for index in rebuilt:
                 listed = ", ".join(sorted(index.extra.get("manifests", {}), key=int))
                 typer.echo(f"rebuilt the index of {store.url}/archive/{index.tar}: versions {listed}")
@@ -56,12 +65,21 @@ def archive_command(
                 typer.echo(f"every tarball index in {store.url} is readable: nothing to rebuild")
             return
         index = store.archive(numbers)
-        typer.echo(
-            f"archived versions {_span(numbers)} into {store.url}/archive/{index.tar} ({index.size} bytes)"
-        )
-        if drop_loose:
-            dropped = store.drop_loose(numbers)
+        if not as_json:
+            where = f"{store.url}/archive/{index.tar}"
+            typer.echo(f"archived versions {_span(numbers)} into {where} ({index.size} bytes)")
+        dropped = store.drop_loose(numbers) if drop_loose else []
+        if drop_loose and not as_json:
             typer.echo(f"removed the loose copies of versions {_span(dropped) or 'none'}")
+    if as_json:
+        doc = {
+            "url": store.url,
+            "tarball": store.tarball_url(index.tar),
+            "versions": numbers,
+            "bytes": index.size,
+            "loose_removed": dropped,
+        }
+        typer.echo(json.dumps(doc, indent=2))
 
 
 def extract_command(

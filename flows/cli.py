@@ -503,9 +503,12 @@ def restore_command(
     best_mode: Annotated[
         Mode | None, typer.Option("--best-mode", help=BEST_MODE_HELP, show_default=False)
     ] = None,
+    as_json: JsonFlag = False,
     storage_options: StorageOptions = None,
 ) -> None:
-    """Write a version (or part of it) to one torch or safetensors file, or a sharded directory."""
+    """Write a version (or part of it) to one torch or safetensors file, or a sharded directory.
+
+    With --json, one document: the version, what was written where, and how many tensors."""
     _refuse_both(version, step)
     if best is not None and (version is not None or step is not None):
         raise typer.BadParameter("give --best or --version/--step, not both", param_hint="'--best'")
@@ -530,7 +533,7 @@ def restore_command(
     store = _open(url, storage_options, command="restore")
     if best is not None and best_mode is not None:
         info = store.best(best, best_mode.value)
-        typer.echo(f"the best by {best} ({best_mode.value}): {present.describe(info)}")
+        typer.echo(f"the best by {best} ({best_mode.value}): {present.describe(info)}", err=as_json)
     else:
         info = store.info(_chosen(store, version, step))
     selected = [k for item in keys or [] for k in item.split(",") if k.strip("/ ")]
@@ -547,6 +550,9 @@ def restore_command(
                 names = sorted(p.name for p in out.iterdir())
             else:
                 names = export_pretrained(state, out)
+        if as_json:
+            _restored_json(info, out, "hf", None, names)
+            return
         typer.echo(
             f"restored version {info.version} (epoch {present.epoch_text(info)}) to {out}/ for "
             f"from_pretrained: {', '.join(names)}"
@@ -563,6 +569,11 @@ def restore_command(
             tensors, files = write_hf_shards(state, out, max_shard_size=max_shard_size, metadata=meta)
         else:
             tensors = write_state(state, out, fmt=file_format.value, metadata=meta)
+    if as_json:
+        _restored_json(
+            info, out, file_format.value, tensors, files if max_shard_size is not None else [out.name]
+        )
+        return
     if max_shard_size is not None:
         typer.echo(
             f"restored version {info.version} (epoch {present.epoch_text(info)}) to {out}/: "
@@ -574,6 +585,23 @@ def restore_command(
         f"restored version {info.version} (epoch {present.epoch_text(info)}) to {out}: "
         f"{tensors} tensors, {present.human_size(out.stat().st_size)}"
     )
+
+
+def _restored_json(info: Any, out: Path, fmt: str, tensors: int | None, files: list[str]) -> None:
+    """restore --json: the version, the path written, its format, tensors and files."""
+    doc = {
+        "version": info.version,
+        "epoch": info.epoch,
+        "step": info.step,
+        "out": str(out.absolute()),
+        "format": fmt,
+        "tensors": tensors,
+        "files": sorted(files),
+        "bytes": sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
+        if out.is_dir()
+        else out.stat().st_size,
+    }
+    typer.echo(json.dumps(doc, indent=2))
 
 
 def _replace_dir(out: Path, write: Any) -> None:
@@ -645,9 +673,13 @@ def prune_command(
     ] = None,
     old_mode: Annotated[Mode | None, typer.Option("--mode", hidden=True)] = None,  # the old --best-mode
     dry_run: DryRun = False,
+    as_json: JsonFlag = False,
     storage_options: StorageOptions = None,
 ) -> None:
-    """Delete the committed versions a retention policy does not keep (the newest is always kept)."""
+    """Delete the committed versions a retention policy does not keep (the newest is always kept).
+
+    With --json, one document: the versions kept, removed and held (by a tarball shared with a
+    kept version), the tarballs and loose copies removed, and the bytes freed."""
     if keep_last is None and keep_every is None and keep_best is None:
         raise typer.BadParameter(
             "give at least one of them", param_hint="'--keep-last' / '--keep-every' / '--keep-best'"
@@ -684,6 +716,20 @@ def prune_command(
             )
         infos = {v: store.info_of(x) for v, x in survey.committed.items()}
         plan = store.plan_retention(policy) if dry_run else store.apply_retention(policy)
+    if as_json:
+        doc = {
+            "url": store.url,
+            "dry_run": dry_run,
+            "kept": list(plan.keep),
+            "removed": list(plan.remove),
+            "held": {str(v): tar for v, tar in plan.held.items()},
+            "best": list(plan.best),
+            "tarballs_removed": list(plan.tarballs),
+            "loose_removed": list(plan.loose),
+            "freed_bytes": plan.freed,
+        }
+        typer.echo(json.dumps(doc, indent=2))
+        return
     for line in present.prune_lines(plan, infos, dry_run=dry_run, policy=policy):
         typer.echo(line)
 
@@ -701,16 +747,37 @@ def gc_command(
             help="Spare leftovers changed more recently: a save may still be writing them (0: remove all).",
         ),
     ] = GC_MIN_AGE,
+    as_json: JsonFlag = False,
     storage_options: StorageOptions = None,
 ) -> None:
     """Remove the uncommitted leftovers of interrupted saves and archive jobs.
 
     It holds the store's writer lease (refused while a run or another writer holds it). A save
     without the lease looks like a crashed one, so leftovers changed in the last --min-age seconds stay.
+    With --json, one document: what was removed (would be, with --dry-run), what was left, the bytes freed.
     """
     store = _open(url, storage_options, command="gc")
     with _writer_lease(store, command="gc", dry_run=dry_run):
         report = store.collect_garbage(min_age=min_age, dry_run=dry_run)
+    if as_json:
+
+        def listed(found: Any) -> dict[str, list[Any]]:
+            return {
+                "versions": list(found.versions),
+                "tarballs": list(found.tarballs),
+                "temp_files": list(found.temp_files),
+            }
+
+        doc = {
+            "url": store.url,
+            "dry_run": dry_run,
+            "min_age_seconds": min_age,
+            "removed": listed(report.removed),
+            "left": listed(report.spared),
+            "freed_bytes": report.freed,
+        }
+        typer.echo(json.dumps(doc, indent=2))
+        return
     done = "would remove" if dry_run else "removed"
     for number in report.removed.versions:
         typer.echo(f"{done} uncommitted {store.version_url(number)}")

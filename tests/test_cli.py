@@ -988,3 +988,42 @@ class TestRestoreBest:
         assert store.best("loss", "max").version == 0
         with pytest.raises(ValueError, match="mode must be 'max'"):
             store.best("loss", "lower")  # type: ignore[arg-type]
+
+
+def test_every_command_that_reports_has_json(tmp_path: Path) -> None:
+    """``--json`` on prune, gc, archive and restore: one document each, what the text lines say."""
+    url = str(tmp_path / "s")
+    many_versions(url, 5)
+    (tmp_path / "s" / "v000009").mkdir()  # a leftover of a crashed save
+    (tmp_path / "s" / "v000009" / "shard-r0-00.h5").write_bytes(b"x" * 100)
+
+    planned = invoke("prune", url, "--keep-last", "2", "--dry-run", "--json")
+    assert planned.exit_code == 0, planned.output
+    doc = json.loads(planned.stdout)
+    assert (doc["dry_run"], doc["kept"], doc["removed"]) == (True, [3, 4], [0, 1, 2])
+    assert doc["freed_bytes"] > 0 and [v.version for v in CheckpointStore(url).versions()] == [0, 1, 2, 3, 4]
+    pruned = json.loads(invoke("prune", url, "--keep-last", "4", "--json").stdout)
+    assert pruned["removed"] == [0] and pruned["dry_run"] is False
+
+    cleaned = json.loads(invoke("gc", url, "--min-age", "0", "--json").stdout)
+    assert cleaned["removed"]["versions"] == [9] and cleaned["freed_bytes"] >= 100
+
+    archived = invoke("archive", url, "--versions", "1-2", "--drop-loose", "--json")
+    assert archived.exit_code == 0, archived.output
+    doc = json.loads(archived.stdout)
+    assert doc["versions"] == [1, 2] and doc["loose_removed"] == [1, 2] and doc["tarball"].endswith(".tar")
+
+    out = tmp_path / "w.pt"
+    restored = invoke("restore", url, "--version", "3", "--out", str(out), "--json")
+    assert restored.exit_code == 0, restored.output
+    doc = json.loads(restored.stdout)
+    assert (doc["version"], doc["format"], doc["tensors"], doc["bytes"]) == (
+        3,
+        "torch",
+        1,
+        out.stat().st_size,
+    )
+    best = invoke(
+        "restore", url, "--best", "loss", "--best-mode", "min", "--out", str(tmp_path / "b.pt"), "--json"
+    )
+    assert json.loads(best.stdout)["version"] == 4 and "the best by loss" in best.stderr
