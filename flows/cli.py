@@ -66,7 +66,7 @@ app = typer.Typer(
     name="ckptflow",
     cls=_Group,
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,
     pretty_exceptions_enable=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )

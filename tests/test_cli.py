@@ -1027,3 +1027,25 @@ def test_every_command_that_reports_has_json(tmp_path: Path) -> None:
         "restore", url, "--best", "loss", "--best-mode", "min", "--out", str(tmp_path / "b.pt"), "--json"
     )
     assert json.loads(best.stdout)["version"] == 4 and "the best by loss" in best.stderr
+
+
+def test_shell_completion_completes_commands_and_options() -> None:
+    """``ckptflow --install-completion`` / ``--show-completion`` give the shell's script; through the
+    protocol that script speaks, the real program completes command names and their options."""
+    script = run_cli("--show-completion", "bash")
+    assert script.returncode == 0 and "_ckptflow_completion" in script.stdout, script.stderr
+
+    def complete(words: str) -> list[str]:
+        env = {
+            **os.environ,
+            "_CKPTFLOW_COMPLETE": "complete_bash",
+            "COMP_WORDS": words,
+            "COMP_CWORD": str(len(words.split()) - 1),
+        }
+        cmd = [sys.executable, "-m", "ckptflow.flows.cli"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert complete("ckptflow pr") == ["prune"]
+    assert complete("ckptflow prune /tmp --keep-") == ["--keep-last", "--keep-every", "--keep-best"]
