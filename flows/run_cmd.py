@@ -15,8 +15,9 @@ named beside it: its default is :func:`config_field`, which says which field
 the field's value. What must hold: every field has a flag
 (tests/test_cli_config_flags.py), and the config is the one place for a
 field's default (shown in ``--help``) and its bounds (a value out of them is
-a usage error naming the flag and the bound). Only ``--verbose`` is this
-process's own. The config is imported when ``run`` parses or shows its help,
+a usage error naming the flag and the bound). ``--config FILE`` gives fields
+from a file, which flags on the command line override; it and ``--verbose``
+are this process's own. The config is imported when ``run`` parses or shows its help,
 never for the other commands.
 
 Before any of that starts, :mod:`.preflight` checks the spec and the store: a
@@ -335,6 +336,15 @@ def run_command(
         bool,
         Opt("--in-process", help="Train in this process, not a child (for a debugger; starts slower)."),
     ] = config_field("train_process", NEGATED),
+    config_file: Annotated[
+        str | None,
+        Opt(
+            "--config",
+            metavar="FILE",
+            help="The config's fields from a JSON, TOML or YAML file, nested as the config is "
+            "(retention: {keep_last: 3}); a flag given on the command line wins over the file.",
+        ),
+    ] = None,
     verbose: Annotated[bool, Opt("--verbose", "-v", help="Show Prefect's log lines.")] = False,
 ) -> None:
     """Train with checkpoints (resuming from the newest committed one in --storage)."""
@@ -378,18 +388,87 @@ def config_of(ctx: typer.Context) -> PipelineConfig:
 
     from ckptflow.tasks.config import PipelineConfig
 
+    path = ctx.params.get("config_file")
+    from_file = read_config_file(path) if path else {}
     raw: dict[str, Any] = {}
     flags = config_flags(ctx)
     for name, (flag, field) in flags.items():
         *sections, key = field.path.split(".")
-        into = raw
+        into: dict[str, Any] = raw
+        given: Any = from_file
         for section in sections:
             into = into.setdefault(section, {})
-        into[key] = field.value(flag, ctx.params[name])
+            given = given.get(section) if isinstance(given, dict) else None
+        in_file = isinstance(given, dict) and key in given
+        source = ctx.get_parameter_source(name)  # (typer's own click: compared by name)
+        if in_file and (source is None or source.name in ("DEFAULT", "DEFAULT_MAP")):
+            assert isinstance(given, dict)
+            into[key] = given[key]  # the file's, unless the command line (or its variable) gave one
+        else:
+            into[key] = field.value(flag, ctx.params[name])
+    _merge_unknown(raw, from_file)  # what no flag sets: the config refuses it, naming it
     try:
         return PipelineConfig.model_validate(raw)
     except ValidationError as exc:
-        raise _usage_error(exc, {field.path: flag for flag, field in flags.values()}) from None
+        where = {field.path: flag for flag, field in flags.values()}
+        if path:
+            where = {p: f"{flag} (or {path})" for p, flag in where.items()}
+        raise _usage_error(exc, where) from None
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The config's fields in ``path``: JSON (``.json``), TOML (``.toml``) or YAML (``.yaml``,
+    ``.yml``); a usage error naming the file when it cannot be read or is no mapping."""
+    import pathlib
+
+    suffix = pathlib.Path(path).suffix.lower()
+    try:
+        text = pathlib.Path(path).read_text()
+    except OSError as exc:
+        raise typer.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="'--config'") from None
+    try:
+        if suffix == ".json":
+            value = json.loads(text)
+        elif suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                import tomli as tomllib  # type: ignore[no-redef]
+            value = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            import yaml
+
+            value = yaml.safe_load(text)
+        else:
+            raise typer.BadParameter(
+                f"{path}: give a .json, .toml, .yaml or .yml file", param_hint="'--config'"
+            )
+    except typer.BadParameter:
+        raise
+    except ImportError as exc:  # tomllib before Python 3.11, without tomli; yaml without PyYAML
+        raise typer.BadParameter(
+            f"reading {path} needs {exc.name}: pip install {'tomli' if suffix == '.toml' else 'pyyaml'}, "
+            "or give the config as JSON",
+            param_hint="'--config'",
+        ) from None
+    except Exception as exc:  # the parser's own error: where in the file, and why
+        raise typer.BadParameter(
+            f"{path} is not valid {suffix[1:].upper()}: {exc}", param_hint="'--config'"
+        ) from None
+    if not isinstance(value, dict):
+        raise typer.BadParameter(
+            f"{path} must hold a mapping of the config's fields", param_hint="'--config'"
+        )
+    return value
+
+
+def _merge_unknown(raw: dict[str, Any], given: dict[str, Any]) -> None:
+    """Copy into ``raw`` the keys of ``given`` it lacks (no flag sets them: misspelt fields)."""
+    for key, value in given.items():
+        if key not in raw:
+            raw[key] = value
+        elif isinstance(raw[key], dict) and isinstance(value, dict):
+            _merge_unknown(raw[key], value)
 
 
 def _usage_error(exc: ValidationError, flag_of: dict[str, str]) -> typer.BadParameter:

@@ -87,7 +87,7 @@ SAMPLES: dict[str, tuple[list[str], str, Any]] = {
     "--rank-timeout": (["--rank-timeout", "45"], "rank_timeout_seconds", 45.0),
     "--lease-timeout": (["--lease-timeout", "30"], "lease_timeout_seconds", 30.0),
 }
-OWN_FLAGS = {"--verbose"}  # flags of this process, not of the config
+OWN_FLAGS = {"--verbose", "--config"}  # flags of this process, not fields of the config
 
 
 def leaf_fields(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -247,3 +247,48 @@ def test_other_commands_do_not_import_the_config():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "CONFIG False" in proc.stderr
+
+
+class TestConfigFile:
+    """``run --config FILE``: the config's fields from JSON, TOML or YAML; the command line wins."""
+
+    TEXTS = {
+        "json": '{"storage": "s3://b/run", "epochs": 7, "retention": {"keep_last": 4}, "shards": 3}',
+        "toml": 'storage = "s3://b/run"\nepochs = 7\nshards = 3\n[retention]\nkeep_last = 4\n',
+        "yaml": "storage: s3://b/run\nepochs: 7\nshards: 3\nretention:\n  keep_last: 4\n",
+    }
+
+    @pytest.mark.parametrize("kind", sorted(TEXTS))
+    def test_the_file_sets_fields_and_flags_win(self, tmp_path, kind):
+        path = tmp_path / f"run.{kind}"
+        path.write_text(self.TEXTS[kind])
+        config = config_of(parsed("--config", str(path)))
+        assert (config.storage, config.epochs, config.shards, config.retention.keep_last) == (
+            "s3://b/run",
+            7,
+            3,
+            4,
+        )
+        assert (
+            config.retention.keep_every == PipelineConfig(storage="x").retention.keep_every
+        )  # not in the file
+        flagged = config_of(parsed("--config", str(path), "--epochs", "9", "--keep-last", "2"))
+        assert (flagged.epochs, flagged.retention.keep_last, flagged.shards) == (9, 2, 3)
+
+    def test_a_misspelt_field_or_a_bad_file_is_a_usage_error_naming_it(self, tmp_path):
+        typo = tmp_path / "typo.yaml"
+        typo.write_text("storage: here\nretention:\n  keep_lats: 3\n")
+        with pytest.raises(typer.BadParameter, match="keep_lats"):
+            config_of(parsed("--config", str(typo)))
+        broken = tmp_path / "broken.toml"
+        broken.write_text("epochs = [\n")
+        with pytest.raises(typer.BadParameter, match=r"broken\.toml is not valid TOML"):
+            config_of(parsed("--config", str(broken)))
+        with pytest.raises(typer.BadParameter, match=r"give a \.json, \.toml, \.yaml or \.yml file"):
+            (tmp_path / "run.ini").write_text("[run]\n")
+            config_of(parsed("--config", str(tmp_path / "run.ini")))
+        bounded = tmp_path / "bounded.json"
+        bounded.write_text('{"storage": "here", "shards": 0}')
+        with pytest.raises(typer.BadParameter, match="greater than or equal to 1") as err:
+            config_of(parsed("--config", str(bounded)))
+        assert err.value.param_hint == f"'--shards (or {bounded})'"
