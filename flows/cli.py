@@ -658,6 +658,58 @@ def _directories_kept_on_success(directories: list[Path]) -> Iterator[None]:
 # -- prune and gc ---------------------------------------------------------------
 
 
+@app.command("import")
+def import_command(
+    source: Annotated[
+        str,
+        typer.Argument(
+            metavar="SOURCE",
+            help="A torch.save or safetensors file, a Hugging Face directory (save_pretrained, a "
+            "Trainer's checkpoint-N) or a DCP directory.",
+            show_default=False,
+        ),
+    ],
+    url: Url,
+    epoch: Annotated[
+        int | None, typer.Option("--epoch", min=0, help="The epoch to record (default: the source's).")
+    ] = None,
+    step: Annotated[
+        int | None, typer.Option("--step", min=0, help="The global step to record (default: the source's).")
+    ] = None,
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--allow-pickle",
+            help="Read a file that needs pickle (a torch.save of classes, DCP's .metadata): it runs the "
+            "code the file holds; only for files you trust.",
+        ),
+    ] = False,
+    as_json: JsonFlag = False,
+    storage_options: StorageOptions = None,
+) -> None:
+    """Commit a checkpoint another tool made as a new version of the store at URL (created if new)."""
+    from ckptflow.storage import CheckpointStore, import_checkpoint
+
+    store = CheckpointStore(url, storage_options=storage_options)
+    with store.lease(owner="ckptflow import"):
+        info = import_checkpoint(store, source, epoch=epoch, step=step, allow_pickle=allow_pickle)
+    if as_json:
+        doc = {
+            "url": store.url,
+            "version": info.version,
+            "epoch": info.epoch,
+            "step": info.step,
+            "bytes": info.size,
+        }
+        typer.echo(
+            json.dumps(
+                {**doc, "source": info.user.get("imported_from"), "kind": info.user.get("import_kind")}
+            )
+        )
+        return
+    typer.echo(f"imported {source} ({info.user.get('import_kind')}) as {present.describe(info)}")
+
+
 @app.command("prune")
 def prune_command(
     url: Url,

@@ -63,6 +63,14 @@ def export_pretrained(state: Any, out: Any) -> list[str]:
     return export(state, out)
 
 
+def import_checkpoint(store: CheckpointStore, source: Any, **facts: Any) -> VersionInfo:
+    """Commit a checkpoint another tool made (a torch.save or safetensors file, a Hugging Face or
+    DCP directory) as a new version of ``store`` (:mod:`.integrations.imports`)."""
+    from .integrations.imports import import_checkpoint as run
+
+    return run(store, source, **facts)
+
+
 def __getattr__(name: str) -> Any:
     if name == "RankGroup":
         from .save.distributed import RankGroup
@@ -110,7 +118,9 @@ __all__ = [
     "VersionTakenError",
     "check_pointed",
     "current_process",
+    "export_pretrained",
     "extract_epoch",
+    "import_checkpoint",
     "lightning_pointer",
     "process_ended",
     "quick_answer_options",

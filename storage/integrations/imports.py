@@ -1,0 +1,150 @@
+"""``ckptflow import``: a checkpoint made by another tool, committed as a version of a store.
+
+What it reads, by what the source is:
+
+- a **safetensors** file: its tensors, flat, as safetensors keys them;
+- a **torch.save** file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``): with ``torch.load(weights_only=True)``,
+  which rebuilds tensors, containers and plain values and runs no code; a file that needs more
+  (a pickled class) is refused unless ``allow_pickle`` opts into ``weights_only=False``, which
+  runs whatever code the file holds. A Lightning checkpoint's hyper-parameters are kept as the
+  Lightning plugin keeps them (:mod:`.pyvalues`);
+- a **Hugging Face** directory (``config.json`` or ``*.safetensors`` in it: a model saved with
+  ``save_pretrained``, or a Trainer's ``checkpoint-N``): as the Trainer callback stores one
+  (:mod:`.hf`), so ``ckptflow restore --format hf`` and ``restore_trainer_checkpoint`` give it back;
+- a **DCP** directory (a ``.metadata`` file, what ``FileSystemWriter`` writes): DCP's metadata is a
+  pickle, so only with ``allow_pickle``; read whole with DCP's own reader and planner.
+
+The epoch and step default to what the source records (Lightning's ``epoch`` and
+``global_step``, a Trainer state's), and the version notes where it came from (``user``:
+``imported_from``, ``import_kind``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ..errors import CheckpointError
+
+if TYPE_CHECKING:
+    from ..info import VersionInfo
+    from ..store import CheckpointStore
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+def source_kind(source: Path) -> str:
+    """``"safetensors"``, ``"torch"``, ``"hf"`` or ``"dcp"``; CheckpointError for anything else."""
+    if source.is_dir():
+        if (source / ".metadata").is_file():
+            return "dcp"
+        if (source / "config.json").is_file() or any(source.glob("*.safetensors")):
+            return "hf"
+        raise CheckpointError(
+            f"{source} is a directory with neither DCP's .metadata nor a config.json or *.safetensors "
+            "file: import reads a DCP checkpoint, a Hugging Face directory, or one file"
+        )
+    if not source.is_file():
+        raise CheckpointError(f"{source} does not exist: give a checkpoint file or directory")
+    if source.suffix == ".safetensors":
+        return "safetensors"
+    if source.suffix in TORCH_SUFFIXES:
+        return "torch"
+    raise CheckpointError(
+        f"{source}: import reads *.safetensors, torch.save files ({', '.join(TORCH_SUFFIXES)}), "
+        "a Hugging Face directory or a DCP directory"
+    )
+
+
+def import_checkpoint(
+    store: CheckpointStore,
+    source: str | os.PathLike[str],
+    *,
+    epoch: int | None = None,
+    step: int | None = None,
+    allow_pickle: bool = False,
+) -> VersionInfo:
+    """Commit the checkpoint at ``source`` as a new version of ``store`` (see the module note)."""
+    path = Path(source)
+    kind = source_kind(path)
+    state, facts = _read(path, kind, allow_pickle)
+    epoch = epoch if epoch is not None else facts.get("epoch")
+    step = step if step is not None else facts.get("step")
+    user = {"imported_from": str(path.absolute()), "import_kind": kind}
+    return store.save(state, epoch=epoch, step=step, user=user)
+
+
+def _read(path: Path, kind: str, allow_pickle: bool) -> tuple[Any, dict[str, int]]:
+    if kind == "safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path), {}
+    if kind == "torch":
+        return _torch_file(path, allow_pickle)
+    if kind == "hf":
+        try:
+            from .hf import read_checkpoint_dir
+        except ImportError as exc:
+            raise CheckpointError(
+                f"importing a Hugging Face directory needs {exc.name}: pip install 'ckptflow[hf]'"
+            ) from None
+        from .hfdir import KEY
+
+        saved = read_checkpoint_dir(path)
+        return {KEY: saved}, _trainer_facts(path)
+    if not allow_pickle:
+        raise CheckpointError(
+            f"{path} is a DCP checkpoint, whose .metadata is a pickle: reading it runs whatever code "
+            "it holds. Import it only if you trust whoever wrote it, with --allow-pickle "
+            "(allow_pickle=True)"
+        )
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}  # filled whole, as torch's own dcp_to_torch_save does
+    reader = dcp.FileSystemReader(str(path))
+    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return state, {}
+
+
+def _torch_file(path: Path, allow_pickle: bool) -> tuple[Any, dict[str, int]]:
+    import pickle
+
+    import torch
+
+    from .pyvalues import to_storable
+
+    try:
+        value = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if not allow_pickle:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(
+                f"{path} holds more than tensors and plain values ({first[:200]}): reading it runs the "
+                "code it holds. Import it only if you trust whoever wrote it, with --allow-pickle "
+                "(allow_pickle=True)"
+            ) from None
+        value = torch.load(path, map_location="cpu", weights_only=False)
+    facts = {}
+    if isinstance(value, dict):
+        for key, fact in (("epoch", "epoch"), ("global_step", "step")):
+            if isinstance(value.get(key), int) and value[key] >= 0:
+                facts[fact] = value[key]
+    return to_storable(value, omit_under=("hyper_parameters", "datamodule_hyper_parameters")), facts
+
+
+def _trainer_facts(path: Path) -> dict[str, int]:
+    """A Trainer checkpoint's epoch and step, from its ``trainer_state.json``."""
+    try:
+        state = json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    facts = {}
+    if isinstance(state.get("global_step"), int):
+        facts["step"] = state["global_step"]
+    if isinstance(state.get("epoch"), (int, float)):
+        facts["epoch"] = int(state["epoch"])
+    return facts
