@@ -1,9 +1,14 @@
 # The two commands of the README: `make run` (the demo) and `make test` (the checks CI runs).
-# Both create .venv and install with constraints.txt, which pins the CPU build of torch.
+# Both create .venv and install with constraints.txt, which pins torch 2.13.0: on Linux x86_64
+# PyPI serves its CUDA build (4.4 GiB of the venv with its nvidia-* libraries and triton).
+# TORCH_INDEX=<index URL> installs torch from another index first, e.g. PyTorch's CPU builds:
+#   make run TORCH_INDEX=https://download.pytorch.org/whl/cpu
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+RUN_STAMP := $(VENV)/.installed-run
+TORCH_INDEX ?=
 PKGS := storage tasks flows
 ARGS ?=
 # pytest-xdist workers: most tests wait on servers and child processes, so 3 keep 2 cores busy.
@@ -11,15 +16,25 @@ WORKERS ?= 3
 
 .PHONY: run test test-core lint typecheck pytest install clean
 
+# `make test`: the package with everything the tests use (Lightning, transformers, SeaweedFS, ...).
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/pip install -q --index-url $(TORCH_INDEX) "$$(grep -E '^torch==' constraints.txt)")
 	$(BIN)/pip install -q -c constraints.txt -e ".[dev,demo]"
 	touch $(STAMP)
 
+# `make run`: the pipeline, S3 and the demo's scikit-learn; none of the test stack.
+$(RUN_STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(if $(TORCH_INDEX),$(BIN)/pip install -q --index-url $(TORCH_INDEX) "$$(grep -E '^torch==' constraints.txt)")
+	$(BIN)/pip install -q -c constraints.txt -e ".[prefect,s3,demo]"
+	touch $(RUN_STAMP)
+
 install: $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/ckptflow run $(ARGS)
 
 lint: $(STAMP)
@@ -39,7 +54,8 @@ pytest: $(STAMP)
 test: lint typecheck pytest
 
 # The storage library alone: a wheel of this checkout in a fresh virtualenv with the core
-# dependencies only (no Prefect, s3fs or boto3); tests/core_only.py checks it there.
+# dependencies only (no Prefect, s3fs or boto3); tests/core_only.py checks it there. Then the
+# light [cli] extra in the same virtualenv: tests/cli_only.py checks the store commands.
 CORE := build/core-venv
 test-core: $(STAMP)
 	rm -rf $(CORE) build/wheel
@@ -48,6 +64,8 @@ test-core: $(STAMP)
 	$(CORE)/bin/pip install -q --upgrade pip
 	$(CORE)/bin/pip install -q -c constraints.txt build/wheel/ckptflow-*.whl
 	cd build && ../$(CORE)/bin/python ../tests/core_only.py
+	$(CORE)/bin/pip install -q -c constraints.txt "$$(ls build/wheel/ckptflow-*.whl)[cli]"
+	cd build && ../$(CORE)/bin/python ../tests/cli_only.py
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -20,7 +20,9 @@ import sys
 
 from .version import version
 
-PIPELINE_PACKAGES = ("prefect", "typer", "rich")
+CLI_PACKAGES = ("typer", "rich")  # every command (the [cli] extra)
+PIPELINE_PACKAGES = ("prefect",)  # the commands of the pipeline (the [prefect] extra)
+PIPELINE_COMMANDS = ("run", "publish", "setup-server")
 
 
 def trains_in_a_child(args: list[str]) -> bool:
@@ -35,11 +37,21 @@ def main() -> None:
     if sys.argv[1:] in (["--version"], ["-V"]):
         print(f"ckptflow {version()}")
         return
-    missing = [name for name in PIPELINE_PACKAGES if importlib.util.find_spec(name) is None]
+    missing = [name for name in CLI_PACKAGES if importlib.util.find_spec(name) is None]
     if missing:
         print(
-            f"error: the ckptflow command needs the pipeline's packages ({', '.join(missing)} missing): "
-            "pip install 'ckptflow[prefect]' (the storage library, ckptflow.storage, works without them)",
+            f"error: the ckptflow command needs {', '.join(missing)}: pip install 'ckptflow[cli]' for the "
+            "store commands (ls, verify, restore, ...), 'ckptflow[prefect]' for the pipeline too "
+            "(the storage library, ckptflow.storage, works without them)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    command = next((a for a in sys.argv[1:] if not a.startswith("-")), None)
+    pipeline = [name for name in PIPELINE_PACKAGES if importlib.util.find_spec(name) is None]
+    if command in PIPELINE_COMMANDS and pipeline:
+        print(
+            f"error: ckptflow {command} needs the pipeline ({', '.join(pipeline)} missing): "
+            "pip install 'ckptflow[prefect]'; the store commands (ls, verify, restore, ...) work without it",
             file=sys.stderr,
         )
         sys.exit(2)

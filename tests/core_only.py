@@ -6,8 +6,8 @@ no s3fs, no boto3. It checks that ``import ckptflow.storage`` works and pulls
 none of them in, that the wheel holds every subpackage (it once lacked
 ``ckptflow.storage.sharded``), that a checkpoint saves, lists and loads
 bit for bit, that an ``s3://`` store names the extra to install, and that the
-``ckptflow`` script (and ``python -m ckptflow``) answers ``--version`` and names the ``[prefect]`` extra
-for everything else. Exits non-zero with a message on the first failure.
+``ckptflow`` script (and ``python -m ckptflow``) answers ``--version`` and names the ``[cli]`` and
+``[prefect]`` extras for everything else. Exits non-zero with a message on the first failure.
 """
 
 from __future__ import annotations
@@ -57,7 +57,8 @@ def main() -> None:
     )
     assert as_module.returncode == 0 and as_module.stdout == version.stdout, as_module
     run = subprocess.run([script, "run", "--epochs", "1"], capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and "pip install 'ckptflow[prefect]'" in run.stderr, run
+    assert run.returncode == 2 and "pip install 'ckptflow[cli]'" in run.stderr, run
+    assert "'ckptflow[prefect]' for the pipeline" in run.stderr, run
     print(f"core-only install of ckptflow {version.stdout.split()[1]}: {storage.__name__} saves and loads")
 
 

@@ -21,9 +21,11 @@ from importlib.metadata import metadata
 from pathlib import Path
 
 import pytest
+import yaml
 from prefect.client.orchestration import get_client
 
 from ckptflow.storage import CheckpointStore
+from ckptflow.tasks.config import DEMO_SPEC
 from tests.deploy.helpers import REPO, Stack, checked, command, start_run, wait_for_state
 
 pytestmark = pytest.mark.deploy
@@ -32,6 +34,7 @@ POOL = "ckptflow-docker"
 TRAIN = "ckptflow-train/train-docker"
 MAINTENANCE = "ckptflow-maintenance/maintenance-docker"
 DOCKERFILE = REPO / "deployments" / "Dockerfile"
+DOCKER_YAML = REPO / "deployments" / "prefect-docker.yaml"
 
 
 @pytest.fixture(scope="module")
@@ -101,4 +104,18 @@ def test_the_dockerfile_copies_what_exists_and_installs_defined_extras() -> None
     assert extras
     defined = metadata("ckptflow").get_all("Provides-Extra") or []
     assert set(extras.group(1).split(",")) <= set(defined), defined
+    # Bug: the image lacked the demo's extra, so its default deployment failed at once ("the demo
+    # needs scikit-learn"); the test ran the flow in the dev venv, which has scikit-learn.
+    deployments = yaml.safe_load(DOCKER_YAML.read_text())["deployments"]
+    specs = {
+        d["parameters"]["config"].get("spec", DEMO_SPEC)
+        for d in deployments
+        if "config" in d.get("parameters", {})
+    }
+    if DEMO_SPEC in specs:
+        requires = metadata("ckptflow").get_all("Requires-Dist") or []
+        needs = {r.split(";")[0].split(">")[0].strip() for r in requires if 'extra == "demo"' in r}
+        assert "demo" in extras.group(1).split(","), (
+            f"the default deployment trains the demo, which needs {needs}"
+        )
     assert image_command() == ["prefect", "flow-run", "execute"]
