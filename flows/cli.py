@@ -531,6 +531,11 @@ def restore_command(
         _fail(f"{out} is a directory; give a file name (or --max-shard-size for a sharded directory)")
     missing_dirs = _missing_directories(out)
     store = _open(url, storage_options, command="restore")
+    if out.is_dir() and _holds_a_store(out, store):  # --force replaces the directory OUT
+        _fail(
+            f"{out} holds a checkpoint store (version directories): restore replaces no store; "
+            "give another --out"
+        )
     if best is not None and best_mode is not None:
         info = store.best(best, best_mode.value)
         typer.echo(f"the best by {best} ({best_mode.value}): {present.describe(info)}", err=as_json)
@@ -546,7 +551,7 @@ def restore_command(
 
         with _directories_kept_on_success(missing_dirs):
             if out.exists():  # --force: replaced once the new directory is whole
-                _replace_dir(out, lambda tmp: export_pretrained(state, tmp))
+                _replace_dir(out, lambda tmp: export_pretrained(state, tmp), store)
                 names = sorted(p.name for p in out.iterdir())
             else:
                 names = export_pretrained(state, out)
@@ -604,22 +609,31 @@ def _restored_json(info: Any, out: Path, fmt: str, tensors: int | None, files: l
     typer.echo(json.dumps(doc, indent=2))
 
 
-def _replace_dir(out: Path, write: Any) -> None:
-    """Write a directory beside ``out`` with ``write(path)``, then put it in ``out``'s place."""
+def _replace_dir(out: Path, write: Any, store: CheckpointStore) -> None:
+    """Write a directory beside ``out`` with ``write(path)``, then put it in ``out``'s place (the old
+    one moved aside first, removed last; restore refused an ``out`` that holds a store before)."""
     import shutil
     import tempfile
 
     spare = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    fresh = spare / out.name
     try:
-        write(fresh)
-        if out.is_dir():
-            shutil.rmtree(out)
-        else:
-            out.unlink()
-        fresh.rename(out)
+        write(spare / "new")
+        out.rename(spare / "old")
+        (spare / "new").rename(out)
     finally:
         shutil.rmtree(spare, ignore_errors=True)
+
+
+def _holds_a_store(directory: Path, store: CheckpointStore) -> bool:
+    """Whether ``directory`` is, or is above, the root of ``store`` (local), or holds version
+    directories of a store of its own."""
+    import re
+
+    here = os.path.realpath(directory)
+    root = os.path.realpath(store.url) if os.path.isabs(store.url) else None
+    if root is not None and (root == here or root.startswith(here + os.sep)):
+        return True
+    return any(re.fullmatch(r"v[0-9]{6,}", p.name) and p.is_dir() for p in directory.iterdir())
 
 
 def _missing_directories(out: Path) -> list[Path]:

@@ -63,7 +63,7 @@ def write_hf_shards(
         from huggingface_hub import save_torch_state_dict
     except ImportError:
         raise CheckpointError(
-            "the sharded layout needs huggingface_hub: pip install 'ckptflow[hf]'"
+            "the sharded layout needs huggingface_hub: pip install 'ckptflow[hf-export]'"
         ) from None
     tensors = unshared(flat_tensors(state))
     target = _unfollowed(out)

@@ -469,6 +469,8 @@ def _merge_unknown(raw: dict[str, Any], given: dict[str, Any]) -> None:
             raw[key] = value
         elif isinstance(raw[key], dict) and isinstance(value, dict):
             _merge_unknown(raw[key], value)
+        elif isinstance(raw[key], dict):  # a section given as something else: the config says why
+            raw[key] = value
 
 
 def _usage_error(exc: ValidationError, flag_of: dict[str, str]) -> typer.BadParameter:

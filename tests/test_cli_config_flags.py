@@ -280,6 +280,10 @@ class TestConfigFile:
         typo.write_text("storage: here\nretention:\n  keep_lats: 3\n")
         with pytest.raises(typer.BadParameter, match="keep_lats"):
             config_of(parsed("--config", str(typo)))
+        shaped = tmp_path / "shaped.yaml"
+        shaped.write_text("storage: here\nretention: 3\n")
+        with pytest.raises(typer.BadParameter, match="retention"):
+            config_of(parsed("--config", str(shaped)))
         broken = tmp_path / "broken.toml"
         broken.write_text("epochs = [\n")
         with pytest.raises(typer.BadParameter, match=r"broken\.toml is not valid TOML"):

@@ -122,5 +122,8 @@ def test_the_cli_imports_and_refuses_what_it_cannot_read(tmp_path: Path) -> None
     (tmp_path / "notes.txt").write_text("x")
     refused = CliRunner().invoke(app, ["import", str(tmp_path / "notes.txt"), str(tmp_path / "s")])
     assert refused.exit_code == 1 and "import reads *.safetensors" in refused.output
+    (tmp_path / "last.ckpt").write_text(json.dumps({"ckptflow_pointer": 1, "store": ".", "version": 2}))
+    pointer = CliRunner().invoke(app, ["import", str(tmp_path / "last.ckpt"), str(tmp_path / "s")])
+    assert pointer.exit_code == 1 and "is a pointer of ckptflow's Lightning plugin" in pointer.output
     missing = CliRunner().invoke(app, ["import", str(tmp_path / "nope.pt"), str(tmp_path / "s")])
     assert missing.exit_code == 1 and "does not exist" in missing.output

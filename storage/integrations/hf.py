@@ -181,7 +181,13 @@ def restore_trainer_checkpoint(
     saved = state[KEY]
     best = write_checkpoint(saved, Path(output_dir))
     if best is not None and best != saved["name"]:
-        found = [v.version for v in store.versions() if v.user.get(KEY) == best]
+        restored = version if version is not None else store.latest()
+        upto = restored if isinstance(restored, int) else restored.version if restored else None
+        found = [  # the newest of that name saved up to the version restored (not a later run's)
+            v.version
+            for v in store.versions()
+            if v.user.get(KEY) == best and (upto is None or v.version <= upto)
+        ]
         if found:
             write_checkpoint(store.load(found[-1])[KEY], Path(output_dir))
         else:

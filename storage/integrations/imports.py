@@ -93,6 +93,19 @@ def _read(path: Path, kind: str, allow_pickle: bool) -> tuple[Any, dict[str, int
         from .hfdir import KEY
 
         saved = read_checkpoint_dir(path)
+        kept = {f["path"] for f in saved["files"]}
+        left = sorted(  # torch files that hold more than tensors (the Trainer's pickled arguments aside)
+            p.relative_to(path).as_posix()
+            for p in path.rglob("*")
+            if p.suffix in TORCH_SUFFIXES and p.is_file() and p.name != "training_args.bin"
+        )
+        if [name for name in left if name not in kept]:
+            raise CheckpointError(
+                f"{path}: {', '.join(n for n in left if n not in kept)} hold more than tensors and plain "
+                "values, which import reads from a Hugging Face directory only as tensors: save the model "
+                "with save_pretrained(safe_serialization=True) (safetensors), or import the file alone "
+                "with --allow-pickle"
+            )
         return {KEY: saved}, _trainer_facts(path)
     if not allow_pickle:
         raise CheckpointError(
@@ -107,7 +120,9 @@ def _read(path: Path, kind: str, allow_pickle: bool) -> tuple[Any, dict[str, int
     state: dict[str, Any] = {}  # filled whole, as torch's own dcp_to_torch_save does
     reader = dcp.FileSystemReader(str(path))
     _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    return state, {}
+    from .pyvalues import to_storable
+
+    return to_storable(state), {}
 
 
 def _torch_file(path: Path, allow_pickle: bool) -> tuple[Any, dict[str, int]]:
@@ -115,8 +130,18 @@ def _torch_file(path: Path, allow_pickle: bool) -> tuple[Any, dict[str, int]]:
 
     import torch
 
+    from .pointers import lightning_pointer
     from .pyvalues import to_storable
 
+    try:
+        pointer = lightning_pointer(str(path), {})
+    except CheckpointError:
+        pointer = None  # no pointer: a checkpoint file of its own
+    if pointer is not None:
+        raise CheckpointError(
+            f"{path} is a pointer of ckptflow's Lightning plugin: its checkpoint is version "
+            f"{pointer.version} of {pointer.store_url} already (ckptflow show {path})"
+        )
     try:
         value = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:

@@ -6,11 +6,12 @@ with. A store holds trees of tensors, numbers, strings, bytes and containers
 (:mod:`..format.structure`). :func:`to_storable` replaces a namespace, a path or a set by a
 tagged dict that says what it was, and :func:`from_storable` turns the tag back into the value.
 
-A dataclass is stored as its fields, and comes back as a namespace of them (attribute access,
-as on the dataclass; no class named in a checkpoint is ever imported).
+Under the keys given as ``omit_under`` (Lightning's hyper-parameters), a dataclass is stored as
+its fields and comes back as a namespace of them (attribute access, as on the dataclass; no
+class named in a checkpoint is ever imported).
 
-Anything else is refused, naming its key path, except under the keys given as ``omit_under``
-(Lightning's hyper-parameters): there it is left out, with a warning, and recorded as left out
+Anything else is refused, naming its key path, except under those keys: there it is left
+out, with a warning, and recorded as left out
 (its type), so that a fit whose module was built with a loss module or an enum does not fail at
 its first checkpoint; a load gives the dict without that key (Lightning's ``load_from_checkpoint``
 then takes it as a keyword argument). Nothing is pickled, and nothing is unpickled: a pickle
@@ -82,11 +83,12 @@ def to_storable(value: Any, *, path: str = "", omit_under: tuple[str, ...] = ())
     if isinstance(value, (set, frozenset)):
         items = [to_storable(v, path=path, omit_under=omit_under) for v in value]
         return {TAG: type(value).__name__, "value": items}
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    under = path.split("/", 1)[0] in omit_under
+    if under and dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
         stored = to_storable(fields, path=path, omit_under=omit_under)
         return {TAG: "dataclass", "class": _qualname(value), "value": stored}
-    if path.split("/", 1)[0] in omit_under:
+    if under:
         if path not in _WARNED:
             _WARNED.add(path)
             name = path.rsplit("/", 1)[-1]

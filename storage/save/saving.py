@@ -39,7 +39,7 @@ from ..errors import (
     VersionTakenError,
 )
 from ..files.location import Location, translate_errors
-from ..format.checksum import ALGORITHM
+from ..format.checksum import ALGORITHM, digest
 from ..format.dtypes import dtype_name
 from ..format.manifest import (
     MANIFEST_FILE,
@@ -191,6 +191,21 @@ def _lineage(given: dict[str, Any] | None) -> dict[str, Any] | None:
         raise UnsupportedValueError(
             "lineage", f"{validation_problems(exc)} (its fields: parent, run, spec, config_hash, code)"
         ) from None
+
+
+# Fields of fsspec's file info that change with every write: local (mtime, ino), s3fs (ETag,
+# LastModified), gcsfs (generation, md5Hash, updated), adlfs (etag, last_modified).
+CHANGE_MARKS = (
+    "ETag",
+    "etag",
+    "generation",
+    "md5Hash",
+    "mtime",
+    "ino",
+    "LastModified",
+    "last_modified",
+    "updated",
+)
 
 
 class VersionWriter:
@@ -425,14 +440,19 @@ class VersionWriter:
 
     def _manifest_identity(self, version: int) -> tuple[object, ...] | None:
         """What tells ``version``'s manifest file from another written in its place (a version
-        deleted and saved again under its number): size, ETag or mtime and inode; None if absent."""
+        deleted and saved again under its number): its size and what the filesystem changes with
+        every write (an ETag, a generation, a modification time and inode), or, where it keeps
+        none of these (``memory://``), the digest of its bytes; None if it is absent."""
         path = self.loc.path(version_dir(version), MANIFEST_FILE)
         self.loc.fs.invalidate_cache(path)
         try:
             info = self.loc.fs.info(path)
+            marks = tuple(str(info[k]) for k in CHANGE_MARKS if info.get(k) is not None)
+            if not marks:
+                marks = (digest(self.loc.fs.cat_file(path)),)
         except FileNotFoundError:
             return None
-        return tuple(str(info.get(k)) for k in ("size", "ETag", "mtime", "ino", "LastModified"))
+        return (info.get("size"), *marks)
 
     def keep_samples(self, version: int, split: dedup.Split) -> None:
         """Remember the samples of this rank's blobs in the save of ``version`` (:func:`.dedup.sample`),

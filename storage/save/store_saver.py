@@ -82,15 +82,20 @@ class StoreSaver:
     def _with_parent(self, request: SaveRequest) -> SaveRequest:
         """``request`` with this store's last loaded or committed version as its lineage's parent,
         unless it names one."""
-        self._settle()
+        with self._lock:
+            self._settle()
+            parent = self.parent
         lineage = dict(request.lineage or {})
-        if "parent" not in lineage and self.parent is not None:
-            lineage["parent"] = self.parent
+        if "parent" not in lineage and parent is not None:
+            lineage["parent"] = parent
         return dataclasses.replace(request, lineage=lineage or None)
 
     def _committed(self, info: VersionInfo) -> None:
-        self._settle()
-        self.parent = info.version
+        """A save of this store committed (an async one from its writing thread): the next parent,
+        unless a dcp.save of the caller's own committed a later version meanwhile."""
+        with self._lock:
+            settled = self._settle()
+            self.parent = max(info.version, settled) if settled is not None else info.version
 
     def _save(self, state: object, request: SaveRequest) -> VersionInfo:
         if holds_sharded(state):  # DTensors, or objects with state_dict(): DCP plans the save
@@ -142,21 +147,28 @@ class StoreSaver:
         from ..sharded import dcp_calls
 
         writer = dcp_calls.new_writer(self.writer, self._with_parent(request), lambda: self.staging)
-        self._open_writer = writer
+        with self._lock:
+            self._open_writer = writer
         return writer
 
-    def _settle(self) -> None:
+    def _settle(self) -> int | None:
         """The caller's own ``dcp.save`` tells only the coordinator's writer that it committed: the
         other ranks learn it here, before the parent of their next save or load is set, so that
-        every rank's next save starts from (and references the bytes of) that version."""
-        writer, self._open_writer = self._open_writer, None
-        if writer is not None and writer.number is not None and writer.is_committed():
-            self.parent = writer.number
+        every rank's next save starts from (and references the bytes of) that version. Returns
+        that version once it committed (the writer is then forgotten); a writer whose save has
+        not committed (yet) is kept. Called under ``_lock``."""
+        writer = self._open_writer
+        if writer is None or writer.number is None or not writer.is_committed():
+            return None
+        self._open_writer = None
+        self.parent = writer.number
+        return writer.number
 
     def loaded(self, version: int) -> None:
         """The store loaded ``version``: the parent of its next save."""
-        self._settle()
-        self.parent = version
+        with self._lock:
+            self._settle()
+            self.parent = version
 
     def join_inflight(self) -> None:
         """Wait for the async save in flight, if any, to end (without raising its failure)."""

@@ -84,6 +84,7 @@ class DcpWriter(StorageWriter):
         self.versions = versions
         self.staging = staging  # the store's host buffer, for chunks on a device
         self.request = checked(request)  # a bad metric is refused before anything is written
+        self.asked = request.version  # the version the caller asked for (a checkpoint_id may name one)
         self.world_size = versions.world_size
         self.version: int | None = None
         self.claimed: int | None = None  # claimed before the save started (an async save)
@@ -102,7 +103,7 @@ class DcpWriter(StorageWriter):
         """A new save; ``checkpoint_id`` (DCP's): the version it writes (:mod:`.ids`)."""
         if checkpoint_id is not None:
             number = checkpoint_version(checkpoint_id, self.versions.loc)
-            asked = self.claimed if self.claimed is not None else self.request.version
+            asked = self.claimed if self.claimed is not None else self.asked
             if asked is not None and asked != number:
                 raise CheckpointError(
                     f"checkpoint_id {checkpoint_id!r} names version {number}, but this writer saves "

@@ -436,6 +436,13 @@ def test_restore_format_hf_gives_a_directory_from_pretrained_loads(tmp_path: Pat
     )
     assert forced.exit_code == 0 and sorted(p.name for p in out.iterdir()) == names
 
+    onto_store = CliRunner().invoke(
+        app,
+        ["restore", str(tmp_path / "store"), "--format", "hf", "--out", str(tmp_path / "store"), "--force"],
+    )
+    assert onto_store.exit_code == 1 and "holds a checkpoint store" in onto_store.output
+    assert names_in(tmp_path / "store")  # untouched
+
     plain = tmp_path / "plain"
     CheckpointStore(plain).save({"w": torch.zeros(2)})
     refused = CliRunner().invoke(app, ["restore", str(plain), "--format", "hf", "--out", str(tmp_path / "x")])

@@ -145,8 +145,17 @@ class Opaque:
 
 
 def test_an_object_json_cannot_hold_is_refused_by_its_key_before_anything_is_written(tmp_path: Path) -> None:
-    """Outside the hyper-parameters (a callback's state), an object is refused, naming its key."""
+    """Outside the hyper-parameters (a callback's state), an object is refused, naming its key; so
+    is a dataclass, which only the hyper-parameters store as its fields."""
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Position:
+        seen: int
+
     io = CkptflowCheckpointIO()
+    with pytest.raises(UnsupportedValueError, match="callbacks/Tracker/where"):
+        io.save_checkpoint(checkpoint(callbacks={"Tracker": {"where": Position(3)}}), tmp_path / "c.ckpt")
     with pytest.raises(UnsupportedValueError) as err:
         io.save_checkpoint(checkpoint(callbacks={"Tracker": {"fn": Opaque()}}), tmp_path / "c.ckpt")
     assert "callbacks/Tracker/fn" in str(err.value)

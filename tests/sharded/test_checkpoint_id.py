@@ -64,3 +64,11 @@ def test_a_load_reads_the_version_its_checkpoint_id_names(tmp_path: Path) -> Non
             target, checkpoint_id=str(tmp_path / "nope"), storage_reader=store.dcp_reader(), no_dist=True
         )
     assert torch.equal(target["w"], state(0.0)["w"])  # nothing was read
+
+
+def test_one_writer_reset_with_another_checkpoint_id_writes_each(tmp_path: Path) -> None:
+    store = CheckpointStore(tmp_path / "s")
+    writer = store.dcp_writer()
+    dcp.save(state(1.0), checkpoint_id=3, storage_writer=writer, no_dist=True)
+    dcp.save(state(2.0), checkpoint_id=4, storage_writer=writer, no_dist=True)
+    assert [v.version for v in store.versions()] == [3, 4]
