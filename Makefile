@@ -16,20 +16,22 @@ WORKERS ?= 3
 
 .PHONY: run test test-core lint typecheck pytest install clean
 
-# `make test`: the package with everything the tests use (Lightning, transformers, SeaweedFS, ...).
-$(STAMP): pyproject.toml constraints.txt
+# .venv with the checkout installed (editable) with the extras $(1), torch from TORCH_INDEX if set.
+define install_venv
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(if $(TORCH_INDEX),$(BIN)/pip install -q --index-url $(TORCH_INDEX) "$$(grep -E '^torch==' constraints.txt)")
-	$(BIN)/pip install -q -c constraints.txt -e ".[dev,demo]"
+	$(BIN)/pip install -q -c constraints.txt -e ".[$(1)]"
+endef
+TEST_EXTRAS := dev,demo# everything the tests use (Lightning, transformers, SeaweedFS, ...)
+RUN_EXTRAS := prefect,s3,demo# the pipeline, S3 and the demo's scikit-learn; none of the test stack
+
+$(STAMP): pyproject.toml constraints.txt
+	$(call install_venv,$(TEST_EXTRAS))
 	touch $(STAMP)
 
-# `make run`: the pipeline, S3 and the demo's scikit-learn; none of the test stack.
 $(RUN_STAMP): pyproject.toml constraints.txt
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	$(if $(TORCH_INDEX),$(BIN)/pip install -q --index-url $(TORCH_INDEX) "$$(grep -E '^torch==' constraints.txt)")
-	$(BIN)/pip install -q -c constraints.txt -e ".[prefect,s3,demo]"
+	$(call install_venv,$(RUN_EXTRAS))
 	touch $(RUN_STAMP)
 
 install: $(STAMP)
