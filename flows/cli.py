@@ -678,8 +678,8 @@ def import_command(
         str,
         typer.Argument(
             metavar="SOURCE",
-            help="A torch.save or safetensors file, a Hugging Face directory (save_pretrained, a "
-            "Trainer's checkpoint-N) or a DCP directory.",
+            help="A torch.save or safetensors file, or a Hugging Face directory (save_pretrained, a "
+            "Trainer's checkpoint-N).",
             show_default=False,
         ),
     ],
@@ -690,14 +690,6 @@ def import_command(
     step: Annotated[
         int | None, typer.Option("--step", min=0, help="The global step to record (default: the source's).")
     ] = None,
-    allow_pickle: Annotated[
-        bool,
-        typer.Option(
-            "--allow-pickle",
-            help="Read a file that needs pickle (a torch.save of classes, DCP's .metadata): it runs the "
-            "code the file holds; only for files you trust.",
-        ),
-    ] = False,
     as_json: JsonFlag = False,
     storage_options: StorageOptions = None,
 ) -> None:
@@ -706,7 +698,7 @@ def import_command(
 
     store = CheckpointStore(url, storage_options=storage_options)
     with store.lease(owner="ckptflow import"):
-        info = import_checkpoint(store, source, epoch=epoch, step=step, allow_pickle=allow_pickle)
+        info = import_checkpoint(store, source, epoch=epoch, step=step)
     if as_json:
         doc = {
             "url": store.url,

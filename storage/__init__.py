@@ -64,8 +64,8 @@ def export_pretrained(state: Any, out: Any) -> list[str]:
 
 
 def import_checkpoint(store: CheckpointStore, source: Any, **facts: Any) -> VersionInfo:
-    """Commit a checkpoint another tool made (a torch.save or safetensors file, a Hugging Face or
-    DCP directory) as a new version of ``store`` (:mod:`.integrations.imports`)."""
+    """Commit a checkpoint another tool made (a torch.save or safetensors file, a Hugging Face
+    directory) as a new version of ``store`` (:mod:`.integrations.imports`)."""
     from .integrations.imports import import_checkpoint as run
 
     return run(store, source, **facts)

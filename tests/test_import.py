@@ -48,26 +48,28 @@ def test_a_torch_save_file_is_a_version_with_its_epoch_and_step(tmp_path: Path) 
     assert import_checkpoint(store, tmp_path / "ckpt.pt", epoch=9).epoch == 9
 
 
-def test_a_file_that_needs_pickle_is_refused_unless_allowed_and_nothing_runs(tmp_path: Path) -> None:
+def test_a_file_that_needs_pickle_is_refused_and_nothing_runs(tmp_path: Path) -> None:
+    """Nothing is unpickled: a file that holds a pickled object is refused, and its code never runs.
+    A Lightning checkpoint's namespaces and paths load as weights_only allows them to."""
     proof = tmp_path / "unpickled"
     torch.save({"w": torch.ones(2), "evil": Planted(str(proof))}, tmp_path / "evil.pt")
     store = CheckpointStore(tmp_path / "s")
-    with pytest.raises(CheckpointError, match=r"runs the code it holds.*--allow-pickle"):
+    with pytest.raises(CheckpointError, match=r"ckptflow never unpickles"):
         import_checkpoint(store, tmp_path / "evil.pt")
     assert not proof.exists() and not (tmp_path / "s").exists()
 
-    lightning = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": {"args": argparse.Namespace(lr=0.1)}}
+    hparams = {"args": argparse.Namespace(lr=0.1), "root": Path("/data")}
+    lightning = {"state_dict": {"w": torch.ones(2)}, "hyper_parameters": hparams, "epoch": 4}
     torch.save(lightning, tmp_path / "lightning.ckpt")
-    with pytest.raises(CheckpointError, match="--allow-pickle"):
-        import_checkpoint(store, tmp_path / "lightning.ckpt")
-    info = import_checkpoint(store, tmp_path / "lightning.ckpt", allow_pickle=True)
+    info = import_checkpoint(store, tmp_path / "lightning.ckpt")
+    assert info.epoch == 4
     from ckptflow.storage.integrations.lightning import CkptflowCheckpointIO
 
     (tmp_path / "s" / "last.ckpt").write_text(
         json.dumps({"ckptflow_pointer": 1, "store": ".", "version": info.version})
     )
     loaded = CkptflowCheckpointIO().load_checkpoint(tmp_path / "s" / "last.ckpt")
-    assert loaded["hyper_parameters"]["args"] == argparse.Namespace(lr=0.1)
+    assert loaded["hyper_parameters"] == hparams
 
 
 def test_safetensors_and_a_hugging_face_directory(tmp_path: Path) -> None:
@@ -94,7 +96,12 @@ def test_safetensors_and_a_hugging_face_directory(tmp_path: Path) -> None:
         assert torch.equal(again.state_dict()[name], tensor), name
 
 
-def test_a_dcp_directory_needs_the_pickle_opt_in(tmp_path: Path) -> None:
+def test_a_dcp_directory_is_refused_naming_dcp_s_own_converter(tmp_path: Path) -> None:
+    """DCP's .metadata is a pickle, which ckptflow never reads: the message names DCP's converter,
+    whose torch.save file then imports."""
+    import subprocess
+    import sys
+
     import torch.distributed.checkpoint as dcp
 
     model, _ = trained()
@@ -102,10 +109,12 @@ def test_a_dcp_directory_needs_the_pickle_opt_in(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
-        store = CheckpointStore(tmp_path / "s")
-        with pytest.raises(CheckpointError, match=r"\.metadata is a pickle.*--allow-pickle"):
-            import_checkpoint(store, tmp_path / "dcp")
-        info = import_checkpoint(store, tmp_path / "dcp", allow_pickle=True)
+    store = CheckpointStore(tmp_path / "s")
+    with pytest.raises(CheckpointError, match=r"\.metadata is a pickle.*format_utils dcp_to_torch") as err:
+        import_checkpoint(store, tmp_path / "dcp")
+    command = str(err.value).split("python -m ", 1)[1].split(";")[0].split()
+    subprocess.run([sys.executable, "-m", *command], check=True, cwd=tmp_path, capture_output=True)
+    info = import_checkpoint(store, tmp_path / "state.pt")
     assert_same_state(store.load(info.version), state)
 
 

@@ -4,15 +4,16 @@ What it reads, by what the source is:
 
 - a **safetensors** file: its tensors, flat, as safetensors keys them;
 - a **torch.save** file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``): with ``torch.load(weights_only=True)``,
-  which rebuilds tensors, containers and plain values and runs no code; a file that needs more
-  (a pickled class) is refused unless ``allow_pickle`` opts into ``weights_only=False``, which
-  runs whatever code the file holds. A Lightning checkpoint's hyper-parameters are kept as the
-  Lightning plugin keeps them (:mod:`.pyvalues`);
+  which rebuilds tensors, containers and plain values and runs no code, allowing besides them
+  only the values :mod:`.pyvalues` stores (namespaces, paths: a Lightning checkpoint's
+  hyper-parameters, kept as the Lightning plugin keeps them); a file that needs more (a pickled
+  class) is refused: ckptflow never unpickles;
 - a **Hugging Face** directory (``config.json`` or ``*.safetensors`` in it: a model saved with
   ``save_pretrained``, or a Trainer's ``checkpoint-N``): as the Trainer callback stores one
   (:mod:`.hf`), so ``ckptflow restore --format hf`` and ``restore_trainer_checkpoint`` give it back;
-- a **DCP** directory (a ``.metadata`` file, what ``FileSystemWriter`` writes): DCP's metadata is a
-  pickle, so only with ``allow_pickle``; read whole with DCP's own reader and planner.
+- a **DCP** directory (a ``.metadata`` file, what ``FileSystemWriter`` writes) is refused: DCP's
+  metadata is a pickle. The message names DCP's own converter, to run where the directory is
+  trusted, whose torch.save file this then imports.
 
 The epoch and step default to what the source records (Lightning's ``epoch`` and
 ``global_step``, a Trainer state's), and the version notes where it came from (``user``:
@@ -64,25 +65,24 @@ def import_checkpoint(
     *,
     epoch: int | None = None,
     step: int | None = None,
-    allow_pickle: bool = False,
 ) -> VersionInfo:
     """Commit the checkpoint at ``source`` as a new version of ``store`` (see the module note)."""
     path = Path(source)
     kind = source_kind(path)
-    state, facts = _read(path, kind, allow_pickle)
+    state, facts = _read(path, kind)
     epoch = epoch if epoch is not None else facts.get("epoch")
     step = step if step is not None else facts.get("step")
     user = {"imported_from": str(path.absolute()), "import_kind": kind}
     return store.save(state, epoch=epoch, step=step, user=user)
 
 
-def _read(path: Path, kind: str, allow_pickle: bool) -> tuple[Any, dict[str, int]]:
+def _read(path: Path, kind: str) -> tuple[Any, dict[str, int]]:
     if kind == "safetensors":
         from safetensors.torch import load_file
 
         return load_file(path), {}
     if kind == "torch":
-        return _torch_file(path, allow_pickle)
+        return _torch_file(path)
     if kind == "hf":
         try:
             from .hf import read_checkpoint_dir
@@ -102,36 +102,24 @@ def _read(path: Path, kind: str, allow_pickle: bool) -> tuple[Any, dict[str, int
         if [name for name in left if name not in kept]:
             raise CheckpointError(
                 f"{path}: {', '.join(n for n in left if n not in kept)} hold more than tensors and plain "
-                "values, which import reads from a Hugging Face directory only as tensors: save the model "
-                "with save_pretrained(safe_serialization=True) (safetensors), or import the file alone "
-                "with --allow-pickle"
+                "values, which import reads only as tensors (ckptflow never unpickles): save the model "
+                "with save_pretrained(safe_serialization=True) (safetensors)"
             )
         return {KEY: saved}, _trainer_facts(path)
-    if not allow_pickle:
-        raise CheckpointError(
-            f"{path} is a DCP checkpoint, whose .metadata is a pickle: reading it runs whatever code "
-            "it holds. Import it only if you trust whoever wrote it, with --allow-pickle "
-            "(allow_pickle=True)"
-        )
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}  # filled whole, as torch's own dcp_to_torch_save does
-    reader = dcp.FileSystemReader(str(path))
-    _load_state_dict(state, storage_reader=reader, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
-    from .pyvalues import to_storable
-
-    return to_storable(state), {}
+    raise CheckpointError(
+        f"{path} is a DCP checkpoint, whose .metadata is a pickle, which ckptflow never reads (it would "
+        "run whatever code it holds). Where you trust it, convert it with DCP's own tool: python -m "
+        f"torch.distributed.checkpoint.format_utils dcp_to_torch {path} state.pt; then import state.pt"
+    )
 
 
-def _torch_file(path: Path, allow_pickle: bool) -> tuple[Any, dict[str, int]]:
+def _torch_file(path: Path) -> tuple[Any, dict[str, int]]:
     import pickle
 
     import torch
 
     from .pointers import lightning_pointer
-    from .pyvalues import to_storable
+    from .pyvalues import SAFE_CLASSES, to_storable
 
     try:
         pointer = lightning_pointer(str(path), {})
@@ -143,16 +131,15 @@ def _torch_file(path: Path, allow_pickle: bool) -> tuple[Any, dict[str, int]]:
             f"{pointer.version} of {pointer.store_url} already (ckptflow show {path})"
         )
     try:
-        value = torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(list(SAFE_CLASSES)):
+            value = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
-        if not allow_pickle:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CheckpointError(
-                f"{path} holds more than tensors and plain values ({first[:200]}): reading it runs the "
-                "code it holds. Import it only if you trust whoever wrote it, with --allow-pickle "
-                "(allow_pickle=True)"
-            ) from None
-        value = torch.load(path, map_location="cpu", weights_only=False)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"{path} holds more than tensors and plain values ({first[:200]}), and ckptflow never "
+            "unpickles (it would run the code the file holds): save the state as tensors, numbers, "
+            "strings and containers (a state_dict), or as safetensors"
+        ) from None
     facts = {}
     if isinstance(value, dict):
         for key, fact in (("epoch", "epoch"), ("global_step", "step")):

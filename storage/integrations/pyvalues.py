@@ -47,6 +47,9 @@ _PATHS = {
         pathlib.WindowsPath,
     )
 }
+# The classes besides plain values that a checkpoint of another tool may hold and
+# :func:`to_storable` stores: what ``torch.load(weights_only=True)`` may build for an import.
+SAFE_CLASSES = (argparse.Namespace, *_PATHS.values())
 _LEAVES = (
     type(None),
     bool,
