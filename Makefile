@@ -14,7 +14,7 @@ ARGS ?=
 # pytest-xdist workers: most tests wait on servers and child processes, so 3 keep 2 cores busy.
 WORKERS ?= 3
 
-.PHONY: run test test-core lint typecheck pytest install clean
+.PHONY: run test test-core test-prefect-oldest lint typecheck pytest install clean
 
 # .venv with the checkout installed (editable) with the extras $(1), torch from TORCH_INDEX if set.
 define install_venv
@@ -44,11 +44,14 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check $(PKGS) tests bench deployments
 
 # mypy does not follow setuptools' editable import hook, so it checks the packages
-# through a tree of links that spells their installed names (ckptflow.storage, ...).
+# through a tree of links that spells their installed names (ckptflow.storage, ...); it checks
+# them against the standard library of every Python that pyproject.toml declares.
+PYTHON_VERSIONS := 3.10 3.11 3.12
 typecheck: $(STAMP)
 	@mkdir -p build/typecheck/ckptflow
 	@for p in $(PKGS); do ln -sfn ../../../$$p build/typecheck/ckptflow/$$p; done
-	cd build/typecheck && ../../$(BIN)/mypy --config-file ../../pyproject.toml -p ckptflow
+	cd build/typecheck && for v in $(PYTHON_VERSIONS); do \
+		echo "mypy, Python $$v:"; ../../$(BIN)/mypy --config-file ../../pyproject.toml --python-version $$v -p ckptflow || exit 1; done
 
 pytest: $(STAMP)
 	$(BIN)/pytest -q -p no:cacheprovider -n $(WORKERS) $(ARGS)
@@ -68,6 +71,20 @@ test-core: $(STAMP)
 	cd build && ../$(CORE)/bin/python ../tests/core_only.py
 	$(CORE)/bin/pip install -q -c constraints.txt "$$(ls build/wheel/ckptflow-*.whl)[cli]"
 	cd build && ../$(CORE)/bin/python ../tests/cli_only.py
+
+# The oldest Prefect that pyproject.toml admits (constraints.txt pins the newest for `make test`):
+# a virtualenv over .venv's packages in which only prefect is replaced runs the Prefect tests.
+PREFECT_OLDEST = $(shell sed -n 's/.*"prefect>=\([0-9.]*\),.*/\1/p' pyproject.toml)
+OLDEST := build/prefect-oldest
+test-prefect-oldest: $(STAMP)
+	rm -rf $(OLDEST)
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "ckptflow-venv.pth").write_text(f"import site; site.addsitedir({sys.argv[1]!r})\n")' \
+		"$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+	$(OLDEST)/bin/pip install -q "prefect==$(PREFECT_OLDEST)" "fastapi<0.151" "sqlalchemy<2.1"
+	$(OLDEST)/bin/pip install -q --no-deps -e .
+	$(OLDEST)/bin/python -c 'import prefect, sys; assert prefect.__version__ == sys.argv[1], prefect.__version__' "$(PREFECT_OLDEST)"
+	PATH="$(abspath $(OLDEST))/bin:$(abspath $(BIN)):$$PATH" $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) -m prefect $(ARGS)
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -3,9 +3,11 @@
 Prefect starts one itself on the first API call (its ``SubprocessASGIServer``),
 but first imports the whole server application into the calling process:
 2.4-2.6 s here, holding the GIL while this process imports torch and builds
-the model. This module runs the same uvicorn command (the same app factory
-and environment, so the same database under PREFECT_HOME) without importing
-it, and points PREFECT_API_URL at it before this process imports Prefect.
+the model. This module starts the server with Prefect's own command instead,
+``prefect server start``, in a child process (so the same database under
+PREFECT_HOME), and points PREFECT_API_URL at it before this process imports
+Prefect. The command's flags leave out what a run of one local flow has no use
+for: the UI, the scheduler and the late-runs service.
 
 What must hold:
 
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import logging
 import os
 import signal
@@ -35,7 +36,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from pathlib import Path
 from typing import IO
 
 from ckptflow.tasks.lifetime import command
@@ -47,8 +47,9 @@ _CHECK = (
     "print(s.api.url or ('' if s.server.ephemeral.enabled else 'no-ephemeral'))"
 )
 NO_EPHEMERAL = "no-ephemeral"  # no API configured, and the user turned temporary servers off
-# What Prefect's SubprocessASGIServer sets for its server process.
-SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+# `prefect server start`'s own flags (Prefect 3.8 and 3.9 name them alike): the API with the
+# services that record events and task runs, and no UI, scheduler or late-runs service.
+SERVER_FLAGS = ("--no-ui", "--no-scheduler", "--no-late-runs", "--log-level", "ERROR")
 
 
 class ApiServerError(RuntimeError):
@@ -69,11 +70,14 @@ def configured_api_url() -> str | None:
 
 
 class TemporaryApiServer:
-    """``uvicorn --factory prefect.server.api.server:create_app`` on a free port of 127.0.0.1.
+    """``prefect server start`` on a free port of 127.0.0.1, for as long as this process lives.
 
-    The port is bound here and the listening socket handed to uvicorn (``--fd``): no port is
-    picked, released and bound again, so no other process can take it in between.
+    The port is picked here and handed to Prefect, which binds it again: another process could
+    take it in between. Prefect then exits saying the port is in use, and the start is tried
+    again on another port (as Prefect's own temporary server does).
     """
+
+    ATTEMPTS = 3
 
     def __init__(self) -> None:
         self.port = 0
@@ -87,9 +91,13 @@ class TemporaryApiServer:
     def start(self, timeout: float) -> None:
         """Start it and wait until ``/api/health`` answers; stop it and raise ApiServerError if not."""
         atexit.register(self.stop)
-        self._spawn()
-        if self._wait_healthy(time.monotonic() + timeout):
-            return
+        deadline = time.monotonic() + timeout
+        for _ in range(self.ATTEMPTS):
+            self._spawn()
+            if self._wait_healthy(deadline):
+                return
+            if not self._port_was_taken():
+                break
         self.stop()
         raise ApiServerError(
             f"the temporary Prefect API server did not answer within {timeout:g}s "
@@ -106,25 +114,21 @@ class TemporaryApiServer:
                 self.process.wait(10)
 
     def _spawn(self) -> None:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listening:
-            listening.bind(("127.0.0.1", 0))
-            listening.listen(128)
-            self.port = int(listening.getsockname()[1])
-            self.process = subprocess.Popen(
-                command(  # the kernel sends SIGTERM when this process dies (PR_SET_PDEATHSIG)
-                    signal.SIGTERM,
-                    "uvicorn",
-                    *("--app-dir", _prefect_parent()),
-                    *("--factory", "prefect.server.api.server:create_app"),
-                    *("--fd", str(listening.fileno())),
-                    *("--log-level", "error", "--lifespan", "on"),
-                ),
-                env={k: v for k, v in {**os.environ, **SERVER_ENV}.items() if k != "PREFECT_API_URL"},
-                stdin=subprocess.DEVNULL,
-                stdout=self._output,
-                stderr=subprocess.STDOUT,
-                pass_fds=(listening.fileno(),),
-            )
+        self.port = _free_port()
+        self._output.seek(0)
+        self._output.truncate()
+        self.process = subprocess.Popen(
+            command(  # the kernel sends SIGTERM when this process dies (PR_SET_PDEATHSIG)
+                signal.SIGTERM,
+                "prefect",
+                *("server", "start", "--host", "127.0.0.1", "--port", str(self.port)),
+                *SERVER_FLAGS,
+            ),
+            env={k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
+            stdin=subprocess.DEVNULL,
+            stdout=self._output,
+            stderr=subprocess.STDOUT,
+        )
 
     def _wait_healthy(self, deadline: float) -> bool:
         assert self.process is not None
@@ -138,17 +142,19 @@ class TemporaryApiServer:
             time.sleep(0.1)
         return False
 
+    def _port_was_taken(self) -> bool:
+        exited = self.process is not None and self.process.poll() is not None
+        return exited and "already in use" in self._tail()
+
     def _tail(self) -> str:
         self._output.seek(0)
         return self._output.read().decode(errors="replace")[-2000:]
 
 
-def _prefect_parent() -> str:
-    """The directory holding the prefect package (uvicorn's --app-dir), found without importing it."""
-    spec = importlib.util.find_spec("prefect")
-    if spec is None or not spec.submodule_search_locations:
-        raise ApiServerError("prefect is not installed")
-    return str(Path(next(iter(spec.submodule_search_locations))).parent)
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
 
 
 def start_for_cli() -> TemporaryApiServer | None:

@@ -430,10 +430,10 @@ def read_config_file(path: str) -> dict[str, Any]:
         if suffix == ".json":
             value = json.loads(text)
         elif suffix == ".toml":
-            try:
+            if sys.version_info >= (3, 11):
                 import tomllib
-            except ImportError:  # Python 3.10
-                import tomli as tomllib  # type: ignore[no-redef]
+            else:
+                import tomli as tomllib
             value = tomllib.loads(text)
         elif suffix in (".yaml", ".yml"):
             import yaml

@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ckptflow.storage import CheckpointError, CheckpointStore, VersionInfo
 
+from .compat import add_note
 from .config import PipelineConfig
 
 Notes = Callable[[str, str], None]  # where a trainer's notes for the run's log go: (level name, message)
@@ -262,7 +263,7 @@ class RemoteError(_Message):
         docstring); its traceback there as a note."""
         exc = self._rebuilt()
         if self.traceback:
-            exc.add_note(f"in the training process:\n{self.traceback}")
+            add_note(exc, f"in the training process:\n{self.traceback}")
         return exc
 
     def _rebuilt(self) -> BaseException:

@@ -21,6 +21,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
+from .compat import add_note
+
 _REFUSED = "ckptflow_not_retried"  # the attribute that marks an exception no retry can fix
 
 
@@ -68,7 +70,7 @@ def is_transient(exc: BaseException) -> bool:
 def refuse_retries(exc: BaseException, why: str) -> None:
     """Mark ``exc`` as a failure no retry can fix (:func:`unless_refused` ends its task), saying why."""
     setattr(exc, _REFUSED, why)
-    exc.add_note(why)
+    add_note(exc, why)
 
 
 def unless_refused(task: Any, task_run: Any, state: Any) -> bool:

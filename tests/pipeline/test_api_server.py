@@ -1,7 +1,7 @@
 """`ckptflow run` without a configured API starts its own temporary server, and never outlives it.
 
 The server (flows/api_server.py) is found by what it carries: its command line
-runs uvicorn and its environment holds the test's own PREFECT_HOME.
+runs `prefect server start` and its environment holds the test's own PREFECT_HOME.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ CKPTFLOW = str(Path(sys.executable).parent / "ckptflow")
 
 
 def servers_of(home: Path) -> list[int]:
-    """Pids of uvicorn processes whose environment has PREFECT_HOME=home."""
+    """Pids of `prefect server start` processes whose environment has PREFECT_HOME=home."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -36,7 +37,7 @@ def servers_of(home: Path) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"uvicorn" in cmdline and f"PREFECT_HOME={home}".encode() in environ:
+        if b"\0prefect\0server\0start\0" in cmdline and f"PREFECT_HOME={home}".encode() in environ:
             found.append(int(entry.name))
     return found
 
@@ -86,7 +87,8 @@ def test_the_server_dies_with_a_killed_run(tmp_path):
     try:
         started = wait_until(lambda: any(markers.iterdir()), 240)
         assert started, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
-        assert len(servers_of(home)) == 1
+        [server] = servers_of(home)
+        assert_runs_the_api_alone(server)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
@@ -147,29 +149,15 @@ def configured_api_url_in(env: dict[str, str]) -> str | None:
         os.environ.update(saved)
 
 
-def test_the_server_command_is_the_one_prefect_runs():
-    """flows/api_server.py copies the command of Prefect's own temporary server (its
-    ``SubprocessASGIServer``) without importing the server application: if an upgrade of Prefect
-    changes that command, this fails, so the copy is brought up to date rather than drifting."""
-    import ast
-    import inspect
-
-    from prefect.server.api.server import SubprocessASGIServer
-
-    from ckptflow.flows.api_server import SERVER_ENV
-
-    source = inspect.getsource(SubprocessASGIServer._run_uvicorn_command)
-    tree = ast.parse(source.replace("\n    ", "\n").strip())
-    [env] = [n for n in ast.walk(tree) if isinstance(n, ast.Dict) and n.keys and None not in n.keys]
-    assert ast.literal_eval(env) == SERVER_ENV
-    lists = [
-        [e.value for e in n.elts if isinstance(e, ast.Constant)]
-        for n in ast.walk(tree)
-        if isinstance(n, ast.List)
-    ]
-    [args] = [strings for strings in lists if "uvicorn" in strings]
-    # ours passes the listening socket (--fd) where Prefect's names a host and a port
-    assert args == [
-        "-m", "uvicorn", "--app-dir", "--factory", "prefect.server.api.server:create_app",
-        "--host", "127.0.0.1", "--port", "--log-level", "error", "--lifespan", "on",
-    ]  # fmt: skip
+def assert_runs_the_api_alone(pid: int) -> None:
+    """The server answers on 127.0.0.1 with Prefect's own settings: no UI, scheduler or late runs
+    (a run of one local flow needs none), and the services that record events and task runs on."""
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    port = int(args[args.index(b"--port") + 1])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/admin/settings", timeout=10) as response:
+        server = json.load(response)["server"]
+    assert server["ui"]["enabled"] is False
+    assert server["services"]["scheduler"]["enabled"] is False
+    assert server["services"]["late_runs"]["enabled"] is False
+    assert server["services"]["event_persister"]["enabled"] is True
+    assert server["services"]["task_run_recorder"]["enabled"] is True
