@@ -73,7 +73,9 @@ test-core: $(STAMP)
 	cd build && ../$(CORE)/bin/python ../tests/cli_only.py
 
 # The oldest Prefect that pyproject.toml admits (constraints.txt pins the newest for `make test`):
-# a virtualenv over .venv's packages in which only prefect is replaced runs the Prefect tests.
+# a virtualenv over .venv's packages in which only prefect is replaced runs the tests that use
+# Prefect: the pipeline, the deployments (workers, the UI in Chromium) and the CLI's.
+PREFECT_TESTS := tests/pipeline tests/deploy tests/test_cli.py tests/test_cli_errors.py tests/test_cli_steps.py
 PREFECT_OLDEST = $(shell sed -n 's/.*"prefect>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 OLDEST := build/prefect-oldest
 test-prefect-oldest: $(STAMP)
@@ -84,7 +86,7 @@ test-prefect-oldest: $(STAMP)
 	$(OLDEST)/bin/pip install -q "prefect==$(PREFECT_OLDEST)" "fastapi<0.151" "sqlalchemy<2.1"
 	$(OLDEST)/bin/pip install -q --no-deps -e .
 	$(OLDEST)/bin/python -c 'import prefect, sys; assert prefect.__version__ == sys.argv[1], prefect.__version__' "$(PREFECT_OLDEST)"
-	PATH="$(abspath $(OLDEST))/bin:$(abspath $(BIN)):$$PATH" $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) -m prefect $(ARGS)
+	PATH="$(abspath $(OLDEST))/bin:$(abspath $(BIN)):$$PATH" $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) $(or $(ARGS),$(PREFECT_TESTS))
 
 clean:
 	rm -rf $(VENV) build .mypy_cache .ruff_cache .pytest_cache

@@ -4,7 +4,7 @@ No work pool and no worker: ``prefect.serve`` registers two deployments,
 ``ckptflow-train/train-served`` and ``ckptflow-maintenance/maintenance-served``,
 with their schedules, and runs each flow run in a subprocess of this process
 until it is stopped with Ctrl-C (SIGINT); the deployments are then paused.
-(On SIGTERM, Prefect 3.8.8's runner may exit before pausing them.)
+(On SIGTERM, Prefect's runner may exit before pausing them.)
 
     export PREFECT_API_URL=http://127.0.0.1:4200/api
     .venv/bin/python deployments/serve.py --storage ./checkpoints/served --epochs 5 \\
@@ -14,7 +14,8 @@ The parameters are built from the options and validated before anything is
 registered (the flows validate them again on every run); a run started from
 the UI or with ``prefect deployment run 'ckptflow-train/train-served' --param
 config='{...}'`` replaces the default ``config`` as a whole. Relative storage
-paths resolve in the repository root, as for the worker deployments. Served
+paths resolve in the directory it is started in, and flow runs start there (so
+``--spec my_specs:MySpec`` finds ``my_specs.py`` in it). Served
 runs emit heartbeats every ``PREFECT_FLOWS_HEARTBEAT_FREQUENCY`` seconds (30
 unless set), so the automation of ``ckptflow setup-server`` marks a run whose
 process died Crashed here too.
@@ -27,8 +28,6 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -80,7 +79,6 @@ def build_deployments(args: argparse.Namespace) -> list[Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    os.chdir(REPO)
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
     from prefect import serve
     from pydantic import ValidationError

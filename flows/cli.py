@@ -33,6 +33,7 @@ from typer.core import TyperGroup
 
 from . import present
 from .archive_cmd import archive_command, extract_command
+from .deployments_cmd import app as deployments_app
 from .options import BEST_MODE_HELP, StorageOptions, best_mode_needed
 from .run_cmd import run_command
 from .server_cmd import publish_command, setup_server_command
@@ -877,6 +878,7 @@ app.command("extract")(extract_command)
 # Commands for a Prefect server (flows/server_cmd.py, Prefect imported inside their bodies as well).
 app.command("publish")(publish_command)
 app.command("setup-server")(setup_server_command)
+app.add_typer(deployments_app)
 
 
 def main() -> None:

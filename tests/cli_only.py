@@ -3,7 +3,8 @@
 Run by the Python of the core-only virtualenv of tests/core_only.py once the wheel's ``[cli]``
 extra (typer, rich, safetensors) is installed into it: no Prefect and no server stack. The store
 commands work (ls, show, verify, restore, prune, gc, import, each with --json where it reports),
-and the pipeline's commands name the extra they need. Exits non-zero on the first failure.
+`deployments init` writes the deployment files the wheel carries, and the pipeline's commands
+name the extra they need. Exits non-zero on the first failure.
 """
 
 from __future__ import annotations
@@ -55,10 +56,19 @@ def main() -> None:
         torch.save({"w": torch.ones(3)}, Path(tmp) / "other.pt")
         imported = json.loads(ckptflow("import", str(Path(tmp) / "other.pt"), url, "--json").stdout)
         assert imported["kind"] == "torch" and imported["version"] == 3, imported
+        # The wheel carries the deployment files: a user without a checkout gets them from it.
+        written = json.loads(ckptflow("deployments", "init", tmp, "--json").stdout)["written"]
+        assert [Path(p).name for p in written] == ["prefect.yaml", "serve.py"], written
+        yaml_text = (Path(tmp) / "deployments" / "prefect.yaml").read_text()
+        assert "entrypoint: ckptflow.flows.train.train_pipeline" in yaml_text
+        compile((Path(tmp) / "deployments" / "serve.py").read_text(), "serve.py", "exec")
     run = ckptflow("run", "--epochs", "1", code=2)
     assert "pip install 'ckptflow[prefect]'" in run.stderr and "store commands" in run.stderr, run.stderr
     assert "needs the pipeline" in ckptflow("setup-server", code=2).stderr
-    print("the [cli] extra: the store commands work without Prefect; run names the [prefect] extra")
+    print(
+        "the [cli] extra: the store commands and `deployments init` work without Prefect; "
+        "run names the [prefect] extra"
+    )
 
 
 if __name__ == "__main__":

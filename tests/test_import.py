@@ -118,6 +118,28 @@ def test_a_dcp_directory_is_refused_naming_dcp_s_own_converter(tmp_path: Path) -
     assert_same_state(store.load(info.version), state)
 
 
+def test_a_version_reaches_dcp_s_tools_through_restore_and_dcp_s_converter(tmp_path: Path) -> None:
+    """The way out to DCP the README gives: `ckptflow restore --out model.pt`, then DCP's own
+    torch_to_dcp; dcp.load(checkpoint_id=...) reads the directory it writes."""
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = trained()
+    store = CheckpointStore(tmp_path / "s")
+    store.save({"model": model.state_dict(), "step": 7}, epoch=1)
+    restored = CliRunner().invoke(app, ["restore", str(tmp_path / "s"), "--out", str(tmp_path / "model.pt")])
+    assert restored.exit_code == 0, restored.output
+    convert = [sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "torch_to_dcp"]
+    subprocess.run([*convert, "model.pt", "dcp"], check=True, cwd=tmp_path, capture_output=True)
+    target = {"model": {k: torch.zeros_like(v) for k, v in model.state_dict().items()}, "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert_same_state(target, {"model": model.state_dict(), "step": 7})
+
+
 def test_the_cli_imports_and_refuses_what_it_cannot_read(tmp_path: Path) -> None:
     model, _ = trained()
     torch.save(model.state_dict(), tmp_path / "w.pth")
