@@ -168,7 +168,7 @@ def test_every_package_directory_is_listed_for_the_wheel() -> None:
 
     found = {
         package_of(directory)
-        for top in ("storage", "tasks", "flows")
+        for top in ("storage", "tasks", "flows", "deployments")
         for directory in [root / top, *(root / top).rglob("*")]
         if directory.is_dir() and directory.name != "__pycache__" and any(directory.glob("*.py"))
     }

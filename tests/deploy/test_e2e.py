@@ -62,7 +62,7 @@ class TestDeploy:
 
     def test_the_worker_finds_the_code_of_this_checkout(self, stack):
         train = deployment(TRAIN)
-        assert train.entrypoint == "flows/train.py:train_pipeline"
+        assert train.entrypoint == "ckptflow.flows.train.train_pipeline"
         assert train.work_pool_name == POOL
         assert train.pull_steps == [
             {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
@@ -81,7 +81,7 @@ class TestDeploy:
 
     def test_maintenance_runs_nightly(self, stack):
         maintenance = deployment(MAINTENANCE)
-        assert maintenance.entrypoint == "flows/maintenance.py:maintain_stores"
+        assert maintenance.entrypoint == "ckptflow.flows.maintenance.maintain_stores"
         assert maintenance.work_pool_name == POOL
         assert [(s.schedule.cron, s.schedule.timezone) for s in maintenance.schedules] == [
             ("0 3 * * *", "UTC")

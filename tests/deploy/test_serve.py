@@ -43,8 +43,9 @@ def default_sigint() -> None:
 
 
 def test_serve_runs_the_served_deployment(stack, tmp_path):
-    storage = tmp_path / "served"
-    args = [sys.executable, str(SERVE), "--storage", str(storage), "--epochs", "2"]
+    """A relative storage path resolves in the directory serve.py was started in (as for a copy
+    that `ckptflow deployments init` wrote there), not in the checkout."""
+    args = [sys.executable, str(SERVE), "--storage", "./served", "--epochs", "2"]
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -59,7 +60,7 @@ def test_serve_runs_the_served_deployment(stack, tmp_path):
         train = poll_until(lambda: read_deployment("ckptflow-train/train-served"), bool, timeout=90)
         maintenance = poll_until(lambda: read_deployment("ckptflow-maintenance/maintenance-served"), bool)
         assert train is not None and maintenance is not None, log.read_text()[-3000:]
-        assert train.parameters == {"config": {"storage": str(storage), "epochs": 2}}
+        assert train.parameters == {"config": {"storage": "./served", "epochs": 2}}
         assert train.schedules == []
         assert [s.schedule.cron for s in maintenance.schedules] == ["0 3 * * *"]
         assert maintenance.parameters["config"]["retention"]["keep_last"] == 5
@@ -68,7 +69,8 @@ def test_serve_runs_the_served_deployment(stack, tmp_path):
         run_id = UUID(started.split("UUID: ", 1)[1].split()[0])
         run = wait_for_state(run_id, "COMPLETED", "FAILED", "CRASHED", timeout=120)
         assert run.state.type.value == "COMPLETED", f"{run.state}\n{log.read_text()[-4000:]}"
-        assert assert_only_committed(storage) == [1, 2]
+        assert assert_only_committed(tmp_path / "served") == [1, 2]
+        assert not (REPO / "served").exists()
     finally:
         proc.send_signal(signal.SIGINT)  # Ctrl-C (Prefect's SIGTERM path may exit before pausing)
         try:
