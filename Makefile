@@ -73,18 +73,23 @@ test-core: $(STAMP)
 	cd build && ../$(CORE)/bin/python ../tests/cli_only.py
 
 # The oldest Prefect that pyproject.toml admits (constraints.txt pins the newest for `make test`):
-# a virtualenv over .venv's packages in which only prefect is replaced runs the tests that use
-# Prefect: the pipeline, the deployments (workers, the UI in Chromium) and the CLI's.
-PREFECT_TESTS := tests/pipeline tests/deploy tests/test_cli.py tests/test_cli_errors.py tests/test_cli_steps.py
+# a virtualenv of .venv's Python that sees .venv's packages (a .pth file) and holds its own
+# prefect, and what that Prefect needs other versions of (prefect-aws, ...), installed by .venv's
+# pip, which `pip check` then asks for conflicts. It runs the tests that use Prefect: the
+# pipeline, the deployments (workers, the UI in Chromium), the CLI's and AWS credential blocks.
+PREFECT_TESTS := tests/pipeline tests/deploy tests/test_cli.py tests/test_cli_errors.py \
+	tests/test_cli_steps.py tests/storage/test_s3_roles.py
 PREFECT_OLDEST = $(shell sed -n 's/.*"prefect>=\([0-9.]*\),.*/\1/p' pyproject.toml)
 OLDEST := build/prefect-oldest
+OLDEST_PIP = $(BIN)/pip --python $(OLDEST)/bin/python
 test-prefect-oldest: $(STAMP)
 	rm -rf $(OLDEST)
-	$(PYTHON) -m venv $(OLDEST)
+	$(BIN)/python -m venv --without-pip $(OLDEST)
 	$(OLDEST)/bin/python -c 'import pathlib, sys, sysconfig; pathlib.Path(sysconfig.get_paths()["purelib"], "ckptflow-venv.pth").write_text(f"import site; site.addsitedir({sys.argv[1]!r})\n")' \
 		"$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-	$(OLDEST)/bin/pip install -q "prefect==$(PREFECT_OLDEST)" "fastapi<0.151" "sqlalchemy<2.1"
-	$(OLDEST)/bin/pip install -q --no-deps -e .
+	$(OLDEST_PIP) install -q "prefect==$(PREFECT_OLDEST)" prefect-aws "fastapi<0.151" "sqlalchemy<2.1"
+	$(OLDEST_PIP) install -q --no-deps -e .
+	$(OLDEST_PIP) check
 	$(OLDEST)/bin/python -c 'import prefect, sys; assert prefect.__version__ == sys.argv[1], prefect.__version__' "$(PREFECT_OLDEST)"
 	PATH="$(abspath $(OLDEST))/bin:$(abspath $(BIN)):$$PATH" $(OLDEST)/bin/python -m pytest -q -p no:cacheprovider -n $(WORKERS) $(or $(ARGS),$(PREFECT_TESTS))
 

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from pathlib import Path
 from typing import IO
 
 from ckptflow.tasks.lifetime import command
@@ -48,7 +49,9 @@ _CHECK = (
 )
 NO_EPHEMERAL = "no-ephemeral"  # no API configured, and the user turned temporary servers off
 # `prefect server start`'s own flags (Prefect 3.8 and 3.9 name them alike): the API with the
-# services that record events and task runs, and no UI, scheduler or late-runs service.
+# services that record events and task runs, and no UI, scheduler or late-runs service. Prefect's
+# other housekeeping services (foreman, repossessor, cancellation cleanup, pause expirations) run
+# as on any server, on the database under PREFECT_HOME.
 SERVER_FLAGS = ("--no-ui", "--no-scheduler", "--no-late-runs", "--log-level", "ERROR")
 
 
@@ -73,8 +76,9 @@ class TemporaryApiServer:
     """``prefect server start`` on a free port of 127.0.0.1, for as long as this process lives.
 
     The port is picked here and handed to Prefect, which binds it again: another process could
-    take it in between. Prefect then exits saying the port is in use, and the start is tried
-    again on another port (as Prefect's own temporary server does).
+    take it in between. Then either Prefect exits unable to bind it, or another server answers
+    there (seen by the listening socket not being our process's), and the start is tried again
+    on another port, as Prefect's own temporary server does.
     """
 
     ATTEMPTS = 3
@@ -92,17 +96,25 @@ class TemporaryApiServer:
         """Start it and wait until ``/api/health`` answers; stop it and raise ApiServerError if not."""
         atexit.register(self.stop)
         deadline = time.monotonic() + timeout
-        for _ in range(self.ATTEMPTS):
+        tries = 0
+        while tries < self.ATTEMPTS:
+            tries += 1
             self._spawn()
-            if self._wait_healthy(deadline):
+            outcome = self._wait(deadline)
+            if outcome == "ours":
                 return
-            if not self._port_was_taken():
+            self.stop()
+            if outcome != "taken":
                 break
-        self.stop()
-        raise ApiServerError(
-            f"the temporary Prefect API server did not answer within {timeout:g}s "
-            f"(PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS); its output:\n{self._tail()}"
+        assert self.process is not None
+        why = (
+            f"did not answer within {timeout:g}s (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS)"
+            if outcome == "slow"
+            else f"exited with code {self.process.returncode}"
+            if outcome == "exited"
+            else f"found its port taken by another process {tries} times"
         )
+        raise ApiServerError(f"the temporary Prefect API server {why}; its output:\n{self._tail()}")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -130,21 +142,25 @@ class TemporaryApiServer:
             stderr=subprocess.STDOUT,
         )
 
-    def _wait_healthy(self, deadline: float) -> bool:
+    def _wait(self, deadline: float) -> str:
+        """ "ours": our server answers; "taken": another process holds the port (it answered, or
+        ours exited unable to bind it); "exited": ours failed otherwise; "slow": the deadline."""
         assert self.process is not None
-        while time.monotonic() < deadline and self.process.poll() is None:
-            with (
-                contextlib.suppress(OSError),
-                urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response,
-            ):
-                if response.status == 200:
-                    return True
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                return "taken" if _in_use(self.port) else "exited"
+            if self._answers():
+                return "ours" if _listens(self.process.pid, self.port) else "taken"
             time.sleep(0.1)
-        return False
+        return "slow"
 
-    def _port_was_taken(self) -> bool:
-        exited = self.process is not None and self.process.poll() is not None
-        return exited and "already in use" in self._tail()
+    def _answers(self) -> bool:
+        with (
+            contextlib.suppress(OSError),
+            urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response,
+        ):
+            return bool(response.status == 200)
+        return False
 
     def _tail(self) -> str:
         self._output.seek(0)
@@ -155,6 +171,38 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
+
+
+def _in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process ``pid`` holds the socket listening on ``port`` (read from /proc; where
+    there is none, the server that answered is taken to be ours)."""
+    try:
+        tables = [Path(t).read_text() for t in ("/proc/net/tcp", "/proc/net/tcp6") if Path(t).exists()]
+        fds = Path(f"/proc/{pid}/fd")
+        if not tables or not fds.exists():
+            return True
+    except OSError:
+        return True
+    inodes = {
+        f"socket:[{fields[9]}]"
+        for table in tables
+        for fields in (line.split() for line in table.splitlines()[1:])
+        if len(fields) > 9 and fields[1].endswith(f":{port:04X}") and fields[3] == "0A"  # LISTEN
+    }
+    for fd in fds.iterdir():
+        with contextlib.suppress(OSError):
+            if os.readlink(fd) in inodes:
+                return True
+    return False
 
 
 def start_for_cli() -> TemporaryApiServer | None:

@@ -10,6 +10,7 @@ deployments/serve.py`) work from that directory as from a checkout's root.
 from __future__ import annotations
 
 import json
+import os
 from importlib import resources
 from pathlib import Path
 from typing import Annotated
@@ -62,7 +63,10 @@ def init_command(
     try:
         target.mkdir(parents=True, exist_ok=True)
         for name, path in zip(FILES, paths, strict=True):
-            path.write_bytes(source.joinpath(name).read_bytes())
+            _write(path, source.joinpath(name).read_bytes(), replace=force)
+    except FileExistsError as exc:  # created since the check above
+        typer.echo(f"error: {exc.filename} exists already: --force replaces it", err=True)
+        raise typer.Exit(1) from None
     except OSError as exc:
         typer.echo(f"error: cannot write {exc.filename or target}: {exc.strerror}", err=True)
         raise typer.Exit(1) from None
@@ -72,3 +76,18 @@ def init_command(
     for path in paths:
         typer.echo(f"{'replaced' if str(path) in existing else 'wrote'} {path}")
     typer.echo(NEXT_STEPS.format(where=directory))
+
+
+def _write(path: Path, data: bytes, *, replace: bool) -> None:
+    """Write ``path`` whole or not at all: a new file is created exclusively; a replaced one is
+    written beside it and renamed over it, so a failed write leaves the old file as it was."""
+    if not replace:
+        with open(path, "xb") as out:
+            out.write(data)
+        return
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_bytes(data)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)

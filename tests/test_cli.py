@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shlex
 import signal
 import subprocess
 import sys
@@ -1033,7 +1034,10 @@ def test_every_command_that_reports_has_json(tmp_path: Path) -> None:
 def test_shell_completion_completes_commands_and_options() -> None:
     """``ckptflow --install-completion`` / ``--show-completion`` give the shell's script; through the
     protocol that script speaks, the real program completes command names and their options."""
-    script = run_cli("--show-completion", "bash")
+    # Typer asks which shell runs the command (its parent process): a user's bash here, whatever
+    # shell started pytest (make runs recipes under sh, which Typer does not support).
+    shown = f"{shlex.quote(sys.executable)} -m ckptflow.flows.cli --show-completion; exit $?"
+    script = subprocess.run(["bash", "-c", shown], capture_output=True, text=True, timeout=120)
     assert script.returncode == 0 and "_ckptflow_completion" in script.stdout, script.stderr
 
     def complete(words: str) -> list[str]:

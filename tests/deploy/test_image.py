@@ -100,6 +100,13 @@ def test_the_dockerfile_copies_what_exists_and_installs_defined_extras() -> None
     text = DOCKERFILE.read_text()
     copied = [src for line in re.findall(r"^COPY (.+)$", text, re.M) for src in line.split()[:-1]]
     assert copied and all((REPO / src).exists() for src in copied), copied
+    # Bug: deployments/ became a package of the wheel and the image's `pip install .` could not
+    # find it: every folder pyproject maps to a package is copied.
+    import tomllib
+
+    package_dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    tops = {Path(folder).parts[0] for folder in package_dirs.values()}
+    assert tops <= set(copied), f"the Dockerfile copies {copied}, the wheel needs {sorted(tops)}"
     extras = re.search(r"^ARG EXTRAS=(\S+)$", text, re.M)
     assert extras
     defined = metadata("ckptflow").get_all("Provides-Extra") or []

@@ -161,3 +161,44 @@ def assert_runs_the_api_alone(pid: int) -> None:
     assert server["services"]["late_runs"]["enabled"] is False
     assert server["services"]["event_persister"]["enabled"] is True
     assert server["services"]["task_run_recorder"]["enabled"] is True
+
+
+def test_a_port_another_server_takes_is_given_up_for_a_free_one(tmp_path, monkeypatch):
+    """The port is picked, released, then bound by Prefect: a process that takes it in between
+    (here one answering /api/health, as another run's temporary server would) is not mistaken for
+    ours; the start goes on on another port, and PREFECT_API_URL would name our own server."""
+    import http.server
+    import threading
+
+    from ckptflow.flows import api_server
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    foreign = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=foreign.serve_forever, daemon=True).start()
+    taken = int(foreign.server_address[1])
+    first = iter([taken])
+    free_port = api_server._free_port
+    monkeypatch.setattr(api_server, "_free_port", lambda: next(first, 0) or free_port())
+    for name, value in prefect_env(tmp_path / "prefect-home").items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    server = api_server.TemporaryApiServer()
+    try:
+        server.start(180)
+        assert server.port != taken
+        assert server.process is not None and server.process.poll() is None
+        assert api_server._listens(server.process.pid, server.port)
+        assert not api_server._listens(server.process.pid, taken)
+        with urllib.request.urlopen(f"{server.api_url}/admin/settings", timeout=10) as response:
+            assert json.load(response)["server"]["ui"]["enabled"] is False  # Prefect's, not the stub
+    finally:
+        server.stop()
+        foreign.shutdown()
+        foreign.server_close()

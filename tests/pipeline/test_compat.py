@@ -20,11 +20,24 @@ def test_a_note_is_shown_with_its_error():
 
 def test_on_python_3_10_the_note_ends_the_message(monkeypatch):
     monkeypatch.setattr(sys, "version_info", (3, 10, 14, "final", 0))
-    exc = KeyError("model.weight")
+    exc = RuntimeError("rank 1 failed")
     add_note(exc, "no retry fixes this")
-    assert exc.args == ("model.weight\nno retry fixes this",)
+    assert str(exc) == "rank 1 failed\nno retry fixes this"
+    assert exc.__notes__ == ["no retry fixes this"]
     bare = RuntimeError()
     add_note(bare, "why")
     assert bare.args == ("why",)
-    with pytest.raises(KeyError, match="no retry fixes this"):
+    with pytest.raises(RuntimeError, match="no retry fixes this"):
         raise exc
+
+
+def test_on_python_3_10_arguments_that_are_not_a_message_stay(monkeypatch):
+    """A KeyError's key and an OSError's errno are data: the note does not go into them."""
+    monkeypatch.setattr(sys, "version_info", (3, 10, 14, "final", 0))
+    key = KeyError("model.weight")
+    add_note(key, "in the training process")
+    assert key.args == ("model.weight",)
+    disk = OSError(28, "No space left on device")
+    add_note(disk, "in the training process")
+    assert disk.errno == 28 and disk.args == (28, "No space left on device")
+    assert disk.__notes__ == ["in the training process"]
