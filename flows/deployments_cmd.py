@@ -75,7 +75,7 @@ def init_command(
         return
     for path in paths:
         typer.echo(f"{'replaced' if str(path) in existing else 'wrote'} {path}")
-    typer.echo(NEXT_STEPS.format(where=directory))
+    typer.echo(NEXT_STEPS.format(where="this directory" if directory == Path(".") else directory))
 
 
 def _write(path: Path, data: bytes, *, replace: bool) -> None:
