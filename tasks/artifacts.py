@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import urlsplit
 from uuid import UUID
 
 from ckptflow.storage import VersionInfo
@@ -58,6 +59,17 @@ def store_key(store_url: str) -> str:
 def one_line(text: object) -> str:
     """``text`` with its whitespace (newlines of a traceback, say) collapsed to single spaces."""
     return " ".join(str(text).split())
+
+
+def link_or_text(url: str, text: str | None = None) -> str:
+    """Markdown for a place: a link where a browser opens it (http, https); anywhere else (a local
+    path, file://, s3://, ...) the URL as code to copy. The Prefect UI resolves a link to a path
+    against its own address, which answers "Page not found", and browsers open no file:// link
+    from an http page."""
+    if urlsplit(url).scheme in ("http", "https"):
+        return f"[{text or url}]({url})"
+    code = f"`{url.replace('`', '')}`"
+    return f"{text}: {code}" if text and text != url else code
 
 
 def cell(text: object) -> str:
@@ -147,10 +159,11 @@ class ArtifactSet:
         return self.put(key, "markdown", text, description)
 
     def link(self, key: str, link: str, text: str, description: str, *, each: bool = False) -> UUID | None:
-        """A link; with ``each``, a new one every time (one per uploaded archive), not an update."""
+        """A link (:func:`link_or_text`); with ``each``, a new one every time (one per uploaded
+        archive), not an update."""
         if each:
             self.ids.pop(key, None)
-        return self.put(key, "markdown", f"[{text}]({link})", description)
+        return self.put(key, "markdown", link_or_text(link, text), description)
 
     def progress(self, key: str, percent: float, description: str) -> UUID | None:
         return self.put(key, "progress", percent, description)
@@ -203,7 +216,7 @@ def latest_markdown(store_url: str, info: VersionInfo | None, *, count: int, sou
             f"| size | {human_size(info.size)} |",
             f"| committed | {readable_time(info.created)} |",
             f"| metrics | {cell(metrics_text(info.metrics)) or 'none'} |",
-            f"| URL | [{cell(info.url)}]({info.url}) |",  # no backticks: the UI shows them in link text
+            f"| URL | {cell(link_or_text(info.url))} |",
             f"| committed checkpoints in the store | {count} |",
             f"| reported by | {source} |",
             "",

@@ -103,8 +103,23 @@ def test_latest_checkpoint_card_of_the_store(browser, stack, trained, store):
     assert f"Latest checkpoint of {store.url}" in page, page[:3000]
     assert f"version {newest.version} (epoch {newest.epoch})" in page
     assert f"size {human_size(newest.size)}" in page
-    assert f"`{newest.url}`" not in page, "the URL's link text shows literal backticks"
+    assert f"`{newest.url}`" not in page, "the URL shows literal backticks"
     assert f"ckptflow restore {store.url} --out model.pt" in page
+    assert_no_link_into(browser, trained.storage)
+    # the run's own card of its newest checkpoint, likewise
+    own = run_artifact(trained.run_id, f"ckptflow-{slug(trained.name)}-latest")
+    browser.open(f"{stack.ui}/artifacts/artifact/{own.id}")
+    page = browser.wait_for_text(newest.url)
+    assert f"v{newest.version} (epoch {newest.epoch}" in page, page[:3000]
+    assert_no_link_into(browser, trained.storage)
+
+
+def assert_no_link_into(browser, storage: Path) -> None:
+    """Bug: a store's local path was a markdown link, which the UI resolved against its own address
+    (http://<server>/<path>/v000003: "Page not found"). Paths are text to copy; no link leads there."""
+    hrefs = browser.evaluate("[...document.querySelectorAll('a[href]')].map(a => a.href)")
+    assert hrefs, "the page has no links at all: not the UI's page"
+    assert [h for h in hrefs if str(storage) in h] == [], hrefs
 
 
 def test_artifacts_page_has_one_entry_per_store(browser, stack, trained, store):

@@ -331,7 +331,7 @@ class TestUpload:
         links = poll(lambda: read_artifacts(run_id, key), lambda found: len(found) == 2)
         sizes = {a.tar: human_size(a.index.size) for a in list_archived(open_store(config).loc).values()}
         assert sorted(str(a.data) for a in links) == [
-            f"[{tar} ({sizes[tar]})]({upload_to}/archive/{tar})" for tar in (TAR_12, TAR_34)
+            f"{tar} ({sizes[tar]}): `{upload_to}/archive/{tar}`" for tar in (TAR_12, TAR_34)
         ]
 
     def test_upload_versions_mirrors_each_loose_version_manifest_last(

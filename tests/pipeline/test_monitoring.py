@@ -154,7 +154,7 @@ class TestArtifacts:
         link = latest_artifact(f"{run.key_prefix}-latest")
         newest = run.store.versions()[-1]
         text = f"v{newest.version} (epoch {newest.epoch}, {human_size(newest.size)})"
-        assert link.data == f"[{text}]({newest.url})"
+        assert link.data == f"{text}: `{newest.url}`"  # a local path: text to copy, no dead link
 
     def test_markdown_summary(self, run):
         summary = latest_artifact(f"{run.key_prefix}-summary")
@@ -223,3 +223,18 @@ class TestSecrets:
                 tmp_path / "s", epochs=1, storage_options={"secret": SECRET, "client_kwargs": {"token": "x"}}
             )
         assert not (tmp_path / "s").exists()
+
+
+def test_a_place_is_a_link_only_where_a_browser_opens_it():
+    """Bug: every checkpoint URL was a markdown link; the UI resolved a local path against its own
+    address ("Page not found"), and s3:// or file:// open nothing from its page."""
+    from ckptflow.tasks.artifacts import link_or_text
+
+    assert link_or_text("https://console.example/run1", "run1") == "[run1](https://console.example/run1)"
+    assert link_or_text("/data/run1/v000003") == "`/data/run1/v000003`"
+    assert link_or_text("file:///data/run1/v000003", "v3") == "v3: `file:///data/run1/v000003`"
+    assert (
+        link_or_text("s3://b/run1/archive/e.tar", "e.tar (5 MiB)")
+        == "e.tar (5 MiB): `s3://b/run1/archive/e.tar`"
+    )
+    assert link_or_text("/odd`dir/v1") == "`/odddir/v1`"  # a backtick would end the code span
