@@ -66,6 +66,7 @@ from prefect.utilities.annotations import quote
 
 from ckptflow.storage import CheckpointStore, StoreLease, VersionInfo
 from ckptflow.tasks.archiving import ArchiveQueue
+from ckptflow.tasks.clean_stop import cancel_stopped_task_runs, ended_cancelled, noting_sigterm, stopping
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.crashed import record_this_run
 from ckptflow.tasks.formatting import metrics_text
@@ -89,7 +90,7 @@ from ckptflow.tasks.stopping import CANCELLED, SIGTERM_STOP, StopTracker
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
     record_this_run()  # and mark Crashed the runs on this host whose process is gone
-    with _writer_lease(config) as (store, lease):
+    with noting_sigterm(flow_run.get_id()), _writer_lease(config) as (store, lease):
         return _train(config, store, lease)
 
 
@@ -115,7 +116,10 @@ def _writer_lease(config: PipelineConfig) -> Iterator[tuple[CheckpointStore, Sto
 def _train(config: PipelineConfig, store: CheckpointStore, lease: StoreLease) -> dict[str, Any] | State:
     """The run; whatever ends it, its summary says how and where it stands."""
     monitor = RunMonitor(
-        run_name=flow_run.get_name() or "local", store_url=store.url, total_epochs=config.epochs
+        run_name=flow_run.get_name() or "local",
+        store_url=store.url,
+        total_epochs=config.epochs,
+        best_by=_best_by(config),
     )
     reached = Reached()
     try:
@@ -127,6 +131,16 @@ def _train(config: PipelineConfig, store: CheckpointStore, lease: StoreLease) ->
         epochs = _epochs(run.first_epoch, run.epoch) if run is not None else "none (init did not finish)"
         monitor.ended(state, why, latest, rows=[("epochs", epochs)], unreadable=unreadable)
         raise
+
+
+def _best_by(config: PipelineConfig) -> tuple[str, str] | None:
+    """Which metric says the best checkpoint, and its direction: the stop conditions' metric, else
+    the one retention keeps the best by; None when the run names neither."""
+    if config.stop.metric:
+        return config.stop.metric, config.stop.mode
+    if config.retention.keep_best and config.retention.best_mode:
+        return config.retention.keep_best, config.retention.best_mode
+    return None
 
 
 @dataclass
@@ -163,15 +177,24 @@ def _run_epochs(
             trained = train(_opaque(run), epoch, _opaque(tries))
             stopped = CANCELLED if trained.stopped or watch.requested else None
             if trained.metrics is not None:  # the epoch's end
-                logger.info("epoch %d/%d: %s", epoch, config.epochs, metrics_text(trained.metrics))
                 monitor.epoch_done(epoch, trained.metrics)
+                logger.info(
+                    "epoch %d/%d: %s%s", epoch, config.epochs, metrics_text(trained.metrics), _status(monitor)
+                )
                 reason = stopper.update(epoch, trained.metrics) or stopped
                 due = epoch % config.save_every == 0 or reason is not None or trained.due
             else:  # a save point, or a stop, inside the epoch
                 progress = run.progress
                 where = step_text(progress.in_epoch, progress.epoch_steps)
-                logger.info("epoch %d/%d, %s (step %d in all)", epoch, config.epochs, where, progress.step)
                 monitor.step_done(epoch, progress.in_epoch, progress.epoch_steps)
+                logger.info(
+                    "epoch %d/%d, %s (step %d in all)%s",
+                    epoch,
+                    config.epochs,
+                    where,
+                    progress.step,
+                    _status(monitor),
+                )
                 reason, due = stopped, True
             if due:
                 lease.check()  # a run that lost the store (its lease taken over) saves nothing more
@@ -241,6 +264,7 @@ def _finish(
     if reason in (CANCELLED, SIGTERM_STOP):
         why = f"cancelled after committing {_newest_text(latest)}"
         state, ending = "Cancelled", Cancelled(message=why)
+        ended_cancelled(flow_run.get_id())
     elif archiver.failures:
         why = f"training ended at epoch {last_epoch}, but {archiver.failures[0]}"
         state, ending = "Failed", Failed(message=why)
@@ -272,7 +296,15 @@ def _stopped_by_signal(exc: BaseException, run: TrainingRun, monitor: RunMonitor
     epochs = _epochs(run.first_epoch, run.epoch)
     monitor.ended("Cancelled", message, latest, rows=[("epochs", epochs)], unreadable=unreadable)
     get_run_logger().info("stopped: %s", message)
+    for name in cancel_stopped_task_runs(flow_run.get_id(), f"stopped by the run's stop: {message}"):
+        get_run_logger().info("task run %s: stopped by SIGTERM, marked Cancelled", name)
+    ended_cancelled(flow_run.get_id())
     return Cancelled(message=message)
+
+
+def _status(monitor: RunMonitor) -> str:
+    status = monitor.status()
+    return f"; {status}" if status else ""
 
 
 def _newest_text(latest: VersionInfo | None) -> str:
@@ -402,6 +434,7 @@ class CancelWatch:
             except Exception:
                 continue
             if cancelled:
+                stopping(run_id, "a cancellation from Prefect")
                 self.requested = True
                 if self._on_cancel is not None:
                     self._on_cancel()

@@ -167,6 +167,7 @@ class RunMonitor:
     store_url: str
     total_epochs: int
     min_interval: float = 2.0  # seconds between epoch updates; commits are reported at once
+    best_by: tuple[str, str] | None = None  # (metric, "min" or "max"): the curve marks the best checkpoint
     versions: dict[int, VersionInfo] = field(default_factory=dict)  # the committed ones, by version
     history: dict[int, dict[str, float]] = field(default_factory=dict)  # metrics by epoch
     notes: list[str] = field(default_factory=list)  # end-of-run lines, e.g. what the mirror lacks
@@ -178,6 +179,7 @@ class RunMonitor:
         self._epoch_times: list[tuple[int, float]] = []  # (epoch, monotonic time it finished)
         self._ending: str | None = None  # how the run ended, once it has
         self._inside: tuple[int, int, int | None] | None = None  # (epoch, its steps trained, of how many)
+        self._last_commit: tuple[VersionInfo, float] | None = None  # and the monotonic time it was seen
         self._reporter = _Reporter(self._publish_epochs, self.min_interval)
 
     @property
@@ -216,8 +218,9 @@ class RunMonitor:
             {"epoch": epoch, "in_epoch": in_epoch, "epoch_steps": epoch_steps, "total": self.total_epochs},
         )
 
-    def committed(self, info: VersionInfo) -> None:
-        """A version committed: report it now, once (a second call for it does nothing).
+    def committed(self, info: VersionInfo, *, late: bool = False) -> None:
+        """A version committed: report it now, once (a second call for it does nothing), and log
+        it on the run (``late``: a save in flight when the run was told to stop, seen after it).
 
         Safe from any thread (an async save's completion calls it from the writer thread).
         """
@@ -226,7 +229,8 @@ class RunMonitor:
                 return
             self._reported.add(info.version)
             self.versions[info.version] = info
-            self._reporter.put(lambda: self._publish_commit(info))
+            self._last_commit = (info, time.monotonic())
+            self._reporter.put(lambda: self._publish_commit(info, late=late))
         notify("committed", {"info": info})
 
     def catch_up(self, list_versions: Callable[[], list[VersionInfo]]) -> None:
@@ -237,7 +241,23 @@ class RunMonitor:
             log.warning("could not list the committed versions of %s: %s", self.store_url, exc)
             return
         for info in sorted(versions, key=lambda v: v.version):
-            self.committed(info)
+            self.committed(info, late=True)
+
+    def status(self) -> str:
+        """Where the run stands beyond its epoch, for its log lines (the run page's Logs tab updates
+        as they come; artifact pages do not): "last commit v3 (epoch 3) 12 s ago, ETA ... (in ...)"."""
+        with self._lock:
+            last, times, ended = self._last_commit, list(self._epoch_times), self._ending
+        parts = []
+        if last is not None:
+            info, at = last
+            parts.append(
+                f"last commit v{info.version} ({_where(info)}) {_duration(time.monotonic() - at)} ago"
+            )
+        eta = _eta(times, self.total_epochs) if ended is None else None
+        if eta is not None:
+            parts.append(eta)
+        return ", ".join(parts)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Publish what is pending now and wait for it (up to ``timeout`` s)."""
@@ -306,7 +326,18 @@ class RunMonitor:
 
     # -- in the reporter's thread --
 
-    def _publish_commit(self, info: VersionInfo) -> None:
+    def _publish_commit(self, info: VersionInfo, *, late: bool = False) -> None:
+        after = "; it was in flight when the run was told to stop" if late else ""
+        saved = f", saved in {info.save_seconds:.2f} s" if info.save_seconds else ""
+        _run_log().info(
+            "committed version %d (%s, %s%s): %s%s",
+            info.version,
+            _where(info),
+            human_size(info.size),
+            saved,
+            info.url,
+            after,
+        )
         safely("event", lambda: emit_committed(info, self.store_url))  # every commit has its event
         with self._lock:
             newer = any(v > info.version for v in self._reported)
@@ -334,10 +365,13 @@ class RunMonitor:
         self._publish_progress()
         with self._lock:
             history = dict(self.history)
+            ends = [v for v in self.versions.values() if v.epoch is not None and not v.in_epoch]
+        best = best_epoch(ends, self.best_by)
         if history:
+            title = f"Training curve of {store_alias(self.store_url)}"
             self.artifacts.markdown(
                 f"{self.key_prefix}-curve",
-                curve_markdown(history, title=f"Training curve of {store_alias(self.store_url)}"),
+                curve_markdown(history, title=title, committed={v.epoch for v in ends}, best=best),
                 f"Metrics per epoch of flow run {self.run_name}, in {self.store_url}",
             )
 
@@ -354,11 +388,9 @@ class RunMonitor:
         if len(times) > 1:
             per_epoch = (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
             text += f", {per_epoch:.3g} s per epoch"
-            left = self.total_epochs - done
-            if ended is None and left > 0:
-                eta = datetime.now(timezone.utc).timestamp() + left * per_epoch
-                finish = datetime.fromtimestamp(eta, timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
-                text += f", ETA {finish} (in {_duration(left * per_epoch)})"
+            eta = _eta(times, self.total_epochs) if ended is None else None
+            if eta is not None:
+                text += f", {eta}"
         if ended is not None:
             text += f"; {ended}"
         self.artifacts.progress(f"{self.key_prefix}-progress", percent, f"{text} ({self.store_url})")
@@ -386,6 +418,19 @@ class RunMonitor:
                 safely("event", functools.partial(emit_committed, info, self.store_url))
 
 
+def best_epoch(versions: list[VersionInfo], best_by: tuple[str, str] | None) -> int | None:
+    """The epoch of the best of ``versions`` by ``best_by`` (metric, "min" or "max"); None if
+    none has the metric."""
+    if best_by is None:
+        return None
+    metric, mode = best_by
+    scored = [(v.metrics[metric], v.epoch) for v in versions if metric in v.metrics and v.epoch is not None]
+    if not scored:
+        return None
+    pick = min if mode == "min" else max
+    return pick(scored, key=lambda s: s[0])[1]
+
+
 def step_text(in_epoch: int, epoch_steps: int | None) -> str:
     """ "step 1,200/4,000" (or "step 1,200" when the epoch's length is unknown)."""
     return f"step {in_epoch:,}/{epoch_steps:,}" if epoch_steps else f"step {in_epoch:,}"
@@ -400,6 +445,24 @@ def _run_log() -> Any:
         return get_run_logger()
     except MissingContextError:
         return log
+
+
+def _where(info: VersionInfo) -> str:
+    """ "epoch 3", or "epoch 3, step 1,200/4,000" for a save inside it."""
+    if info.in_epoch:
+        return f"epoch {info.epoch}, {step_text(info.in_epoch, info.epoch_steps)}"
+    return f"epoch {info.epoch}"
+
+
+def _eta(times: list[tuple[int, float]], total: int) -> str | None:
+    """ "ETA 2026-11-25 14:02:10 UTC (in 13 min 16 s)" from the epochs' end times; None when no
+    epoch has ended in this run yet, or none is left."""
+    if len(times) < 2 or times[-1][0] >= total:
+        return None
+    per_epoch = (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
+    left = (total - times[-1][0]) * per_epoch
+    finish = datetime.fromtimestamp(datetime.now(timezone.utc).timestamp() + left, timezone.utc)
+    return f"ETA {finish.strftime('%Y-%m-%d %H:%M:%S UTC')} (in {_duration(left)})"
 
 
 def _duration(seconds: float) -> str:

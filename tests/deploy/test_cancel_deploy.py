@@ -22,6 +22,7 @@ reports it on the way out.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -40,7 +41,7 @@ from tests.deploy.helpers import (
     wait_for_state,
 )
 from tests.deploy.specs import spec_params
-from tests.pipeline.helpers import assert_only_committed
+from tests.pipeline.helpers import assert_only_committed, run_log_records, task_runs
 
 pytestmark = pytest.mark.deploy
 
@@ -85,6 +86,10 @@ def test_cancel_during_a_save_commits_it_and_the_next_run_resumes(stack, tmp_pat
     assert [r["version"] for r in table_rows(table)] == [1, IN_FLIGHT]
     committed = poll_until(lambda: events(COMMITTED_EVENT, run_id), lambda evs: len(evs) >= IN_FLIGHT)
     assert sorted(e.payload["version"] for e in committed) == [1, IN_FLIGHT]
+    # ...cleanly: no line at ERROR on the run or its tasks (Prefect logged the stopped task as
+    # "Crash detected!" and the Cancelled run's end as a CancelledRun traceback), the commit of the
+    # save in flight is logged, and the task that SIGTERM stopped is Cancelled, not Crashed.
+    assert_ended_cleanly(run_id, IN_FLIGHT)
     # ...and its summary: cancelled by the worker's SIGTERM, with the save in flight committed
     cancelled = run_artifact(run_id, f"ckptflow-{slug(run.name)}-summary").data
     assert "# ckptflow run summary: Cancelled" in cancelled
@@ -101,3 +106,18 @@ def test_cancel_during_a_save_commits_it_and_the_next_run_resumes(stack, tmp_pat
     assert f"| epochs | {IN_FLIGHT + 1}..{EPOCHS} (resumed from version {IN_FLIGHT}) |" in summary
     assert (markers / f"epoch-{IN_FLIGHT + 1}-started").read_text() == str(again)
     assert assert_only_committed(tmp_path / "store") == list(range(1, EPOCHS + 1))
+
+
+def assert_ended_cleanly(run_id, committed: int) -> None:
+    """A run cancelled cleanly reads so in its logs and its task runs (issue 41): no ERROR line,
+    the commit of ``committed`` logged, every task run final and none Crashed."""
+    logs = poll_until(
+        lambda: run_log_records(run_id),
+        lambda rs: any(f"committed version {committed} (" in m for _, m in rs),
+    )
+    assert [m for level, m in logs if level >= logging.ERROR] == [], logs
+    assert any(f"committed version {committed} (epoch {committed}" in m for _, m in logs), logs
+    tasks = poll_until(lambda: task_runs(run_id), lambda ts: all(t.state and t.state.is_final() for t in ts))
+    assert [t.name for t in tasks if not t.state or t.state.is_crashed() or not t.state.is_final()] == [], [
+        (t.name, t.state) for t in tasks
+    ]

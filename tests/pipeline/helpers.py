@@ -235,6 +235,24 @@ def run_logs(flow_run_id: UUID) -> list[str]:
     return [log.message for log in logs]
 
 
+def run_log_records(flow_run_id: UUID) -> list[tuple[int, str]]:
+    """(level, message) of every line a flow run and its task runs logged, as the API has them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.logging.handlers import APILogHandler
+
+    APILogHandler().flush()
+    records: list[tuple[int, str]] = []
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_logs(
+                LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200, offset=len(records)
+            )
+            records += [(log.level, log.message) for log in page]
+            if len(page) < 200:
+                return records
+
+
 def task_runs(flow_run_id: UUID) -> list[Any]:
     """The task runs of a flow run, read through the Prefect API."""
     from prefect.client.orchestration import get_client
