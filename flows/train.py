@@ -64,7 +64,7 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Failed, State
 from prefect.utilities.annotations import quote
 
-from ckptflow.storage import CheckpointStore, StoreLease, VersionInfo
+from ckptflow.storage import CheckpointStore, StoreLease, VersionInfo, redact
 from ckptflow.tasks.archiving import ArchiveQueue
 from ckptflow.tasks.clean_stop import cancel_stopped_task_runs, ended_cancelled, noting_sigterm, stopping
 from ckptflow.tasks.config import PipelineConfig
@@ -120,6 +120,8 @@ def _train(config: PipelineConfig, store: CheckpointStore, lease: StoreLease) ->
         store_url=store.url,
         total_epochs=config.epochs,
         best_by=_best_by(config),
+        given=redact(config.storage),
+        world_size=config.nproc * config.nnodes,
     )
     reached = Reached()
     try:
@@ -128,7 +130,7 @@ def _train(config: PipelineConfig, store: CheckpointStore, lease: StoreLease) ->
         run = reached.run
         state, why = _how_it_ended(exc, reached.in_flight, monitor)
         latest, unreadable = _latest(run.store if run is not None else store, monitor)
-        epochs = _epochs(run.first_epoch, run.epoch) if run is not None else "none (init did not finish)"
+        epochs = _trained(run, latest) if run is not None else "none (init did not finish)"
         monitor.ended(state, why, latest, rows=[("epochs", epochs)], unreadable=unreadable)
         raise
 
@@ -293,7 +295,7 @@ def _stopped_by_signal(exc: BaseException, run: TrainingRun, monitor: RunMonitor
     _, why = _how_it_ended(exc, reached.in_flight, monitor)
     saved = f"; newest committed: {_newest_text(latest)}"
     message = f"{why}{saved}"
-    epochs = _epochs(run.first_epoch, run.epoch)
+    epochs = _trained(run, latest)
     monitor.ended("Cancelled", message, latest, rows=[("epochs", epochs)], unreadable=unreadable)
     get_run_logger().info("stopped: %s", message)
     for name in cancel_stopped_task_runs(flow_run.get_id(), f"stopped by the run's stop: {message}"):
@@ -337,6 +339,15 @@ def _quietly(what: str, step: Any) -> None:
         get_run_logger().warning("could not %s: %s", what, exc)
 
 
+def _trained(run: TrainingRun, latest: VersionInfo | None) -> str:
+    """The epochs a run that did not end by a stop condition trained, and, where its last commit
+    holds less (the epoch in progress, a save that did not commit), what a resume continues after."""
+    epochs = _epochs(run.first_epoch, run.epoch)
+    if latest is None or latest.epoch != run.epoch or latest.in_epoch:
+        epochs += f" (last committed: {_newest_text(latest)}; a resume continues after it)"
+    return epochs
+
+
 def _epochs(first_epoch: int, last_epoch: int) -> str:
     return f"{first_epoch}..{last_epoch}" if last_epoch >= first_epoch else "none trained"
 
@@ -355,6 +366,8 @@ def _how_it_ended(exc: BaseException, in_flight: int | None, monitor: RunMonitor
         return "Stopped", f"the process got SIGTERM, not a cancellation from Prefect{saved}"
     if isinstance(exc, KeyboardInterrupt):
         return "Interrupted", f"Ctrl-C{saved}"
+    if not isinstance(exc, Exception):  # SystemExit & co. (its worker gone): Prefect records it Crashed
+        return "Crashed", f"the process exited ({type(exc).__name__}: {exc}) before the run ended{saved}"
     return "Failed", f"{type(exc).__name__}: {exc}{saved}"
 
 

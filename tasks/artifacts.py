@@ -245,9 +245,10 @@ def ending_markdown(
         resume = f"Nothing to resume from: a new run on `{store_url}` starts at epoch 1."
     else:
         where = f"version {latest.version}, epoch {latest.epoch}: `{latest.url}` ({human_size(latest.size)})"
-        resume = (
+        resume = (  # a summary written late (a crashed run's) must not promise where a resume goes on
             f"Resume: run the same flow (or `ckptflow run`) on `{store_url}` again; it continues "
-            f"after epoch {latest.epoch}. Restore it: `ckptflow restore {store_url} --out model.pt`"
+            f"from the store's newest committed checkpoint (this run's last: epoch {latest.epoch}). "
+            f"Restore this one: `ckptflow restore {store_url} --version {latest.version} --out model.pt`"
         )
     lines = [
         f"# ckptflow run summary: {state}",

@@ -1,4 +1,5 @@
-"""Training flow runs whose process died: each run records its process, the next run marks them Crashed.
+"""Training flow runs whose process died: each run records its process, the next run marks them Crashed
+and finishes them.
 
 A flow run killed with SIGKILL (or by the OOM killer) never reports a final
 state: Prefect shows it Running for good, and maintenance takes its store for
@@ -14,21 +15,36 @@ it starts:
 2. looks for ``ckptflow-train`` flow runs in Pending, Running or Cancelling
    whose record names this host and pid space and whose process is gone (no
    such pid, or one started at another time), and sets them Crashed with a
-   message saying so; their task runs still Running (the epoch the kill cut
-   short) are set Crashed too, and each gets the run summary its process
-   could not write (:func:`summarize_crashed`: the last committed epoch, where
-   it is, how to resume). The maintenance flow writes it for Crashed runs
-   that have none (marked by the heartbeat automation, on another host):
+   message saying so;
+3. finishes the Crashed runs of this host and pid space whose process is
+   gone and that have no summary: those it just marked, and those Prefect
+   marked first (a worker that saw its child SIGKILLed, the OOM killer's
+   case; the heartbeat automation), Crashed within the last
+   :data:`FINISH_WITHIN`. Their task runs still Pending or Running (the epoch
+   the kill cut short) are set Crashed, their progress shows where the last
+   commit stands and no ETA, and each gets the run summary its process could
+   not write (:func:`summarize_crashed`: the last committed epoch, where it
+   is, how to resume). The summary is written last: a run that has one is
+   finished, and never gets a second.
+   The maintenance flow does the same for its store's Crashed runs that have
+   no summary (those of another host, or of a store this host cannot open):
    :func:`summarize_crashed_runs`.
-   This run logs one line per run it marked; Prefect shows the line after
-   this run's own name, so the line names the earlier run, when it started
-   and its process (:func:`earlier_run_line`).
+   This run logs one line per run it marked or finished; Prefect shows the
+   line after this run's own name, so the line names the earlier run, when it
+   started and its process (:func:`earlier_run_line`).
 
-What must hold: a run is marked only on proof that its process is gone. Runs
-of other hosts or pid spaces (another machine, container or boot), runs
-without the record, and this run are never touched. Linux only (``/proc``):
-elsewhere nothing is recorded and nothing is marked. Neither step may break
-a run: an API error is logged and skipped. The questions to Prefect are
+Why this host's runs, whatever their store, and not the Crashed runs of this
+run's store: Crashed is Prefect's word, not proof that the process ended (the
+heartbeat automation crashes a run whose machine is only cut off, and its
+process may still write its own summary); on this host ``/proc`` proves it.
+The runs of other hosts are maintenance's, which writes their summaries later.
+
+What must hold: a run is marked or finished only on proof that its process
+is gone. Runs of other hosts or pid spaces (another machine, container or
+boot), runs without the record, and this run are never touched. A run with a
+summary is never summarized again. Linux only (``/proc``): elsewhere nothing
+is recorded and nothing is marked. No step may break a run: an API error is
+logged and skipped. The questions to Prefect are
 :mod:`.prefect_runs`'s.
 """
 
@@ -39,14 +55,15 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 from uuid import UUID
 
-from ckptflow.storage import CheckpointStore, current_process, process_ended
+from ckptflow.storage import CheckpointStore, VersionInfo, current_process, process_ended
 
 from .artifacts import ArtifactSet, committed_at, ending_markdown, run_key
 from .config import PipelineConfig
+from .monitoring import step_text
 from .prefect_runs import (
     active_train_runs,
     crashed_train_runs,
@@ -54,6 +71,7 @@ from .prefect_runs import (
     label_flow_run,
     mark_crashed,
     mark_open_task_runs_crashed,
+    newest_artifact_id,
     on_store,
     prefect_client,
     store_url_of,
@@ -62,6 +80,10 @@ from .prefect_runs import (
 log = logging.getLogger(__name__)
 
 LABELS = ("ckptflow.host", "ckptflow.pid", "ckptflow.pid_start", "ckptflow.pid_space")
+FINISH_WITHIN = timedelta(days=1)  # a run start finishes the runs Crashed this recently (maintenance: any)
+FINISH_LIMIT = 200  # and looks at this many of them at most
+MARKED = "had ended without a final state: marked Crashed"  # what the sweep did, as its line says
+FINISHED = "was Crashed without its summary: wrote it and ended its open task runs"
 
 
 @dataclass(frozen=True)
@@ -101,32 +123,42 @@ def is_gone(record: ProcessRecord, here: ProcessRecord) -> bool:
 
 
 def record_and_sweep(flow_run_id: UUID, log: Any) -> list[str]:
-    """Label this flow run with its process; mark the gone ones Crashed. Returns their names."""
+    """Label this flow run with its process; mark the gone ones Crashed, and finish this host's
+    Crashed runs that have no summary. Returns the names of the runs marked or finished."""
     here = this_process()
     if here is None:
         return []
     try:
         with prefect_client() as client:
             label_flow_run(client, flow_run_id, here.labels())
-            crashed = _mark_gone(client, flow_run_id, here)
+            marked = _mark_gone(client, flow_run_id, here)
     except Exception as exc:
         log.warning("could not check for training runs whose process died: %s", exc)
         return []
-    for run, record in crashed:  # logged by this run: each line must name the earlier run it is about
+    for run, record in marked:  # logged by this run: each line must name the earlier run it is about
         log.warning("%s", earlier_run_line(run, record))
-    return [run.name for run, _ in crashed]
+    try:
+        with prefect_client() as client:
+            finished = _finish_crashed(client, flow_run_id, here)
+    except Exception as exc:
+        log.warning("could not finish the crashed training runs of this host: %s", exc)
+        finished = []
+    done = {run.id for run, _ in marked}  # each finished too: their line is said
+    for run, record in finished:
+        if run.id not in done:
+            log.warning("%s", earlier_run_line(run, record, FINISHED))
+    return [run.name for run, _ in marked] + [run.name for run, _ in finished if run.id not in done]
 
 
-def earlier_run_line(run: Any, record: ProcessRecord) -> str:
+def earlier_run_line(run: Any, record: ProcessRecord, what: str = MARKED) -> str:
     """``an earlier flow run 'NAME' (started ..., process PID on HOST) had ended without a final
-    state: marked Crashed``; the log line that this run prints after its own name."""
+    state: marked Crashed`` (or what else ``what`` says); the line this run logs after its own name."""
     moment = run.start_time or run.created
     started = (
         moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if moment else "at an unknown time"
     )
     return (
-        f"an earlier flow run '{run.name}' (started {started}, process {record.pid} on {record.host}) had "
-        "ended without a final state: marked Crashed"
+        f"an earlier flow run '{run.name}' (started {started}, process {record.pid} on {record.host}) {what}"
     )
 
 
@@ -162,25 +194,78 @@ def _mark_gone(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[tupl
         )
         mark_crashed(client, run.id, message)
         crashed.append((run, record))
-        versions = _versions_of(run.parameters)
-        if versions is not None:
-            try:
-                summarize_crashed(client, run, versions, message, datetime.now(timezone.utc))
-            except Exception as exc:  # the next sweep or maintenance writes it; mark the others now
-                log.warning("could not write the summary of crashed flow run %s: %s", run.name, exc)
     return crashed
 
 
-def summarize_crashed(client: Any, run: Any, versions: list[Any], why: str, crashed_at: datetime) -> None:
-    """What a Crashed training run's process could not do: end its task runs still Running, and
-    write its summary. Its last commit is the newest of its store's ``versions`` committed before
+def _finish_crashed(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list[tuple[Any, ProcessRecord]]:
+    """Finish (:func:`summarize_crashed`) the runs Crashed within :data:`FINISH_WITHIN` whose
+    process, of this host, is gone and that have no summary; return each with its process record."""
+    since = datetime.now(timezone.utc) - FINISH_WITHIN
+    gone = []
+    for run in crashed_train_runs(client, limit=FINISH_LIMIT, ended_after=since):
+        record = ProcessRecord.from_labels(run.labels or {})
+        if run.id != flow_run_id and record is not None and is_gone(record, here):
+            gone.append((run, record))
+    if not gone:
+        return []
+    summarized = flow_runs_with_artifacts(client, [r.id for r, _ in gone], [summary_key(r) for r, _ in gone])
+    finished = []
+    stores: dict[str | None, list[VersionInfo] | None] = {}
+    for run, record in gone:
+        if run.id in summarized:
+            continue
+        url = store_url_of(run)
+        if url not in stores:
+            stores[url] = _versions_of(run.parameters)
+        versions = stores[url]
+        if versions is None:  # a store this process cannot open: maintenance's
+            continue
+        try:
+            summarize_crashed(client, run, versions, _why(run), _crashed_at(run))
+        except Exception as exc:  # the next run or maintenance finishes it; finish the others now
+            log.warning("could not finish crashed flow run %s: %s", run.name, exc)
+        else:
+            finished.append((run, record))
+    return finished
+
+
+def summarize_crashed(
+    client: Any, run: Any, versions: list[VersionInfo], why: str, crashed_at: datetime
+) -> None:
+    """What a Crashed training run's process could not do: end its task runs still Pending or
+    Running, show its progress without an ETA, and write its summary (last: a run with one is
+    finished). Its last commit is the newest of its store's ``versions`` committed before
     ``crashed_at``: later ones are another run's."""
     mark_open_task_runs_crashed(client, run.id, "its flow run crashed")
     before = [v for v in versions if committed_at(v) <= crashed_at]
     latest = max(before, key=lambda v: v.version, default=None)
     url = store_url_of(run) or "unknown"
+    artifacts = ArtifactSet(flow_run_id=run.id)
+    total = _total_epochs(run.parameters)
+    if total is not None:
+        key = f"{run_key(run.name)}-progress"
+        progress = newest_artifact_id(client, run.id, key)
+        if progress is not None:  # updated in place: the run keeps one progress card
+            artifacts.ids[key] = progress
+        percent, text = crashed_progress(latest, total, "Crashed")  # a card's one line; the summary says why
+        artifacts.progress(key, percent, text)
     text = ending_markdown(state="Crashed", why=why, store_url=url, latest=latest)
-    ArtifactSet(flow_run_id=run.id).markdown(summary_key(run), text, "ckptflow run summary: Crashed")
+    artifacts.markdown(summary_key(run), text, "ckptflow run summary: Crashed")
+
+
+def crashed_progress(latest: VersionInfo | None, total: int, ending: str) -> tuple[float, str]:
+    """A crashed run's progress: the share of ``total`` epochs its last commit ``latest`` holds, and
+    ``epoch K/N[, step S/T]; ENDING`` (no ETA: it trains no more)."""
+    done, text = 0.0, f"epoch 0/{total}"
+    if latest is not None and latest.epoch is not None:
+        text = f"epoch {latest.epoch}/{total}"
+        done = float(latest.epoch)
+        if latest.in_epoch is not None:  # a save inside epoch K: K - 1 epochs and a share of K
+            text += f", {step_text(latest.in_epoch, latest.epoch_steps)}"
+            share = latest.in_epoch / latest.epoch_steps if latest.epoch_steps else 0.0
+            done = latest.epoch - 1 + share
+    percent = min(100.0, round(100.0 * max(0.0, done) / max(1, total), 2))
+    return percent, f"{text}; {ending}"
 
 
 def summarize_crashed_runs(store: CheckpointStore, *, limit: int = 200) -> list[str]:
@@ -197,10 +282,8 @@ def summarize_crashed_runs(store: CheckpointStore, *, limit: int = 200) -> list[
         versions = store.versions() if missing else []
         written = []
         for run in missing:
-            why = (run.state.message if run.state else None) or "its process ended without a final state"
-            crashed_at = run.state.timestamp if run.state else datetime.now(timezone.utc)
             try:
-                summarize_crashed(client, run, versions, why, crashed_at)
+                summarize_crashed(client, run, versions, _why(run), _crashed_at(run))
             except Exception as exc:
                 get_run_logger().warning("could not write the summary of crashed run %s: %s", run.name, exc)
             else:
@@ -213,7 +296,25 @@ def summary_key(run: Any) -> str:
     return f"{run_key(run.name)}-summary"
 
 
-def _versions_of(parameters: dict[str, Any]) -> list[Any] | None:
+def _why(run: Any) -> str:
+    """Why a Crashed run crashed: its state's message."""
+    return (run.state.message if run.state else None) or "its process ended without a final state"
+
+
+def _crashed_at(run: Any) -> datetime:
+    """When a Crashed run crashed: its state's time."""
+    return run.state.timestamp if run.state else datetime.now(timezone.utc)
+
+
+def _total_epochs(parameters: dict[str, Any]) -> int | None:
+    """The epochs a run was to train (its config's ``epochs``); None if its parameters are not a config."""
+    try:
+        return PipelineConfig.model_validate(parameters["config"]).epochs
+    except Exception:
+        return None
+
+
+def _versions_of(parameters: dict[str, Any]) -> list[VersionInfo] | None:
     """The committed versions of a run's store; None if this process cannot read it (a relative
     path names another directory here; options in a block it cannot read): maintenance, which
     opens the store with its own options, writes the summary then."""

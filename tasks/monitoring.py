@@ -168,6 +168,8 @@ class RunMonitor:
     total_epochs: int
     min_interval: float = 2.0  # seconds between epoch updates; commits are reported at once
     best_by: tuple[str, str] | None = None  # (metric, "min" or "max"): the curve marks the best checkpoint
+    given: str | None = None  # the store as the run was given it (``./checkpoints/run9``), for events
+    world_size: int | None = None  # the ranks that train, for the summary
     versions: dict[int, VersionInfo] = field(default_factory=dict)  # the committed ones, by version
     history: dict[int, dict[str, float]] = field(default_factory=dict)  # metrics by epoch
     notes: list[str] = field(default_factory=list)  # end-of-run lines, e.g. what the mirror lacks
@@ -180,6 +182,7 @@ class RunMonitor:
         self._ending: str | None = None  # how the run ended, once it has
         self._inside: tuple[int, int, int | None] | None = None  # (epoch, its steps trained, of how many)
         self._last_commit: tuple[VersionInfo, float] | None = None  # and the monotonic time it was seen
+        self._began = time.monotonic()
         self._reporter = _Reporter(self._publish_epochs, self.min_interval)
 
     @property
@@ -280,7 +283,7 @@ class RunMonitor:
                 f"{self.key_prefix}-upload",
                 shown,
                 f"{name} ({human_size(size)})",
-                f"Archive of {self.store_url} uploaded to {shown} ({human_size(size)})",
+                card_text(f"{name}, {human_size(size)}"),
                 each=True,
             )
         )
@@ -314,6 +317,9 @@ class RunMonitor:
                 self.versions.pop(version, None)
         if removed:
             self._reporter.put(self._publish_tables)
+        rows = [*rows, ("wall time", _duration(time.monotonic() - self._began))]
+        if self.world_size is not None:
+            rows.append(("world size", f"{self.world_size} rank{'s' if self.world_size != 1 else ''}"))
         text = ending_markdown(
             state=state, why=why, store_url=self.store_url, latest=latest, rows=rows, unreadable=unreadable
         )
@@ -338,7 +344,8 @@ class RunMonitor:
             info.url,
             after,
         )
-        safely("event", lambda: emit_committed(info, self.store_url))  # every commit has its event
+        # every commit has its event
+        safely("event", lambda: emit_committed(info, self.store_url, self.given))
         with self._lock:
             newer = any(v > info.version for v in self._reported)
         if newer:  # saves commit faster than the artifacts update: the newest's job shows them all
@@ -351,13 +358,14 @@ class RunMonitor:
             f"{self.key_prefix}-latest",
             info.url,
             f"v{info.version} (epoch {info.epoch}, {human_size(info.size)})",
-            f"The newest checkpoint this run committed, in {self.store_url}",
+            latest_card_text(info),
         )
 
     def _publish_tables(self) -> None:
         with self._lock:
-            rows = table_rows(list(self.versions.values()))
-        description = f"Committed checkpoints in {self.store_url} (oldest first)"
+            versions = list(self.versions.values())
+        rows = table_rows(versions)
+        description = table_card_text(versions)
         self.artifacts.table(f"{self.key_prefix}-checkpoints", rows, description)
         self.artifacts.table(f"{store_key(self.store_url)}-checkpoints", rows, description)
 
@@ -371,8 +379,8 @@ class RunMonitor:
             title = f"Training curve of {store_alias(self.store_url)}"
             self.artifacts.markdown(
                 f"{self.key_prefix}-curve",
-                curve_markdown(history, title=title, committed={v.epoch for v in ends}, best=best),
-                f"Metrics per epoch of flow run {self.run_name}, in {self.store_url}",
+                curve_markdown(history, title=title, committed={v.epoch for v in ends if v.epoch}, best=best),
+                card_text(f"epochs {min(history)}..{max(history)}" + (f", best {best}" if best else "")),
             )
 
     def _publish_progress(self) -> None:
@@ -385,15 +393,12 @@ class RunMonitor:
             text = f"epoch {inside[0]}/{self.total_epochs}, {step_text(inside[1], inside[2])}"
             share = inside[1] / inside[2] if inside[2] else 0.0
         percent = min(100.0, round(100.0 * max(0.0, done + share) / max(1, self.total_epochs), 2))
-        if len(times) > 1:
-            per_epoch = (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
-            text += f", {per_epoch:.3g} s per epoch"
-            eta = _eta(times, self.total_epochs) if ended is None else None
-            if eta is not None:
-                text += f", {eta}"
+        eta = _eta(times, self.total_epochs, short=True) if ended is None else None
+        if eta is not None:
+            text += f", {eta}"
         if ended is not None:
-            text += f"; {ended}"
-        self.artifacts.progress(f"{self.key_prefix}-progress", percent, f"{text} ({self.store_url})")
+            text += f"; {ended.split(':', 1)[0]}"  # the state; the summary says why
+        self.artifacts.progress(f"{self.key_prefix}-progress", percent, text)
 
     def _report_unreported(self, existing: list[VersionInfo]) -> None:
         """Send the committed events that the store's previous run never sent (a SIGKILL after a commit).
@@ -415,7 +420,7 @@ class RunMonitor:
         for info in recent:
             if info.version > newest_seen:
                 _run_log().info("reporting version %d (committed, never reported)", info.version)
-                safely("event", functools.partial(emit_committed, info, self.store_url))
+                safely("event", functools.partial(emit_committed, info, self.store_url, self.given))
 
 
 def best_epoch(versions: list[VersionInfo], best_by: tuple[str, str] | None) -> int | None:
@@ -454,15 +459,42 @@ def _where(info: VersionInfo) -> str:
     return f"epoch {info.epoch}"
 
 
-def _eta(times: list[tuple[int, float]], total: int) -> str | None:
-    """ "ETA 2026-11-25 14:02:10 UTC (in 13 min 16 s)" from the epochs' end times; None when no
-    epoch has ended in this run yet, or none is left."""
+def _eta(times: list[tuple[int, float]], total: int, *, short: bool = False) -> str | None:
+    """ "ETA 2026-11-25 14:02:10 UTC (in 13 min 16 s)" from the epochs' end times (``short``:
+    "ETA 2026-11-25 14:02 UTC", for a card); None when no epoch has ended in this run yet, or
+    none is left."""
     if len(times) < 2 or times[-1][0] >= total:
         return None
     per_epoch = (times[-1][1] - times[0][1]) / (times[-1][0] - times[0][0])
     left = (total - times[-1][0]) * per_epoch
     finish = datetime.fromtimestamp(datetime.now(timezone.utc).timestamp() + left, timezone.utc)
+    if short:
+        return f"ETA {finish.strftime('%Y-%m-%d %H:%M UTC')}"
     return f"ETA {finish.strftime('%Y-%m-%d %H:%M:%S UTC')} (in {_duration(left)})"
+
+
+CARD_CHARS = 40  # what one line of a card's description holds in the Prefect UI at 1600 px
+
+
+def card_text(text: str) -> str:
+    """An artifact's description, which its card shows on one line, cut at ``CARD_CHARS`` with an
+    ellipsis of ours (the UI's would hide the end silently); the artifact's page has it all."""
+    return text if len(text) <= CARD_CHARS else text[: CARD_CHARS - 1].rstrip() + "…"
+
+
+def latest_card_text(info: VersionInfo | None) -> str:
+    """ "v3 (epoch 3), 1.2 MiB": the description of a latest-checkpoint card."""
+    if info is None:
+        return "no checkpoint committed yet"
+    return card_text(f"v{info.version} ({_where(info)}), {human_size(info.size)}")
+
+
+def table_card_text(versions: list[VersionInfo]) -> str:
+    """ "3 committed, newest v3 (epoch 3)": the description of a checkpoint table's card."""
+    newest = max(versions, key=lambda v: v.version, default=None)
+    if newest is None:
+        return "no checkpoint committed yet"
+    return card_text(f"{len(versions)} committed, newest v{newest.version} ({_where(newest)})")
 
 
 def _duration(seconds: float) -> str:
@@ -476,8 +508,7 @@ def publish_store(store_url: str, versions: list[VersionInfo], *, source: str) -
     artifacts = ArtifactSet()
     key = store_key(store_url)
     rows = table_rows(versions)
-    description = f"Committed checkpoints in {store_url} (oldest first)"
-    table = artifacts.table(f"{key}-checkpoints", rows, description)
+    table = artifacts.table(f"{key}-checkpoints", rows, table_card_text(versions))
     latest = max(versions, key=lambda v: v.version, default=None)
     card = publish_latest(artifacts, store_url, latest, count=len(rows), source=source)
     return {f"{key}-checkpoints": table, f"{key}-latest": card}
@@ -489,15 +520,18 @@ def publish_latest(
     return artifacts.markdown(
         f"{store_key(store_url)}-latest",
         latest_markdown(store_url, info, count=count, source=source),
-        f"The latest committed checkpoint in {store_url}",
+        latest_card_text(info),
     )
 
 
 # -- events --
 
 
-def resource_id(store_url: str, version: int) -> str:
-    return f"ckptflow.checkpoint.{store_url}/v{version:06d}"
+def resource_id(store_url: str, info: VersionInfo) -> str:
+    """``ckptflow.checkpoint.<store URL>/v000003 epoch 3``: Prefect's event feed (its default UI)
+    shows a resource by its id, so the id carries the epoch; one version's is the same in every
+    report (a version's epoch never changes), and it begins with the store's URL."""
+    return f"ckptflow.checkpoint.{store_url}/v{info.version:06d} epoch {info.epoch}"
 
 
 def event_id(store_url: str, info: VersionInfo) -> UUID:
@@ -505,17 +539,20 @@ def event_id(store_url: str, info: VersionInfo) -> UUID:
     return uuid.uuid5(uuid.NAMESPACE_URL, f"ckptflow:{store_url}:v{info.version}:{info.created}")
 
 
-def emit_committed(info: VersionInfo, store_url: str) -> None:
-    """The ``ckptflow.checkpoint.committed`` event of ``info``: epoch and headline metrics in the
-    resource's labels (the event feed shows them), everything in the payload."""
+def emit_committed(info: VersionInfo, store_url: str, given: str | None = None) -> None:
+    """The ``ckptflow.checkpoint.committed`` event of ``info``: its resource is named by the
+    alias, version, epoch and headline metrics (the V2 UI's feed shows the name, the default one
+    the id), labelled with the store as resolved and as the run was ``given`` it (what an
+    automation matches), everything else in the payload."""
     from prefect.events import emit_event
 
     headline = ", ".join(f"{k}={metric_value(v)}" for k, v in list(info.metrics.items())[:3])
     name = f"{store_alias(store_url)} v{info.version} epoch {info.epoch} {headline}".rstrip()
     resource = {
-        "prefect.resource.id": resource_id(store_url, info.version),
+        "prefect.resource.id": resource_id(store_url, info),
         "prefect.resource.name": name,
         "ckptflow.store": store_url,
+        "ckptflow.storage": given or store_url,
         "ckptflow.version": str(info.version),
         "ckptflow.epoch": str(info.epoch),
         "ckptflow.size": human_size(info.size),

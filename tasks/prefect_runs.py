@@ -52,27 +52,35 @@ def active_train_runs(client: Any) -> list[Any]:
     return _train_runs(client, [StateType.PENDING, StateType.RUNNING, StateType.CANCELLING])
 
 
-def crashed_train_runs(client: Any, *, limit: int) -> list[Any]:
-    """The newest ``limit`` Crashed ``ckptflow-train`` flow runs, the latest started first."""
+def crashed_train_runs(client: Any, *, limit: int, ended_after: datetime | None = None) -> list[Any]:
+    """The newest ``limit`` Crashed ``ckptflow-train`` flow runs, the latest started first; with
+    ``ended_after``, only those that entered a final state (Crashed) after it."""
     from prefect.client.schemas.objects import StateType
     from prefect.client.schemas.sorting import FlowRunSort
 
-    return _train_runs(client, [StateType.CRASHED], sort=FlowRunSort.START_TIME_DESC, limit=limit)
+    return _train_runs(
+        client, [StateType.CRASHED], ended_after=ended_after, sort=FlowRunSort.START_TIME_DESC, limit=limit
+    )
 
 
-def _train_runs(client: Any, states: list[Any], **query: Any) -> list[Any]:
+def _train_runs(
+    client: Any, states: list[Any], *, ended_after: datetime | None = None, **query: Any
+) -> list[Any]:
     from prefect.client.schemas.filters import (
         FlowFilter,
         FlowFilterName,
         FlowRunFilter,
+        FlowRunFilterEndTime,
         FlowRunFilterState,
         FlowRunFilterStateType,
     )
 
+    state = FlowRunFilterState(type=FlowRunFilterStateType(any_=states))
+    ended = FlowRunFilterEndTime(after_=ended_after) if ended_after is not None else None
     return list(
         client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=[TRAIN_FLOW])),
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=states))),
+            flow_run_filter=FlowRunFilter(state=state, end_time=ended),
             **query,
         )
     )
@@ -163,6 +171,21 @@ def flow_runs_with_artifacts(client: Any, flow_run_ids: list[UUID], keys: list[s
     return {a.flow_run_id for a in artifacts}
 
 
+def newest_artifact_id(client: Any, flow_run_id: UUID, key: str) -> UUID | None:
+    """The id of the flow run's newest artifact ``key`` (the one its page shows); None if none."""
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
+
+    artifacts = client.read_artifacts(
+        artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]), key=ArtifactFilterKey(any_=[key])
+        ),
+        sort=ArtifactSort.CREATED_DESC,
+        limit=1,
+    )
+    return artifacts[0].id if artifacts else None
+
+
 def create_artifact(
     *, key: str, kind: str, data: Any, description: str, flow_run_id: UUID | None, task_run_id: UUID | None
 ) -> UUID:
@@ -218,6 +241,7 @@ __all__ = [
     "label_flow_run",
     "mark_crashed",
     "mark_open_task_runs_crashed",
+    "newest_artifact_id",
     "on_store",
     "prefect_client",
     "store_url_of",

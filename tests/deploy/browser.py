@@ -125,6 +125,18 @@ class Browser:
         }})()"""
         return bool(self.evaluate(script))
 
+    def scroll_to(self, text: str) -> bool:
+        """Scroll the innermost element whose text holds ``text`` to the middle of the view (for a
+        screenshot of it); False if there is none."""
+        script = f"""(() => {{
+            const el = [...document.querySelectorAll('body *')].reverse()
+                .find(e => e.innerText && e.innerText.includes({json.dumps(text)}));
+            if (!el) return false;
+            el.scrollIntoView({{block: 'center'}});
+            return true;
+        }})()"""
+        return bool(self.evaluate(script))
+
     def screenshot(self, path: Path) -> Path:
         data = self.call("Page.captureScreenshot", format="png")["data"]
         path.parent.mkdir(parents=True, exist_ok=True)

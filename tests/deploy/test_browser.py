@@ -10,6 +10,7 @@ is kept as a screenshot in tests/output/.
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.chart import PANEL, WIDTH
 from ckptflow.tasks.formatting import human_size, metric_value
-from ckptflow.tasks.monitoring import slug, store_key
+from ckptflow.tasks.monitoring import slug, store_key, table_card_text
 from tests.deploy.browser import CHROMIUM, Browser
 from tests.deploy.helpers import run_artifact
 
@@ -31,7 +32,7 @@ OUTPUT = Path(__file__).resolve().parents[1] / "output"
 @pytest.fixture(scope="module")
 def browser():
     assert shutil.which(CHROMIUM), "chromium is not installed: apt-get install -y chromium (.ci/run does)"
-    with Browser() as b:
+    with Browser(width=1600, height=1600) as b:  # the width the issue's clipping was seen at
         yield b
 
 
@@ -47,11 +48,44 @@ def test_flow_run_page_lists_the_checkpoint_artifacts(browser, stack, trained, s
     assert browser.click_text("Artifacts"), page[:2000]
     run_table = f"ckptflow-{slug(trained.name)}-checkpoints"
     latest = f"{store_key(store.url)}-latest"
-    described = f"Committed checkpoints in {store.url}"
+    described = table_card_text(store.versions())
     page = browser.wait_for_text(run_table, latest, described)
     browser.screenshot(OUTPUT / "deploy-flow-run-artifacts.png")
     assert run_table in page and latest in page and described in page, page[:3000]
     assert page.count(run_table) == 1  # one card per key, however many commits
+    # Bug: every card's description was cut off (a store path in one line of 280 px)
+    assert clipped(browser) == []
+
+
+def test_flow_run_page_logs_each_commit(browser, stack, trained, store):
+    """The run page's Logs tab (it updates as lines come; artifact pages do not) says each commit
+    and where the run stands."""
+    browser.open(f"{stack.ui}/runs/flow-run/{trained.run_id}")
+    newest = store.latest()
+    assert newest is not None
+    line = f"committed version {newest.version} (epoch {newest.epoch}, "
+    page = browser.wait_for_text(line, f"epoch {newest.epoch}/{newest.epoch}: ")
+    browser.scroll_to(line)
+    time.sleep(0.5)
+    browser.screenshot(OUTPUT / "deploy-flow-run-page.png")
+    assert line in page, page[:3000]
+    # an epoch's line comes before its own save; the async save before it may still be in flight
+    assert re.search(
+        rf"epoch {newest.epoch}/{newest.epoch}: [^;]*; last commit v\d+ \(epoch \d+\) \d+ s ago", page
+    ), page
+    assert "Crash detected" not in page and "Traceback" not in page
+
+
+def test_event_feed_shows_the_epoch_of_each_commit(browser, stack, trained, store):
+    """Prefect's event feed shows a resource by its id (the V1 UI, the one served by default) or by
+    its name (V2): both carry the version and the epoch, not just the store's path."""
+    browser.open(f"{stack.ui}/events")
+    ids = [f"/v{v.version:06d} epoch {v.epoch}" for v in store.versions()]
+    page = browser.wait_for_text(*ids)
+    browser.scroll_to(ids[-1])
+    time.sleep(0.5)
+    browser.screenshot(OUTPUT / "deploy-event-feed.png")
+    assert all(i in page for i in ids), page[:3000]
 
 
 def test_checkpoint_table_shows_every_committed_epoch(browser, stack, trained, store):
@@ -60,6 +94,7 @@ def test_checkpoint_table_shows_every_committed_epoch(browser, stack, trained, s
     browser.open(f"{stack.ui}/artifacts/artifact/{table.id}")
     page = browser.wait_for_text(*(v.url for v in versions))
     browser.screenshot(OUTPUT / "deploy-checkpoint-table.png")
+    assert clipped(browser) == []  # the URL column, the dates
     header = "epoch version loss val_loss val_acc size save seconds throughput committed url"
     assert header in page, page[:3000]
     for v in versions:
@@ -106,12 +141,44 @@ def test_latest_checkpoint_card_of_the_store(browser, stack, trained, store):
     assert f"`{newest.url}`" not in page, "the URL shows literal backticks"
     assert f"ckptflow restore {store.url} --out model.pt" in page
     assert_no_link_into(browser, trained.storage)
+    assert_links_resolve(browser)
+    assert clipped(browser) == []
     # the run's own card of its newest checkpoint, likewise
     own = run_artifact(trained.run_id, f"ckptflow-{slug(trained.name)}-latest")
     browser.open(f"{stack.ui}/artifacts/artifact/{own.id}")
     page = browser.wait_for_text(newest.url)
     assert f"v{newest.version} (epoch {newest.epoch}" in page, page[:3000]
     assert_no_link_into(browser, trained.storage)
+    assert_links_resolve(browser)
+    # ...and the run's summary
+    summary = run_artifact(trained.run_id, f"ckptflow-{slug(trained.name)}-summary")
+    browser.open(f"{stack.ui}/artifacts/artifact/{summary.id}")
+    page = browser.wait_for_text("ckptflow run summary: Completed", "wall time")
+    browser.screenshot(OUTPUT / "deploy-run-summary.png")
+    assert "wall time" in page and "world size" in page, page[:3000]
+    assert_links_resolve(browser)
+    assert clipped(browser) == []
+
+
+def clipped(browser) -> list[str]:
+    """The texts on the page that the UI cuts off (an element narrower than its text, whose overflow
+    is hidden: an ellipsis or nothing), each with its full width and the width shown."""
+    script = """[...document.querySelectorAll('main *, .p-layout-default__content *')]
+        .filter(e => e.children.length === 0 && e.innerText && e.innerText.trim()
+                && e.scrollWidth > e.clientWidth + 1 && getComputedStyle(e).overflowX !== 'visible')
+        .map(e => e.innerText.trim().slice(0, 120) + ' (' + e.scrollWidth + '>' + e.clientWidth + ' px)')"""
+    return sorted(set(browser.evaluate(script) or []))
+
+
+def assert_links_resolve(browser) -> None:
+    """Every link in the artifact's own text opens: an http(s) URL that answers, nothing else."""
+    import urllib.request
+
+    hrefs = browser.evaluate("[...document.querySelectorAll('.markdown-renderer a[href]')].map(a => a.href)")
+    for href in hrefs or []:
+        assert href.startswith(("http://", "https://")), href
+        with urllib.request.urlopen(href, timeout=30) as answer:
+            assert answer.status == 200, href
 
 
 def assert_no_link_into(browser, storage: Path) -> None:

@@ -27,6 +27,7 @@ import time
 
 import pytest
 
+from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.monitoring import COMMITTED_EVENT, slug
 from tests.deploy.helpers import (
     TRAIN,
@@ -41,7 +42,8 @@ from tests.deploy.helpers import (
     wait_for_state,
 )
 from tests.deploy.specs import spec_params
-from tests.pipeline.helpers import assert_only_committed, run_log_records, task_runs
+from tests.pipeline.helpers import assert_only_committed, run_log_records, task_runs, wait_until
+from tests.pipeline.specs import SLOW_FROM_ENV, STEP_SECONDS_ENV, STEPPED_SPEC
 
 pytestmark = pytest.mark.deploy
 
@@ -89,7 +91,7 @@ def test_cancel_during_a_save_commits_it_and_the_next_run_resumes(stack, tmp_pat
     # ...cleanly: no line at ERROR on the run or its tasks (Prefect logged the stopped task as
     # "Crash detected!" and the Cancelled run's end as a CancelledRun traceback), the commit of the
     # save in flight is logged, and the task that SIGTERM stopped is Cancelled, not Crashed.
-    assert_ended_cleanly(run_id, IN_FLIGHT)
+    assert_ended_cleanly(run_id, f"committed version {IN_FLIGHT} (epoch {IN_FLIGHT}, ")
     # ...and its summary: cancelled by the worker's SIGTERM, with the save in flight committed
     cancelled = run_artifact(run_id, f"ckptflow-{slug(run.name)}-summary").data
     assert "# ckptflow run summary: Cancelled" in cancelled
@@ -108,15 +110,41 @@ def test_cancel_during_a_save_commits_it_and_the_next_run_resumes(stack, tmp_pat
     assert assert_only_committed(tmp_path / "store") == list(range(1, EPOCHS + 1))
 
 
-def assert_ended_cleanly(run_id, committed: int) -> None:
+def test_cancel_inside_an_epoch_of_trainers_ends_cleanly(stack, tmp_path):
+    """The UI's Cancel of a deployed run that trains in trainers (the default) inside a slow epoch:
+    the run saves the step it stands at and ends Cancelled with no ERROR line and no Crashed task
+    (issue 41: "Crash detected!", "Finished in state Crashed" and a CancelledRun traceback read as
+    a failed cancel), and its log says which commit came last."""
+    storage = tmp_path / "store"
+    config = {"storage": str(storage), "epochs": 3, "spec": STEPPED_SPEC, "save_every_steps": 5}
+    run_id = start_run(stack, TRAIN, config)
+    store = CheckpointStore(str(storage))
+    env = {SLOW_FROM_ENV: "2", STEP_SECONDS_ENV: "0.5"}
+    with Worker(stack, tmp_path / "worker.log", **env) as worker:
+        wait_until(
+            lambda: any(v.epoch == 2 and v.in_epoch for v in store.versions()), 180, "a save in epoch 2"
+        )
+        checked(stack, "prefect", "flow-run", "cancel", str(run_id))
+        assert worker.wait(120) == 0, worker.output()[-4000:]
+    run = wait_for_state(run_id, "CANCELLED", "COMPLETED", "FAILED", "CRASHED", timeout=60)
+    assert run.state.type.value == "CANCELLED", f"{run.state}\n{worker.output()[-4000:]}"
+    last = store.latest()
+    assert last is not None and last.epoch == 2 and last.in_epoch, [
+        (v.epoch, v.in_epoch) for v in store.versions()
+    ]
+    assert_ended_cleanly(run_id, f"committed version {last.version} (epoch 2, step {last.in_epoch:,}/")
+
+
+def assert_ended_cleanly(run_id, commit_line: str) -> None:
     """A run cancelled cleanly reads so in its logs and its task runs (issue 41): no ERROR line,
-    the commit of ``committed`` logged, every task run final and none Crashed."""
+    its last commit logged (``commit_line`` begins the line), every task run final, none Crashed."""
     logs = poll_until(
-        lambda: run_log_records(run_id),
-        lambda rs: any(f"committed version {committed} (" in m for _, m in rs),
+        lambda: run_log_records(run_id), lambda rs: any(m.startswith(commit_line) for _, m in rs)
     )
     assert [m for level, m in logs if level >= logging.ERROR] == [], logs
-    assert any(f"committed version {committed} (epoch {committed}" in m for _, m in logs), logs
+    assert any(m.startswith(commit_line) for _, m in logs), [
+        m for _, m in logs if "commit" in m or "stop" in m
+    ]
     tasks = poll_until(lambda: task_runs(run_id), lambda ts: all(t.state and t.state.is_final() for t in ts))
     assert [t.name for t in tasks if not t.state or t.state.is_crashed() or not t.state.is_final()] == [], [
         (t.name, t.state) for t in tasks

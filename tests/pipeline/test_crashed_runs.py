@@ -7,10 +7,15 @@
   mid-epoch stays Running; the next ``ckptflow run`` on the same store marks
   it Crashed with a message naming its process and completes; flow runs of
   another host or without the record stay Running.
+- A run Prefect marked Crashed first (the worker saw its child SIGKILLed, the
+  out-of-memory case) is finished by the next run on the host: its summary
+  with the last committed epoch, its task runs ended, its progress without an
+  ETA; once, and never a run of another host (issue 44).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -99,7 +104,7 @@ def read_run(run_id: UUID | str) -> Any:
         return client.read_flow_run(UUID(str(run_id)))
 
 
-def decoy_run(labels: dict[str, str], storage: Path) -> UUID:
+def decoy_run(labels: dict[str, str], storage: Path, **config: Any) -> UUID:
     """A Running ``ckptflow-train`` flow run that no process of ours runs, with ``labels``."""
     from prefect.client.orchestration import get_client
     from prefect.states import Running
@@ -108,7 +113,7 @@ def decoy_run(labels: dict[str, str], storage: Path) -> UUID:
 
     with get_client(sync_client=True) as client:
         run = client.create_flow_run(
-            train_pipeline, parameters={"config": {"storage": str(storage)}}, state=Running()
+            train_pipeline, parameters={"config": {"storage": str(storage), **config}}, state=Running()
         )
         if labels:
             client.update_flow_run_labels(run.id, labels)
@@ -284,3 +289,177 @@ def test_maintenance_writes_the_summary_of_a_crashed_run_that_has_none(prefect_s
     assert "no heartbeat for 90 s" in summary.data
     assert f"| last committed checkpoint | version 1, epoch 1: `{info.url}`" in summary.data
     assert maintain_stores(config)[0]["crashed_runs_summarized"] == []  # once
+
+
+WORKER_CRASH = "Flow run infrastructure exited with non-zero status code -9."  # as a process worker says
+
+
+def set_crashed(run_id: UUID | str, message: str = WORKER_CRASH) -> None:
+    """Set the flow run Crashed, as the worker does when it sees its flow run process die."""
+    from ckptflow.tasks.prefect_runs import mark_crashed, prefect_client
+
+    with prefect_client() as client:
+        mark_crashed(client, UUID(str(run_id)), message)
+
+
+def artifacts_of(run_id: UUID | str, suffix: str) -> list[Any]:
+    """The flow run's artifacts whose key ends with ``suffix``."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(str(run_id))]))
+        )
+    return [a for a in found if (a.key or "").endswith(suffix)]
+
+
+def open_task_runs(run_id: UUID | str) -> list[str]:
+    return [t.name for t in task_runs(UUID(str(run_id))) if not t.state.is_final()]
+
+
+def running_epoch(run_id: UUID) -> None:
+    """A ``train_epoch`` task run of the flow run, Running (the epoch a kill cut short)."""
+    from prefect import task
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running
+
+    @task(name="train_epoch")
+    def train_epoch() -> None: ...
+
+    with get_client(sync_client=True) as client:
+        client.create_task_run(train_epoch, run_id, dynamic_key="0", name="train_epoch-3", state=Running())
+
+
+def put_artifact(run_id: UUID, key: str, kind: str, data: Any, description: str) -> None:
+    from ckptflow.tasks.prefect_runs import create_artifact
+
+    create_artifact(
+        key=key, kind=kind, data=data, description=description, flow_run_id=run_id, task_run_id=None
+    )
+
+
+ETA_PROGRESS = "epoch 2/4, 2.1 s per epoch, ETA 2099-01-01 00:00:04 UTC (in 4 s) (store)"
+
+
+@pytest.mark.prefect
+def test_the_next_run_finishes_the_runs_of_this_host_prefect_marked_crashed_first(prefect_server, tmp_path):
+    """Bug fix (issue 44): a run whose process was SIGKILLed under a live worker is marked Crashed by the
+    worker before the next run starts; the sweep looked only at active runs, so it got no summary, its
+    train_epoch stayed Running and its progress showed an ETA for good. Now the next run on the host
+    finishes it (once), and leaves the Crashed runs of other hosts and those with a summary alone."""
+    import torch
+
+    from ckptflow.tasks.artifacts import run_key
+    from ckptflow.tasks.crashed import record_and_sweep
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    for epoch in (1, 2):
+        last = store.save(
+            {"w": torch.full((4,), float(epoch))}, epoch=epoch, metrics={"loss": 0.5}, version=epoch
+        )
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    gone = replace(here(), pid=ended.pid, start="1")
+    killed = decoy_run(gone.labels(), tmp_path / "store", epochs=4)
+    elsewhere = decoy_run({**gone.labels(), "ckptflow.host": "elsewhere"}, tmp_path / "store", epochs=4)
+    summarized = decoy_run(gone.labels(), tmp_path / "store", epochs=4)
+    for run_id in (killed, elsewhere, summarized):
+        running_epoch(run_id)
+        key = f"{run_key(read_run(run_id).name)}-progress"
+        put_artifact(run_id, key, "progress", 50.0, ETA_PROGRESS)
+        set_crashed(run_id)
+    put_artifact(
+        summarized, f"{run_key(read_run(summarized).name)}-summary", "markdown", "its own", "summary"
+    )
+    assert summary_of(str(killed)) is None and open_task_runs(killed) == ["train_epoch-3"]  # the bug's state
+
+    current = decoy_run({}, tmp_path / "current")
+    log = _Lines()
+    try:
+        swept = record_and_sweep(current, log)
+    finally:
+        finish([current])
+
+    name = read_run(killed).name
+    assert name in swept and read_run(elsewhere).name not in swept and read_run(summarized).name not in swept
+    assert any(
+        f"an earlier flow run '{name}'" in line and "was Crashed without its summary" in line
+        for line in log.lines
+    )
+    assert read_run(killed).state.message == WORKER_CRASH  # still the worker's Crashed
+    [summary] = artifacts_of(killed, "-summary")
+    assert "# ckptflow run summary: Crashed" in summary.data and WORKER_CRASH in summary.data
+    assert f"| last committed checkpoint | version 2, epoch 2: `{last.url}`" in summary.data
+    assert open_task_runs(killed) == []
+    [progress] = artifacts_of(killed, "-progress")  # updated in place: one card
+    assert progress.data == 50.0
+    assert progress.description == "epoch 2/4; Crashed"
+
+    assert artifacts_of(elsewhere, "-summary") == [] and open_task_runs(elsewhere) == ["train_epoch-3"]
+    assert [a.description for a in artifacts_of(elsewhere, "-progress")] == [ETA_PROGRESS]
+    assert [a.data for a in artifacts_of(summarized, "-summary")] == ["its own"]  # never a second
+    assert open_task_runs(summarized) == ["train_epoch-3"]
+
+
+@pytest.mark.prefect
+@pytest.mark.crash
+def test_a_killed_run_crashed_by_prefect_first_is_finished_by_the_next_run(prefect_server, tmp_path):
+    """Bug fix (issue 44), with real runs: a ``ckptflow run`` SIGKILLed in epoch 3, after its progress
+    showed an ETA, and set Crashed through the API (as a live worker does) before the next run on the
+    store starts. That run writes its summary (the last committed epoch), ends its task runs and leaves
+    its progress without an ETA."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    store = tmp_path / "store"
+    env = {**prefect_server.env(), "PYTHONPATH": str(REPO), MARKERS_ENV: str(markers)}
+    spec = ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--shards", "2"]
+    args = [CKPTFLOW, "run", "--storage", str(store), "--epochs", "4", *spec]
+    with open(tmp_path / "run.log", "wb") as log:
+        proc = subprocess.Popen(
+            args,
+            env={**env, SLOW_FROM_ENV: "3", SLOW_SECONDS_ENV: "120"},
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        wait_until(lambda: marker(markers, 3).exists() or proc.poll() is not None, 120, "epoch 3")
+        assert proc.poll() is None, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
+        killed = marker(markers, 3).read_text()
+        wait_until(lambda: "ckptflow.pid" in (read_run(killed).labels or {}), 60, "process record")
+        wait_until(lambda: len(CheckpointStore(str(store)).versions()) == 2, 60, "version 2 committed")
+        progress = poll(
+            lambda: artifacts_of(killed, "-progress"), lambda a: a and "ETA" in a[0].description, timeout=60
+        )
+        assert progress and "ETA" in progress[0].description, progress  # what it showed for good
+        # task run states reach the server as events: the epoch's Running one is there before the kill
+        epoch = poll(
+            lambda: open_task_runs(killed), lambda names: any("train_epoch" in n for n in names), timeout=60
+        )
+        assert any("train_epoch" in n for n in epoch), epoch
+        os.kill(proc.pid, signal.SIGKILL)  # the flow run's process, as the OOM killer does
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # and what it started
+        proc.wait(30)
+    set_crashed(killed)  # the worker saw its child die: Crashed before the next run starts
+    assert summary_of(killed) is None
+    last = CheckpointStore(str(store)).versions()[-1]
+
+    resumed = subprocess.run(
+        args, env={**env, SLOW_FROM_ENV: "99"}, cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert read_run(killed).state.message == WORKER_CRASH
+    summary = poll(lambda: summary_of(killed), lambda s: s is not None)
+    assert summary is not None, resumed.stderr[-3000:]  # the sweep's warnings, if it could not
+    assert "# ckptflow run summary: Crashed" in summary.data and WORKER_CRASH in summary.data
+    assert f"| last committed checkpoint | version {last.version}, epoch 2: `{last.url}`" in summary.data
+    assert open_task_runs(killed) == []
+    [progress] = artifacts_of(killed, "-progress")
+    assert "ETA" not in progress.description, progress.description
+    assert progress.description == "epoch 2/4; Crashed"
+    assert progress.data == 50.0
+    assert assert_only_committed(store) == [1, 2, 3, 4]

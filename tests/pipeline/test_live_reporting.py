@@ -171,7 +171,9 @@ def test_a_failed_run_ends_with_a_summary_of_where_it_stands(prefect_server, tmp
     assert latest.epoch == 2
     assert "# ckptflow run summary: Failed" in summary.data
     assert f"| last committed checkpoint | version 2, epoch 2: `{latest.url}`" in summary.data
-    assert "continues after epoch 2" in summary.data
+    assert "continues from the store's newest committed checkpoint (this run's last: epoch 2)" in summary.data
+    assert f"ckptflow restore {latest.url.rsplit('/', 1)[0]} --version 2 --out model.pt" in summary.data
+    assert "| wall time | " in summary.data and "| world size | 1 rank |" in summary.data
     progress = latest_artifact(f"ckptflow-{slug(name)}-progress")
     assert progress is not None and "Failed" in progress.description
 
@@ -185,3 +187,29 @@ def test_a_run_whose_init_fails_still_ends_with_a_summary(prefect_server, tmp_pa
     assert "# ckptflow run summary: Failed" in summary.data
     assert "| epochs | none (init did not finish) |" in summary.data
     assert "| last committed checkpoint | version 2, epoch 2:" in summary.data
+
+
+def test_a_summary_names_an_exit_crashed_and_says_what_a_resume_continues_after():
+    """Bug: a run whose worker was killed ended with SystemExit; its summary said "Failed:
+    SystemExit: 1" (Prefect shows it Crashed) and "epochs 1..11" when epoch 10 was the last commit."""
+    from types import SimpleNamespace
+
+    from ckptflow.flows.train import _how_it_ended, _trained
+    from ckptflow.storage import VersionInfo
+
+    monitor = SimpleNamespace(versions={})
+    state, why = _how_it_ended(SystemExit(1), None, monitor)  # type: ignore[arg-type]
+    assert state == "Crashed" and why.startswith("the process exited (SystemExit: 1)"), why
+    assert _how_it_ended(ValueError("x"), None, monitor)[0] == "Failed"  # type: ignore[arg-type]
+
+    run = SimpleNamespace(first_epoch=1, epoch=11)
+
+    def version(n: int) -> VersionInfo:
+        return VersionInfo(
+            version=n, epoch=n, step=None, metrics={}, created="", nbytes=1, size=1, url=f"/s/{n}"
+        )
+
+    tenth = version(10)
+    said = _trained(run, tenth)  # type: ignore[arg-type]
+    assert said == "1..11 (last committed: epoch 10; a resume continues after it)", said
+    assert _trained(run, version(11)) == "1..11"  # type: ignore[arg-type]
