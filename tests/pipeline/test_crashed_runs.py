@@ -10,7 +10,7 @@
 - A run Prefect marked Crashed first (the worker saw its child SIGKILLed, the
   out-of-memory case) is finished by the next run on the host: its summary
   with the last committed epoch, its task runs ended, its progress without an
-  ETA; once, and never a run of another host (issue 44).
+  ETA; once, and never a run of another host (issue 41).
 """
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ ETA_PROGRESS = "epoch 2/4, 2.1 s per epoch, ETA 2099-01-01 00:00:04 UTC (in 4 s)
 
 @pytest.mark.prefect
 def test_the_next_run_finishes_the_runs_of_this_host_prefect_marked_crashed_first(prefect_server, tmp_path):
-    """Bug fix (issue 44): a run whose process was SIGKILLed under a live worker is marked Crashed by the
+    """Bug fix (issue 41): a run whose process was SIGKILLed under a live worker is marked Crashed by the
     worker before the next run starts; the sweep looked only at active runs, so it got no summary, its
     train_epoch stayed Running and its progress showed an ETA for good. Now the next run on the host
     finishes it (once), and leaves the Crashed runs of other hosts and those with a summary alone."""
@@ -405,7 +405,7 @@ def test_the_next_run_finishes_the_runs_of_this_host_prefect_marked_crashed_firs
 @pytest.mark.prefect
 @pytest.mark.crash
 def test_a_killed_run_crashed_by_prefect_first_is_finished_by_the_next_run(prefect_server, tmp_path):
-    """Bug fix (issue 44), with real runs: a ``ckptflow run`` SIGKILLed in epoch 3, after its progress
+    """Bug fix (issue 41), with real runs: a ``ckptflow run`` SIGKILLed in epoch 3, after its progress
     showed an ETA, and set Crashed through the API (as a live worker does) before the next run on the
     store starts. That run writes its summary (the last committed epoch), ends its task runs and leaves
     its progress without an ETA."""
