@@ -3,8 +3,10 @@
 No work pool and no worker: ``prefect.serve`` registers two deployments,
 ``ckptflow-train/train-served`` and ``ckptflow-maintenance/maintenance-served``,
 with their schedules, and runs each flow run in a subprocess of this process
-until it is stopped with Ctrl-C (SIGINT); the deployments are then paused.
-(On SIGTERM, Prefect's runner may exit before pausing them.)
+until it is stopped with Ctrl-C (SIGINT) or SIGTERM (systemd, ``docker stop``):
+the deployments are then paused. (Prefect's own runner, which ``prefect.serve``
+uses, took SIGTERM its own way: on Prefect 3.8 it exited before pausing them,
+warning that a coroutine was never awaited. Here SIGTERM is a Ctrl-C.)
 
     export PREFECT_API_URL=http://127.0.0.1:4200/api
     .venv/bin/python deployments/serve.py --storage ./checkpoints/served --epochs 5 \\
@@ -79,7 +81,6 @@ def build_deployments(args: argparse.Namespace) -> list[Any]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("PREFECT_FLOWS_HEARTBEAT_FREQUENCY", "30")
-    from prefect import serve
     from pydantic import ValidationError
 
     try:
@@ -87,8 +88,31 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as exc:
         print(f"error: invalid parameters: {exc}", file=sys.stderr)
         return 2
-    serve(*deployments, limit=args.limit)
+    serve_until_stopped(deployments, limit=args.limit)
     return 0
+
+
+def serve_until_stopped(deployments: list[Any], *, limit: int) -> None:
+    """``prefect.serve(*deployments)``, with SIGTERM taken as Ctrl-C: the runner stops polling,
+    pauses the deployments and returns."""
+    import asyncio
+
+    from prefect.runner import Runner
+
+    runner = Runner(pause_on_shutdown=True, limit=limit)
+    for deployment in deployments:
+        runner.add_deployment(deployment)
+    runner.handle_sigterm = _as_ctrl_c  # type: ignore[method-assign]  # start() installs it for SIGTERM
+    names = ", ".join(f"'{d.flow_name}/{d.name}'" for d in deployments)
+    print(f"serving {names}; Ctrl-C or SIGTERM stops (and pauses them)", flush=True)
+    try:
+        asyncio.run(runner.start())
+    except KeyboardInterrupt:
+        print("stopped: the deployments are paused", flush=True)
+
+
+def _as_ctrl_c(*args: Any) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

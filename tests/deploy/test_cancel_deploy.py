@@ -141,7 +141,7 @@ def assert_ended_cleanly(run_id, commit_line: str) -> None:
     logs = poll_until(
         lambda: run_log_records(run_id), lambda rs: any(m.startswith(commit_line) for _, m in rs)
     )
-    assert [m for level, m in logs if level >= logging.ERROR] == [], logs
+    assert [m for level, m in logs if level >= logging.ERROR and not prefect_38_exit(m)] == [], logs
     assert any(m.startswith(commit_line) for _, m in logs), [
         m for _, m in logs if "commit" in m or "stop" in m
     ]
@@ -149,3 +149,17 @@ def assert_ended_cleanly(run_id, commit_line: str) -> None:
     assert [t.name for t in tasks if not t.state or t.state.is_crashed() or not t.state.is_final()] == [], [
         (t.name, t.state) for t in tasks
     ]
+
+
+def prefect_38_exit(message: str) -> bool:
+    """Prefect 3.8's engine ends the process of a run that returns its Cancelled state with exit
+    status 1, and its worker logs that as an error on the run (3.9's exits 0); the README says so."""
+    import re
+
+    import prefect
+
+    old = tuple(int(p) for p in prefect.__version__.split(".")[:2]) < (3, 9)
+    return (
+        old
+        and re.fullmatch(r"Process for flow run '[^']+' exited with status code: 1;.*", message) is not None
+    )

@@ -37,21 +37,30 @@ def evaluation_runs(deployment_id: UUID) -> list[Any]:
         )
 
 
-def test_an_automation_on_the_commit_event_runs_a_deployment_per_checkpoint(prefect_server, tmp_path):
+@pytest.mark.parametrize("label", ["ckptflow.store", "ckptflow.storage"])
+def test_an_automation_on_the_commit_event_runs_a_deployment_per_checkpoint(
+    prefect_server, tmp_path, monkeypatch, label
+):
+    """Matched by the store's URL (``ckptflow.store``), or by the store as the user wrote it in
+    the run's parameters (``ckptflow.storage``: ``./checkpoints/run9``; bug: only the resolved
+    absolute path matched)."""
     from prefect.automations import Automation
     from prefect.events.actions import RunDeployment
     from prefect.events.schemas.automations import EventTrigger, Posture
     from prefect.events.schemas.events import ResourceSpecification
 
-    config = make_config(tmp_path / "store", epochs=2)
+    monkeypatch.chdir(tmp_path)
+    config = make_config("./checkpoints/run9", epochs=2)
     url = CheckpointStore(config.storage).url
     with get_client(sync_client=True) as client:
-        deployment_id = client.create_deployment(flow_id=client.create_flow(evaluate), name="on-commit")
+        deployment_id = client.create_deployment(
+            flow_id=client.create_flow(evaluate), name=f"on-commit-{label}"
+        )
     automation = Automation(
-        name=f"evaluate each checkpoint of {url}",
+        name=f"evaluate each checkpoint of {url} ({label})",
         trigger=EventTrigger(
             expect={COMMITTED_EVENT},
-            match=ResourceSpecification({"ckptflow.store": url}),
+            match=ResourceSpecification({label: url if label == "ckptflow.store" else "./checkpoints/run9"}),
             posture=Posture.Reactive,
             threshold=1,
             within=timedelta(0),
