@@ -4,10 +4,12 @@ Per run (keys ``ckptflow-<flow run name>-...``):
 
 - ``-checkpoints``: a table of the committed checkpoints, one numeric column
   per metric (sortable), updated at every commit;
-- ``-progress``: the epochs done, its description "epoch k/N, s/epoch, ETA";
+- ``-progress``: the epochs done, its description "epoch k/N, ETA ..." (a card
+  shows one line of a description, so every description here is short);
 - ``-curve``: the training curve, a chart of every metric per epoch (an SVG in
-  a markdown artifact), redrawn as epochs finish;
-- ``-latest``: a link to the newest committed checkpoint;
+  a markdown artifact) with the committed epochs and the best one marked,
+  redrawn as epochs finish;
+- ``-latest``: the newest committed checkpoint, and where it is;
 - ``-summary``: how the run ended, whatever the ending (Completed, Cancelled,
   Failed; Crashed ones get theirs from the next run, :mod:`.crashed`);
 - ``-upload``: a link to each uploaded archive.
@@ -29,6 +31,10 @@ Reporting never stalls or breaks training: one thread of the run makes every
 API call in order (epochs' updates at most every ``min_interval`` s, commits
 at once), and a failed call is logged and skipped. Nothing reported contains
 storage credentials: URLs are shown redacted.
+
+Prefect's UI does not refresh an open artifact page; the run's Logs tab does. So
+each commit is logged on the run too, and the flow's epoch lines end with
+:meth:`RunMonitor.status` (the last commit, its age, the ETA).
 
 In-process listeners (the CLI's progress display) get the same notifications.
 """
