@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from typing import Any
 
@@ -93,26 +94,31 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_until_stopped(deployments: list[Any], *, limit: int) -> None:
-    """``prefect.serve(*deployments)``, with SIGTERM taken as Ctrl-C: the runner stops polling,
-    pauses the deployments and returns."""
+    """``prefect.serve(*deployments)``, with SIGTERM taken as Ctrl-C from the start: the runner
+    stops polling, pauses the deployments and returns."""
     import asyncio
 
     from prefect.runner import Runner
 
+    signal.signal(signal.SIGTERM, _as_ctrl_c)  # before anything is registered
     runner = Runner(pause_on_shutdown=True, limit=limit)
-    for deployment in deployments:
-        runner.add_deployment(deployment)
     runner.handle_sigterm = _as_ctrl_c  # type: ignore[method-assign]  # start() installs it for SIGTERM
-    names = ", ".join(f"'{d.flow_name}/{d.name}'" for d in deployments)
-    print(f"serving {names}; Ctrl-C or SIGTERM stops (and pauses them)", flush=True)
     try:
+        for deployment in deployments:
+            runner.add_deployment(deployment)
+        names = ", ".join(f"'{d.flow_name}/{d.name}'" for d in deployments)
+        print(f"serving {names}; Ctrl-C or SIGTERM stops (and pauses them)", flush=True)
         asyncio.run(runner.start())
     except KeyboardInterrupt:
-        print("stopped: the deployments are paused", flush=True)
+        print("stopped", flush=True)
 
 
 def _as_ctrl_c(*args: Any) -> None:
-    raise KeyboardInterrupt
+    """SIGTERM as Ctrl-C: asyncio's own SIGINT handling where it has one (it cancels the runner's
+    task, which then stops cleanly), else KeyboardInterrupt here (SIGINT ignored: a background job)."""
+    if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+        raise KeyboardInterrupt
+    signal.raise_signal(signal.SIGINT)
 
 
 if __name__ == "__main__":

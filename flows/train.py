@@ -66,7 +66,7 @@ from prefect.utilities.annotations import quote
 
 from ckptflow.storage import CheckpointStore, StoreLease, VersionInfo, redact
 from ckptflow.tasks.archiving import ArchiveQueue
-from ckptflow.tasks.clean_stop import cancel_stopped_task_runs, ended_cancelled, noting_sigterm, stopping
+from ckptflow.tasks.clean_stop import cancel_stopped_task_runs, ended_cancelled, handling_stops
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.crashed import record_this_run
 from ckptflow.tasks.formatting import metrics_text
@@ -90,7 +90,8 @@ from ckptflow.tasks.stopping import CANCELLED, SIGTERM_STOP, StopTracker
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
     record_this_run()  # and mark Crashed the runs on this host whose process is gone
-    with noting_sigterm(flow_run.get_id()), _writer_lease(config) as (store, lease):
+    handling_stops(flow_run.get_id())  # Prefect's error lines about its stops read as what they are
+    with _writer_lease(config) as (store, lease):
         return _train(config, store, lease)
 
 
@@ -228,7 +229,7 @@ def _run_epochs(
         # stop (SIGTERM, Ctrl-C), it saves where it stands first...
         preempted = _told_to_stop(exc)
         _quietly("close the run", lambda: run.close(interrupted=True, preempted=preempted))
-        monitor.catch_up(run.store.versions)  # ...and what committed is reported
+        monitor.catch_up(run.store.versions, late=preempted)  # ...and what committed is reported
         if preempted and not isinstance(exc, KeyboardInterrupt):  # SIGTERM ends the run Cancelled
             return _stopped_by_signal(exc, run, monitor, reached)
         raise  # the summary: _train
@@ -366,7 +367,7 @@ def _how_it_ended(exc: BaseException, in_flight: int | None, monitor: RunMonitor
         return "Stopped", f"the process got SIGTERM, not a cancellation from Prefect{saved}"
     if isinstance(exc, KeyboardInterrupt):
         return "Interrupted", f"Ctrl-C{saved}"
-    if not isinstance(exc, Exception):  # SystemExit & co. (its worker gone): Prefect records it Crashed
+    if isinstance(exc, SystemExit):  # its worker gone, say: Prefect records the run Crashed
         return "Crashed", f"the process exited ({type(exc).__name__}: {exc}) before the run ended{saved}"
     return "Failed", f"{type(exc).__name__}: {exc}{saved}"
 
@@ -447,7 +448,6 @@ class CancelWatch:
             except Exception:
                 continue
             if cancelled:
-                stopping(run_id, "a cancellation from Prefect")
                 self.requested = True
                 if self._on_cancel is not None:
                     self._on_cancel()

@@ -7,46 +7,47 @@ Cancelled with its summary. Prefect's engine does not know that, and logs
 it as errors:
 
 - SIGTERM raises ``TerminationSignal`` in the task in progress, which Prefect
-  logs as "Crash detected! Execution was aborted by Python signal" and
-  "Finished in state Crashed(...)", both at ERROR, and leaves the task run
-  Crashed;
+  logs as "Crash detected! Execution was aborted by a termination signal."
+  and "Finished in state Crashed(...)", both at ERROR, and leaves the task
+  run Crashed;
 - a flow run that returns its Cancelled state under a worker ends with
   "Engine execution exited with unexpected exception" and the traceback of
   ``CancelledRun`` (the engine asks the Cancelled state for its result), at
   ERROR after the INFO line "Finished in state Cancelled(...)" that says it all.
 
-A user reads "the cancel failed". So, for a flow run marked here as stopping
-(:func:`stopping`, from the SIGTERM handler of :func:`noting_sigterm` or the
-flow's cancel watch) or as ended Cancelled (:func:`ended_cancelled`), a filter
-on Prefect's run loggers turns exactly those lines into INFO lines that say
-what happened, and drops the ``CancelledRun`` traceback; the flow sets the
-task run it stopped Cancelled (:func:`cancel_stopped_task_runs`). Every other
-error of such a run stays an error, and other runs are not touched.
+A user reads "the cancel failed". So a filter on Prefect's run loggers, for
+the flow runs that handle their stops (:func:`handling_stops`), turns exactly
+those lines into INFO lines that say what happened: a task's crash by a
+termination signal (which also marks the run as stopping), the "Finished in
+state" line of such a task, and, for a run that returned its Cancelled state
+(:func:`ended_cancelled`), the ``CancelledRun`` traceback, which it drops.
+The flow then sets the task runs the stop interrupted Cancelled
+(:func:`cancel_stopped_task_runs`). Every other error stays an error, other
+runs are not touched, and Prefect's own SIGTERM handler stays in place (its
+runner's cancellation handshake needs it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
 import threading
-from collections.abc import Iterator
-from typing import Any
 from uuid import UUID
 
 log = logging.getLogger(__name__)
 
-_lock = threading.Lock()
-_stopping: dict[str, str] = {}  # flow run id -> why it stops ("SIGTERM", "a cancellation from Prefect")
+_lock = threading.RLock()
+_handled: set[str] = set()  # flow run ids whose flow handles its stops
+_stopping: set[str] = set()  # ...of those, the ones a termination signal is stopping
 _ended: set[str] = set()  # flow run ids that returned their Cancelled state
+TERMINATED = "Execution was aborted by a termination signal."  # Prefect's message of a SIGTERM crash
 
 
-def stopping(flow_run_id: str | UUID | None, why: str) -> None:
-    """The flow run ``flow_run_id`` is being stopped by the flow itself (``why``: what told it)."""
+def handling_stops(flow_run_id: str | UUID | None) -> None:
+    """The flow run ``flow_run_id`` handles its stops (it saves where it stands and ends Cancelled)."""
     if flow_run_id is not None:
         _install()
         with _lock:
-            _stopping.setdefault(str(flow_run_id), why)
+            _handled.add(str(flow_run_id))
 
 
 def ended_cancelled(flow_run_id: str | UUID | None) -> None:
@@ -57,34 +58,9 @@ def ended_cancelled(flow_run_id: str | UUID | None) -> None:
             _ended.add(str(flow_run_id))
 
 
-@contextlib.contextmanager
-def noting_sigterm(flow_run_id: str | None) -> Iterator[None]:
-    """While the flow runs (in the main thread): a SIGTERM marks the run as stopping before the
-    handler it replaced (Prefect's, which raises ``TerminationSignal``) is called as before."""
-    if flow_run_id is None or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def note(signum: int, frame: Any) -> None:
-        stopping(flow_run_id, "SIGTERM")
-        if callable(previous):
-            previous(signum, frame)
-        elif previous == signal.SIG_DFL:  # no handler of Prefect's: the default action
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.raise_signal(signal.SIGTERM)
-
-    signal.signal(signal.SIGTERM, note)
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGTERM) is note:
-            signal.signal(signal.SIGTERM, previous)
-
-
 def cancel_stopped_task_runs(flow_run_id: str | UUID | None, message: str) -> list[str]:
-    """Set Cancelled the task runs of ``flow_run_id`` that the stop left Crashed (the epoch that
-    SIGTERM interrupted, whose step the run then saved); returns their names. Never raises."""
+    """Set Cancelled the task runs of ``flow_run_id`` that the stop left Crashed or open (the epoch
+    that SIGTERM interrupted, whose step the run then saved); returns their names. Never raises."""
     if flow_run_id is None:
         return []
     from prefect.client.schemas.filters import (
@@ -99,13 +75,16 @@ def cancel_stopped_task_runs(flow_run_id: str | UUID | None, message: str) -> li
 
     from .prefect_runs import prefect_client
 
+    # Crashed, or still Pending or Running where its Crashed state has not reached the server yet
+    # (3.9 sends task states as events): the newer Cancelled state wins either way.
+    open_ = [StateType.CRASHED, StateType.RUNNING, StateType.PENDING]
     names = []
     try:
         with prefect_client() as client:
             for task_run in client.read_task_runs(
                 flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))])),
                 task_run_filter=TaskRunFilter(
-                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=[StateType.CRASHED]))
+                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=open_))
                 ),
             ):
                 client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
@@ -123,17 +102,28 @@ class _CleanStopFilter(logging.Filter):
             return True
         run_id = str(getattr(record, "flow_run_id", "") or "")
         with _lock:
-            why, ended = _stopping.get(run_id), run_id in _ended
-        message = str(record.msg)
+            handled, ended = run_id in _handled, run_id in _ended
         if ended and record.exc_info and type(record.exc_info[1]).__name__ == "CancelledRun":
             return False  # "Finished in state Cancelled(...)", logged at INFO just before, says it
-        if why is None or getattr(record, "task_run_id", None) is None:
+        if not handled or getattr(record, "task_run_id", None) is None:
             return True
-        if message.startswith("Crash detected!"):
-            _downgrade(record, f"stopped by {why}: the run saves where it stands, then ends Cancelled")
-        elif message.startswith("Finished in state"):  # Crashed; Running where Prefect could not set it
-            _downgrade(record, f"ended by the run's stop ({why}); marked Cancelled once the run has saved")
+        message = record.getMessage()
+        if message == f"Crash detected! {TERMINATED}":
+            with _lock:
+                _stopping.add(run_id)
+            _downgrade(record, "stopped by SIGTERM: the run saves where it stands and ends (see its summary)")
+        elif _finished_by_the_stop(message, run_id):
+            _downgrade(record, "ended by SIGTERM; marked Cancelled once the run has saved")
         return True
+
+
+def _finished_by_the_stop(message: str, run_id: str) -> bool:
+    """A task's "Finished in state" line after SIGTERM: Crashed by it, or Running where Prefect
+    could not set its state."""
+    if message.startswith("Finished in state Crashed(") and TERMINATED in message:
+        return True
+    with _lock:
+        return message == "Finished in state Running()" and run_id in _stopping
 
 
 def _downgrade(record: logging.LogRecord, message: str) -> None:

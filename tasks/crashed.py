@@ -250,7 +250,8 @@ def summarize_crashed(
         percent, text = crashed_progress(latest, total, "Crashed")  # a card's one line; the summary says why
         artifacts.progress(key, percent, text)
     text = ending_markdown(state="Crashed", why=why, store_url=url, latest=latest)
-    artifacts.markdown(summary_key(run), text, "ckptflow run summary: Crashed")
+    if artifacts.markdown(summary_key(run), text, "ckptflow run summary: Crashed") is None:
+        raise RuntimeError(f"the summary of {run.name} could not be written")  # a later run tries again
 
 
 def crashed_progress(latest: VersionInfo | None, total: int, ending: str) -> tuple[float, str]:

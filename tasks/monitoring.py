@@ -44,6 +44,7 @@ from __future__ import annotations
 import contextvars
 import functools
 import logging
+import math
 import queue
 import threading
 import time
@@ -242,15 +243,16 @@ class RunMonitor:
             self._reporter.put(lambda: self._publish_commit(info, late=late))
         notify("committed", {"info": info})
 
-    def catch_up(self, list_versions: Callable[[], list[VersionInfo]]) -> None:
-        """Report versions committed but not reported yet: a save that finished while the run was stopping."""
+    def catch_up(self, list_versions: Callable[[], list[VersionInfo]], *, late: bool = False) -> None:
+        """Report versions committed but not reported yet: a save that finished while the run was
+        stopping (``late``: the run was told to stop, and its log lines say so)."""
         try:
             versions = list_versions()
         except Exception as exc:
             log.warning("could not list the committed versions of %s: %s", self.store_url, exc)
             return
         for info in sorted(versions, key=lambda v: v.version):
-            self.committed(info, late=True)
+            self.committed(info, late=late)
 
     def status(self) -> str:
         """Where the run stands beyond its epoch, for its log lines (the run page's Logs tab updates
@@ -435,7 +437,11 @@ def best_epoch(versions: list[VersionInfo], best_by: tuple[str, str] | None) -> 
     if best_by is None:
         return None
     metric, mode = best_by
-    scored = [(v.metrics[metric], v.epoch) for v in versions if metric in v.metrics and v.epoch is not None]
+    scored = [
+        (v.metrics[metric], v.epoch)
+        for v in versions
+        if v.epoch is not None and math.isfinite(v.metrics.get(metric, math.nan))
+    ]
     if not scored:
         return None
     pick = min if mode == "min" else max

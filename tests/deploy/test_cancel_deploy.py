@@ -138,9 +138,14 @@ def test_cancel_inside_an_epoch_of_trainers_ends_cleanly(stack, tmp_path):
 def assert_ended_cleanly(run_id, commit_line: str) -> None:
     """A run cancelled cleanly reads so in its logs and its task runs (issue 41): no ERROR line,
     its last commit logged (``commit_line`` begins the line), every task run final, none Crashed."""
-    logs = poll_until(
-        lambda: run_log_records(run_id), lambda rs: any(m.startswith(commit_line) for _, m in rs)
-    )
+
+    def complete(records: list[tuple[int, str]]) -> bool:  # the commit, and the run's last line
+        messages = [m for _, m in records]
+        ended = any(m.startswith("Finished in state Cancelled") for m in messages)
+        return ended and any(m.startswith(commit_line) for m in messages)
+
+    logs = poll_until(lambda: run_log_records(run_id), complete, timeout=60)
+    assert complete(logs), [m for _, m in logs][-30:]
     assert [m for level, m in logs if level >= logging.ERROR and not prefect_38_exit(m)] == [], logs
     assert any(m.startswith(commit_line) for _, m in logs), [
         m for _, m in logs if "commit" in m or "stop" in m
