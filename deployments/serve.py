@@ -110,7 +110,23 @@ def serve_until_stopped(deployments: list[Any], *, limit: int) -> None:
         print(f"serving {names}; Ctrl-C or SIGTERM stops (and pauses them)", flush=True)
         asyncio.run(runner.start())
     except KeyboardInterrupt:
-        print("stopped", flush=True)
+        # the runner pauses what it served once it has started; a stop before that, here
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        _pause(deployments)
+        print("stopped: the deployments are paused", flush=True)
+
+
+def _pause(deployments: list[Any]) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        for deployment in deployments:
+            try:
+                found = client.read_deployment_by_name(f"{deployment.flow_name}/{deployment.name}")
+            except ObjectNotFound:  # stopped before it was registered
+                continue
+            client.pause_deployment(found.id)
 
 
 def _as_ctrl_c(*args: Any) -> None:

@@ -172,6 +172,17 @@ def wait_for_state(run_id: UUID, *types: str, timeout: float) -> Any:
     return run
 
 
+def run_to_completion(stack: Stack, config: dict[str, Any], log: Path) -> Any:
+    """A run of the training deployment with ``config``, by a worker of its own (its output in
+    ``log``), that must end Completed; the flow run."""
+    run_id = start_run(stack, TRAIN, config)
+    with Worker(stack, log) as worker:
+        assert worker.wait(180) == 0, worker.output()[-4000:]
+    run = wait_for_state(run_id, "COMPLETED", "FAILED", "CRASHED", timeout=30)
+    assert run.state.type.value == "COMPLETED", f"{run.state}\n{worker.output()[-4000:]}"
+    return run
+
+
 def wait_for_file(path: Path, timeout: float, worker: Worker | None = None) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():

@@ -36,6 +36,7 @@ from tests.deploy.helpers import (
     events,
     poll_until,
     run_artifact,
+    run_to_completion,
     start_run,
     table_rows,
     wait_for_file,
@@ -99,11 +100,8 @@ def test_cancel_during_a_save_commits_it_and_the_next_run_resumes(stack, tmp_pat
 
     # The next run of the deployment, same parameters, resumes after version 2.
     (markers / "steer.json").unlink()
-    again = start_run(stack, TRAIN, config)
-    with Worker(stack, tmp_path / "worker-2.log") as worker:
-        assert worker.wait(180) == 0, worker.output()[-4000:]
-    resumed = wait_for_state(again, "COMPLETED", "FAILED", "CRASHED", timeout=30)
-    assert resumed.state.type.value == "COMPLETED", f"{resumed.state}\n{worker.output()[-4000:]}"
+    resumed = run_to_completion(stack, config, tmp_path / "worker-2.log")
+    again = resumed.id
     summary = run_artifact(again, f"ckptflow-{slug(resumed.name)}-summary").data
     assert f"| epochs | {IN_FLIGHT + 1}..{EPOCHS} (resumed from version {IN_FLIGHT}) |" in summary
     assert (markers / f"epoch-{IN_FLIGHT + 1}-started").read_text() == str(again)

@@ -32,6 +32,7 @@ from tests.deploy.helpers import (
     checked,
     flow_run,
     run_artifact,
+    run_to_completion,
     start_run,
     wait_for_file,
     wait_for_state,
@@ -97,11 +98,8 @@ def test_a_killed_run_is_marked_crashed_and_the_next_run_resumes(stack, short_wi
     assert assert_only_committed(tmp_path / "doomed-store", garbage_allowed=True) == [1]
 
     (doomed_markers / "steer.json").unlink()
-    again = start_run(stack, TRAIN, doomed_config)
-    with Worker(stack, tmp_path / "worker-2.log") as worker:
-        assert worker.wait(180) == 0, worker.output()[-4000:]
-    resumed = wait_for_state(again, "COMPLETED", "FAILED", "CRASHED", timeout=30)
-    assert resumed.state.type.value == "COMPLETED", f"{resumed.state}\n{worker.output()[-4000:]}"
+    resumed = run_to_completion(stack, doomed_config, tmp_path / "worker-2.log")
+    again = resumed.id
     summary = run_artifact(again, f"ckptflow-{slug(resumed.name)}-summary").data
     assert "| epochs | 2..3 (resumed from version 1) |" in summary
     assert assert_only_committed(tmp_path / "doomed-store") == [1, 2, 3]

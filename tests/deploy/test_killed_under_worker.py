@@ -22,6 +22,7 @@ from tests.deploy.helpers import (
     flow_run,
     poll_until,
     run_artifacts,
+    run_to_completion,
     start_run,
     wait_for_file,
     wait_for_state,
@@ -64,11 +65,7 @@ def test_a_run_killed_under_a_live_worker_is_finished_by_the_next_run(stack, tmp
     assert artifact(killed, f"ckptflow-{slug(run.name)}-summary") is None  # no process left to write it
 
     (markers / "steer.json").unlink()
-    again = start_run(stack, TRAIN, config)
-    with Worker(stack, tmp_path / "worker-2.log") as worker:
-        assert worker.wait(180) == 0, worker.output()[-4000:]
-    resumed = wait_for_state(again, "COMPLETED", "FAILED", "CRASHED", timeout=30)
-    assert resumed.state.type.value == "COMPLETED", f"{resumed.state}\n{worker.output()[-4000:]}"
+    run_to_completion(stack, config, tmp_path / "worker-2.log")
 
     summary = artifact(killed, f"ckptflow-{slug(run.name)}-summary")
     assert summary is not None and "# ckptflow run summary: Crashed" in summary.data

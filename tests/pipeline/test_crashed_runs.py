@@ -22,7 +22,7 @@ import re
 import signal
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timezone
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,40 @@ class TestProcessRecord:
         assert ProcessRecord.from_labels({**labels, "ckptflow.pid": "12a"}) is None
 
 
+@dataclass
+class StalledRun:
+    """``ckptflow run`` of the marked spec into ``tmp_path/store``, in a session of its own, whose
+    epoch ``stall`` sleeps 120 s (a run to kill there); the spec's markers go to ``tmp_path/markers``
+    and its output to ``tmp_path/run.log``."""
+
+    proc: subprocess.Popen[bytes]
+    args: list[str]
+    env: dict[str, str]
+
+    def again(self) -> subprocess.CompletedProcess[str]:
+        """The same run again, at full speed, to its end."""
+        env = {**self.env, SLOW_FROM_ENV: "99"}
+        return subprocess.run(self.args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+def start_stalled_run(prefect_server: Any, tmp_path: Path, *, epochs: int, stall: int) -> StalledRun:
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {**prefect_server.env(), "PYTHONPATH": str(REPO), MARKERS_ENV: str(markers)}
+    spec = ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--shards", "2"]
+    args = [CKPTFLOW, "run", "--storage", str(tmp_path / "store"), "--epochs", str(epochs), *spec]
+    with open(tmp_path / "run.log", "wb") as log:
+        proc = subprocess.Popen(
+            args,
+            env={**env, SLOW_FROM_ENV: str(stall), SLOW_SECONDS_ENV: "120"},
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    return StalledRun(proc, args, env)
+
+
 def read_run(run_id: UUID | str) -> Any:
     from prefect.client.orchestration import get_client
 
@@ -137,21 +171,9 @@ def test_a_killed_run_is_marked_crashed_by_the_next_ckptflow_run(prefect_server,
     Any run that starts on the same host marks it; in the suite another test's run may start
     first, so the log line is asserted of the run that did the marking (named in the state).
     """
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    store = tmp_path / "store"
-    env = {**prefect_server.env(), "PYTHONPATH": str(REPO), MARKERS_ENV: str(markers)}
-    spec = ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--shards", "2"]
-    args = [CKPTFLOW, "run", "--storage", str(store), "--epochs", "3", *spec]
-    with open(tmp_path / "run.log", "wb") as log:
-        proc = subprocess.Popen(
-            args,
-            env={**env, SLOW_FROM_ENV: "2", SLOW_SECONDS_ENV: "120"},
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    markers, store = tmp_path / "markers", tmp_path / "store"
+    stalled = start_stalled_run(prefect_server, tmp_path, epochs=3, stall=2)
+    proc = stalled.proc
     try:
         wait_until(lambda: marker(markers, 2).exists() or proc.poll() is not None, 120, "epoch 2")
         assert proc.poll() is None, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
@@ -173,9 +195,7 @@ def test_a_killed_run_is_marked_crashed_by_the_next_ckptflow_run(prefect_server,
         decoy_run({}, tmp_path / "no-record"),
     ]
     try:
-        resumed = subprocess.run(
-            args, env={**env, SLOW_FROM_ENV: "99"}, cwd=REPO, capture_output=True, text=True, timeout=300
-        )
+        resumed = stalled.again()
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         crashed = read_run(killed)
         assert crashed.state.type.value == "CRASHED", crashed.state
@@ -409,21 +429,9 @@ def test_a_killed_run_crashed_by_prefect_first_is_finished_by_the_next_run(prefe
     showed an ETA, and set Crashed through the API (as a live worker does) before the next run on the
     store starts. That run writes its summary (the last committed epoch), ends its task runs and leaves
     its progress without an ETA."""
-    markers = tmp_path / "markers"
-    markers.mkdir()
-    store = tmp_path / "store"
-    env = {**prefect_server.env(), "PYTHONPATH": str(REPO), MARKERS_ENV: str(markers)}
-    spec = ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--shards", "2"]
-    args = [CKPTFLOW, "run", "--storage", str(store), "--epochs", "4", *spec]
-    with open(tmp_path / "run.log", "wb") as log:
-        proc = subprocess.Popen(
-            args,
-            env={**env, SLOW_FROM_ENV: "3", SLOW_SECONDS_ENV: "120"},
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    markers, store = tmp_path / "markers", tmp_path / "store"
+    stalled = start_stalled_run(prefect_server, tmp_path, epochs=4, stall=3)
+    proc = stalled.proc
     try:
         wait_until(lambda: marker(markers, 3).exists() or proc.poll() is not None, 120, "epoch 3")
         assert proc.poll() is None, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
@@ -448,9 +456,7 @@ def test_a_killed_run_crashed_by_prefect_first_is_finished_by_the_next_run(prefe
     assert summary_of(killed) is None
     last = CheckpointStore(str(store)).versions()[-1]
 
-    resumed = subprocess.run(
-        args, env={**env, SLOW_FROM_ENV: "99"}, cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    resumed = stalled.again()
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert read_run(killed).state.message == WORKER_CRASH
     summary = poll(lambda: summary_of(killed), lambda s: s is not None)
