@@ -63,35 +63,21 @@ def cancel_stopped_task_runs(flow_run_id: str | UUID | None, message: str) -> li
     that SIGTERM interrupted, whose step the run then saved); returns their names. Never raises."""
     if flow_run_id is None:
         return []
-    from prefect.client.schemas.filters import (
-        FlowRunFilter,
-        FlowRunFilterId,
-        TaskRunFilter,
-        TaskRunFilterState,
-        TaskRunFilterStateType,
-    )
     from prefect.client.schemas.objects import StateType
     from prefect.states import Cancelled
 
-    from .prefect_runs import prefect_client
+    from .prefect_runs import prefect_client, set_task_runs_state
 
     # Crashed, or still Pending or Running where its Crashed state has not reached the server yet
     # (3.9 sends task states as events): the newer Cancelled state wins either way.
     open_ = [StateType.CRASHED, StateType.RUNNING, StateType.PENDING]
-    names = []
     try:
         with prefect_client() as client:
-            for task_run in client.read_task_runs(
-                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[UUID(str(flow_run_id))])),
-                task_run_filter=TaskRunFilter(
-                    state=TaskRunFilterState(type=TaskRunFilterStateType(any_=open_))
-                ),
-            ):
-                client.set_task_run_state(task_run.id, Cancelled(message=message), force=True)
-                names.append(task_run.name)
+            run_id = UUID(str(flow_run_id))
+            return set_task_runs_state(client, run_id, open_, lambda: Cancelled(message=message))
     except Exception as exc:
         log.warning("could not mark the stopped task runs Cancelled: %s", exc)
-    return names
+        return []
 
 
 class _CleanStopFilter(logging.Filter):

@@ -63,7 +63,7 @@ from ckptflow.storage import CheckpointStore, VersionInfo, current_process, proc
 
 from .artifacts import ArtifactSet, committed_at, ending_markdown, run_key
 from .config import PipelineConfig
-from .monitoring import step_text
+from .monitoring import progress_of
 from .prefect_runs import (
     active_train_runs,
     crashed_train_runs,
@@ -257,15 +257,14 @@ def summarize_crashed(
 def crashed_progress(latest: VersionInfo | None, total: int, ending: str) -> tuple[float, str]:
     """A crashed run's progress: the share of ``total`` epochs its last commit ``latest`` holds, and
     ``epoch K/N[, step S/T]; ENDING`` (no ETA: it trains no more)."""
-    done, text = 0.0, f"epoch 0/{total}"
-    if latest is not None and latest.epoch is not None:
-        text = f"epoch {latest.epoch}/{total}"
-        done = float(latest.epoch)
-        if latest.in_epoch is not None:  # a save inside epoch K: K - 1 epochs and a share of K
-            text += f", {step_text(latest.in_epoch, latest.epoch_steps)}"
-            share = latest.in_epoch / latest.epoch_steps if latest.epoch_steps else 0.0
-            done = latest.epoch - 1 + share
-    percent = min(100.0, round(100.0 * max(0.0, done) / max(1, total), 2))
+    if latest is None or latest.epoch is None:
+        percent, text = progress_of(0, None, total)
+    elif latest.in_epoch is not None:  # a save inside epoch K: K - 1 epochs and a share of K
+        percent, text = progress_of(
+            latest.epoch - 1, (latest.epoch, latest.in_epoch, latest.epoch_steps), total
+        )
+    else:
+        percent, text = progress_of(latest.epoch, None, total)
     return percent, f"{text}; {ending}"
 
 

@@ -394,13 +394,7 @@ class RunMonitor:
     def _publish_progress(self) -> None:
         with self._lock:
             times, ended, inside = list(self._epoch_times), self._ending, self._inside
-        done = times[-1][0] if times else 0
-        share = 0.0
-        text = f"epoch {done}/{self.total_epochs}"
-        if inside is not None:
-            text = f"epoch {inside[0]}/{self.total_epochs}, {step_text(inside[1], inside[2])}"
-            share = inside[1] / inside[2] if inside[2] else 0.0
-        percent = min(100.0, round(100.0 * max(0.0, done + share) / max(1, self.total_epochs), 2))
+        percent, text = progress_of(times[-1][0] if times else 0, inside, self.total_epochs)
         eta = _eta(times, self.total_epochs, short=True) if ended is None else None
         if eta is not None:
             text += f", {eta}"
@@ -446,6 +440,17 @@ def best_epoch(versions: list[VersionInfo], best_by: tuple[str, str] | None) -> 
         return None
     pick = min if mode == "min" else max
     return pick(scored, key=lambda s: s[0])[1]
+
+
+def progress_of(done: int, inside: tuple[int, int, int | None] | None, total: int) -> tuple[float, str]:
+    """The percent of ``total`` epochs a run stands at, and "epoch 3/10" (``done`` epochs), or
+    "epoch 4/10, step 1,200/4,000" with ``inside`` = (the epoch in progress, its steps, of how many)."""
+    share = 0.0
+    text = f"epoch {done}/{total}"
+    if inside is not None:
+        text = f"epoch {inside[0]}/{total}, {step_text(inside[1], inside[2])}"
+        share = inside[1] / inside[2] if inside[2] else 0.0
+    return min(100.0, round(100.0 * max(0.0, done + share) / max(1, total), 2)), text
 
 
 def step_text(in_epoch: int, epoch_steps: int | None) -> str:

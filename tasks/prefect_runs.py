@@ -115,8 +115,17 @@ def mark_crashed(client: Any, flow_run_id: UUID, message: str) -> None:
     client.set_flow_run_state(flow_run_id, Crashed(message=message), force=True)
 
 
-def mark_open_task_runs_crashed(client: Any, flow_run_id: UUID, message: str) -> None:
-    """Set Crashed the task runs of the flow run still Pending, Running or Scheduled."""
+def mark_open_task_runs_crashed(client: Any, flow_run_id: UUID, message: str) -> list[str]:
+    """Set Crashed the task runs of the flow run still Pending, Running or Scheduled; their names."""
+    from prefect.client.schemas.objects import StateType
+    from prefect.states import Crashed
+
+    open_states = [StateType.PENDING, StateType.RUNNING, StateType.SCHEDULED]
+    return set_task_runs_state(client, flow_run_id, open_states, lambda: Crashed(message=message))
+
+
+def set_task_runs_state(client: Any, flow_run_id: UUID, types: list[Any], state: Any) -> list[str]:
+    """Force ``state()`` on the task runs of the flow run whose state is of ``types``; their names."""
     from prefect.client.schemas.filters import (
         FlowRunFilter,
         FlowRunFilterId,
@@ -124,17 +133,15 @@ def mark_open_task_runs_crashed(client: Any, flow_run_id: UUID, message: str) ->
         TaskRunFilterState,
         TaskRunFilterStateType,
     )
-    from prefect.client.schemas.objects import StateType
-    from prefect.states import Crashed
 
-    open_states = [StateType.PENDING, StateType.RUNNING, StateType.SCHEDULED]
+    names = []
     for task_run in client.read_task_runs(
         flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])),
-        task_run_filter=TaskRunFilter(
-            state=TaskRunFilterState(type=TaskRunFilterStateType(any_=open_states))
-        ),
+        task_run_filter=TaskRunFilter(state=TaskRunFilterState(type=TaskRunFilterStateType(any_=types))),
     ):
-        client.set_task_run_state(task_run.id, Crashed(message=message), force=True)
+        client.set_task_run_state(task_run.id, state(), force=True)
+        names.append(task_run.name)
+    return names
 
 
 def cancel_requested(flow_run_id: UUID) -> bool:
@@ -244,6 +251,7 @@ __all__ = [
     "newest_artifact_id",
     "on_store",
     "prefect_client",
+    "set_task_runs_state",
     "store_url_of",
     "update_artifact",
 ]
