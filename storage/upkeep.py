@@ -168,11 +168,13 @@ class Upkeep:
             catalog.archived_for_writing(self.loc)
             _, above = catalog.newest_and_above(self.loc)
             moved = []
+            refs = catalog.references(self.loc) if above else None
             for version, record in sorted(above.items(), reverse=True):
                 error = record.error or ManifestError(f"manifest of version {version} cannot be read")
                 if isinstance(error, FormatVersionError):
                     raise error
-                name = protocol.set_aside(self.loc, version)
+                assert refs is not None
+                name = protocol.set_aside(self.loc, version, keep=refs.keep(version))
                 log.warning("version %d is unreadable (%s): set aside as %s", version, error, name)
                 moved.append((version, self.loc.display(name), error))
         return moved

@@ -13,6 +13,7 @@ process (or a failing disk) would.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -271,6 +272,22 @@ def store_url(request: pytest.FixtureRequest, tmp_path) -> Iterator[StoreTarget]
     else:
         bucket, options = request.getfixturevalue("s3_bucket")
         yield StoreTarget(backend, f"s3://{bucket}/run1", options)
+
+
+# -- shard file names --------------------------------------------------------------------------
+
+
+def plain_name(name: str) -> str:
+    """A shard file's name (or path) without the identity token every save writes into it:
+    ``v000002/shard-r0-00-3f9a1c2b7d4e6f80.h5`` -> ``v000002/shard-r0-00.h5``."""
+    return re.sub(r"-[0-9a-f]{16}\.h5$", ".h5", name)
+
+
+def named(names, plain: str) -> str:
+    """The one of ``names`` whose :func:`plain_name` is ``plain``."""
+    found = [n for n in names if plain_name(str(n)) == plain]
+    assert len(found) == 1, (plain, sorted(map(str, names)))
+    return found[0]
 
 
 # -- comparing states --------------------------------------------------------------------------

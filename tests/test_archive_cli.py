@@ -24,7 +24,7 @@ from ckptflow.storage import CheckpointStore, StoreOptions
 from ckptflow.storage.archive.tarballs import list_archived
 from ckptflow.storage.archive.tarindex import index_name
 from ckptflow.storage.remote.transfer import upload_file
-from tests.conftest import S3_SECRET, assert_same_state
+from tests.conftest import S3_SECRET, assert_same_state, named
 
 TAR = "epochs-000001-000003.tar"
 
@@ -110,7 +110,9 @@ class TestArchive:
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.startswith("ok ") and f"{TAR}[v000002]" in proc.stdout
 
-        entry = list_archived(CheckpointStore(str(root)).loc)[2].index.entry("v000002/shard-r0-00.h5")
+        index = list_archived(CheckpointStore(str(root)).loc)[2].index
+        member = named([m.name for m in index.members], "v000002/shard-r0-00.h5")
+        entry = index.entry(member)
         with open(root / "archive" / TAR, "r+b") as f:
             f.seek(entry.offset + entry.size // 2)
             byte = f.read(1)
@@ -119,7 +121,7 @@ class TestArchive:
         proc = run_cli("verify", str(root), "--version", "2")
         assert proc.returncode == 1
         assert len(proc.stderr.splitlines()) == 1, proc.stderr
-        assert proc.stderr.startswith("error: ") and f"{TAR}[v000002/shard-r0-00.h5]" in proc.stderr
+        assert proc.stderr.startswith("error: ") and f"{TAR}[{member}]" in proc.stderr
         assert run_cli("verify", str(root), "--version", "1").returncode == 0  # its neighbour is intact
 
     def test_verify_all_fails_on_a_flipped_bit_in_a_member_header(self, archived, tmp_path):

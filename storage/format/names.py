@@ -48,3 +48,33 @@ def parse_version_dir(name: str) -> int | None:
     """The version a directory name (or path) stands for; None if it is no version directory."""
     match = _VERSION_DIR.fullmatch(name.rstrip("/").rsplit("/", 1)[-1])
     return int(match.group(1)) if match else None
+
+
+# A shard file's identity: the token of the save that wrote it, in its name, e.g.
+# ``shard-r0-00-3f9a1c2b7d4e6f80.h5``; the manifest lists that name. A file is the one a manifest
+# references only if it has the name the manifest lists (and its size): two saves never write one
+# name, in one store or in two, so no other file (a copy from another store, a version saved again
+# under a removed number, an earlier run's mirror) passes for it. The names stay plain names, so a
+# manifest that lists them is of the same format. Files of older saves have no token: they are read
+# as before, but never referenced by a new save nor skipped by a mirror on their name alone.
+ID_DIGITS = 16
+_IDENTIFIED = re.compile(rf"[A-Za-z0-9_.-]+-([0-9a-f]{{{ID_DIGITS}}})\.h5")
+
+
+def new_file_token() -> str:
+    """A fresh identity for the files of one save (64 random bits)."""
+    import secrets
+
+    return secrets.token_hex(ID_DIGITS // 2)
+
+
+def identified_name(planned: str, token: str) -> str:
+    """The name a save writes the planned shard file ``planned`` (``shard-r0-00.h5``) under."""
+    stem, dot, suffix = planned.rpartition(".")
+    return f"{stem}-{token}.{suffix}" if dot else f"{planned}-{token}"
+
+
+def file_identity(name: str) -> str | None:
+    """The identity token a shard file's name carries; None for a file of an older save (no token)."""
+    match = _IDENTIFIED.fullmatch(name)
+    return match.group(1) if match else None

@@ -8,6 +8,12 @@ not all there. Uploading again after a crash skips what is already there and
 verified (:func:`.transfer.upload_file`). Uploads copy from a local store
 (:func:`require_local`), with the options of :func:`.options.upload_storage_options`.
 
+A mirror belongs to one store (:func:`..versions.identity.bind_mirror`): before the first byte
+of each upload, the mirror's identity is checked, and another store's mirror is refused. A file
+that a version references in an older version's directory is skipped when the mirror has it
+under its name, which is its identity (:func:`..format.names.file_identity`), with its size; a
+file of an older save, without one, is skipped only when its bytes there are verified the same.
+
 :mod:`.transfer` is imported at the first upload, and boto3 at the first
 S3 transfer: a process that never uploads does not wait for their imports.
 """
@@ -22,7 +28,8 @@ from ..archive.tarindex import index_name, read_index
 from ..errors import CheckpointError
 from ..files.location import Location, open_location
 from ..format.manifest import MANIFEST_FILE, Manifest
-from ..format.names import version_dir
+from ..format.names import file_identity, version_dir
+from ..versions.identity import bind_mirror
 from .options import TransferOptions
 
 # storage/__init__.py imports it from here
@@ -44,6 +51,7 @@ def mirror_version(loc: Location, manifest: Manifest, url: str, storage_options:
     shards, then its manifest. Returns the URL of the version's directory on the mirror."""
     vdir = version_dir(manifest.version)
     root = url.rstrip("/")
+    bind(loc, root, storage_options)
     # The files of other versions it references first (each into its own version's directory
     # there, skipped when the mirror has it already), then its own, then its manifest: the mirror
     # never holds a manifest whose bytes are not all there.
@@ -51,7 +59,8 @@ def mirror_version(loc: Location, manifest: Manifest, url: str, storage_options:
         zip(manifest.shards, manifest.shard_files(), strict=True), key=lambda p: p[0].version is None
     )
     for shard, (where, name) in shards:
-        if shard.version is not None and _mirrored(f"{root}/{where}/{name}", shard.size, storage_options):
+        identified = shard.version is not None and file_identity(name) is not None
+        if identified and _mirrored(f"{root}/{where}/{name}", shard.size, storage_options):
             continue
         upload_file(loc.path(where, name), f"{root}/{where}/{name}", storage_options=storage_options)
     upload_file(
@@ -61,8 +70,8 @@ def mirror_version(loc: Location, manifest: Manifest, url: str, storage_options:
 
 
 def _mirrored(url: str, size: int, storage_options: dict[str, Any]) -> bool:
-    """Whether the mirror holds a file of ``size`` bytes at ``url`` (a referenced shard an earlier
-    upload sent: shard files are never rewritten in place)."""
+    """Whether the mirror holds a file of ``size`` bytes at ``url``, a file name that is its identity
+    (a referenced shard an earlier upload of this store sent: shard files are never rewritten)."""
     try:
         found = open_location(url.rsplit("/", 1)[0], storage_options)
         return int(found.fs.size(found.path(url.rsplit("/", 1)[1]))) == size
@@ -74,11 +83,24 @@ def mirror_archive(loc: Location, tar: str, url: str, storage_options: dict[str,
     """Upload the committed tarball ``tar`` of the local store ``loc`` to ``url``'s ``archive/``, then
     its index. Returns the URL of the tarball on the mirror."""
     aloc = archive_location(loc)
+    bind(loc, url.rstrip("/"), storage_options)
     remote = f"{url.rstrip('/')}/archive"
     for name in (tar, index_name(tar)):
         upload_file(aloc.path(name), f"{remote}/{name}", storage_options=storage_options)
     read_index(aloc, tar)  # still committed here, after the upload
     return f"{remote}/{tar}"
+
+
+def bind(loc: Location, url: str, storage_options: dict[str, Any]) -> None:
+    """Refuse ``url`` unless it is (or now becomes) the mirror of the store at ``loc``."""
+
+    def ours_at(path: str) -> bytes | None:
+        try:
+            return bytes(loc.fs.cat_file(loc.path(path)))
+        except FileNotFoundError:
+            return None
+
+    bind_mirror(loc, open_location(url, storage_options), ours_at=ours_at)
 
 
 def require_local(loc: Location) -> None:

@@ -15,8 +15,13 @@ while writing (:mod:`.writer`). A shard file is referenced only when it supplies
 an old version alive for a few small tensors of it (those are written again instead).
 
 Bytes are referenced only within one store (a manifest's shards name versions of its own
-store), and only files of loose versions; removal (:mod:`..versions.housekeeping`) never
-removes a file a committed version references.
+store), only files of loose versions, and only a file that is the one the index recorded: a file
+whose name carries an identity (:func:`..format.names.file_identity`) and that is there, under that
+name and with its size, when the save is split (:attr:`ContentIndex.present`, asked only of the
+files a save would reference: a dense save lists nothing). A file removed by hand, or one of
+another store copied in with its version, is never referenced: the save writes those bytes again,
+so a store heals by saving. Removal (:mod:`..versions.housekeeping`) never removes a file a
+committed version references.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from typing import Any
 from ..format.checksum import KEY_DIGITS, content_key, new_hasher
 from ..format.dtypes import dtype_name
 from ..format.manifest import BlobEntry, ShardEntry
+from ..format.names import file_identity
 from .planner import Blob, SavePlan, assign_shards
 
 BlobBytes = Callable[[Blob], memoryview]
@@ -59,9 +65,13 @@ class ContentIndex:
         samples: set[Sample] | None = None,
         *,
         identity: tuple[object, ...] | None = None,
+        present: Callable[[list[ShardEntry]], set[int]] | None = None,
     ) -> None:
         self.version = version
         self.identity = identity  # of the manifest it was read from, to tell a later one in its place
+        # Which of some shard files are there now, as recorded (by their place in the list given):
+        # asked once per save, of the files it would reference. None: all are (a test's index).
+        self.present = present
         # None: unknown (an index read from a manifest): every blob of a held dtype and size is
         # hashed whole before it is written or referenced.
         self.samples = samples
@@ -74,11 +84,14 @@ class ContentIndex:
         # block, a replicated chunk on every rank): a save references the place in the file that
         # supplies it most, so that the file is worth keeping (MIN_SHARE).
         self.also: dict[Key, list[Held]] = {}
+        identified = {i for i, s in enumerate(self.shards) if file_identity(s.file) is not None}
         for blob in blobs:
             b = blob if isinstance(blob, dict) else blob.model_dump()
             checksum = b["checksum"]
             if len(checksum) != KEY_DIGITS or not b["nbytes"] or b["offset"] is None:
                 continue  # not content-addressed (an older format), or empty
+            if b["shard"] not in identified:
+                continue  # a file of an older save, without an identity: its bytes are written again
             key = (checksum, b["dtype"], b["nbytes"])
             held = Held(b["shard"], b["dataset"], b["offset"], b.get("piece_bytes"), b.get("pieces"))
             if key in self.held:
@@ -177,6 +190,17 @@ def split(
         if (key, name, blob.nbytes) in index.also:
             elsewhere[blob.index] = [found[blob.index], *index.also[(key, name, blob.nbytes)]]
     reused: dict[int, tuple[ShardEntry, Held]] = {}
+    if found and index is not None and index.present is not None:  # only files that are there now
+        asked = sorted({h.shard for i, h in found.items() for h in elsewhere.get(i, [h])})
+        there = {asked[n] for n in index.present([index.shards[s] for s in asked])}
+        for i in list(found):
+            places = [h for h in elsewhere.pop(i, [found[i]]) if h.shard in there]
+            if not places:
+                del found[i]
+                continue
+            found[i] = places[0]
+            if len(places) > 1:
+                elsewhere[i] = places
     if found and index is not None:
         if elsewhere:  # each from the file that could supply this save the most
             could: dict[int, int] = {}

@@ -405,12 +405,11 @@ class VersionWriter:
         if self.options.dedup:
             with contextlib.suppress(Exception):  # (unknown: the next save reads the index again)
                 self._index = None
-                self._index = dedup.ContentIndex(
+                self._index = self._new_index(
                     manifest.version,
                     manifest.shards,
                     manifest.blobs,
-                    self._samples_of(manifest.version),
-                    identity=self._manifest_identity(manifest.version),
+                    self._manifest_identity(manifest.version),
                 )
 
     def content_index(self, parent: int | None) -> dedup.ContentIndex | None:
@@ -418,7 +417,9 @@ class VersionWriter:
         committed or loaded), else of the newest committed version; None when there is none, or it
         is archived (its bytes are then no loose files to reference). The index kept from the last
         save or read is used while its version is committed: removal keeps every file a committed
-        version references, so a prune or gc here or in another process leaves it valid."""
+        version references, so a prune or gc here or in another process leaves it valid. Either
+        way, a file is referenced only if it is there as the index recorded it when the save is
+        split (:attr:`.dedup.ContentIndex.present`): a directory removed by hand heals at the next save."""
         index = self._index
         if index is not None and index.identity is not None and (parent is None or index.version == parent):
             with translate_errors(self.loc, "reading"):  # still this manifest (another process may prune)
@@ -429,14 +430,21 @@ class VersionWriter:
             if found is None or found.is_archived:
                 return None
             identity = self._manifest_identity(found.version)
-        self._index = dedup.ContentIndex(
-            found.version,
-            found.manifest.shards,
-            found.manifest.blobs,
-            self._samples_of(found.version),
-            identity=identity,
-        )
+        self._index = self._new_index(found.version, found.manifest.shards, found.manifest.blobs, identity)
         return self._index
+
+    def _new_index(
+        self, version: int, shards: list[ShardEntry], blobs: Any, identity: tuple[object, ...] | None
+    ) -> dedup.ContentIndex:
+        loc = self.loc
+
+        def present(files: list[ShardEntry]) -> set[int]:
+            with translate_errors(loc, "reading"):
+                return protocol.present_shards(loc, files)
+
+        return dedup.ContentIndex(
+            version, shards, blobs, self._samples_of(version), identity=identity, present=present
+        )
 
     def _manifest_identity(self, version: int) -> tuple[object, ...] | None:
         """What tells ``version``'s manifest file from another written in its place (a version

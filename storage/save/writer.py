@@ -7,6 +7,10 @@ unless a content-addressed save computed each blob's key before (:mod:`.dedup`),
 into the blob's own checksum. A shard is complete only when its
 sink commits (fsync on local disks, the final part on object stores); the
 manifest that references it is written afterwards by :mod:`.commit`.
+
+Every file is written under a name no other save uses: the planned name with the token of this
+call (:func:`..format.names.identified_name`), its identity. A later save references the file, a
+mirror skips it and a removal keeps it only under that name (:mod:`.dedup`, :mod:`..remote.mirror`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ..format.checksum import content_key, digest, key_hasher, new_hasher, piece
 from ..format.dtypes import dtype_name
 from ..format.h5layout import build_shard_image
 from ..format.manifest import ShardEntry, blob_doc
+from ..format.names import identified_name, new_file_token
 from .planner import Blob, SavePlan, ShardPlan
 
 log = logging.getLogger(__name__)
@@ -54,9 +59,20 @@ def write_shards(
     if loc.is_local:  # object stores need no directories, and s3fs's makedirs would create a bucket
         loc.fs.makedirs(loc.path(version_dir), exist_ok=True)
     blob_entries: dict[int, dict[str, Any]] = {}
+    token = new_file_token()
 
     def one(shard: ShardPlan) -> ShardEntry:
-        entry, blobs = _write_shard(loc, version_dir, shard, plan.blobs, blob_bytes, rank, piece_bytes, keys)
+        entry, blobs = _write_shard(
+            loc,
+            version_dir,
+            shard,
+            identified_name(shard.file, token),
+            plan.blobs,
+            blob_bytes,
+            rank,
+            piece_bytes,
+            keys,
+        )
         blob_entries.update(blobs)
         return entry
 
@@ -73,6 +89,7 @@ def _write_shard(
     loc: Location,
     version_dir: str,
     shard: ShardPlan,
+    name: str,
     blobs: list[Blob],
     blob_bytes: BlobBytes,
     rank: int,
@@ -81,7 +98,7 @@ def _write_shard(
 ) -> tuple[ShardEntry, dict[int, dict[str, Any]]]:
     members = [blobs[i] for i in shard.blobs]
     image = build_shard_image(members)
-    path = loc.path(version_dir, shard.file)
+    path = loc.path(version_dir, name)
     file_hash = new_hasher()
     sums: dict[int, str] = {}
     piece_sums: dict[int, list[str]] = {}
@@ -150,4 +167,4 @@ def _write_shard(
             pieces=piece_sums.get(b.index, []) if piece_bytes else None,
         )
     log.debug("wrote %s (%d bytes, %d blobs)", path, image.size, len(members))
-    return ShardEntry(file=shard.file, size=image.size, checksum=file_hash.hexdigest(), rank=rank), entries
+    return ShardEntry(file=name, size=image.size, checksum=file_hash.hexdigest(), rank=rank), entries

@@ -263,35 +263,54 @@ def _stored_anyway(loc: Location, path: str, data: bytes) -> bool:
 
 
 def check_shards_present(loc: Location, manifest: Manifest | ManifestDraft) -> None:
-    """Refuse to commit a version whose shard files are not all there with their sizes.
+    """Refuse to commit a version whose shard files are not all there, each under the name that is
+    its identity (:func:`..format.names.file_identity`) and with its size.
 
     One listing of each directory its shards are in: its own, and those of the versions whose
     bytes it references. It catches a shard removed while the save ran (``gc`` or ``prune`` from
-    another process, a lifecycle rule), which would otherwise become a committed version that
-    cannot be loaded.
+    another process, a lifecycle rule, a directory removed by hand), which would otherwise become
+    a committed version that cannot be loaded.
     """
-    wrong: list[str] = []
-    by_dir: dict[str, list[ShardEntry]] = {}
-    for shard in manifest.shards:
-        by_dir.setdefault(shard.directory(manifest.version), []).append(shard)
-    for vdir, shards in by_dir.items():
-        loc.fs.invalidate_cache(loc.path(vdir))
-        try:
-            found = {
-                e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
-                for e in loc.fs.ls(loc.path(vdir), detail=True)
-            }
-        except FileNotFoundError:
-            found = {}
-        own = shards[0].version is None
-        wrong += [s.file if own else f"{vdir}/{s.file}" for s in shards if found.get(s.file) != s.size]
+    shards = [
+        s if s.version is not None else s.model_copy(update={"version": manifest.version})
+        for s in manifest.shards
+    ]
+    there = present_shards(loc, shards)
+    wrong = [
+        s.file if s.version is None else f"{s.directory(manifest.version)}/{s.file}"
+        for i, s in enumerate(manifest.shards)
+        if i not in there
+    ]
     if wrong:
         vdir = version_dir(manifest.version)
         raise CheckpointError(
             f"not committing {loc.display(vdir)}: shard files {', '.join(wrong)} are missing or changed "
-            "since they were written (was `ckptflow gc` or `prune` run on a store being saved to?). The "
-            "previous version stays the latest; save again"
+            "since the save began (was `ckptflow gc` or `prune` run on a store being saved to, or a "
+            "version directory removed by hand?). The previous version stays the latest; the next save "
+            "writes those bytes again"
         )
+
+
+def present_shards(loc: Location, shards: list[ShardEntry]) -> set[int]:
+    """Which of ``shards`` (each naming its version) are there now, with their sizes: one listing
+    (past fsspec's caches) of each version directory they are in."""
+    listed: dict[int, dict[str, object]] = {}
+    there = set()
+    for i, shard in enumerate(shards):
+        assert shard.version is not None
+        if shard.version not in listed:
+            path = loc.path(version_dir(shard.version))
+            loc.fs.invalidate_cache(path)
+            try:
+                listed[shard.version] = {
+                    e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size")
+                    for e in loc.fs.ls(path, detail=True)
+                }
+            except FileNotFoundError:
+                listed[shard.version] = {}
+        if listed[shard.version].get(shard.file) == shard.size:
+            there.add(i)
+    return there
 
 
 def _is_newest(loc: Location, version: int) -> bool:
@@ -368,15 +387,35 @@ def list_files(loc: Location, version: int) -> list[str]:
         return []
 
 
-def set_aside(loc: Location, version: int) -> str:
-    """Rename an unreadable version's directory to a name that is no version; return that name."""
+def set_aside(loc: Location, version: int, *, keep: frozenset[str] = frozenset()) -> str:
+    """Rename an unreadable version's directory to a name that is no version; return that name.
+
+    ``keep``: files of it that committed versions reference. They stay where those versions read
+    them; the rest (its manifest first) moves into the new directory, and the version's directory,
+    now without a manifest, is what removing a version leaves (``gc`` removes it once unreferenced).
+    """
     name = aside_name(version_dir(version))
     source, target = loc.path(version_dir(version)), loc.path(name)
+    if not keep:
+        if loc.is_local:
+            os.rename(source, target)  # atomic: the version is there under one name or the other
+            fsync_dir(loc.root)
+        else:
+            loc.fs.mv(source, target, recursive=True)
+        return name
+    moving = sorted(list_files(loc, version), key=lambda f: f != MANIFEST_FILE)  # the manifest first
     if loc.is_local:
-        os.rename(source, target)  # atomic: the version is there under one name or the other
+        os.makedirs(target)
+        for file in moving:
+            if file not in keep:
+                os.rename(os.path.join(source, file), os.path.join(target, file))
+        fsync_dir(target)
+        fsync_dir(source)
         fsync_dir(loc.root)
     else:
-        loc.fs.mv(source, target, recursive=True)
+        for file in moving:
+            if file not in keep:
+                loc.fs.mv(f"{source}/{file}", f"{target}/{file}")
     return name
 
 

@@ -14,6 +14,7 @@ from ..files.atomic import write_file_atomic
 from ..files.location import Location, translate_errors
 from ..format.manifest_checks import MAX_BYTES, document_depth_problem
 from . import commit as protocol
+from .identity import STORE_FILE
 from .lease import LEASE_FILE
 
 
@@ -49,7 +50,7 @@ def write_json(loc: Location, name: str, value: Any) -> None:
 
 def meta_name(name: str) -> str:
     """``name`` if it may name a metadata document; else ValueError."""
-    reserved = name == LEASE_FILE or protocol.parse_version_dir(name) is not None
+    reserved = name in (LEASE_FILE, STORE_FILE) or protocol.parse_version_dir(name) is not None
     if not name or "/" in name or name.startswith(".") or reserved:
         raise ValueError(f"{name!r} is not a valid metadata file name (a plain name like 'run.json')")
     return name

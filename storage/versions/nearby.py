@@ -7,7 +7,7 @@ empty store. :func:`misplaced` tells these two cases apart from a real store
 (empty or not), so that a command names where the store is instead.
 
 What always holds: a location holding anything a store holds (a version
-directory, ``latest``, ``archive/``, the lease, ``run.json``) is a store and
+directory, ``latest``, ``archive/``, the lease, ``run.json``, ``store.json``) is a store and
 is never reported as misplaced, and nothing here reads a file or writes
 anything: one listing of the location, then, only when it holds none of
 those and is no version directory (named ``vNNNNNN`` or holding a
@@ -23,10 +23,11 @@ from ..files.location import Location
 from ..format.manifest import MANIFEST_FILE
 from ..format.names import parse_version_dir
 from .commit import LATEST_FILE, is_set_aside_dir
+from .identity import STORE_FILE
 from .lease import LEASE_FILE
 
 RUN_FILE = "run.json"  # the run's identity, which ckptflow's pipeline writes beside its versions
-STORE_FILES = frozenset({LATEST_FILE, ARCHIVE_DIR, LEASE_FILE, RUN_FILE})
+STORE_FILES = frozenset({LATEST_FILE, ARCHIVE_DIR, LEASE_FILE, RUN_FILE, STORE_FILE})
 MAX_CHILDREN = 100  # subdirectories looked into for stores (a directory of many runs: the first, by name)
 
 

@@ -244,9 +244,12 @@ def check_after_crash(
 
     assert sorted(store.gc()) == leftovers, context
     assert raw.listdir() == {f"v{v:06d}" for v in listed} | {"latest"}, f"after gc: {raw.listdir()}"
+    held: dict[int, set[str]] = {v: set() for v in listed}  # each directory's files, as manifests list them
     for v in listed:
-        shards = {s.file for s in store.manifest(v).shards}
-        assert raw.listdir(f"v{v:06d}") == shards | {"manifest.json"}, f"stray files in v{v:06d}"
+        for s in store.manifest(v).shards:
+            held.setdefault(v if s.version is None else s.version, set()).add(s.file)
+    for v in listed:
+        assert raw.listdir(f"v{v:06d}") == held[v] | {"manifest.json"}, f"stray files in v{v:06d}"
     hinted = raw.read("latest").decode().strip()
     assert hinted in {f"v{v:06d}" for v in listed}, f"latest points at {hinted!r}: {context}"
 
