@@ -811,8 +811,9 @@ def gc_command(
 ) -> None:
     """Remove the uncommitted leftovers of interrupted saves and archive jobs.
 
-    It holds the store's writer lease (refused while a run or another writer holds it). A save
-    without the lease looks like a crashed one, so leftovers changed in the last --min-age seconds stay.
+    It holds the store's writer lease (refused while a run or another writer holds it). A save in
+    flight without the lease is known by its claim and stays; so do leftovers changed in the last
+    --min-age seconds.
     With --json, one document: what was removed (would be, with --dry-run), what was left, the bytes freed.
     """
     store = _open(url, storage_options, command="gc")
@@ -833,6 +834,7 @@ def gc_command(
             "min_age_seconds": min_age,
             "removed": listed(report.removed),
             "left": listed(report.spared),
+            "writing": list(report.writing),
             "freed_bytes": report.freed,
         }
         typer.echo(json.dumps(doc, indent=2))
@@ -853,7 +855,9 @@ def gc_command(
         typer.echo(f"left {store.tarball_url(tar)}: {recent}, an archive job may be writing it {again}")
     for name in report.spared.temp_files:
         typer.echo(f"left {store.display(name)}: {recent}, a write may be in progress {again}")
-    if not (report.removed or report.spared):
+    for number in report.writing:
+        typer.echo(f"left {store.version_url(number)}: a save in flight (a live writer claims it)")
+    if not (report.removed or report.spared or report.writing):
         typer.echo(f"no uncommitted leftovers in {store.url}")
     elif report.freed:
         typer.echo(f"freed {present.human_size(report.freed)}")

@@ -102,6 +102,17 @@ def has_ended(host: str, pid: int, start: str, space: str) -> bool:
         return False
 
 
+def is_running(host: str, pid: int, start: str, space: str) -> bool:
+    """Whether the holder is certainly running: a process of this host and pid space that started
+    when the record says (False whenever this process cannot tell)."""
+    if not start or not is_this_space(host, space):
+        return False
+    try:
+        return start_ticks(pid) == start
+    except OSError:
+        return False
+
+
 def pid_alive(pid: int) -> bool:
     """Whether a process ``pid`` exists (another user's included)."""
     try:

@@ -34,6 +34,7 @@ from typing import Any
 from ..errors import (
     CheckpointError,
     RankFailedError,
+    SaveFailedError,
     UnsupportedValueError,
     VersionExistsError,
     VersionTakenError,
@@ -493,6 +494,17 @@ class VersionWriter:
             if found is not None and found.token == self.claim_token.token:
                 claims.drop_claim(self.loc, version)
 
+    def _vanished(self, version: int, exc: FileNotFoundError) -> SaveFailedError:
+        """A save's own files or directory gone while it wrote: removed by hand, or by another
+        process's removal that took them for a crash's leftovers."""
+        error = SaveFailedError(
+            f"not committing {self.loc.display(version_dir(version))}: {exc.filename or 'a file'} went "
+            "while the save was writing it (removed by hand, or by `ckptflow gc` from a ckptflow older "
+            "than this store's writer?). The previous version stays the latest; save again"
+        )
+        error.__cause__ = exc
+        return error
+
     def write(self, job: SaveJob, shared_bytes: BlobBytes, own_bytes: BlobBytes) -> VersionInfo:
         """Write this rank's files and report them to rank 0, which commits if every rank succeeded;
         every rank returns the committed version, or raises (its own failure, if it had one)."""
@@ -538,8 +550,8 @@ class VersionWriter:
                     own = job.plan.own.report(files, own_written)
             mine = RankReport(shards, written, own)
         except BaseException as exc:  # tell rank 0, so that it does not commit and nobody waits forever
-            failure = exc
-            mine = RankReport.failed(exc)
+            failure = self._vanished(job.version, exc) if isinstance(exc, FileNotFoundError) else exc
+            mine = RankReport.failed(failure)
         reports = self.group.gather(mine, wire=(RankReport.to_json, RankReport.from_json))
 
         def commit() -> dict[str, Any]:

@@ -20,7 +20,7 @@ from ..errors import ManifestError, VersionTakenError
 from ..files.atomic import exclusive_local_write, exclusive_remote_write
 from ..files.byteio import fsync_dir
 from ..files.location import Location
-from ..files.processes import has_ended, this_process
+from ..files.processes import has_ended, is_running, this_process
 from ..format.manifest import MANIFEST_FILE
 from ..format.names import parse_version_dir, version_dir
 
@@ -43,6 +43,10 @@ class Claim:
     def writer_ended(self) -> bool:
         """Whether the claimer has certainly ended (its process is gone)."""
         return has_ended(self.host, self.pid, self.start, self.space)
+
+    def writer_runs(self) -> bool:
+        """Whether the claimer certainly runs (a process of this host, the one that claimed)."""
+        return is_running(self.host, self.pid, self.start, self.space)
 
     def describe(self) -> str:
         return f"host {self.host}, pid {self.pid}, {time.time() - self.created:.0f}s ago"

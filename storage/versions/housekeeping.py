@@ -8,7 +8,10 @@ committed; a tarball goes only when none of its versions is kept (members
 cannot be cut out of a tar). ``gc`` removes what crashes leave: version
 directories without a manifest, tarballs without an index, temp files of
 atomic writes (in the root and in ``archive/``), and says which it removed and
-which it spared as too recent (:class:`GarbageReport`).
+which it spared as too recent (:class:`GarbageReport`). A version a live writer
+has claimed (:mod:`.claims`) is a save in flight, never garbage, whatever the
+age limit: a save without the writer lease (the library's plain ``save``) is
+safe from a ``gc`` beside it.
 
 Versions share bytes (format 8): a version's manifest may reference shard
 files in an older version's directory instead of writing the same bytes
@@ -223,6 +226,7 @@ class GarbageReport:
     removed: Leftovers
     spared: Leftovers
     freed: int = 0  # bytes removed (0 in a dry run)
+    writing: tuple[int, ...] = ()  # versions a live writer claims: saves in flight, never removed
 
 
 def find_garbage(loc: Location, min_age: float = 0.0) -> GarbageReport:
@@ -232,11 +236,15 @@ def find_garbage(loc: Location, min_age: float = 0.0) -> GarbageReport:
     temps = [os.path.relpath(p, loc.root) for p in (*stale_temp_files(loc), *stale_temp_files(aloc))]
     refs = catalog.references(loc)
     leftover = [v for v, ok in protocol.list_dirs(loc).items() if not ok and _holds_garbage(loc, v, refs)]
+    writing = tuple(v for v in leftover if being_written(loc, v))  # spared whatever min_age says
+    leftover = [v for v in leftover if v not in writing]
     versions = _by_age(loc, [(v, loc.path(version_dir(v))) for v in leftover], min_age)
     tarballs = _by_age(loc, [(tar, aloc.path(tar)) for tar in partial], min_age)
     temp_files = _by_age(loc, [(name, loc.path(name)) for name in temps], min_age)
     return GarbageReport(
-        Leftovers(versions[0], tarballs[0], temp_files[0]), Leftovers(versions[1], tarballs[1], temp_files[1])
+        Leftovers(versions[0], tarballs[0], temp_files[0]),
+        Leftovers(versions[1], tarballs[1], temp_files[1]),
+        writing=writing,
     )
 
 
@@ -272,6 +280,23 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> GarbageReport:
     return dataclasses.replace(
         report, removed=dataclasses.replace(report.removed, tarballs=tuple(tarballs)), freed=freed
     )
+
+
+CLAIM_SECONDS = 180.0  # a claim whose writer's liveness is unknown (another host) and whose version
+# changed for this long is a leftover (as for a writer: saving.STALE_CLAIM_SECONDS)
+
+
+def being_written(loc: Location, version: int) -> bool:
+    """Whether a live writer claims ``version`` (:mod:`.claims`): its process runs (on this host), or
+    on another host, its version changed in the last CLAIM_SECONDS. A save without the writer lease
+    (a library's plain ``store.save``) is then in flight, and ``gc`` leaves it alone."""
+    found = claims.read_claim(loc, version)
+    if found is None or found.writer_ended():
+        return False
+    if found.writer_runs():
+        return True
+    changed = last_change(loc, loc.path(version_dir(version)))
+    return changed is None or time.time() - changed < CLAIM_SECONDS
 
 
 def _holds_garbage(loc: Location, version: int, refs: References) -> bool:

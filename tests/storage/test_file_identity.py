@@ -136,3 +136,45 @@ def test_setting_aside_an_unreadable_version_keeps_the_files_committed_versions_
     assert verify_all(fresh) == {3: None}
     aside = [p for p in root.iterdir() if ".unreadable-" in p.name]
     assert len(aside) == 1 and (aside[0] / "manifest.json").read_bytes() == b"{not json"
+
+
+class TestHousekeepingBesideAWriter:
+    """``gc`` and ``prune`` beside a process saving without the writer lease (the library's plain
+    ``store.save``). Before, ``gc(min_age=0)`` removed its saves in flight, and both processes met
+    raw ``FileNotFoundError`` / ``OSError: Directory not empty``."""
+
+    def test_gc_and_prune_spare_the_saves_in_flight_and_fail_only_with_checkpoint_errors(
+        self, target: StoreTarget, tmp_path: Path
+    ) -> None:
+        import time
+
+        from tests.storage.test_single_writer import Writer, committed_lines
+
+        writer = Writer.start(target, 1, 25, tmp_path / "go")
+        try:
+            writer.wait_line("ready")
+            (tmp_path / "go").touch()
+            store = target.open()
+            errors: list[BaseException] = []
+            rounds = 0
+            while writer.proc.poll() is None:
+                for call in (lambda: store.gc(min_age=0), lambda: store.prune(keep_last=3)):
+                    try:
+                        call()
+                    except CheckpointError as exc:  # refused or failed, naming what: allowed
+                        errors.append(exc)
+                    rounds += 1
+                time.sleep(0.2)
+            lines = writer.finish()
+        finally:
+            writer.kill()
+        assert writer.proc.returncode == 0, "\n".join(lines)
+        # a save is refused while maintenance holds the lease (one writer at a time), never cut off
+        refused = [ln for ln in lines if ln.startswith("failed") and " StoreLockedError " in ln]
+        others = [ln for ln in lines if not ln.startswith(("ready", "committed")) and ln not in refused]
+        assert not others, "\n".join(lines)
+        assert committed_lines(lines) and rounds >= 2, "\n".join(lines)
+        assert not [e for e in errors if target.url not in str(e)], errors
+        fresh = target.open()
+        kept = [v.version for v in fresh.versions()]
+        assert kept and all(error is None for error in verify_all(fresh).values())
