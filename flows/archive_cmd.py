@@ -64,10 +64,18 @@ def archive_command(
             if not rebuilt:
                 typer.echo(f"every tarball index in {store.url} is readable: nothing to rebuild")
             return
-        index = store.archive(numbers)
-        if not as_json:
-            where = f"{store.url}/archive/{index.tar}"
-            typer.echo(f"archived versions {_span(numbers)} into {where} ({index.size} bytes)")
+        archived = store.archived()
+        held = {archived[v].tar for v in numbers if v in archived}
+        if drop_loose and len(held) == 1 and all(v in archived for v in numbers):
+            # already archived together: only their loose copies go (a damaged one, say: `verify`)
+            index = archived[numbers[0]].index
+            if not as_json:
+                typer.echo(f"versions {_span(numbers)} are archived in {store.url}/archive/{index.tar}")
+        else:
+            index = store.archive(numbers)
+            if not as_json:
+                where = f"{store.url}/archive/{index.tar}"
+                typer.echo(f"archived versions {_span(numbers)} into {where} ({index.size} bytes)")
         dropped = store.drop_loose(numbers) if drop_loose else []
         if drop_loose and not as_json:
             typer.echo(f"removed the loose copies of versions {_span(dropped) or 'none'}")

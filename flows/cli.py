@@ -786,6 +786,7 @@ def prune_command(
             "tarballs_removed": list(plan.tarballs),
             "loose_removed": list(plan.loose),
             "freed_bytes": plan.freed,
+            "freed_bytes_by_version": {str(v): n for v, n in plan.freed_each.items()},
         }
         typer.echo(json.dumps(doc, indent=2))
         return

@@ -24,6 +24,7 @@ block needs Prefect.
 from __future__ import annotations
 
 import ast
+import contextlib
 import importlib.util
 import os
 import sys
@@ -122,6 +123,14 @@ def check_store(config: PipelineConfig) -> None:
     if store.probe(must_exist=False):
         store.refuse_if_held()  # another live run holds the store: say so before Prefect starts
         check_run_identity(store, config, lambda message: None)  # the build logs the warning
+    target = config.archive.upload_to
+    if target and config.archive.upload_secret is None:  # the secret's credentials need Prefect
+        from ckptflow.storage import StorageUnavailableError
+
+        # another store's mirror is refused now; one that does not answer, by the run's uploads
+        with contextlib.suppress(StorageUnavailableError):
+            options = quick_answer_options(target, config.archive.upload_options)
+            store.check_mirror(target, storage_options=options)
     if config.resume_only and store.latest() is None:
         raise nothing_to_resume(store.url)
 

@@ -83,7 +83,7 @@ def prune_lines(
             if (info := infos.get(v)) is not None and metric in info.metrics
         )
         lines.append(f"{keep_verb} the best by {metric} ({policy.best_mode}): {best or 'none'}")
-    lines += [f"{verb} {describe(infos[v]) if v in infos else f'version {v}'}" for v in plan.remove]
+    lines += [f"{verb} {_removed(v, infos.get(v), plan, dry_run)}" for v in plan.remove]
     held = plan.describe_held()
     if held:
         lines.append(f"{'would also keep' if dry_run else 'also kept'} {held}")
@@ -94,6 +94,22 @@ def prune_lines(
     )
     lines.append(f"{keep_verb} versions: {kept}; {free_verb} {freed}")
     return lines
+
+
+def _removed(version: int, info: VersionInfo | None, plan: PrunePlan, dry_run: bool) -> str:
+    """A removed version's line: what it held, and, where less, what its removal frees: the files
+    it references in older versions, and its own that kept versions reference, stay."""
+    if info is None:
+        return f"version {version}"
+    freed = plan.freed_each.get(version)
+    if freed is None or freed >= info.size:
+        return describe(info)
+    frees = "would free" if dry_run else "freed"
+    step = f", step {info.step}" if info.step is not None else ""
+    return (
+        f"version {info.version} (epoch {epoch_text(info)}{step}, {human_size(info.size)}; {frees} "
+        f"{human_size(freed)}, the rest is read by other versions) {info.url}"
+    )
 
 
 def misplaced_message(where: VersionDirectory | StoresBelow | None, url: str, *, command: str) -> str | None:

@@ -522,6 +522,11 @@ class CheckpointStore:
         """
         return self._upkeep.mirror_version(version, url, storage_options=storage_options)
 
+    def check_mirror(self, url: str, *, storage_options: dict[str, Any]) -> None:
+        """Raise CheckpointError, naming both stores, if ``url`` is another store's mirror (a mirror
+        belongs to one store; the first upload makes ``url`` this store's). Writes nothing."""
+        self._upkeep.check_mirror(url, storage_options=storage_options)
+
     def mirror_archive(self, tar: str, url: str, *, storage_options: dict[str, Any]) -> str:
         """Upload a committed tarball to ``url``'s ``archive/``, then its index (its commit there).
 

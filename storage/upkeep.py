@@ -156,6 +156,10 @@ class Upkeep:
         mirror.require_local(self.loc)
         return mirror.mirror_version(self.loc, self._reads.manifest(version), url, storage_options)
 
+    def check_mirror(self, url: str, *, storage_options: dict[str, Any]) -> None:
+        """Refuse ``url`` if it is the mirror of another store; write nothing."""
+        mirror.bind(self.loc, url.rstrip("/"), storage_options, write=False)
+
     def mirror_archive(self, tar: str, url: str, *, storage_options: dict[str, Any]) -> str:
         """Upload a committed tarball to ``url``'s ``archive/``, then its index (its commit there)."""
         mirror.require_local(self.loc)

@@ -82,6 +82,13 @@ class MaintenanceConfig(BaseModel):
     def _valid_stores(self) -> MaintenanceConfig:
         for url in self.storages:
             self.store_config(url)
+        if self.archive.upload_to and len(self.storages) > 1:
+            # a mirror belongs to one store: their versions and tarballs would mix in it
+            raise ValueError(
+                f"archive.upload_to {self.archive.upload_to!r} would mirror {len(self.storages)} stores "
+                f"({', '.join(self.storages)}), and a mirror belongs to one store: give each store its "
+                "own maintenance config with its own upload_to"
+            )
         return self
 
     def store_config(self, url: str) -> PipelineConfig:

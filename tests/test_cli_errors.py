@@ -181,6 +181,21 @@ class TestRunFailsBeforePrefect:
         assert_prefect_never_started(ckptflow, result)
         assert not (storage / "run.json").exists()
 
+    def test_an_upload_target_that_mirrors_another_store(self, ckptflow):
+        """Issue 52: a reused mirror URL (an earlier run's) was written into, and its versions mixed
+        with the new store's; now the run is refused before anything is written, naming both."""
+        from ckptflow.storage import CheckpointStore
+
+        earlier, mirror = ckptflow.work / "earlier", ckptflow.work / "mirror"
+        old = CheckpointStore(earlier)
+        old.save({"w": [1.0]})
+        old.mirror_version(0, str(mirror), storage_options={})
+        storage = ckptflow.work / "checkpoints"
+        result = ckptflow("run", "--storage", str(storage), "--upload-to", str(mirror), "--epochs", "1")
+        result.assert_one_error_line(f"belongs to the store at {earlier}", "a mirror URL of its own")
+        assert_prefect_never_started(ckptflow, result)
+        assert not storage.exists()
+
     def test_a_spec_in_the_working_directory_is_found(self, ckptflow):
         """The training process imports from the working directory; so does the check."""
         (ckptflow.work / "mymodel.py").write_text("class Other:\n    pass\n")

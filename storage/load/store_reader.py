@@ -5,16 +5,29 @@ is asked about what is committed, loose or archived, and reads states back. It o
 nothing here changes a store, so any number of processes may read while one writes. A
 version is found (:meth:`StoreReader.locate`) before its bytes are read; every state but
 committed is a clear error naming what the version is and what to do.
+
+The good copy wins: a version can be held twice, loose and in a committed tarball (between
+archiving and dropping the loose files, or kept so on purpose). Loading prefers the loose copy;
+when that copy is missing a file or fails a checksum and the tarball's copy is the same version
+(the same manifest), the load reads the tarball's, saying so once per version, and ``verify``
+checks both copies and names the damaged one and the command that repairs it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..archive.tarballs import list_archived
 from ..collector import collector_paused
-from ..errors import ManifestError, UnreadableVersionError, VersionNotFoundError
+from ..errors import (
+    CorruptShardError,
+    DamagedCopyError,
+    ManifestError,
+    UnreadableVersionError,
+    VersionNotFoundError,
+)
 from ..files.location import Location, translate_errors
 from ..format.manifest import Manifest
 from ..info import StoreOptions, VersionInfo
@@ -29,12 +42,16 @@ if TYPE_CHECKING:
     from ..archive.tarballs import ArchivedVersion
     from ..save.distributed import RankGroup
 
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
 
 class StoreReader:
     """What a store reads: its catalog of versions and their states."""
 
     def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
         self.loc, self.options, self.group = loc, options, group
+        self._told: set[int] = set()  # versions read from their tarball: said once
 
     def versions(self) -> list[VersionInfo]:
         """Committed versions, loose and archived, oldest first."""
@@ -103,8 +120,9 @@ class StoreReader:
     ) -> Any:
         """The state of a version already found by :meth:`locate`."""
         with collector_paused():
-            return read_state(
-                self.loc, self.options, located, located.manifest, keys, map_location, verify, into
+            return self._good_copy(
+                located,
+                lambda x: read_state(self.loc, self.options, x, x.manifest, keys, map_location, verify, into),
             )
 
     def load_rank_state(
@@ -123,7 +141,39 @@ class StoreReader:
         manifest = rank_manifest(located.manifest, rank, world, stacklevel=2)
         if manifest is None:
             return None
-        return read_state(self.loc, self.options, located, manifest, None, map_location, verify, None)
+        opts = self.options
+        return self._good_copy(
+            located, lambda x: read_state(self.loc, opts, x, manifest, None, map_location, verify, None)
+        )
+
+    def _good_copy(self, located: catalog.Located, read: Callable[[catalog.Located], T]) -> T:
+        """``read(located)``; when its loose copy is damaged, ``read`` of its tarball's copy."""
+        try:
+            return read(located)
+        except CorruptShardError as exc:
+            other = self.archived_copy(located)
+            if other is None:
+                raise
+            if located.version not in self._told:
+                self._told.add(located.version)
+                log.warning(
+                    "version %d: its loose copy is damaged (%s); reading its copy in %s instead (`ckptflow "
+                    "verify` says how to repair the loose one)",
+                    located.version,
+                    exc,
+                    other.url(self.loc),
+                )
+            return read(other)
+
+    def archived_copy(self, located: catalog.Located) -> catalog.Located | None:
+        """The copy in a committed tarball of a loose version, the same version (None: none)."""
+        if located.is_archived:
+            return None
+        with translate_errors(self.loc, "reading"):
+            archived = list_archived(self.loc).get(located.version)
+        if archived is None or archived.manifest != located.manifest:
+            return None
+        return catalog.Located(archived.manifest, archived)
 
     def verify(self, version: int | None = None) -> VersionInfo:
         """Check every byte of a version (loose or archived) against its checksums, and its tar structure."""
@@ -140,11 +190,44 @@ class StoreReader:
         return self.verify_located(self.locate(version))
 
     def verify_located(self, located: catalog.Located) -> VersionInfo:
-        """Check the shards of a version found by :meth:`survey` (no second look-up)."""
-        with translate_errors(self.loc, "verifying"):
-            located.check_tarball(self.loc, whole=True)
-            verify_version(self.loc, located.manifest, located.sources(self.loc))
+        """Check the shards of a version found by :meth:`survey` (no second look-up), and of its
+        copy in a tarball if it has one: a damaged copy fails, naming which and how to repair it."""
+        other = self.archived_copy(located)
+        problems = {}
+        for copy in (located, other) if other is not None else (located,):
+            try:
+                with translate_errors(self.loc, "verifying"):
+                    copy.check_tarball(self.loc, whole=True)
+                    verify_version(self.loc, copy.manifest, copy.sources(self.loc))
+            except CorruptShardError as exc:
+                problems[copy.is_archived] = exc
+        if other is not None and problems:
+            raise self._repair(located, other, problems)
+        if problems:
+            raise problems[False]
         return self.info_of(located)
+
+    def _repair(
+        self, loose: catalog.Located, archived: catalog.Located, problems: dict[bool, CorruptShardError]
+    ) -> DamagedCopyError:
+        """The error of a version held twice, loose and archived, one copy or both damaged."""
+        v, url, tar = loose.version, self.loc.display(), archived.url(self.loc)
+        if len(problems) == 2:
+            how = "both copies are damaged: load another version, or restore one copy from the mirror"
+            text = f"version {v}: {problems[False]}; and its copy in {tar}: {problems[True]}; {how}"
+        elif False in problems:
+            text = (
+                f"version {v}'s loose copy is damaged: {problems[False]}. Its copy in {tar} is intact and "
+                f"loads in its place; remove the damaged loose copy with `ckptflow archive {url} --versions "
+                f"{v} --drop-loose`"
+            )
+        else:
+            text = (
+                f"version {v}'s copy in {tar} is damaged: {problems[True]}. Its loose copy is intact and "
+                "loads; archive it again into a new tarball once the damaged one is removed (a tarball is "
+                "removed whole)"
+            )
+        return DamagedCopyError(text, damaged=problems.get(False) or problems[True])
 
     def survey(self) -> catalog.Survey:
         """Every version by state: committed (loose or archived), unreadable, being written, set aside."""

@@ -29,7 +29,7 @@ from ..errors import CheckpointError
 from ..files.location import Location, open_location
 from ..format.manifest import MANIFEST_FILE, Manifest
 from ..format.names import file_identity, version_dir
-from ..versions.identity import bind_mirror
+from ..versions.identity import bind_mirror, check_mirror
 from .options import TransferOptions
 
 # storage/__init__.py imports it from here
@@ -91,8 +91,9 @@ def mirror_archive(loc: Location, tar: str, url: str, storage_options: dict[str,
     return f"{remote}/{tar}"
 
 
-def bind(loc: Location, url: str, storage_options: dict[str, Any]) -> None:
-    """Refuse ``url`` unless it is (or now becomes) the mirror of the store at ``loc``."""
+def bind(loc: Location, url: str, storage_options: dict[str, Any], *, write: bool = True) -> None:
+    """Refuse ``url`` unless it is (or now becomes) the mirror of the store at ``loc``;
+    ``write=False``: only check, writing nothing (a run's check before it starts)."""
 
     def ours_at(path: str) -> bytes | None:
         try:
@@ -100,7 +101,7 @@ def bind(loc: Location, url: str, storage_options: dict[str, Any]) -> None:
         except FileNotFoundError:
             return None
 
-    bind_mirror(loc, open_location(url, storage_options), ours_at=ours_at)
+    (bind_mirror if write else check_mirror)(loc, open_location(url, storage_options), ours_at=ours_at)
 
 
 def require_local(loc: Location) -> None:

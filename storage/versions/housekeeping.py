@@ -64,8 +64,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def remove_versions(loc: Location, versions: list[int]) -> int:
-    """Remove loose versions but the files others reference; return the bytes freed. Every
+def remove_versions(loc: Location, versions: list[int]) -> dict[int, int]:
+    """Remove loose versions but the files others reference; return the bytes freed of each. Every
     manifest goes first, then the marks are read from the manifests that stay, then the sweep: a
     crash at any point leaves garbage, never a committed version without its bytes."""
     sizes = {v: _file_sizes(loc, v) for v in versions}  # the manifests' bytes count as freed too
@@ -77,35 +77,35 @@ def remove_versions(loc: Location, versions: list[int]) -> int:
 
 def sweep(
     loc: Location, versions: list[int], refs: References, sizes: dict[int, dict[str, int]] | None = None
-) -> int:
+) -> dict[int, int]:
     """Remove the files of the (manifest-less) directories of ``versions`` that no committed
-    version references, and each directory left empty; return the bytes freed (``sizes``: of
-    the files as they were before their manifests went)."""
+    version references, and each directory left empty; return the bytes freed in each (``sizes``:
+    of the files as they were before their manifests went)."""
     if refs.unknown and versions:
         log.warning(
             "a version's manifest cannot be read, so the bytes it references are unknown: removed "
             "versions keep their shard files until it is readable or set aside (then run gc)"
         )
-    freed = 0
+    freed = {}
     for version in versions:
         found = _file_sizes(loc, version)
         keep = _kept(refs, version, list(found))
         before = {**found, **(sizes or {}).get(version, {})}
-        freed += sum(size for name, size in before.items() if name not in keep)
+        freed[version] = sum(size for name, size in before.items() if name not in keep)
         protocol.remove_version(loc, version, keep=keep)
     return freed
 
 
-def freed_by_removing(loc: Location, versions: list[int], refs: References | None = None) -> int:
-    """The bytes :func:`remove_versions` would free now (reads only): their files but those the
-    other committed versions reference (``refs``, without ``versions``: read now if not given)."""
+def freed_by_removing(loc: Location, versions: list[int], refs: References | None = None) -> dict[int, int]:
+    """The bytes :func:`remove_versions` would free now in each version (reads only): its files but
+    those the other committed versions reference (``refs``, without ``versions``: read now if not given)."""
     refs = refs if refs is not None else catalog.references(loc, frozenset(versions))
-    total = 0
+    freed = {}
     for version in versions:
         found = _file_sizes(loc, version)
         keep = _kept(refs, version, list(found))
-        total += sum(size for name, size in found.items() if name not in keep)
-    return total
+        freed[version] = sum(size for name, size in found.items() if name not in keep)
+    return freed
 
 
 def _kept(refs: References, version: int, files: list[str]) -> frozenset[str]:
@@ -161,8 +161,8 @@ def plan(loc: Location, policy: RetentionPolicy) -> PrunePlan:
         _size(loc, aloc.path(tar)) + _size(loc, aloc.path(index_name(tar))) for tar in planned.tarballs
     )
     gone = frozenset(planned.loose)
-    loose = freed_by_removing(loc, list(gone), References(records, gone)) if gone else 0
-    return dataclasses.replace(planned, freed=tars + loose)
+    loose = freed_by_removing(loc, list(gone), References(records, gone)) if gone else {}
+    return dataclasses.replace(planned, freed=tars + sum(loose.values()), freed_each=loose)
 
 
 def prune(loc: Location, policy: RetentionPolicy) -> PrunePlan:
@@ -177,9 +177,9 @@ def prune(loc: Location, policy: RetentionPolicy) -> PrunePlan:
         aloc = archive_location(loc)
         freed += _size(loc, aloc.path(tar)) + _size(loc, aloc.path(index_name(tar)))
         remove_tarball(loc, tar)
-    freed += remove_versions(loc, list(carried.loose))
+    each = remove_versions(loc, list(carried.loose))
     protocol.refresh_latest(loc, list(carried.remaining))
-    return dataclasses.replace(carried, freed=freed)
+    return dataclasses.replace(carried, freed=freed + sum(each.values()), freed_each=each)
 
 
 def archive(loc: Location, versions: list[int], *, name: str | None = None) -> TarIndex:
@@ -262,7 +262,7 @@ def collect_garbage(loc: Location, *, min_age: float = 0.0) -> GarbageReport:
     """
     report = find_garbage(loc, min_age)
     with fence(loc):
-        freed = sweep(loc, list(report.removed.versions), catalog.references(loc))
+        freed = sum(sweep(loc, list(report.removed.versions), catalog.references(loc)).values())
     aloc = archive_location(loc)
     tarballs = []
     for tar in report.removed.tarballs:

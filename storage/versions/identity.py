@@ -108,13 +108,32 @@ def bind_mirror(store: Location, mirror: Location, *, ours_at: Callable[[str], b
         if theirs is None:
             _check_unmarked(store, mirror, ours_at)
             theirs = _create(mirror, StoreIdentity(ours.id, store.display()))
-    if theirs.id != ours.id:
-        whose = f"the store at {theirs.mirror_of}" if theirs.mirror_of else "another store"
-        raise CheckpointError(
-            f"not mirroring {store.display()} to {mirror.display()}: that location belongs to {whose} "
-            f"(its {STORE_FILE} says so). A mirror belongs to one store: give {store.display()} a mirror "
-            "URL of its own"
-        )
+    _refuse_another(store, mirror, ours, theirs)
+
+
+def check_mirror(store: Location, mirror: Location, *, ours_at: Callable[[str], bytes | None]) -> None:
+    """:func:`bind_mirror`'s refusal, if it would refuse, without writing anything anywhere."""
+    with translate_errors(store, "reading the identity of"):
+        ours = read_identity(store)
+    with translate_errors(mirror, "reading the identity of"):
+        theirs = read_identity(mirror)
+        if theirs is None:
+            _check_unmarked(store, mirror, ours_at)
+    if theirs is not None:
+        _refuse_another(store, mirror, ours, theirs)
+
+
+def _refuse_another(
+    store: Location, mirror: Location, ours: StoreIdentity | None, theirs: StoreIdentity
+) -> None:
+    if ours is not None and theirs.id == ours.id:
+        return
+    whose = f"the store at {theirs.mirror_of}" if theirs.mirror_of else "another store"
+    raise CheckpointError(
+        f"not mirroring {store.display()} to {mirror.display()}: that location belongs to {whose} "
+        f"(its {STORE_FILE} says so). A mirror belongs to one store: give {store.display()} a mirror "
+        "URL of its own"
+    )
 
 
 def _check_unmarked(store: Location, mirror: Location, ours_at: Callable[[str], bytes | None]) -> None:

@@ -110,6 +110,9 @@ class PrunePlan:
     kept_in: Mapping[str, tuple[int, ...]] = field(default_factory=dict)  # tarball -> kept versions in it
     best: tuple[int, ...] = ()  # the versions kept as the best by the policy's metric, best first
     freed: int | None = None  # bytes it removes (a plan: would remove now; None: not computed)
+    # Of the loose versions it removes, the bytes each frees: its own files but those the versions
+    # that stay reference (which stay with them); its size counts those and the files it references.
+    freed_each: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def remaining(self) -> tuple[int, ...]:
