@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointError, CheckpointStore
-
 from tests.conftest import StoreTarget, assert_same_state
 from tests.storage.test_dedup import dense, fine_tune, verify_all
 
