@@ -396,13 +396,12 @@ def set_aside(loc: Location, version: int, *, keep: frozenset[str] = frozenset()
     """
     name = aside_name(version_dir(version))
     source, target = loc.path(version_dir(version)), loc.path(name)
-    if not keep:
-        if loc.is_local:
-            os.rename(source, target)  # atomic: the version is there under one name or the other
-            fsync_dir(loc.root)
-        else:
-            loc.fs.mv(source, target, recursive=True)
+    if not keep and loc.is_local:
+        os.rename(source, target)  # atomic: the version is there under one name or the other
+        fsync_dir(loc.root)
         return name
+    # An object store has no directories to rename: each file moves, as listed now (past the
+    # caches: a listing taken before a prune names files that are gone)
     moving = sorted(list_files(loc, version), key=lambda f: f != MANIFEST_FILE)  # the manifest first
     if loc.is_local:
         os.makedirs(target)

@@ -287,3 +287,157 @@ def test_two_stores_never_mix_in_one_mirror(tmp_path: Path) -> None:
         MaintenanceConfig(
             storages=[str(tmp_path / "a"), str(tmp_path / "b")], archive={"upload_to": str(mirror)}
         )
+
+
+# -- a property test: ckptflow's operations mixed with a user's ordinary accidents -----------------
+
+ACTS = [
+    "save",
+    "save",
+    "save",
+    "async",
+    "load",
+    "prune",
+    "gc",
+    "archive",
+    "mirror",
+    "copy-in",
+    "remove-by-hand",
+    "set-aside",
+]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_operations_and_accidents_never_leave_a_reported_version_unloadable(
+    tmp_path: Path, seed: int
+) -> None:
+    """After any sequence of saves, loads, prunes, gcs, archives, mirror uploads, and a user's
+    accidents (a version copied in from another store whose files have the same names and sizes,
+    a version directory removed by hand, an unreadable manifest set aside), every version ckptflow
+    reported committed, kept or mirrored loads bitwise, unless the accident itself took its bytes;
+    and every save after an accident commits at once."""
+    target = StoreTarget("local", str(tmp_path / "s"), None)
+    _random_accidents(target, seed, steps=18, scratch=tmp_path)
+
+
+@pytest.mark.s3
+def test_random_operations_and_accidents_on_s3(s3_bucket, tmp_path: Path) -> None:
+    bucket, options = s3_bucket
+    _random_accidents(StoreTarget("s3", f"s3://{bucket}/run1", options), seed=11, steps=14, scratch=tmp_path)
+
+
+def _random_accidents(target: StoreTarget, seed: int, *, steps: int, scratch: Path) -> None:
+    import random
+
+    rng = random.Random(seed)
+    store = target.open()
+    other = CheckpointStore(scratch / "other")  # the store versions are copied in from
+    for step in range(2):
+        other.save(base_tuned(7, step))
+    expected: dict[int, dict] = {}  # what each version ckptflow committed holds
+    taken: set[int] = set()  # versions an accident took bytes from: nothing is promised of them
+    mirrored: dict[int, dict] = {}
+    mirror = scratch / "mirror"
+    state: dict | None = None
+    for _ in range(steps):
+        act = rng.choice(ACTS)
+        committed = [v.version for v in store.versions()]
+        loose = [v.version for v in store.versions() if not v.archived]
+        if act in ("save", "async"):
+            kind = rng.choice(["fine", "dense", "same", "other"])
+            if kind == "fine" or state is None:
+                state = fine_tune(rng.randrange(50))
+            elif kind == "dense":
+                state = dense(rng.randrange(50))
+            elif kind == "other":
+                state = base_tuned(7, rng.randrange(50))  # the copied-in store's base: its offsets differ
+            if act == "save":
+                version = store.save(state).version
+            else:
+                handle = store.save_async(state)
+                handle.wait()
+                version = handle.version
+            expected[version] = state
+            taken.discard(version)  # a number an accident freed, saved again
+        elif act == "load" and committed:
+            version = rng.choice([v for v in committed if v not in taken] or committed)
+            if version not in taken:
+                state = store.load(version=version)  # the next save continues from it
+                assert_same_state(state, expected[version])
+        elif act == "prune" and committed:
+            store.prune(keep_last=rng.randint(1, 3))
+        elif act == "gc":
+            store.gc()
+        elif act == "archive" and loose and target.backend == "local":
+            chosen = sorted(rng.sample(loose, rng.randint(1, len(loose))))
+            if set(chosen) & taken:  # bytes an accident took: refused, naming the missing file
+                with pytest.raises(CheckpointError, match="no file"):
+                    store.archive(chosen)
+                continue
+            store.archive(chosen)
+            if rng.random() < 0.5:
+                store.drop_loose(chosen)
+        elif act == "mirror" and target.backend == "local":
+            ok = [v for v in loose if v not in taken]
+            if ok:
+                version = rng.choice(ok)
+                store.mirror_version(version, str(mirror), storage_options={})
+                mirrored[version] = expected[version]
+        elif act == "copy-in":
+            number = catalog_next(target)
+            source = other.versions()[-1].version
+            _copy_version(target, scratch / "other", source, number)
+            taken.add(number)  # a version of another store under our number: its references are not here
+        elif act == "remove-by-hand" and loose:
+            gone = rng.choice(loose)
+            users = {v for v in committed if _references(target, v, gone)}
+            target.raw_remove(f"v{gone:06d}")
+            taken.update(users | {gone})
+        elif act == "set-aside" and committed:
+            top = max(committed)
+            if top in loose and top not in taken:
+                target.raw_write(f"v{top:06d}/manifest.json", b"{damaged")
+                store.set_aside_unreadable()
+                taken.add(top)
+                state = None
+        fresh = target.open()
+        for info in fresh.versions():
+            if info.version not in taken:
+                assert_same_state(fresh.load(version=info.version), expected[info.version])
+        if mirrored:
+            copy = CheckpointStore(mirror)
+            for version, want in mirrored.items():
+                assert_same_state(copy.load(version=version), want)
+    version = target.open().save(dense(99)).version  # a save after any accident commits at once
+    assert_same_state(target.open().load(version=version), dense(99))
+
+
+def catalog_next(target: StoreTarget) -> int:
+    """A number above every version directory of the store (where a user's copy would go)."""
+    numbers = [int(n[1:]) for n in target.raw_version_dirs()]
+    return max(numbers, default=-1) + 1
+
+
+def _copy_version(target: StoreTarget, source_root: Path, source: int, number: int) -> None:
+    """Copy a version directory of a local store into ``target`` under ``number``, its manifest's
+    version set to that number (as a user renaming a copied directory would have to, to load it)."""
+    from ckptflow.storage.format.manifest import SEAL_KEY, sealed_json
+
+    for path in sorted((source_root / f"v{source:06d}").iterdir()):
+        data = path.read_bytes()
+        if path.name == "manifest.json":
+            raw = json.loads(data)
+            raw["version"] = number
+            data = sealed_json({k: v for k, v in raw.items() if k != SEAL_KEY}, SEAL_KEY)
+        target.raw_write(f"v{number:06d}/{path.name}", data)
+
+
+def _references(target: StoreTarget, version: int, gone: int) -> bool:
+    """Whether committed ``version`` reads a file of version ``gone``'s directory."""
+    if version == gone:
+        return True
+    try:
+        raw = json.loads(target.raw_read(f"v{version:06d}/manifest.json"))
+    except (FileNotFoundError, ValueError):
+        return False
+    return any(s.get("version") == gone for s in raw["shards"])
