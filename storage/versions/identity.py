@@ -149,7 +149,8 @@ def _check_unmarked(store: Location, mirror: Location, ours_at: Callable[[str], 
     held += [f"{ARCHIVE_DIR}/{index_name(tar)}" for tar in committed]
     if not held:
         return
-    same, other = [], []
+    same: list[str] = []
+    other: list[str] = []
     for path in held:
         ours = ours_at(path)
         if ours is None:
