@@ -81,9 +81,25 @@ class Upkeep:
         with self._lease():
             yield
 
+    @contextlib.contextmanager
+    def _failures(self, action: str) -> Iterator[None]:
+        """A removal's failures as CheckpointErrors naming the store and the path (a file another
+        process removed or changed meanwhile, a directory that filled again)."""
+        try:
+            with translate_errors(self.loc, action):  # a full disk, refused credentials, ... first
+                yield
+        except OSError as exc:
+            if isinstance(exc, CheckpointError):
+                raise
+            where = exc.filename or self.loc.display()
+            raise CheckpointError(
+                f"{action} {self.loc.display()} failed at {where}: {exc.strerror or exc}. Another "
+                "process changed the store meanwhile; what is committed is intact: run it again"
+            ) from exc
+
     def delete(self, version: int) -> None:
         """Delete a committed version (its manifest first, so a crash leaves only garbage)."""
-        with self._removing(), translate_errors(self.loc, "deleting from"):
+        with self._removing(), self._failures("deleting from"):
             housekeeping.delete_version(self.loc, version)
 
     def prune(
@@ -115,7 +131,7 @@ class Upkeep:
 
     def apply_retention(self, policy: RetentionPolicy) -> PrunePlan:
         """Delete what the policy does not keep; return the plan carried out (kept, removed, held)."""
-        with self._removing(), translate_errors(self.loc, "pruning"):
+        with self._removing(), self._failures("pruning"):
             return housekeeping.prune(self.loc, policy)
 
     def archive(self, versions: Sequence[int], *, name: str | None = None) -> TarIndex:
@@ -134,7 +150,7 @@ class Upkeep:
 
     def drop_loose(self, versions: Sequence[int]) -> list[int]:
         """Remove the loose copies of archived versions; they load from their tarball after."""
-        with self._removing(), translate_errors(self.loc, "removing loose files from"):
+        with self._removing(), self._failures("removing loose files from"):
             return housekeeping.drop_loose(self.loc, list(versions))
 
     def gc(self, *, min_age: float = 0.0, dry_run: bool = False) -> list[int]:
@@ -146,7 +162,7 @@ class Upkeep:
         if dry_run:
             with translate_errors(self.loc, "listing"):
                 return housekeeping.find_garbage(self.loc, min_age)
-        with self._removing(), translate_errors(self.loc, "collecting garbage in"):
+        with self._removing(), self._failures("collecting garbage in"):
             return housekeeping.collect_garbage(self.loc, min_age=min_age)
 
     # -- mirroring --------------------------------------------------------------

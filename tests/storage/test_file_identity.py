@@ -339,8 +339,8 @@ def _random_accidents(target: StoreTarget, seed: int, *, steps: int, scratch: Pa
     mirrored: dict[int, dict] = {}
     mirror = scratch / "mirror"
     state: dict | None = None
-    for _ in range(steps):
-        act = rng.choice(ACTS)
+    acts = [*rng.sample(ACTS, len(ACTS)), *(rng.choice(ACTS) for _ in range(steps))]  # each at least once
+    for act in acts[: max(steps, len(ACTS))]:
         committed = [v.version for v in store.versions()]
         loose = [v.version for v in store.versions() if not v.archived]
         if act in ("save", "async"):
@@ -441,3 +441,60 @@ def _references(target: StoreTarget, version: int, gone: int) -> bool:
     except (FileNotFoundError, ValueError):
         return False
     return any(s.get("version") == gone for s in raw["shards"])
+
+
+def test_a_mirror_written_before_store_identities_is_taken_only_when_it_is_this_store_s(
+    tmp_path: Path,
+) -> None:
+    """A mirror an older ckptflow wrote has no ``store.json``: it is this store's mirror when the
+    manifests it holds are the store's own, byte for byte, and refused otherwise."""
+    mirror, stranger = tmp_path / "mirror", tmp_path / "stranger"
+    store = CheckpointStore(tmp_path / "s")
+    for step in range(3):
+        store.save(fine_tune(step))
+    store.mirror_version(0, str(mirror), storage_options={})
+    other = CheckpointStore(tmp_path / "o")
+    other.save(base_tuned(3, 0))
+    other.mirror_version(0, str(stranger), storage_options={})
+    for where in (tmp_path / "s", mirror, stranger):
+        (where / "store.json").unlink()  # as an older ckptflow left them
+    store.mirror_version(2, str(mirror), storage_options={})
+    assert_same_state(CheckpointStore(mirror).load(version=2), fine_tune(2))
+    assert (
+        json.loads((mirror / "store.json").read_bytes())["id"]
+        == json.loads((tmp_path / "s" / "store.json").read_bytes())["id"]
+    )
+    before = files_of(stranger)
+    with pytest.raises(CheckpointError, match=r"holds versions of another store .*v000000/manifest\.json"):
+        store.mirror_version(1, str(stranger), storage_options={})
+    assert files_of(stranger) == before
+
+
+def test_a_removal_that_meets_a_changed_store_fails_with_a_checkpoint_error_naming_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, ``gc`` beside a writer raised a raw ``OSError: Directory not empty``."""
+    import errno
+    import os
+
+    from ckptflow.storage.versions import commit as protocol
+
+    store = CheckpointStore(tmp_path / "s")
+    for step in range(3):
+        store.save(dense(step))
+    (tmp_path / "s" / "v000007").mkdir()
+    (tmp_path / "s" / "v000007" / "half.h5").write_bytes(b"left by a crash")
+    real = protocol.remove_version
+
+    def refilled(loc, version, **kwargs):  # a writer put a file back into the directory meanwhile
+        path = loc.path(f"v{version:06d}")
+        raise OSError(errno.ENOTEMPTY, os.strerror(errno.ENOTEMPTY), path)
+
+    monkeypatch.setattr(protocol, "remove_version", refilled)
+    for call in (store.gc, lambda: store.prune(keep_last=1)):
+        with pytest.raises(CheckpointError, match=r"failed at .*/s/v00000[07]: Directory not empty"):
+            call()
+    monkeypatch.setattr(protocol, "remove_version", real)
+    # the prune had removed the manifests of 0 and 1 (first, as ever): their files are garbage now
+    assert store.gc() == [0, 1, 7] and [v.version for v in store.versions()] == [2]
+    assert_same_state(CheckpointStore(tmp_path / "s").load(), dense(2))
