@@ -97,14 +97,6 @@ class CorruptShardError(CheckpointError):
         )
 
 
-class DamagedCopyError(CorruptShardError):
-    """A version held twice, loose and in a tarball, with a damaged copy: which one, and how to repair."""
-
-    def __init__(self, message: str, *, damaged: CorruptShardError) -> None:
-        self.file, self.expected, self.actual = damaged.file, damaged.expected, damaged.actual
-        CheckpointError.__init__(self, message)
-
-
 class CorruptArchiveError(CorruptShardError):
     """A tarball is not the tar that was archived outside its members' data: a member's header,
     the padding or the end-of-archive blocks, or its size (what tar and extraction read)."""

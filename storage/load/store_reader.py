@@ -23,7 +23,6 @@ from ..archive.tarballs import list_archived
 from ..collector import collector_paused
 from ..errors import (
     CorruptShardError,
-    DamagedCopyError,
     ManifestError,
     UnreadableVersionError,
     VersionNotFoundError,
@@ -204,30 +203,32 @@ class StoreReader:
         if other is not None and problems:
             raise self._repair(located, other, problems)
         if problems:
-            raise problems[False]
+            raise problems[located.is_archived]
         return self.info_of(located)
 
     def _repair(
         self, loose: catalog.Located, archived: catalog.Located, problems: dict[bool, CorruptShardError]
-    ) -> DamagedCopyError:
-        """The error of a version held twice, loose and archived, one copy or both damaged."""
+    ) -> CorruptShardError:
+        """The error of a version held twice, loose and archived, one copy or both damaged: the
+        damaged copy's own error, saying what the other copy is and how to repair."""
         v, url, tar = loose.version, self.loc.display(), archived.url(self.loc)
         if len(problems) == 2:
-            how = "both copies are damaged: load another version, or restore one copy from the mirror"
-            text = f"version {v}: {problems[False]}; and its copy in {tar}: {problems[True]}; {how}"
+            error = problems[False]
+            said = f"; its copy in {tar} is damaged too: {problems[True]}"
         elif False in problems:
-            text = (
-                f"version {v}'s loose copy is damaged: {problems[False]}. Its copy in {tar} is intact and "
-                f"loads in its place; remove the damaged loose copy with `ckptflow archive {url} --versions "
-                f"{v} --drop-loose`"
+            error = problems[False]
+            said = (
+                f" (version {v}'s loose copy). Its copy in {tar} is intact and loads in its place; "
+                f"remove the damaged loose copy with `ckptflow archive {url} --versions {v} --drop-loose`"
             )
         else:
-            text = (
-                f"version {v}'s copy in {tar} is damaged: {problems[True]}. Its loose copy is intact and "
-                "loads; archive it again into a new tarball once the damaged one is removed (a tarball is "
-                "removed whole)"
+            error = problems[True]
+            said = (
+                f" (version {v}'s copy in {tar}). Its loose copy is intact and loads; archive it again "
+                "into a new tarball once the damaged one is removed (a tarball is removed whole)"
             )
-        return DamagedCopyError(text, damaged=problems.get(False) or problems[True])
+        error.args = (f"{error}{said}",)
+        return error
 
     def survey(self) -> catalog.Survey:
         """Every version by state: committed (loose or archived), unreadable, being written, set aside."""

@@ -322,7 +322,8 @@ class TestUpload:
             assert_same_checkpoint(remote, reference, v)
         keys = sorted(o["Key"] for o in s3_client(s3_server).list_objects_v2(Bucket=bucket)["Contents"])
         assert keys == [
-            f"run/archive/{n}" for n in sorted([TAR_12, index_name(TAR_12), TAR_34, index_name(TAR_34)])
+            *(f"run/archive/{n}" for n in sorted([TAR_12, index_name(TAR_12), TAR_34, index_name(TAR_34)])),
+            "run/store.json",  # the store it mirrors (issue 52)
         ]
         assert open_multipart_uploads(s3_server, bucket) == []
 

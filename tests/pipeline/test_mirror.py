@@ -215,7 +215,7 @@ def test_a_refusing_target_ends_the_run_with_the_versions_not_mirrored(prefect_s
     state, _ = run_flow(config)
     assert state.is_failed(), state
     assert state.message.startswith(
-        "training ended at epoch 3, but upload of version 1 failed: cannot reach S3"
+        "training ended at epoch 3, but upload of version 1 failed: cannot reach the object store at http://"
     )
     line = summary_line(config.storage, mirror)
     assert line.startswith(f"mirror {mirror}: versions 1-3 not mirrored yet (upload of version 1 failed: ")

@@ -220,7 +220,7 @@ def test_the_good_copy_wins_when_a_loose_copy_is_damaged_or_missing(
     from typer.testing import CliRunner
 
     from ckptflow.flows.cli import app
-    from ckptflow.storage import DamagedCopyError
+    from ckptflow.storage import CorruptShardError
 
     root = tmp_path / "s"
     store = CheckpointStore(root)
@@ -239,10 +239,10 @@ def test_the_good_copy_wins_when_a_loose_copy_is_damaged_or_missing(
             assert_same_state(fresh.load(version=2), dense(2))
     told = [r.getMessage() for r in caplog.records if "reading its copy in" in r.getMessage()]
     assert len(told) == 2 and "epochs-" in told[0], told
-    with pytest.raises(DamagedCopyError) as caught:
+    with pytest.raises(CorruptShardError) as caught:
         fresh.verify(1)
     message = str(caught.value)
-    assert "loose copy is damaged" in message and shard.name in message and "intact" in message
+    assert "version 1's loose copy" in message and shard.name in message and "is intact" in message
     repair = f"ckptflow archive {root} --versions 1 --drop-loose"
     assert repair in message
     done = CliRunner().invoke(app, repair.split()[1:])
