@@ -191,10 +191,11 @@ def split(
             elsewhere[blob.index] = [found[blob.index], *index.also[(key, name, blob.nbytes)]]
     reused: dict[int, tuple[ShardEntry, Held]] = {}
     if found and index is not None and index.present is not None:  # only files that are there now
-        asked = sorted({h.shard for i, h in found.items() for h in elsewhere.get(i, [h])})
+        places_of = {i: elsewhere.pop(i, [held]) for i, held in found.items()}
+        asked = sorted({p.shard for places in places_of.values() for p in places})
         there = {asked[n] for n in index.present([index.shards[s] for s in asked])}
-        for i in list(found):
-            places = [h for h in elsewhere.pop(i, [found[i]]) if h.shard in there]
+        for i, all_places in places_of.items():
+            places = [h for h in all_places if h.shard in there]
             if not places:
                 del found[i]
                 continue

@@ -499,8 +499,8 @@ class VersionWriter:
         process's removal that took them for a crash's leftovers."""
         error = SaveFailedError(
             f"not committing {self.loc.display(version_dir(version))}: {exc.filename or 'a file'} went "
-            "while the save was writing it (removed by hand, or by `ckptflow gc` from a ckptflow older "
-            "than this store's writer?). The previous version stays the latest; save again"
+            "while the save was writing it (removed by hand, or by another process). The previous "
+            "version stays the latest; save again"
         )
         error.__cause__ = exc
         return error
