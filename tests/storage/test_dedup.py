@@ -373,12 +373,7 @@ def _random_sequence(target: StoreTarget, seed: int, *, steps: int, mirror: Path
                 if kind == "dense" or last is None
                 else last
             )
-            if op == "save":
-                version = store.save(state).version
-            else:
-                handle = store.save_async(state)
-                handle.wait()
-                version = handle.version
+            version = save_by(store, state, asynchronously=op == "async")
             expected[version] = state
             last = state
         elif op == "prune" and committed:
@@ -411,6 +406,15 @@ def _random_sequence(target: StoreTarget, seed: int, *, steps: int, mirror: Path
             assert_same_state(fresh.load(version=version), expected[version])
     fresh = CheckpointStore(target.url, storage_options=target.storage_options)
     assert all(error is None for error in verify_all(fresh).values())
+
+
+def save_by(store: CheckpointStore, state: dict, *, asynchronously: bool) -> int:
+    """Save ``state`` with ``save`` or ``save_async`` (waited for); its version."""
+    if not asynchronously:
+        return store.save(state).version
+    handle = store.save_async(state)
+    handle.wait()
+    return handle.version
 
 
 def _policy(**kwargs):

@@ -17,7 +17,7 @@ import torch
 
 from ckptflow.storage import CheckpointError, CheckpointStore
 from tests.conftest import StoreTarget, assert_same_state
-from tests.storage.test_dedup import dense, fine_tune, verify_all
+from tests.storage.test_dedup import dense, fine_tune, save_by, verify_all
 
 
 def base_tuned(seed: int, step: int) -> dict:
@@ -351,12 +351,7 @@ def _random_accidents(target: StoreTarget, seed: int, *, steps: int, scratch: Pa
                 state = dense(rng.randrange(50))
             elif kind == "other":
                 state = base_tuned(7, rng.randrange(50))  # the copied-in store's base: its offsets differ
-            if act == "save":
-                version = store.save(state).version
-            else:
-                handle = store.save_async(state)
-                handle.wait()
-                version = handle.version
+            version = save_by(store, state, asynchronously=act == "async")
             expected[version] = state
             taken.discard(version)  # a number an accident freed, saved again
         elif act == "load" and committed:
