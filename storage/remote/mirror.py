@@ -52,6 +52,7 @@ def mirror_version(loc: Location, manifest: Manifest, url: str, storage_options:
     vdir = version_dir(manifest.version)
     root = url.rstrip("/")
     bind(loc, root, storage_options)
+    _refuse_another_version(loc, vdir, root, storage_options)
     # The files of other versions it references first (each into its own version's directory
     # there, skipped when the mirror has it already), then its own, then its manifest: the mirror
     # never holds a manifest whose bytes are not all there.
@@ -67,6 +68,23 @@ def mirror_version(loc: Location, manifest: Manifest, url: str, storage_options:
         loc.path(vdir, MANIFEST_FILE), f"{root}/{vdir}/{MANIFEST_FILE}", storage_options=storage_options
     )
     return f"{root}/{vdir}"
+
+
+def _refuse_another_version(loc: Location, vdir: str, root: str, storage_options: dict[str, Any]) -> None:
+    """Refuse to replace a version the mirror holds with another of the same number (a copy of the
+    store made by hand and trained on, or a version removed here and saved again): the mirror keeps
+    what it holds, and says so before anything is written."""
+    there = open_location(f"{root}/{vdir}", storage_options)
+    try:
+        held = bytes(there.fs.cat_file(there.path(MANIFEST_FILE)))
+    except FileNotFoundError:
+        return
+    if held != bytes(loc.fs.cat_file(loc.path(vdir, MANIFEST_FILE))):
+        raise CheckpointError(
+            f"not mirroring {loc.display(vdir)}: the mirror {root} holds another version under that "
+            "number (committed there before: a copy of this store trained on, or a version removed "
+            "here and saved again). The mirror keeps it; mirror this store to a URL of its own"
+        )
 
 
 def _mirrored(url: str, size: int, storage_options: dict[str, Any]) -> bool:

@@ -493,3 +493,24 @@ def test_a_removal_that_meets_a_changed_store_fails_with_a_checkpoint_error_nami
     # the prune had removed the manifests of 0 and 1 (first, as ever): their files are garbage now
     assert store.gc() == [0, 1, 7] and [v.version for v in store.versions()] == [2]
     assert_same_state(CheckpointStore(tmp_path / "s").load(), dense(2))
+
+
+def test_a_copy_of_a_store_trained_on_never_replaces_a_mirrored_version(tmp_path: Path) -> None:
+    """A store copied by hand shares its identity, so the copy may upload to the mirror; a version
+    the mirror holds is never replaced by another of the same number, and the refusal says so
+    before anything of it is written."""
+    mirror = tmp_path / "mirror"
+    store = CheckpointStore(tmp_path / "s")
+    for step in range(2):
+        store.save(dense(step))
+        store.mirror_version(step, str(mirror), storage_options={})
+    shutil.copytree(tmp_path / "s", tmp_path / "copy")
+    store.save(dense(10))
+    store.mirror_version(2, str(mirror), storage_options={})
+    copy = CheckpointStore(tmp_path / "copy")
+    assert copy.save(dense(20)).version == 2
+    before = files_of(mirror)
+    with pytest.raises(CheckpointError, match="holds another version under that number"):
+        copy.mirror_version(2, str(mirror), storage_options={})
+    assert files_of(mirror) == before
+    assert_same_state(CheckpointStore(mirror).load(version=2), dense(10))
