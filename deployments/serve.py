@@ -3,10 +3,11 @@
 No work pool and no worker: ``prefect.serve`` registers two deployments,
 ``ckptflow-train/train-served`` and ``ckptflow-maintenance/maintenance-served``,
 with their schedules, and runs each flow run in a subprocess of this process
-until it is stopped with Ctrl-C (SIGINT) or SIGTERM (systemd, ``docker stop``):
-the deployments are then paused. (Prefect's own runner, which ``prefect.serve``
-uses, took SIGTERM its own way: on Prefect 3.8 it exited before pausing them,
-warning that a coroutine was never awaited. Here SIGTERM is a Ctrl-C.)
+until it is stopped with SIGTERM (systemd, ``docker stop``) or Ctrl-C (SIGINT):
+the deployments are then paused. SIGTERM first stops the runs in flight as a
+worker's cancellation does (each commits where it stands and ends Cancelled);
+Prefect's own runner, which ``prefect.serve`` uses, killed them (Prefect 3.9),
+or exited before pausing the deployments (3.8).
 
     export PREFECT_API_URL=http://127.0.0.1:4200/api
     .venv/bin/python deployments/serve.py --storage ./checkpoints/served --epochs 5 \\
@@ -94,21 +95,33 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve_until_stopped(deployments: list[Any], *, limit: int) -> None:
-    """``prefect.serve(*deployments)``, with SIGTERM taken as Ctrl-C from the start: the runner
-    stops polling, pauses the deployments and returns."""
+    """``prefect.serve(*deployments)`` until SIGTERM or Ctrl-C. Once the runner has started,
+    SIGTERM stops it as a worker's cancellation stops a run: each run in flight gets SIGTERM (it
+    commits where it stands and ends Cancelled, within the runner's grace period), then the runner
+    stops polling, pauses the deployments and returns. Before that, SIGTERM is a Ctrl-C."""
     import asyncio
 
     from prefect.runner import Runner
 
     signal.signal(signal.SIGTERM, _as_ctrl_c)  # before anything is registered
     runner = Runner(pause_on_shutdown=True, limit=limit)
-    runner.handle_sigterm = _as_ctrl_c  # type: ignore[method-assign]  # start() installs it for SIGTERM
+
+    def stop(*args: Any) -> None:
+        if not runner.started:
+            _as_ctrl_c()
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM changes nothing
+        print("stopping: the runs in flight save and end Cancelled; then the deployments pause", flush=True)
+        runner.execute_in_background(runner.astop)  # cancels each run in flight, then the loops
+
+    runner.handle_sigterm = stop  # type: ignore[method-assign]  # start() installs it for SIGTERM
     try:
         for deployment in deployments:
             runner.add_deployment(deployment)
         names = ", ".join(f"'{d.flow_name}/{d.name}'" for d in deployments)
         print(f"serving {names}; Ctrl-C or SIGTERM stops (and pauses them)", flush=True)
         asyncio.run(runner.start())
+        print("stopped: the deployments are paused", flush=True)
     except KeyboardInterrupt:
         # the runner pauses what it served once it has started; a stop before that, here
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

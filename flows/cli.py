@@ -31,7 +31,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
-from . import present
+from . import exits, present
 from .archive_cmd import archive_command, extract_command
 from .deployments_cmd import app as deployments_app
 from .options import BEST_MODE_HELP, StorageOptions, best_mode_needed
@@ -60,7 +60,7 @@ class _Group(TyperGroup):
                 import traceback
 
                 traceback.print_exc()
-            _fail(_one_line(exc))
+            _fail(_one_line(exc), code=_exit_code(exc))
 
 
 app = typer.Typer(
@@ -111,9 +111,16 @@ def _one_line(exc: BaseException) -> str:
     return text or type(exc).__name__
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, *, code: int = exits.FAILED) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(1)
+    raise typer.Exit(code)
+
+
+def _exit_code(exc: BaseException) -> int:
+    """A store command's exit code for a failure (:mod:`.exits`): 75 while another writer holds it."""
+    from ckptflow.storage import StoreLockedError
+
+    return exits.STORE_HELD if isinstance(exc, StoreLockedError) else exits.FAILED
 
 
 Url = Annotated[

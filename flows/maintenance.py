@@ -65,7 +65,7 @@ def maintain_stores(config: MaintenanceConfig) -> list[dict[str, Any]]:
             )
             report.append(_skipped(store.url, NOT_THERE))
             continue
-        busy = active_training_runs(store.url)
+        busy = active_training_runs(store)
         if busy:
             logger.warning("%s is being written by %s: retention and gc skipped", store.url, ", ".join(busy))
             archives: list[Any] = []

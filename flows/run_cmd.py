@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 import typer
 
+from . import exits
 from .options import BEST_MODE_HELP, best_mode_needed
 
 if TYPE_CHECKING:
@@ -548,8 +549,8 @@ def _server_unless_the_spec_failed(warmup: _ApiWarmup, verbose: bool) -> None:
 
 def _before_the_flow_run(verbose: bool, check: Callable[[], T]) -> T:
     """``check()``; a bad spec or store ends the command before any flow run exists: one ``error:``
-    line, exit 1."""
-    from ckptflow.storage import CheckpointError
+    line, exit 1 (75 for a store another writer holds)."""
+    from ckptflow.storage import CheckpointError, StoreLockedError
     from ckptflow.tasks.run_state import ConfigMismatchError, NothingToResumeError
     from ckptflow.tasks.spec import SpecError
     from ckptflow.tasks.trainer import TrainerDiedError, TrainerError
@@ -563,7 +564,7 @@ def _before_the_flow_run(verbose: bool, check: Callable[[], T]) -> T:
 
             traceback.print_exc()
         typer.echo(f"error: {' '.join(str(exc).split()) or type(exc).__name__}", err=True)
-        raise typer.Exit(1) from None
+        raise typer.Exit(exits.STORE_HELD if isinstance(exc, StoreLockedError) else exits.FAILED) from None
 
 
 def _hide_tracebacks() -> None:
@@ -588,7 +589,7 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ckptflow.tasks.formatting import human_size, metrics_text
-    from ckptflow.tasks.monitoring import add_listener
+    from ckptflow.tasks.monitoring import add_listener, resume_text
 
     console = Console(stderr=True)
     progress = Progress(
@@ -605,8 +606,8 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
     def on_event(kind: str, data: dict[str, Any]) -> None:
         if kind == "start":
             progress.update(task_id, completed=data["first_epoch"] - 1, description="training")
-            if data["first_epoch"] > 1:
-                console.print(f"resuming in {data['url']} at epoch {data['first_epoch']}")
+            if data.get("resumed") is not None:  # inside epoch 1 too, with the step it stands at
+                console.print(f"resuming from {resume_text(data['resumed'])} in {data['url']}", markup=False)
             elif not data.get("committed"):  # a mistyped --storage would otherwise train from scratch unseen
                 console.print(
                     f"starting a new store in {data['url']}: no committed checkpoint there "
@@ -653,15 +654,21 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
 
         with progress:
             state = train_pipeline(config, return_state=True)
+    except KeyboardInterrupt:  # Ctrl-C: the run saved where it stood (its summary says what)
+        console.print("[yellow]interrupted[/] (Ctrl-C): a resume continues from the newest committed version")
+        raise typer.Exit(exits.INTERRUPTED) from None
     finally:
         remove()
     if state.is_cancelled():
         console.print(f"[yellow]cancelled[/]: {state.message}")
-        raise typer.Exit(1)
+        from ckptflow.tasks.stopping import stop_signal
+
+        signum = stop_signal()  # a SIGTERM (a scheduler, a spot notice), or a cancel from Prefect
+        raise typer.Exit(exits.stopped_by(signum) if signum is not None else exits.CANCELLED)
     if not state.is_completed():
-        exc = _exception_of(state)
+        exc, held = _exception_of(state)
         typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(1)
+        raise typer.Exit(exits.STORE_HELD if held else exits.FAILED)
     result = cast(dict[str, Any], state.result())
     console.print(f"done in {time.perf_counter() - started:.1f}s: {result['stop_reason']}")
     return result
@@ -686,12 +693,15 @@ def _resume_command(config: Any, url: str) -> str:
     return " ".join(shlex.quote(a) for a in args)
 
 
-def _exception_of(state: Any) -> str:
+def _exception_of(state: Any) -> tuple[str, bool]:
+    """Why a run failed, in one line, and whether another writer holding the store was why."""
+    from ckptflow.storage import StoreLockedError
+
     try:
         state.result()
     except BaseException as exc:
-        return " ".join(str(exc).split()) or type(exc).__name__
-    return state.message or "the run did not complete"
+        return " ".join(str(exc).split()) or type(exc).__name__, isinstance(exc, StoreLockedError)
+    return state.message or "the run did not complete", False
 
 
 def _schedule_note(planned: int | None) -> list[str]:

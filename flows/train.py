@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -83,16 +84,25 @@ from ckptflow.tasks.steps import (
     save_checkpoint,
     train_epoch,
 )
-from ckptflow.tasks.stopping import CANCELLED, SIGTERM_STOP, StopTracker
+from ckptflow.tasks.stopping import CANCELLED, SIGTERM_STOP, StopTracker, note_stop_signal
 
 
 @flow(name="ckptflow-train", validate_parameters=True)
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
     """Train with checkpoints; resume from the newest committed one."""
-    record_this_run()  # and mark Crashed the runs on this host whose process is gone
+    record_this_run(_store_name(config))  # and mark Crashed the runs on this host whose process is gone
     handling_stops(flow_run.get_id())  # Prefect's error lines about its stops read as what they are
     with _writer_lease(config) as (store, lease):
         return _train(config, store, lease)
+
+
+def _store_name(config: PipelineConfig) -> str | None:
+    """The store's one name (``CheckpointStore.canonical_url``), recorded on the run: a relative
+    path resolved here, in the directory the run started in."""
+    try:
+        return CheckpointStore(config.storage).canonical_url
+    except Exception:  # the store's own open says what is wrong with the URL
+        return None
 
 
 @contextlib.contextmanager
@@ -123,6 +133,7 @@ def _train(config: PipelineConfig, store: CheckpointStore, lease: StoreLease) ->
         best_by=_best_by(config),
         given=redact(config.storage),
         world_size=config.nproc * config.nnodes,
+        run_id=flow_run.get_id(),
     )
     reached = Reached()
     try:
@@ -162,7 +173,7 @@ def _run_epochs(
     run = reached.run = init_model(config)
     run.store.write_under(lease)  # a commit after the lease was lost fails
     existing = run.store.versions()
-    monitor.start(existing, first_epoch=run.first_epoch)
+    monitor.start(existing, first_epoch=run.first_epoch, resumed=run.resumed_from)
     stopper = StopTracker(config.stop, config.epochs)
     stopper.seed(run.metrics)
     reason = f"already at epoch {run.epoch}" if run.epoch >= config.epochs else None
@@ -292,6 +303,7 @@ def _told_to_stop(exc: BaseException) -> bool:
 
 def _stopped_by_signal(exc: BaseException, run: TrainingRun, monitor: RunMonitor, reached: Reached) -> State:
     """The end of a run told to stop: Cancelled, with what it saved (the summary: as any end)."""
+    note_stop_signal(getattr(exc, "signal", signal.SIGTERM))  # TerminationSignal's, or a trainer's SIGTERM
     latest, unreadable = _latest(run.store, monitor)
     _, why = _how_it_ended(exc, reached.in_flight, monitor)
     saved = f"; newest committed: {_newest_text(latest)}"

@@ -95,6 +95,12 @@ class CheckpointStore:
         return self.loc.display()
 
     @property
+    def canonical_url(self) -> str:
+        """The store's one name however its URL was written (relative, absolute, ``file://``, through
+        a symbolic link): a local store's real path, else its URL without credentials."""
+        return self.loc.canonical()
+
+    @property
     def fences_commits(self) -> bool:
         """Whether removals and commits exclude each other here (a local disk's flock of the root):
         a save never commits a reference to a file a removal in another process sweeps meanwhile.

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import os
 import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -65,6 +64,7 @@ from .artifacts import ArtifactSet, committed_at, ending_markdown, run_key
 from .config import PipelineConfig
 from .monitoring import progress_of
 from .prefect_runs import (
+    STORE_LABEL,
     active_train_runs,
     crashed_train_runs,
     flow_runs_with_artifacts,
@@ -74,6 +74,7 @@ from .prefect_runs import (
     newest_artifact_id,
     on_store,
     prefect_client,
+    recorded_commit,
     store_url_of,
 )
 
@@ -122,15 +123,16 @@ def is_gone(record: ProcessRecord, here: ProcessRecord) -> bool:
     return process_ended(record.host, record.pid, record.start, record.space)
 
 
-def record_and_sweep(flow_run_id: UUID, log: Any) -> list[str]:
-    """Label this flow run with its process; mark the gone ones Crashed, and finish this host's
+def record_and_sweep(flow_run_id: UUID, log: Any, store: str | None = None) -> list[str]:
+    """Label this flow run with its process and its store's one name (``store``: what
+    ``CheckpointStore.canonical_url`` says); mark the gone ones Crashed, and finish this host's
     Crashed runs that have no summary. Returns the names of the runs marked or finished."""
     here = this_process()
     if here is None:
         return []
     try:
         with prefect_client() as client:
-            label_flow_run(client, flow_run_id, here.labels())
+            label_flow_run(client, flow_run_id, {**here.labels(), **({STORE_LABEL: store} if store else {})})
             marked = _mark_gone(client, flow_run_id, here)
     except Exception as exc:
         log.warning("could not check for training runs whose process died: %s", exc)
@@ -162,7 +164,7 @@ def earlier_run_line(run: Any, record: ProcessRecord, what: str = MARKED) -> str
     )
 
 
-def record_this_run() -> threading.Thread | None:
+def record_this_run(store: str | None = None) -> threading.Thread | None:
     """:func:`record_and_sweep` for the flow run this is called in, in a thread (off the path to
     the first epoch; not a daemon, so a short run still finishes it before its process exits)."""
     from prefect import get_run_logger
@@ -174,7 +176,7 @@ def record_this_run() -> threading.Thread | None:
     context = contextvars.copy_context()  # the run's Prefect settings (API URL) and logger
     thread = threading.Thread(
         target=context.run,
-        args=(record_and_sweep, UUID(run_id), get_run_logger()),
+        args=(record_and_sweep, UUID(run_id), get_run_logger(), store),
         name="ckptflow-crashed-runs",
     )
     thread.start()
@@ -216,7 +218,7 @@ def _finish_crashed(client: Any, flow_run_id: UUID, here: ProcessRecord) -> list
             continue
         url = store_url_of(run)
         if url not in stores:
-            stores[url] = _versions_of(run.parameters)
+            stores[url] = _versions_of(url, run.parameters)
         versions = stores[url]
         if versions is None:  # a store this process cannot open: maintenance's
             continue
@@ -234,11 +236,17 @@ def summarize_crashed(
 ) -> None:
     """What a Crashed training run's process could not do: end its task runs still Pending or
     Running, show its progress without an ETA, and write its summary (last: a run with one is
-    finished). Its last commit is the newest of its store's ``versions`` committed before
-    ``crashed_at``: later ones are another run's."""
+    finished). Its last commit is the one it recorded as it went (:func:`.prefect_runs.record_commit`),
+    as its store lists it now if it still holds it (archived since, say); for a run of an older
+    ckptflow, the newest of its store's ``versions`` committed before ``crashed_at``."""
     mark_open_task_runs_crashed(client, run.id, "its flow run crashed")
-    before = [v for v in versions if committed_at(v) <= crashed_at]
-    latest = max(before, key=lambda v: v.version, default=None)
+    latest = recorded_commit(run)
+    if latest is not None:
+        now = {v.version: v for v in versions}.get(latest.version)
+        latest = now if now is not None and now.created == latest.created else latest
+    else:
+        before = [v for v in versions if committed_at(v) <= crashed_at]
+        latest = max(before, key=lambda v: v.version, default=None)
     url = store_url_of(run) or "unknown"
     artifacts = ArtifactSet(flow_run_id=run.id)
     total = _total_epochs(run.parameters)
@@ -274,7 +282,7 @@ def summarize_crashed_runs(store: CheckpointStore, *, limit: int = 200) -> list[
     from prefect import get_run_logger
 
     with prefect_client() as client:
-        runs = on_store(crashed_train_runs(client, limit=limit), store.url)
+        runs = on_store(crashed_train_runs(client, limit=limit), store)
         if not runs:
             return []
         summarized = flow_runs_with_artifacts(client, [r.id for r in runs], [summary_key(r) for r in runs])
@@ -314,15 +322,14 @@ def _total_epochs(parameters: dict[str, Any]) -> int | None:
         return None
 
 
-def _versions_of(parameters: dict[str, Any]) -> list[VersionInfo] | None:
-    """The committed versions of a run's store; None if this process cannot read it (a relative
-    path names another directory here; options in a block it cannot read): maintenance, which
-    opens the store with its own options, writes the summary then."""
+def _versions_of(url: str | None, parameters: dict[str, Any]) -> list[VersionInfo] | None:
+    """The committed versions of a run's store (``url``: its one name, :func:`.prefect_runs.store_url_of`);
+    None if this process cannot read it (no name recorded; options in a block it cannot read):
+    maintenance, which opens the store with its own options, writes the summary then."""
+    if url is None:
+        return None
     try:
         config = PipelineConfig.model_validate(parameters["config"])
-        if "://" not in config.storage and not os.path.isabs(config.storage):
-            return None
-        store = CheckpointStore(config.storage, storage_options=config.resolved_storage_options())
-        return list(store.versions())
+        return list(CheckpointStore(url, storage_options=config.resolved_storage_options()).versions())
     except Exception:
         return None

@@ -140,11 +140,11 @@ def holding_store(store: CheckpointStore, *, owner: str) -> Iterator[str | None]
         yield holder
 
 
-def active_training_runs(store_url: str) -> list[str]:
+def active_training_runs(store: CheckpointStore) -> list[str]:
     """Names of the training flow runs in progress on this store (see the module docstring)."""
     with prefect_client() as client:
         runs = active_train_runs(client)
-    return [run.name for run in on_store(runs, store_url)]
+    return [run.name for run in on_store(runs, store)]
 
 
 @task(name="apply_retention", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))

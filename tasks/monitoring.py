@@ -72,7 +72,7 @@ from .artifacts import (
 )
 from .chart import curve_markdown
 from .formatting import human_size, metric_value
-from .prefect_runs import events_with_ids
+from .prefect_runs import events_with_ids, prefect_client, record_commit
 
 log = logging.getLogger(__name__)
 
@@ -166,6 +166,22 @@ class _Reporter:
                 safely("report", job)
 
 
+def resume_text(info: VersionInfo) -> str:
+    """Where a resume continues from: ``version 7 (epoch 2, step 1,200 of 4,000)``, ``version 2
+    (the end of epoch 2)``, or ``version 5`` for a version that records no epoch."""
+    if info.epoch is None:
+        return f"version {info.version}"
+    if info.in_epoch:
+        length = f" of {info.epoch_steps:,}" if info.epoch_steps else ""
+        return f"version {info.version} (epoch {info.epoch}, step {info.in_epoch:,}{length})"
+    return f"version {info.version} (the end of epoch {info.epoch})"
+
+
+def _record_commit(run_id: str, info: VersionInfo) -> None:
+    with prefect_client() as client:
+        record_commit(client, UUID(run_id), info)
+
+
 @dataclass
 class RunMonitor:
     """Artifacts and events of one flow run."""
@@ -177,6 +193,7 @@ class RunMonitor:
     best_by: tuple[str, str] | None = None  # (metric, "min" or "max"): the curve marks the best checkpoint
     given: str | None = None  # the store as the run was given it (``./checkpoints/run9``), for events
     world_size: int | None = None  # the ranks that train, for the summary
+    run_id: str | None = None  # the flow run's id: its commits are recorded on it as they come
     versions: dict[int, VersionInfo] = field(default_factory=dict)  # the committed ones, by version
     history: dict[int, dict[str, float]] = field(default_factory=dict)  # metrics by epoch
     notes: list[str] = field(default_factory=list)  # end-of-run lines, e.g. what the mirror lacks
@@ -196,8 +213,11 @@ class RunMonitor:
     def key_prefix(self) -> str:
         return run_key(self.run_name)
 
-    def start(self, existing: list[VersionInfo], first_epoch: int) -> None:
-        """The run begins after ``existing`` commits: show them, and report those never reported."""
+    def start(
+        self, existing: list[VersionInfo], first_epoch: int, resumed: VersionInfo | None = None
+    ) -> None:
+        """The run begins after ``existing`` commits (``resumed``: the one it resumes from): show
+        them, and report those never reported."""
         self._epoch_times = [(first_epoch - 1, time.monotonic())]
         with self._lock:
             self.versions = {v.version: v for v in existing}
@@ -207,7 +227,7 @@ class RunMonitor:
         self._reporter.put(self._publish_tables if existing else lambda: None)
         self._reporter.soon()
         start = {"first_epoch": first_epoch, "total": self.total_epochs, "url": self.store_url}
-        notify("start", {**start, "committed": len(existing)})
+        notify("start", {**start, "committed": len(existing), "resumed": resumed})
 
     def epoch_done(self, epoch: int, metrics: dict[str, float]) -> None:
         with self._lock:
@@ -352,8 +372,10 @@ class RunMonitor:
             info.url,
             after,
         )
-        # every commit has its event
+        # every commit has its event, and the run's record of its newest commit
         safely("event", lambda: emit_committed(info, self.store_url, self.given))
+        if self.run_id is not None:
+            safely("record of the commit", lambda: _record_commit(self.run_id, info))
         with self._lock:
             newer = any(v > info.version for v in self._reported)
         if newer:  # saves commit faster than the artifacts update: the newest's job shows them all

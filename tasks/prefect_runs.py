@@ -21,13 +21,16 @@ What must hold:
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from ckptflow.storage import CheckpointStore
+from ckptflow.storage import EPOCH_STEPS, IN_EPOCH, CheckpointStore, VersionInfo
 
 TRAIN_FLOW = "ckptflow-train"  # the training flow's name (flows/train.py)
 EVENTS_PAGE = 50  # the most events the API gives per page
@@ -86,22 +89,52 @@ def _train_runs(
     )
 
 
+STORE_LABEL = "ckptflow.store"  # a training run's store, canonical (CheckpointStore.canonical_url)
+COMMIT_LABEL = "ckptflow.last_commit"  # the newest version the run committed, as JSON (VersionInfo's fields)
+
+
 def store_url_of(run: Any) -> str | None:
-    """The store a training flow run writes to (its ``config.storage``, as a store shows its URL);
-    None if its parameters name none."""
+    """The store a training flow run writes to, by its one name (``CheckpointStore.canonical_url``):
+    as the run recorded it when it started; for a run without that record, from its config's
+    ``storage`` when that is absolute or a URL (a relative path named a directory of the process
+    that ran it, unknown here). None if neither says."""
+    recorded = (run.labels or {}).get(STORE_LABEL)
+    if isinstance(recorded, str) and recorded:
+        return recorded
     config = (run.parameters or {}).get("config")
     storage = config.get("storage") if isinstance(config, dict) else None
-    if not isinstance(storage, str):
+    if not isinstance(storage, str) or ("://" not in storage and not os.path.isabs(storage)):
         return None
     try:
-        return CheckpointStore(storage).url
+        return CheckpointStore(storage).canonical_url
     except Exception:
         return storage
 
 
-def on_store(runs: list[Any], store_url: str) -> list[Any]:
-    """Those of ``runs`` that write to the store at ``store_url``."""
-    return [run for run in runs if store_url_of(run) == store_url]
+def on_store(runs: list[Any], store: CheckpointStore) -> list[Any]:
+    """Those of ``runs`` that write to ``store``, however each wrote its URL."""
+    name = store.canonical_url
+    return [run for run in runs if store_url_of(run) == name]
+
+
+def record_commit(client: Any, flow_run_id: UUID, info: VersionInfo) -> None:
+    """Record on the flow run the newest version it committed: what its record (a summary written
+    after it crashed) says it committed, whatever is left in the store later."""
+    doc = {k: v for k, v in dataclasses.asdict(info).items() if k not in ("user", "lineage")}
+    doc["user"] = {k: info.user[k] for k in (IN_EPOCH, EPOCH_STEPS) if k in info.user}
+    client.update_flow_run_labels(flow_run_id, {COMMIT_LABEL: json.dumps(doc, separators=(",", ":"))})
+
+
+def recorded_commit(run: Any) -> VersionInfo | None:
+    """The newest version a flow run recorded it committed (:func:`record_commit`); None if it
+    recorded none (a run of an older ckptflow, or one that committed nothing)."""
+    raw = (run.labels or {}).get(COMMIT_LABEL)
+    if not isinstance(raw, str):
+        return None
+    try:
+        return VersionInfo(**json.loads(raw))
+    except (TypeError, ValueError):
+        return None
 
 
 def label_flow_run(client: Any, flow_run_id: UUID, labels: dict[str, bool | int | float | str]) -> None:
@@ -251,6 +284,8 @@ __all__ = [
     "newest_artifact_id",
     "on_store",
     "prefect_client",
+    "record_commit",
+    "recorded_commit",
     "set_task_runs_state",
     "store_url_of",
     "update_artifact",

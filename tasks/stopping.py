@@ -16,6 +16,19 @@ from .config import StopConfig
 SIGTERM_STOP = "stopped by SIGTERM"  # why a run ended early: its process was told to stop
 CANCELLED = "cancelled from Prefect"
 
+_signals: list[int] = []  # the signals that stopped a run of this process, in order
+
+
+def note_stop_signal(signum: int) -> None:
+    """Record that a run of this process was stopped by ``signum`` (after saving where it stood):
+    ``ckptflow run`` exits 128 + that number."""
+    _signals.append(int(signum))
+
+
+def stop_signal() -> int | None:
+    """The signal that last stopped a run of this process, if one did."""
+    return _signals[-1] if _signals else None
+
 
 @dataclass
 class StopTracker:

@@ -44,9 +44,9 @@ class Result:
         self.seconds = seconds
         self.modules = modules
 
-    def assert_one_error_line(self, *fragments: str, seconds: float = SECONDS) -> str:
+    def assert_one_error_line(self, *fragments: str, seconds: float = SECONDS, code: int = 1) -> str:
         lines = self.stderr.splitlines()
-        assert self.returncode == 1, (self.returncode, self.stderr[-3000:])
+        assert self.returncode == code, (self.returncode, self.stderr[-3000:])
         assert "Traceback" not in self.stderr, self.stderr[-3000:]
         assert len(lines) == 1, self.stderr[-3000:]
         assert lines[0].startswith("error: "), lines[0]
@@ -177,7 +177,9 @@ class TestRunFailsBeforePrefect:
         storage = ckptflow.work / "checkpoints"
         with CheckpointStore(storage).lease(owner="the other run"):
             result = ckptflow("run", "--storage", str(storage), "--epochs", "1")
-        result.assert_one_error_line("is in use by another writer: the other run", f"pid {os.getpid()}")
+        result.assert_one_error_line(
+            "is in use by another writer: the other run", f"pid {os.getpid()}", code=75
+        )  # issue 53: its own code (EX_TEMPFAIL), not a failure's 1
         assert_prefect_never_started(ckptflow, result)
         assert not (storage / "run.json").exists()
 

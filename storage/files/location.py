@@ -67,6 +67,14 @@ class Location:
         base = redact(self.url).rstrip("/")
         return "/".join([base, *parts]) if parts else base
 
+    def canonical(self) -> str:
+        """One name of the store whatever way its URL was written: a local store's real path
+        (relative paths, ``file://`` and symbolic links resolved), else its URL without
+        credentials or a trailing ``/``. What records match a run to its store by."""
+        if self.is_local:
+            return os.path.realpath(self.root)
+        return self.display()
+
     @property
     def is_s3(self) -> bool:
         protocol = self.fs.protocol

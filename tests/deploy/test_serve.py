@@ -10,6 +10,7 @@ Invalid options are refused before anything is registered.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -127,6 +128,60 @@ def test_serve_stops_cleanly_on_sigterm(stack, tmp_path):
     output = log.read_text()
     assert code == 0, output[-3000:]
     assert "never awaited" not in output and "Traceback" not in output, output[-3000:]
+    for name in ("ckptflow-train/train-served", "ckptflow-maintenance/maintenance-served"):
+        deployment = read_deployment(name)
+        assert deployment is not None and deployment.paused, (name, output[-2000:])
+
+
+def test_sigterm_stops_a_served_run_with_a_save_and_ends_it_cancelled(stack, tmp_path):
+    """Issue 53: SIGTERM on serve.py while one of its runs trains SIGKILLed the run (no stop-save,
+    no summary, its task Running until the heartbeat automation marked it Crashed) and serve.py
+    said "stopped: the deployments are paused". Now the run stops as a worker's cancellation stops
+    it: it commits the step it stands at and ends Cancelled, cleanly; then serve.py pauses its
+    deployments and exits 0."""
+    from ckptflow.storage import CheckpointStore
+    from tests.deploy.test_cancel_deploy import assert_ended_cleanly
+    from tests.pipeline.helpers import wait_until
+    from tests.pipeline.specs import SLOW_FROM_ENV, STEP_SECONDS_ENV, STEPPED_SPEC
+
+    log = tmp_path / "serve.log"
+    env = stack.env(PYTHONPATH=str(REPO), **{SLOW_FROM_ENV: "2", STEP_SECONDS_ENV: "0.5"})
+    args = [sys.executable, str(SERVE), "--storage", "./served", "--epochs", "3", "--spec", STEPPED_SPEC]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(args, cwd=tmp_path, env=env, stdout=out, stderr=subprocess.STDOUT)
+    store = CheckpointStore(tmp_path / "served")
+    try:
+        assert poll_until(lambda: read_deployment("ckptflow-train/train-served"), bool, timeout=90)
+        config = {"storage": "./served", "epochs": 3, "spec": STEPPED_SPEC, "save_every_steps": 5}
+        started = checked(
+            stack,
+            "prefect",
+            "deployment",
+            "run",
+            "ckptflow-train/train-served",
+            "--param",
+            f"config={json.dumps(config)}",
+        )
+        run_id = UUID(started.split("UUID: ", 1)[1].split()[0])
+        wait_until(
+            lambda: any(v.epoch == 2 and v.in_epoch for v in store.versions()), 180, "a save in epoch 2"
+        )
+        before = store.latest()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    output = log.read_text()
+    assert code == 0, output[-4000:]
+    run = wait_for_state(run_id, "CANCELLED", "COMPLETED", "FAILED", "CRASHED", timeout=60)
+    assert run.state.type.value == "CANCELLED", f"{run.state}\n{output[-4000:]}"
+    last = CheckpointStore(tmp_path / "served").latest()
+    assert before is not None and last is not None and last.version > before.version, output[-3000:]
+    assert last.epoch == 2 and last.in_epoch, (last.epoch, last.in_epoch)  # the stop-save, mid-epoch
+    assert_ended_cleanly(run_id, f"committed version {last.version} (epoch 2, step {last.in_epoch:,}/")
+    assert "Traceback" not in output, output[-4000:]
     for name in ("ckptflow-train/train-served", "ckptflow-maintenance/maintenance-served"):
         deployment = read_deployment(name)
         assert deployment is not None and deployment.paused, (name, output[-2000:])

@@ -67,7 +67,7 @@ def test_a_new_store_is_announced_and_resume_only_refuses_one(prefect_server, tm
 
     resumed = run("--resume-only", "--epochs", "2")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "starting a new store" not in resumed.stderr and "resuming in" in resumed.stderr
+    assert "starting a new store" not in resumed.stderr and "resuming from version" in resumed.stderr
 
 
 def test_resume_only_in_a_deployment_fails_the_run_before_anything_is_written(prefect_server, tmp_path):

@@ -106,29 +106,34 @@ class StalledRun:
     proc: subprocess.Popen[bytes]
     args: list[str]
     env: dict[str, str]
+    cwd: Path = REPO
 
     def again(self) -> subprocess.CompletedProcess[str]:
         """The same run again, at full speed, to its end."""
         env = {**self.env, SLOW_FROM_ENV: "99"}
-        return subprocess.run(self.args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+        return subprocess.run(self.args, env=env, cwd=self.cwd, capture_output=True, text=True, timeout=300)
 
 
-def start_stalled_run(prefect_server: Any, tmp_path: Path, *, epochs: int, stall: int) -> StalledRun:
+def start_stalled_run(
+    prefect_server: Any, tmp_path: Path, *, epochs: int, stall: int, relative: bool = False
+) -> StalledRun:
+    """``relative``: the store given as the README writes it, ``./store``, from ``tmp_path``."""
     markers = tmp_path / "markers"
     markers.mkdir()
     env = {**prefect_server.env(), "PYTHONPATH": str(REPO), MARKERS_ENV: str(markers)}
     spec = ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--shards", "2"]
-    args = [CKPTFLOW, "run", "--storage", str(tmp_path / "store"), "--epochs", str(epochs), *spec]
+    storage, cwd = ("./store", tmp_path) if relative else (str(tmp_path / "store"), REPO)
+    args = [CKPTFLOW, "run", "--storage", storage, "--epochs", str(epochs), *spec]
     with open(tmp_path / "run.log", "wb") as log:
         proc = subprocess.Popen(
             args,
             env={**env, SLOW_FROM_ENV: str(stall), SLOW_SECONDS_ENV: "120"},
-            cwd=REPO,
+            cwd=cwd,
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-    return StalledRun(proc, args, env)
+    return StalledRun(proc, args, env, cwd)
 
 
 def read_run(run_id: UUID | str) -> Any:
@@ -165,14 +170,18 @@ def finish(run_ids: list[UUID]) -> None:
 
 @pytest.mark.prefect
 @pytest.mark.crash
-def test_a_killed_run_is_marked_crashed_by_the_next_ckptflow_run(prefect_server, tmp_path):
+@pytest.mark.parametrize("relative", [False, True], ids=["absolute", "relative"])
+def test_a_killed_run_is_marked_crashed_by_the_next_ckptflow_run(prefect_server, tmp_path, relative):
     """Bug fix: a local run killed with SIGKILL stayed Running in Prefect for good.
 
     Any run that starts on the same host marks it; in the suite another test's run may start
     first, so the log line is asserted of the run that did the marking (named in the state).
+    Issue 53: with the store given as the README writes it (``--storage ./store``), the next run
+    marked it Crashed but wrote no summary and left its task Running; each run now records its
+    store's one name (its real path) and its commits as they come.
     """
     markers, store = tmp_path / "markers", tmp_path / "store"
-    stalled = start_stalled_run(prefect_server, tmp_path, epochs=3, stall=2)
+    stalled = start_stalled_run(prefect_server, tmp_path, epochs=3, stall=2, relative=relative)
     proc = stalled.proc
     try:
         wait_until(lambda: marker(markers, 2).exists() or proc.poll() is not None, 120, "epoch 2")
@@ -188,6 +197,7 @@ def test_a_killed_run_is_marked_crashed_by_the_next_ckptflow_run(prefect_server,
         proc.wait(30)
     assert read_run(killed).state.type.value == "RUNNING"  # nobody is left to report it
     committed_before = CheckpointStore(str(store)).versions()  # v1, unless its async save was cut short
+    assert read_run(killed).labels.get("ckptflow.store") == os.path.realpath(store)
 
     dead_here = replace(here(), pid=proc.pid, start="1")  # as the killed run's record, on this host
     decoys = [
@@ -469,3 +479,44 @@ def test_a_killed_run_crashed_by_prefect_first_is_finished_by_the_next_run(prefe
     assert progress.description == "epoch 2/4; Crashed"
     assert progress.data == 50.0
     assert assert_only_committed(store) == [1, 2, 3, 4]
+
+
+@pytest.mark.prefect
+def test_a_crashed_run_s_summary_says_what_it_committed_not_what_the_store_holds_later(
+    prefect_server, tmp_path
+):
+    """Issue 53: maintenance wrote "last committed checkpoint: none committed" and "a new run
+    starts at epoch 1" for a run that committed versions 1-3, after its own retention pass had
+    left versions another run committed later. The summary is built from the run's own record
+    of its commits, made as it went (the ``ckptflow.last_commit`` label)."""
+    import torch
+    from prefect.client.orchestration import get_client
+    from prefect.states import Crashed
+
+    from ckptflow.flows.maintenance import maintain_stores
+    from ckptflow.tasks.maintenance import MaintenanceConfig
+    from ckptflow.tasks.prefect_runs import record_commit
+
+    store = CheckpointStore(str(tmp_path / "store"))
+    run_id = decoy_run({}, tmp_path / "store", epochs=6)
+    for epoch in (1, 2, 3):  # the crashed run's commits, each recorded as the run's monitor does
+        info = store.save({"w": torch.full((4,), float(epoch))}, epoch=epoch, version=epoch)
+        with get_client(sync_client=True) as client:
+            record_commit(client, run_id, info)
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(run_id, Crashed(message="no heartbeat for 90 s"), force=True)
+    for epoch in (4, 5, 6):  # a later run's
+        store.save({"w": torch.full((4,), float(epoch))}, epoch=epoch, version=epoch)
+
+    report = maintain_stores(
+        MaintenanceConfig(storages=[str(tmp_path / "store")], retention={"keep_last": 2})
+    )
+    assert report[0]["pruned"] == [1, 2, 3, 4] and report[0]["crashed_runs_summarized"] == [
+        read_run(run_id).name
+    ]
+    summary = summary_of(str(run_id))
+    assert summary is not None
+    assert "| last committed checkpoint | version 3, epoch 3:" in summary.data, summary.data
+    assert "none committed" not in summary.data and "version 6" not in summary.data
+    progress = artifacts_of(run_id, "-progress")
+    assert progress and progress[-1].description.startswith("epoch 3/6"), [a.description for a in progress]

@@ -241,7 +241,7 @@ def test_ctrl_c_of_the_cli_commits_the_save_in_flight_and_ends_the_training_proc
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
     output = (tmp_path / "run.log").read_text(errors="replace")
-    assert code != 0, output[-3000:]
+    assert code == 130, output[-3000:]  # 128 + SIGINT, after saving (issue 53: it was 1, a failure's)
     assert all(gone(pid) for pid in trainers), "the trainers outlived the CLI"
     assert assert_only_committed(store) == [1, 2], output[-3000:]
 
@@ -250,8 +250,44 @@ def test_ctrl_c_of_the_cli_commits_the_save_in_flight_and_ends_the_training_proc
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "started before Prefect" in resumed.stderr, "the CLI's trainers were not adopted"
     assert "resuming from" in resumed.stderr, "the training process's notes did not reach the run's log"
-    assert f"resuming in {store} at epoch 3" in " ".join(resumed.stderr.split())
+    assert f"resuming from version 2 (the end of epoch 2) in {store}" in " ".join(resumed.stderr.split())
     assert assert_only_committed(store) == [1, 2, 3, 4]
+
+
+def test_sigterm_to_the_cli_commits_where_it_stands_and_exits_143(prefect_server, tmp_path):
+    """Issue 53: ``ckptflow run`` stopped by SIGTERM (SLURM's preemption, Kubernetes, a spot notice)
+    committed where it stood and then exited 1, a failure's code, which a scheduler reads as "give
+    up". It exits 128 + 15, after the save, and says what it committed."""
+    from tests.pipeline.specs import STEP_SECONDS_ENV, STEPPED_SPEC
+
+    store = tmp_path / "store"
+    env = {**prefect_server.env(), "PYTHONPATH": str(REPO), SLOW_FROM_ENV: "2", STEP_SECONDS_ENV: "0.5"}
+    args = [CKPTFLOW, "run", "--storage", str(store), "--epochs", "3", "--spec", STEPPED_SPEC]
+    with open(tmp_path / "run.log", "wb") as log:
+        proc = subprocess.Popen(
+            [*args, "--save-every-steps", "5"], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+        )
+    reader = CheckpointStore(str(store))
+    try:
+        wait_until(
+            lambda: any(v.epoch == 2 and v.in_epoch for v in reader.versions()) or proc.poll() is not None,
+            180,
+            "a save inside epoch 2",
+        )
+        assert proc.poll() is None, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
+        before = reader.latest()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    output = (tmp_path / "run.log").read_text(errors="replace")
+    assert code == 143, output[-3000:]
+    saved = reader.latest()
+    assert before is not None and saved is not None and saved.version > before.version, output[-3000:]
+    assert saved.epoch == 2 and saved.in_epoch, (saved.epoch, saved.in_epoch)
+    assert "cancelled" in output and "Traceback" not in output, output[-3000:]
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["child", "in-process"])

@@ -59,7 +59,7 @@ class TestRefusedUnderALiveWriter:
         """Bug: gc --min-age 0 under a live writer removed its save in flight and exited 0."""
         before = state(target)
         result = cli(target, "gc", "--min-age", "0")
-        assert result.exit_code == 1, result.output
+        assert result.exit_code == 75, result.output  # refused: held (issue 53)
         assert result.stderr.startswith(f"error: {target.url} is in use by another writer: writer 1 (host ")
         assert f"pid {held.proc.pid}" in result.stderr
         assert len(result.stderr.splitlines()) == 1
@@ -69,7 +69,7 @@ class TestRefusedUnderALiveWriter:
     def test_prune_is_refused_naming_the_holder(self, target, held):
         before = state(target)
         result = cli(target, "prune", "--keep-last", "1")
-        assert result.exit_code == 1, result.output
+        assert result.exit_code == 75, result.output
         assert result.stderr.startswith(f"error: {target.url} is in use by another writer: writer 1 (host ")
         assert state(target) == before == (before[0], [0, 1, 2])
 
@@ -87,7 +87,7 @@ class TestRefusedUnderALiveWriter:
         before = state(target)
         for args in (("--versions", "0-1", "--drop-loose"), ("--reindex",)):
             result = cli(target, "archive", *args)
-            assert result.exit_code == 1, result.output
+            assert result.exit_code == 75, result.output
             assert result.stderr.startswith(
                 f"error: {target.url} is in use by another writer: writer 1 (host "
             )
@@ -113,7 +113,7 @@ class TestRefusedUnderALiveWriter:
         assert held_by is not None and held_by.pid == held.proc.pid  # the writer's lease is untouched
 
     def test_the_writer_saves_on_and_gc_works_once_it_ends(self, target, held, tmp_path):
-        assert cli(target, "gc", "--min-age", "0").exit_code == 1
+        assert cli(target, "gc", "--min-age", "0").exit_code == 75
         held.kill()  # its lease is taken over at once: its process has ended (local), or
         if target.is_s3:  # on S3 (no pid space to look into) once its timeout passed
             target.raw_remove(LEASE_FILE)
