@@ -120,6 +120,8 @@ def _writer_lease(config: PipelineConfig) -> Iterator[tuple[CheckpointStore, Sto
     if config.resume_only and store.latest() is None:  # before the lease creates anything there
         raise nothing_to_resume(store.url)
     with store.lease(owner=owner, timeout=config.lease_timeout_seconds) as lease:
+        if lease.took_over is not None:  # in the run's own log, not only on its process's console
+            get_run_logger().warning("%s", lease.took_over)
         get_run_logger().info("holding the writer lease %s (timeout %gs)", lease.url, lease.info.timeout)
         yield store, lease
 
@@ -240,7 +242,8 @@ def _run_epochs(
         # stop (SIGTERM, Ctrl-C), it saves where it stands first...
         preempted = _told_to_stop(exc)
         _quietly("close the run", lambda: run.close(interrupted=True, preempted=preempted))
-        monitor.catch_up(run.store.versions, late=preempted)  # ...and what committed is reported
+        in_flight = reached.in_flight if preempted else None
+        monitor.catch_up(run.store.versions, in_flight=in_flight)  # ...and what committed is reported
         if preempted and not isinstance(exc, KeyboardInterrupt):  # SIGTERM ends the run Cancelled
             return _stopped_by_signal(exc, run, monitor, reached)
         raise  # the summary: _train

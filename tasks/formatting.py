@@ -4,6 +4,7 @@ artifacts (no Prefect import), so that both say the same thing the same way."""
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -59,10 +60,21 @@ def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:
         )
         if value is not None
     )
-    removed = ", ".join(map(str, plan.remove)) or "none"
-    line = f"retention ({rules}): removed versions {removed}; kept {', '.join(map(str, plan.remaining))}"
+    removed = version_ranges(plan.remove)
+    line = f"retention ({rules}): removed versions {removed}; kept {version_ranges(plan.remaining)}"
     if policy.keep_best is not None:
         best = ", ".join(map(str, plan.best)) or "none (no version has the metric)"
         line += f"; the best by {policy.keep_best} ({policy.best_mode}): {best}"
     held = plan.describe_held()
     return f"{line}; kept beyond the policy: {held}" if held else line
+
+
+def version_ranges(versions: Iterable[int]) -> str:
+    """``[1, 2, 3, 5, 7, 8]`` -> ``"1-3, 5, 7-8"``."""
+    spans: list[list[int]] = []
+    for v in sorted(set(versions)):
+        if spans and v == spans[-1][1] + 1:
+            spans[-1][1] = v
+        else:
+            spans.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"

@@ -11,11 +11,13 @@ verified count, and the line says why. No Prefect import: the flow logs it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ckptflow.storage import CheckpointStore, redact
+
+from .formatting import version_ranges
 
 if TYPE_CHECKING:
     from .config import ArchiveConfig
@@ -88,14 +90,3 @@ def _reason(
     if not config.mirrors_versions():
         return "upload_versions is off: loose versions go up only in tarballs"
     return "their uploads have not run yet"
-
-
-def version_ranges(versions: Iterable[int]) -> str:
-    """``[1, 2, 3, 5, 7, 8]`` -> ``"1-3, 5, 7-8"``."""
-    spans: list[list[int]] = []
-    for v in sorted(set(versions)):
-        if spans and v == spans[-1][1] + 1:
-            spans[-1][1] = v
-        else:
-            spans.append([v, v])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans) or "none"

@@ -260,19 +260,26 @@ class RunMonitor:
             self._reported.add(info.version)
             self.versions[info.version] = info
             self._last_commit = (info, time.monotonic())
+            if info.epoch is not None and info.in_epoch:  # a save past the last step reported: the stop's
+                seen = self._inside
+                if seen is None or (seen[0], seen[1]) < (info.epoch, info.in_epoch):
+                    self._inside = (info.epoch, info.in_epoch, info.epoch_steps)
             self._reporter.put(lambda: self._publish_commit(info, late=late))
         notify("committed", {"info": info})
 
-    def catch_up(self, list_versions: Callable[[], list[VersionInfo]], *, late: bool = False) -> None:
+    def catch_up(
+        self, list_versions: Callable[[], list[VersionInfo]], *, in_flight: int | None = None
+    ) -> None:
         """Report versions committed but not reported yet: a save that finished while the run was
-        stopping (``late``: the run was told to stop, and its log lines say so)."""
+        stopping, or the stop's own save. ``in_flight``: the version whose save was in flight when
+        the run was told to stop (its log line says so; the stop's save says so itself)."""
         try:
             versions = list_versions()
         except Exception as exc:
             log.warning("could not list the committed versions of %s: %s", self.store_url, exc)
             return
         for info in sorted(versions, key=lambda v: v.version):
-            self.committed(info, late=late)
+            self.committed(info, late=info.version == in_flight)
 
     def status(self) -> str:
         """Where the run stands beyond its epoch, for its log lines (the run page's Logs tab updates

@@ -187,10 +187,10 @@ def build_run(
         spec, trainable = run.local()
         into = capture(trainable, spec, epoch=0, step=0)  # read the model straight into its tensors
         sharded = is_sharded(trainable.model)
-        if sharded:  # DCP fills what the target holds: the shared part (the ranks' own come apart)
+        saved_by = len(store.manifest(latest.version).ranks) or 1
+        if sharded or saved_by > 1:  # the shared part only: the ranks' own states are apart (below)
             into, _ = split_ranked(into)
         state = store.load(latest.version, into=into)
-        saved_by = len(store.manifest(latest.version).ranks) or 1
         if world_size > 1 or sharded:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", RankStateWarning)

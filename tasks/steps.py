@@ -40,8 +40,10 @@ is exposed.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
@@ -56,6 +58,7 @@ from ckptflow.storage import (
     CheckpointError,
     CheckpointStore,
     LeaseLostError,
+    PrunePlan,
     StateMismatchError,
     StoreLockedError,
     VersionInfo,
@@ -319,16 +322,41 @@ def save_checkpoint(
     return SaveResult(info, committed, removed)
 
 
+RETENTION_LINE_SECONDS = 60.0  # a run that saves often says what retention removed once a minute
+
+
+@dataclass
+class _Removed:
+    """What retention removed in a run since its last line, and when that line was said."""
+
+    versions: list[int]
+    said_at: float | None = None
+
+
+_unsaid: dict[str, _Removed] = {}  # by flow run
+
+
 def _retain(store: CheckpointStore, policy: RetentionConfig) -> tuple[int, ...]:
-    """Apply the retention policy as the run goes; its one-line report when it removed versions."""
+    """Apply the retention policy as the run goes; one line for what it removed, at most once a
+    minute (a run saving every few seconds would say it at every save), the rest at the run's end."""
     if not policy.enabled():
         return ()
     plan = store.apply_retention(policy.policy())
     if plan.remove:
-        line = retention_line(policy, plan)
-        get_run_logger().info(line)
-        notify("retention", {"text": line, "removed": list(plan.remove), "kept": list(plan.remaining)})
+        removed = _unsaid.setdefault(flow_run.get_id() or "", _Removed([]))
+        removed.versions += plan.remove
+        now = time.monotonic()
+        if removed.said_at is None or now - removed.said_at >= RETENTION_LINE_SECONDS:
+            _say_retention(policy, plan, removed.versions)
+            removed.versions, removed.said_at = [], now
     return tuple(plan.remove)
+
+
+def _say_retention(policy: RetentionConfig, plan: PrunePlan, removed: list[int]) -> None:
+    """The retention line, of every version removed since the last one (``removed``)."""
+    line = retention_line(policy, dataclasses.replace(plan, remove=tuple(sorted(removed))))
+    get_run_logger().info(line)
+    notify("retention", {"text": line, "removed": sorted(removed), "kept": list(plan.remaining)})
 
 
 @io_task("commit_checkpoint")
@@ -363,9 +391,8 @@ def finalize(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
     if not policy.enabled():
         return []
     plan = store.apply_retention(policy.policy())
-    line = retention_line(policy, plan)
-    get_run_logger().info(line)
-    notify("retention", {"text": line, "removed": list(plan.remove), "kept": list(plan.remaining)})
+    unsaid = _unsaid.pop(flow_run.get_id() or "", _Removed([]))
+    _say_retention(policy, plan, [*unsaid.versions, *plan.remove])
     return list(plan.remove)
 
 

@@ -87,6 +87,7 @@ class StoreLease:
         )
         self._etag: str | None = None  # S3: the ETag of our last write, for If-Match
         self._lost: str | None = None  # why the lease is no longer ours
+        self.took_over: str | None = None  # what taking the lease replaced (a crashed holder's), said once
         self._held = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -228,20 +229,18 @@ class StoreLease:
 
     def _log_takeover(self, stale: LeaseInfo | None) -> None:
         if stale is None:
-            log.warning("replacing the unreadable lease %s", self.loc.display(LEASE_FILE))
+            self.took_over = f"replacing the unreadable lease {self.loc.display(LEASE_FILE)}"
         elif stale.holder_gone():
-            log.warning(
-                "taking over the lease on %s: its holder %s is no longer running",
-                self.loc.display(),
-                stale.describe(),
+            self.took_over = (
+                f"taking over the lease on {self.loc.display()}: its holder {stale.describe()} is no "
+                "longer running"
             )
         else:
-            log.warning(
-                "taking over the lease on %s: its holder %s stopped renewing it (timeout %gs)",
-                self.loc.display(),
-                stale.describe(),
-                stale.timeout,
+            self.took_over = (
+                f"taking over the lease on {self.loc.display()}: its holder {stale.describe()} stopped "
+                f"renewing it (timeout {stale.timeout:g}s)"
             )
+        log.warning("%s", self.took_over)
 
     # -- renew ----------------------------------------------------------------
 

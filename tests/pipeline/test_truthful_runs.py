@@ -88,3 +88,40 @@ def test_an_unreadable_newest_version_is_set_aside_and_the_run_resumes(
     # and a further run goes on normally
     again, _ = run_summary(make_config(storage, epochs=5))
     assert again["resumed_from"] == 4 and again["last_epoch"] == 5
+
+
+def test_frequent_saves_say_what_retention_removed_once_a_minute_not_at_every_save(
+    prefect_server, tmp_path: Path
+) -> None:
+    """Issue 53: a run saving every few steps printed a retention line at every save (26 in a 30 s
+    run). Retention still runs at every save; its line comes once a minute at most, naming every
+    version removed since the last one, and at the run's end."""
+    from tests.pipeline.specs import STEPPED_SPEC
+
+    storage = tmp_path / "store"
+    heard: list[dict[str, Any]] = []
+    remove = add_listener(lambda kind, data: heard.append(data) if kind == "retention" else None)
+    try:
+        summary, _ = run_summary(
+            make_config(
+                storage,
+                epochs=3,
+                spec=STEPPED_SPEC,
+                save_every_steps=2,
+                retention=RetentionConfig(keep_last=2),
+                async_save=False,
+            )
+        )
+    finally:
+        remove()
+    store = CheckpointStore(storage)
+    kept = [v.version for v in store.versions()]
+    assert len(kept) == 2 and len(summary["pruned"]) >= 10, summary["pruned"]
+    assert len(heard) <= 3, [r["text"] for r in heard]  # the first, maybe one a minute later, the end
+    said = sorted(v for r in heard for v in r["removed"])
+    assert said == sorted(summary["pruned"])  # every removal said, once
+    assert heard[-1]["kept"] == kept
+    from ckptflow.tasks.formatting import version_ranges
+
+    for report in heard:  # spans, not one number per version: "removed versions 3-17"
+        assert f"removed versions {version_ranges(report['removed'])}; kept " in report["text"], report
