@@ -288,6 +288,13 @@ def test_sigterm_to_the_cli_commits_where_it_stands_and_exits_143(prefect_server
     assert before is not None and saved is not None and saved.version > before.version, output[-3000:]
     assert saved.epoch == 2 and saved.in_epoch, (saved.epoch, saved.in_epoch)
     assert "cancelled" in output and "Traceback" not in output, output[-3000:]
+    assert "death signal" not in output and "closing signal" not in output, output[-3000:]  # torch's agent
+    # the next run says where it resumes: the version, its epoch and the step inside it
+    env[SLOW_FROM_ENV] = "99"
+    again = subprocess.run(args, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    where = f"resuming from version {saved.version} (epoch 2, step {saved.in_epoch} of "
+    assert where in " ".join(again.stderr.split()), again.stderr[-3000:]
 
 
 @pytest.mark.parametrize("in_process", [False, True], ids=["child", "in-process"])

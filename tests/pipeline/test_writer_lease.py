@@ -26,7 +26,9 @@ from tests.pipeline.helpers import (
     REPO,
     assert_only_committed,
     make_config,
+    poll,
     run_flow,
+    run_log_records,
     run_summary,
     start_slowed,
 )
@@ -83,9 +85,13 @@ def test_a_lease_left_on_another_host_is_taken_over_after_its_timeout(prefect_se
         "ckptflow run (flow run elsewhere)", "other-host", 77, now - 600, now - 100, 30.0, "a" * 32
     )
     lease.write_bytes(stale.to_json())
-    summary, _ = run_summary(config)
+    summary, run_id = run_summary(config)
     assert summary["last_epoch"] == 2
     assert not lease.exists()
+    # issue 53: the takeover was said on the process's console only, not in the run's logs
+    said = poll(lambda: run_log_records(run_id), lambda rs: any("taking over the lease" in m for _, m in rs))
+    [line] = [m for _, m in said if "taking over the lease" in m]
+    assert "its holder ckptflow run (flow run elsewhere) (host other-host, pid 77" in line, line
     assert json.loads((tmp_path / "store" / "run.json").read_text())["seed"] == config.seed
 
 
