@@ -179,6 +179,9 @@ def main() -> None:
                     run_child([*run_cmd, "--nproc", "2", "--storage", str(store / "srv2")], env, times)
                 )
             commands = time_commands(py, ckptflow, tmp / "run0" / "srv", args.repeats)
+            commands["ckptflow run on a store a running run holds (refused, exit 75)"] = time_refusal(
+                [*run_cmd[:-1], str(10_000)], env, tmp / "held", args.repeats
+            )
         finally:
             server.stop()
     results = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
@@ -201,6 +204,37 @@ def time_commands(py: str, ckptflow: str, store: Path, repeats: int) -> dict[str
             subprocess.run(cmd, check=True, capture_output=True)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def time_refusal(run_cmd: list[str], env: dict[str, str], store: Path, repeats: int) -> float:
+    """Median seconds a second ``ckptflow run`` takes to be refused on a store a running one holds."""
+    env = {**env, "PYTHONPATH": str(ROOT)}
+    holder = subprocess.Popen(
+        [*run_cmd, "--storage", str(store)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (store / "lease.json").exists():
+            if holder.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("the holding run did not take the lease")
+            time.sleep(0.1)
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            done = subprocess.run([*run_cmd, "--storage", str(store)], env=env, cwd=ROOT, capture_output=True)
+            times.append(time.perf_counter() - start)
+            if done.returncode != 75:
+                raise SystemExit(
+                    f"the second run was not refused (exit {done.returncode}): {done.stderr[-2000:]!r}"
+                )
+        return statistics.median(times)
+    finally:
+        holder.terminate()
+        holder.wait(120)
 
 
 def print_commands(commands: dict[str, float], repeats: int) -> None:
