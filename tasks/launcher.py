@@ -146,8 +146,16 @@ EXPECTED_STOP = (
 def _quiet_expected_stops() -> None:
     import logging
 
+    class Expected(logging.Filter):
+        def __init__(self, template: str) -> None:
+            super().__init__()
+            self.template = template
+
+        def filter(self, record: logging.LogRecord) -> bool:
+            return record.msg != self.template
+
     for name, template in EXPECTED_STOP:
-        logging.getLogger(name).addFilter(lambda record, template=template: record.msg != template)
+        logging.getLogger(name).addFilter(Expected(template))
 
 
 def main() -> int:

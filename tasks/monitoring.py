@@ -381,8 +381,9 @@ class RunMonitor:
         )
         # every commit has its event, and the run's record of its newest commit
         safely("event", lambda: emit_committed(info, self.store_url, self.given))
-        if self.run_id is not None:
-            safely("record of the commit", lambda: _record_commit(self.run_id, info))
+        run_id = self.run_id
+        if run_id is not None:
+            safely("record of the commit", lambda: _record_commit(run_id, info))
         with self._lock:
             newer = any(v > info.version for v in self._reported)
         if newer:  # saves commit faster than the artifacts update: the newest's job shows them all
