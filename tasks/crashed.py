@@ -236,17 +236,10 @@ def summarize_crashed(
 ) -> None:
     """What a Crashed training run's process could not do: end its task runs still Pending or
     Running, show its progress without an ETA, and write its summary (last: a run with one is
-    finished). Its last commit is the one it recorded as it went (:func:`.prefect_runs.record_commit`),
-    as its store lists it now if it still holds it (archived since, say); for a run of an older
-    ckptflow, the newest of its store's ``versions`` committed before ``crashed_at``."""
+    finished). Its last commit comes from its own records (:func:`last_commit_of`), never from what
+    is left in the store later."""
     mark_open_task_runs_crashed(client, run.id, "its flow run crashed")
-    latest = recorded_commit(run)
-    if latest is not None:
-        now = {v.version: v for v in versions}.get(latest.version)
-        latest = now if now is not None and now.created == latest.created else latest
-    else:
-        before = [v for v in versions if committed_at(v) <= crashed_at]
-        latest = max(before, key=lambda v: v.version, default=None)
+    latest = last_commit_of(run, versions, crashed_at)
     url = store_url_of(run) or "unknown"
     artifacts = ArtifactSet(flow_run_id=run.id)
     total = _total_epochs(run.parameters)
@@ -260,6 +253,21 @@ def summarize_crashed(
     text = ending_markdown(state="Crashed", why=why, store_url=url, latest=latest)
     if artifacts.markdown(summary_key(run), text, "ckptflow run summary: Crashed") is None:
         raise RuntimeError(f"the summary of {run.name} could not be written")  # a later run tries again
+
+
+def last_commit_of(run: Any, versions: list[VersionInfo], crashed_at: datetime) -> VersionInfo | None:
+    """A crashed run's last commit, from its own records: the newest of the versions whose manifests
+    name it (``lineage.run``) and the one it recorded on itself as it went (which outlives a prune).
+    A run that committed nothing: the newest of the store's ``versions`` committed before it crashed
+    (where a resume would go on)."""
+    own = [v for v in versions if v.lineage.get("run") == str(run.id)]
+    recorded = recorded_commit(run)
+    if recorded is not None and all(v.version != recorded.version for v in own):
+        own.append(recorded)
+    if own:
+        return max(own, key=lambda v: v.version)
+    before = [v for v in versions if committed_at(v) <= crashed_at]
+    return max(before, key=lambda v: v.version, default=None)
 
 
 def crashed_progress(latest: VersionInfo | None, total: int, ending: str) -> tuple[float, str]:

@@ -379,11 +379,8 @@ class RunMonitor:
             info.url,
             after,
         )
-        # every commit has its event, and the run's record of its newest commit
+        # every commit has its event
         safely("event", lambda: emit_committed(info, self.store_url, self.given))
-        run_id = self.run_id
-        if run_id is not None:
-            safely("record of the commit", lambda: _record_commit(run_id, info))
         with self._lock:
             newer = any(v > info.version for v in self._reported)
         if newer:  # saves commit faster than the artifacts update: the newest's job shows them all
@@ -398,6 +395,9 @@ class RunMonitor:
             f"v{info.version} (epoch {info.epoch}, {human_size(info.size)})",
             latest_card_text(info),
         )
+        run_id = self.run_id
+        if run_id is not None:  # the run's own record of its newest commit (a crashed run's summary)
+            safely("record of the commit", lambda: _record_commit(run_id, info))
 
     def _publish_tables(self) -> None:
         with self._lock:
