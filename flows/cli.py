@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from enum import Enum
@@ -894,8 +895,26 @@ app.add_typer(deployments_app)
 
 
 def main() -> None:
-    """The ``ckptflow`` console script."""
-    app(prog_name="ckptflow")
+    """The ``ckptflow`` console script: what click does, but a usage error is one ``error:`` line and
+    where to look (click prints the usage block, a blank line and ``Error: ...``), exit 2."""
+    # click's classes, from typer's (typer may carry its own copy of click)
+    bases = {c.__name__: c for c in typer.BadParameter.__mro__}
+    usage_error, click_exception = bases["UsageError"], bases["ClickException"]
+    try:
+        code = app(prog_name="ckptflow", standalone_mode=False)
+    except click_exception as exc:
+        if not isinstance(exc, usage_error) or type(exc).__name__ == "NoArgsIsHelpError":
+            exc.show()  # the help of `ckptflow` alone; click's other errors as click says them
+            sys.exit(exc.exit_code)
+        ctx = getattr(exc, "ctx", None)
+        command = ctx.command_path if ctx is not None else "ckptflow"
+        typer.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
+        typer.echo(f"  (`{command} -h` lists the options)", err=True)
+        sys.exit(exits.USAGE)
+    except typer.Abort:
+        typer.echo("Aborted!", err=True)
+        sys.exit(exits.FAILED)
+    sys.exit(code if isinstance(code, int) else exits.FINISHED)
 
 
 if __name__ == "__main__":

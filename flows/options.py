@@ -15,8 +15,6 @@ module can import it at the top.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -29,15 +27,14 @@ HELP = (
 
 def parse_storage_options(text: str) -> dict[str, Any]:
     """Parse ``--storage-options``; the message never repeats the value (it may hold secrets)."""
+    from .inputs import DocumentError, parse_document, read_file_text
+
     if text.startswith("@"):
-        try:
-            text = Path(text[1:]).read_text()
-        except OSError as exc:
-            raise typer.BadParameter(f"cannot read {text[1:]}: {exc.strerror or exc}") from None
+        text = read_file_text(text[1:], option="'--storage-options'")
     try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"not valid JSON ({exc.msg} at character {exc.pos})") from None
+        value = parse_document(text, "json")
+    except DocumentError as exc:  # its message never quotes the value
+        raise typer.BadParameter(f"not valid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise typer.BadParameter("must be a JSON object, e.g. '{\"anon\": true}'")
     return value

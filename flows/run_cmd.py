@@ -30,6 +30,7 @@ before the flow run is created.
 
 from __future__ import annotations
 
+import decimal
 import functools
 import gc
 import json
@@ -112,10 +113,9 @@ def _config_default(path: str) -> Any:
 
 
 def _json_object(option: str, text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise typer.BadParameter(f"{option} is not valid JSON ({exc.msg})") from None
+    from .inputs import parse_json_option
+
+    value = parse_json_option(text, option=option)
     if not isinstance(value, dict):
         raise typer.BadParameter(f"{option} must be a JSON object")
     return value
@@ -145,7 +145,7 @@ def _size(option: str, text: str) -> int:
     unit = match.group(2).upper() if match else ""
     if match is None or unit not in _UNITS:
         raise typer.BadParameter(f"{option} {text!r} is not a size like 512MiB or 1GiB")
-    return int(float(match.group(1)) * _UNITS[unit])
+    return int(decimal.Decimal(match.group(1)) * _UNITS[unit])  # exact: a float rounds 2**60 + 1 down
 
 
 JSON = FlagText(parse=_json_object, show=json.dumps)
@@ -419,43 +419,11 @@ def config_of(ctx: typer.Context) -> PipelineConfig:
 
 def read_config_file(path: str) -> dict[str, Any]:
     """The config's fields in ``path``: JSON (``.json``), TOML (``.toml``) or YAML (``.yaml``,
-    ``.yml``); a usage error naming the file when it cannot be read or is no mapping."""
-    import pathlib
+    ``.yml``), read as :mod:`.inputs` reads documents; a usage error naming the file when it cannot be
+    read, is refused there or is no mapping."""
+    from .inputs import read_document_file
 
-    suffix = pathlib.Path(path).suffix.lower()
-    try:
-        text = pathlib.Path(path).read_text()
-    except OSError as exc:
-        raise typer.BadParameter(f"cannot read {path}: {exc.strerror}", param_hint="'--config'") from None
-    try:
-        if suffix == ".json":
-            value = json.loads(text)
-        elif suffix == ".toml":
-            if sys.version_info >= (3, 11):
-                import tomllib
-            else:
-                import tomli as tomllib
-            value = tomllib.loads(text)
-        elif suffix in (".yaml", ".yml"):
-            import yaml
-
-            value = yaml.safe_load(text)
-        else:
-            raise typer.BadParameter(
-                f"{path}: give a .json, .toml, .yaml or .yml file", param_hint="'--config'"
-            )
-    except typer.BadParameter:
-        raise
-    except ImportError as exc:  # tomllib before Python 3.11, without tomli; yaml without PyYAML
-        raise typer.BadParameter(
-            f"reading {path} needs {exc.name}: pip install {'tomli' if suffix == '.toml' else 'pyyaml'}, "
-            "or give the config as JSON",
-            param_hint="'--config'",
-        ) from None
-    except Exception as exc:  # the parser's own error: where in the file, and why
-        raise typer.BadParameter(
-            f"{path} is not valid {suffix[1:].upper()}: {exc}", param_hint="'--config'"
-        ) from None
+    value = read_document_file(path, option="'--config'")
     if not isinstance(value, dict):
         raise typer.BadParameter(
             f"{path} must hold a mapping of the config's fields", param_hint="'--config'"

@@ -16,6 +16,9 @@ epochs, a different save cadence or shard count) may change freely.
 
 from __future__ import annotations
 
+import math
+import types
+import typing
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -26,11 +29,57 @@ if TYPE_CHECKING:  # the storage library imports torch: this module stays light 
     from ckptflow.storage import RetentionPolicy
 
 DEMO_SPEC = "ckptflow.flows.demo:DigitsSpec"
+MAX_DOCUMENT_DEPTH = 64  # nesting of a config's JSON values (spec_config, storage options)
+MAX_EPOCHS = 10**7  # bounds a config's counts and durations so that no date or number overflows later
+MAX_STEPS = 10**12
+MAX_SECONDS = 10**7  # 115 days
 IDENTITY_FIELDS = ("spec", "spec_config", "seed")
 
 
+def value_problem(value: Any) -> str | None:
+    """Why a parsed document cannot be a config's value (None: it can): nested too deeply, a number
+    that is not finite or an integer too large to be one. Walks without recursion."""
+    stack: list[tuple[Any, int, str]] = [(value, 0, "")]
+    while stack:
+        node, depth, where = stack.pop()
+        if depth > MAX_DOCUMENT_DEPTH:
+            return f"it is nested more than {MAX_DOCUMENT_DEPTH} levels deep"
+        at = f" (at {where})" if where else ""
+        if isinstance(node, bool) or node is None or isinstance(node, str):
+            continue
+        if isinstance(node, int):
+            if abs(node) >= 1 << 63:
+                return f"the integer {str(node)[:20]}... is too large{at}: ckptflow takes 64-bit integers"
+        elif isinstance(node, float):
+            if not math.isfinite(node):
+                return f"{node} is not a finite number{at}"
+        elif isinstance(node, dict):
+            stack += [(v, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in node.items()]
+        elif isinstance(node, list):
+            stack += [(v, depth + 1, f"{where}[{i}]") for i, v in enumerate(node)]
+    return None
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """The config models' base: no unknown field, no ``NaN`` or infinity in a float field, and no
+    ``true``/``false`` where a number is meant (pydantic would read ``true`` as 1)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: Any) -> Any:
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field's type is a number (``int``, ``float``, optional or not) and not a bool."""
+    union = isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union
+    members = typing.get_args(annotation) if union else (annotation,)
+    return bool(set(members) & {int, float}) and bool not in members
 
 
 class RetentionConfig(_Strict):
@@ -40,15 +89,17 @@ class RetentionConfig(_Strict):
     accuracy would delete the best checkpoint.
     """
 
-    keep_last: int | None = Field(None, ge=1, description="keep the newest N checkpoints")
-    keep_every: int | None = Field(None, ge=1, description="keep every K-th epoch")
+    keep_last: int | None = Field(None, ge=1, le=MAX_EPOCHS, description="keep the newest N checkpoints")
+    keep_every: int | None = Field(None, ge=1, le=MAX_EPOCHS, description="keep every K-th epoch")
     keep_best: str | None = Field(None, description="keep the best checkpoint by this metric")
     best_mode: Literal["min", "max"] | None = Field(
         None,
         description="with keep_best (required there): max if a higher metric is better (an accuracy), "
         "min if a lower one is (a loss)",
     )
-    best_count: int = Field(1, ge=1, description="with keep_best: keep the best N by its metric")
+    best_count: int = Field(
+        1, ge=1, le=MAX_EPOCHS, description="with keep_best: keep the best N by its metric"
+    )
 
     @model_validator(mode="after")
     def _direction_given(self) -> RetentionConfig:
@@ -83,8 +134,10 @@ class StopConfig(_Strict):
     metric: str | None = Field(None, description="metric watched by target and patience")
     mode: Literal["min", "max"] = Field("min", description="min if a lower metric is better, else max")
     target: float | None = Field(None, description="stop once the metric reaches this value")
-    patience: int | None = Field(None, ge=1, description="stop after N epochs without improvement")
-    max_seconds: float | None = Field(None, gt=0, description="wall-clock budget of this run")
+    patience: int | None = Field(
+        None, ge=1, le=MAX_EPOCHS, description="stop after N epochs without improvement"
+    )
+    max_seconds: float | None = Field(None, gt=0, le=MAX_SECONDS, description="wall-clock budget of this run")
 
     @model_validator(mode="after")
     def _metric_needed(self) -> StopConfig:
@@ -96,9 +149,11 @@ class StopConfig(_Strict):
 class ArchiveConfig(_Strict):
     """Consolidating committed checkpoints into tarballs, and mirroring them elsewhere (default: off)."""
 
-    every: int | None = Field(None, ge=1, description="archive each K committed epochs into one tarball")
+    every: int | None = Field(
+        None, ge=1, le=MAX_EPOCHS, description="archive each K committed epochs into one tarball"
+    )
     target_bytes: int | None = Field(
-        None, ge=1, description="or: archive once loose checkpoints reach this size"
+        None, ge=1, le=1 << 60, description="or: archive once loose checkpoints reach this size"
     )
     keep_loose: bool = Field(False, description="keep the loose files of archived versions")
     upload_to: str | None = Field(
@@ -116,6 +171,14 @@ class ArchiveConfig(_Strict):
     max_pending: int = Field(
         2, ge=1, le=16, description="archive and upload jobs run at once (more wait; a commit never waits)"
     )
+
+    @field_validator("upload_options")
+    @classmethod
+    def _plain_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problem = value_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     def enabled(self) -> bool:
         return self.every is not None or self.target_bytes is not None
@@ -156,23 +219,30 @@ class PipelineConfig(_Strict):
     )
     spec: str = Field(DEMO_SPEC, description="the TrainingSpec, as 'package.module:ClassName'")
     spec_config: dict[str, Any] = Field(default_factory=dict, description="the spec's config (JSON)")
-    seed: int = Field(0, description="the run's seed; with spec and spec_config, its identity")
-    epochs: int = Field(5, ge=1, description="train until this epoch (epochs count from 1)")
-    save_every: int = Field(1, ge=1, description="save a checkpoint every N epochs (and at the end)")
+    seed: int = Field(
+        0, ge=-(1 << 63), lt=1 << 64, description="the run's seed; with spec and spec_config, its identity"
+    )
+    epochs: int = Field(5, ge=1, le=MAX_EPOCHS, description="train until this epoch (epochs count from 1)")
+    save_every: int = Field(
+        1, ge=1, le=MAX_EPOCHS, description="save a checkpoint every N epochs (and at the end)"
+    )
     save_every_steps: int | None = Field(
         None,
         ge=1,
+        le=MAX_STEPS,
         description="also save every N optimizer steps, inside epochs (a spec with train_steps; "
         "a spec with train_epoch saves at the end of the epoch in which the step falls)",
     )
     save_every_minutes: float | None = Field(
         None,
         gt=0,
+        le=MAX_SECONDS / 60,
         description="also save once M minutes have passed since the last save (as --save-every-steps)",
     )
     stop_grace_seconds: float = Field(
         25.0,
         gt=0,
+        le=MAX_SECONDS,
         description="on SIGTERM or a cancellation: how long the step in progress and the save of it may "
         "take before the run gives up waiting for the commit (fits a 30 s notice)",
     )
@@ -185,11 +255,12 @@ class PipelineConfig(_Strict):
         "rest (off: every version a full copy)",
     )
     async_save: bool = Field(True, description="save while the next epoch trains")
-    epoch_retries: int = Field(1, ge=0, description="retries of a failed epoch, from its start state")
-    save_retries: int = Field(3, ge=0, description="retries of a failed save or commit task")
+    epoch_retries: int = Field(1, ge=0, le=100, description="retries of a failed epoch, from its start state")
+    save_retries: int = Field(3, ge=0, le=100, description="retries of a failed save or commit task")
     save_timeout_seconds: float | None = Field(
         None,
         gt=0,
+        le=MAX_SECONDS,
         description="fail a save or commit task that waits longer (retried; the write goes on)",
     )
     train_process: bool = Field(
@@ -201,6 +272,7 @@ class PipelineConfig(_Strict):
     torch_threads: int | None = Field(
         None,
         ge=1,
+        le=4096,
         description="torch intra-op threads of the training process (default: all cores but one, "
         "leaving one to Prefect and the background saves; OMP_NUM_THREADS is respected)",
     )
@@ -233,11 +305,15 @@ class PipelineConfig(_Strict):
         "auto", description="torch.distributed backend of the ranks (auto: nccl with GPUs, else gloo)"
     )
     rank_timeout_seconds: float = Field(
-        600, gt=0, description="how long a rank waits for the others in a collective before failing"
+        600,
+        gt=0,
+        le=MAX_SECONDS,
+        description="how long a rank waits for the others in a collective before failing",
     )
     lease_timeout_seconds: float = Field(
         180,
         gt=0,
+        le=MAX_SECONDS,
         description="the run's writer lease on the store is renewed every sixth of this; a lease not "
         "renewed for this long (its run was killed) may be taken over by another run",
     )
@@ -246,6 +322,14 @@ class PipelineConfig(_Strict):
     @classmethod
     def _block_ref(cls, value: str | None) -> str | None:
         return check_block_ref(value, "storage_secret")
+
+    @field_validator("spec_config", "storage_options")
+    @classmethod
+    def _plain_json(cls, value: dict[str, Any]) -> dict[str, Any]:
+        problem = value_problem(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     @model_validator(mode="after")
     def _no_credentials(self) -> PipelineConfig:

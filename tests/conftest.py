@@ -358,3 +358,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 
 
 TOGETHER = ("tests/deploy", "tests/sharded", "tests/cuda", "tests/pipeline/test_sharded_pipeline.py")
+
+
+from tests.clirun import ckptflow  # noqa: E402, F401  (the fixture: run the console script as a user does)

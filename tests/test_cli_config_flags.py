@@ -218,7 +218,7 @@ class TestBoundsComeFromTheConfig:
             bound = bound + 1 if kind == "greater than" else bound - 1
         params = parsed(*STORE, flag, str(bound)).params
         name = next(p.name for p in RUN.params if flag in p.opts)
-        assert float(params[name]) == bound
+        assert (int(params[name]) if isinstance(bound, int) else float(params[name])) == bound  # exact
 
     def test_shards_out_of_bounds_is_a_usage_error_before_anything_starts(self, tmp_path):
         store = tmp_path / "s"
