@@ -703,11 +703,22 @@ def import_command(
     storage_options: StorageOptions = None,
 ) -> None:
     """Commit a checkpoint another tool made as a new version of the store at URL (created if new)."""
-    from ckptflow.storage import CheckpointStore, import_checkpoint
+    from ckptflow.storage import CheckpointStore
+    from ckptflow.storage.integrations.imports import read_import
 
+    found = read_import(source, epoch=epoch, step=step)  # refused here: no store is touched
+    for line in found.skipped:  # a link out of a directory, a name that cannot come back, ...
+        typer.echo(f"note: {line}", err=True)
     store = CheckpointStore(url, storage_options=storage_options)
-    with store.lease(owner="ckptflow import"):
-        info = import_checkpoint(store, source, epoch=epoch, step=step)
+    created = store.loc.is_local and not os.path.exists(store.loc.root)
+    try:
+        with store.lease(owner="ckptflow import"):
+            info = store.save(found.state, epoch=found.epoch, step=found.step, user=found.user)
+    except BaseException:
+        if created:  # the lease made the directory: a failed import leaves nothing behind
+            with suppress(OSError):
+                os.rmdir(store.loc.root)
+        raise
     if as_json:
         doc = {
             "url": store.url,

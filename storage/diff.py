@@ -137,22 +137,11 @@ class _FileSide(_Side):
         from .format.checksum import KEY_ALGORITHM, content_key
         from .format.dtypes import dtype_name
         from .format.structure import encode
+        from .integrations.foreign import read_safetensors, read_torch_file
 
         self.label = str(path)
-        if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            state: Any = load_file(str(path))
-        else:
-            import torch
-
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as exc:  # not a torch file, or one that needs unpickling what it may not
-                raise CheckpointError(
-                    f"{path} cannot be read as a torch.save file with weights_only=True: "
-                    f"{str(exc).splitlines()[0]}"
-                ) from None
+        # as import reads them: the two accept and refuse the same files
+        state: Any = read_safetensors(path) if path.suffix == ".safetensors" else read_torch_file(path)
         try:
             structure, leaves = encode(state)
         except CheckpointError as exc:

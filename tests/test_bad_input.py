@@ -15,6 +15,7 @@ import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -163,3 +164,167 @@ def test_the_config_s_bounds_are_in_its_schema_for_a_deployment_too(tmp_path: Pa
     ):
         with pytest.raises(ValidationError):
             PipelineConfig(storage=str(tmp_path), **bad)
+
+
+# -- files other tools wrote ------------------------------------------------------------------------
+
+
+def _safetensors_cases(root: Path) -> dict[str, Path]:
+    """Malformed safetensors files, each a way the header can lie about the data."""
+    import struct
+
+    import torch
+    from safetensors.torch import save_file
+
+    good = root / "good.safetensors"
+    save_file({"a": torch.arange(4, dtype=torch.float32), "b": torch.ones(2, 2)}, str(good))
+    data = good.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    header, body = json.loads(data[8 : 8 + n]), data[8 + n :]
+
+    def with_header(h: Any) -> bytes:
+        raw = h if isinstance(h, bytes) else json.dumps(h).encode()
+        return struct.pack("<Q", len(raw)) + raw + body
+
+    def changed(name: str, key: str, value: Any) -> bytes:
+        h = json.loads(json.dumps(header))
+        h[name][key] = value
+        return with_header(h)
+
+    cases = {
+        "length-2-63": struct.pack("<Q", 1 << 63) + data[8:],
+        "length-past-end": struct.pack("<Q", len(data)) + data[8:],
+        "not-json": with_header(b"hello"),
+        "nested-100k": with_header(b'{"x":' + b"[" * 100_000 + b"]" * 100_000 + b"}"),
+        "overlapping": changed("b", "data_offsets", [0, 16]),
+        "outside": changed("b", "data_offsets", [16, 9999]),
+        "unknown-dtype": changed("b", "dtype", "Q99"),
+        "shape-mismatch": changed("b", "shape", [3, 3]),
+        "truncated": data[:-5],
+        "empty": b"",
+    }
+    paths = {}
+    for name, content in cases.items():
+        paths[name] = root / f"{name}.safetensors"
+        paths[name].write_bytes(content)
+    return paths
+
+
+def _torch_cases(root: Path) -> dict[str, Path]:
+    """Malformed torch.save zips: a storage record shorter than the file declares, one missing."""
+    import zipfile
+
+    import torch
+
+    good = root / "good.pt"
+    torch.save({"w": torch.arange(16, dtype=torch.float32)}, good)
+
+    def rewrite(name: str, change: Any) -> Path:
+        out = root / name
+        with zipfile.ZipFile(good) as zin, zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as zout:
+            for info in zin.infolist():
+                data = change(info.filename, zin.read(info.filename))
+                if data is not None:
+                    zout.writestr(info, data)
+        return out
+
+    (root / "noise.pt").write_bytes(b"PK\x03\x04 not really a zip")
+    return {
+        "short-record": rewrite("short.pt", lambda n, d: d[:32] if n.endswith("data/0") else d),
+        "missing-record": rewrite("missing.pt", lambda n, d: None if n.endswith("data/0") else d),
+        "not-a-zip": root / "noise.pt",
+    }
+
+
+def one_line_error(result, *says: str) -> None:
+    lines = result.stderr.splitlines()
+    assert result.returncode == 1, (result.returncode, result.stderr[-3000:])
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr[-3000:]
+    assert lines[0].startswith("error: "), lines[0]
+    for fragment in says:
+        assert fragment in lines[0], lines[0]
+
+
+class TestForeignFiles:
+    """Before: 53-68-line tracebacks from ``import`` and ``diff`` for each of these; and ``diff`` read
+    8 bytes past a torch file's short record that ``import`` refused."""
+
+    def test_malformed_safetensors_and_torch_files_are_one_line_from_import_and_diff(self, ckptflow):
+        import torch
+
+        from ckptflow.storage import CheckpointStore
+
+        store = ckptflow.work / "store"
+        CheckpointStore(store).save({"a": torch.zeros(4)})
+        files = {**_safetensors_cases(ckptflow.work), **_torch_cases(ckptflow.work)}
+        for name, path in files.items():
+            imported = ckptflow("import", str(path), str(ckptflow.work / f"new-{name}"))
+            one_line_error(imported, path.name)
+            assert not (ckptflow.work / f"new-{name}").exists(), name  # nothing left behind
+            diffed = ckptflow("diff", str(store), "0", str(path))
+            one_line_error(diffed, path.name)
+            assert imported.stderr.split(":", 2)[2] == diffed.stderr.split(":", 2)[2], name  # one reader
+
+    @pytest.mark.parametrize(
+        ("state", "says"),
+        [
+            ({"epoch": float("nan"), "global_step": 3}, "epoch is nan"),
+            ([1, 2], "holds a JSON list"),
+            ({"epoch": -3, "global_step": 7}, "epoch is -3"),
+            ({"epoch": 1, "global_step": -7}, "global_step is -7"),
+            ({"epoch": 1, "global_step": True}, "global_step is true"),
+            ({"epoch": 2**100, "global_step": 1}, "epoch is 1267650600228229401496703205376"),
+        ],
+        ids=["epoch-nan", "a-list", "negative-epoch", "negative-step", "true-step", "2^100-epoch"],
+    )
+    def test_a_trainer_state_that_records_no_epoch_or_step_is_refused(self, ckptflow, state, says):
+        """Before: tracebacks (NaN, a list), or imports of ``epoch -3, step -7``, ``true`` as a step,
+        and a version numbered ``v1267650600228229401496703205376``."""
+        pytest.importorskip("transformers")
+        checkpoint = _hf_dir(ckptflow.work / "checkpoint-7")
+        (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+        store = ckptflow.work / "store"
+        one_line_error(ckptflow("import", str(checkpoint), str(store)), "trainer_state.json", says)
+        assert not store.exists()
+        given = ckptflow("import", str(checkpoint), str(store), "--epoch", "1", "--step", "7")
+        if isinstance(state, dict):  # told the epoch and step, it needs none of the file's
+            assert given.returncode == 0, given.stderr
+        else:  # no Trainer's state at all: the directory is no checkpoint a Trainer resumes from
+            one_line_error(given, says)
+
+    def test_an_index_that_names_files_outside_or_missing_is_refused(self, ckptflow):
+        """Before: both imported with exit 0 and no word; from_pretrained then failed on the copy."""
+        pytest.importorskip("transformers")
+        store = ckptflow.work / "store"
+        for shard, says in (
+            ("../../etc/passwd", "outside the directory"),
+            ("model-2.safetensors", "does not hold"),
+        ):
+            checkpoint = _hf_dir(ckptflow.work / f"model-{says.split()[0]}")
+            index = {"metadata": {}, "weight_map": {"a": "model.safetensors", "b": shard}}
+            (checkpoint / "model.safetensors.index.json").write_text(json.dumps(index))
+            one_line_error(
+                ckptflow("import", str(checkpoint), str(store)), "model.safetensors.index.json", says
+            )
+        assert not store.exists()
+
+    def test_what_an_import_skips_is_said_without_verbose(self, ckptflow):
+        """Before: links skipped by an import were reported only with -v."""
+        pytest.importorskip("transformers")
+        checkpoint = _hf_dir(ckptflow.work / "model")
+        (ckptflow.work / "secret.txt").write_text("outside")
+        (checkpoint / "notes.txt").symlink_to(ckptflow.work / "secret.txt")
+        done = ckptflow("import", str(checkpoint), str(ckptflow.work / "store"))
+        assert done.returncode == 0, done.stderr
+        assert "note: " in done.stderr and "notes.txt is skipped: a symbolic link to" in done.stderr
+
+
+def _hf_dir(path: Path) -> Path:
+    """A small ``save_pretrained``-like directory: a config and one safetensors file."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "test"}))
+    save_file({"a": torch.zeros(2), "b": torch.ones(3)}, str(path / "model.safetensors"))
+    return path

@@ -53,13 +53,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from transformers import TrainerCallback
 from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import CheckpointError, VersionNotFoundError
 from ..store import CheckpointStore
+from .foreign import read_safetensors
 from .hfdir import KEY, file_name_problem, write_checkpoint
 
 log = logging.getLogger(__name__)
@@ -199,13 +199,15 @@ def restore_trainer_checkpoint(
     return str(Path(output_dir) / saved["name"])
 
 
-def read_checkpoint_dir(path: Path) -> dict[str, Any]:
-    """A checkpoint directory as a state a store holds (see the module docstring)."""
+def read_checkpoint_dir(path: Path, skipped: list[str] | None = None) -> dict[str, Any]:
+    """A checkpoint directory as a state a store holds (see the module docstring); ``skipped``
+    gets one line for each entry that is not stored (a link out of it, a name that cannot come
+    back, what is no regular file), besides the warning logged."""
     files = []
-    for rel, f in sorted(_regular_files(path)):
+    for rel, f in sorted(_regular_files(path, skipped if skipped is not None else [])):
         suffix = posixpath.splitext(rel)[1]  # the name it comes back as, a link's too
         if suffix == ".safetensors":
-            files.append({"path": rel, "kind": "safetensors", "tensors": load_file(f)})
+            files.append({"path": rel, "kind": "safetensors", "tensors": read_safetensors(f)})
         elif suffix in _TORCH_SUFFIXES:
             try:
                 with safe_globals():
@@ -225,24 +227,33 @@ def read_checkpoint_dir(path: Path) -> dict[str, Any]:
     return {"name": path.name, "files": files}
 
 
-def _regular_files(root: Path) -> Iterator[tuple[str, Path]]:
+def _regular_files(root: Path, skipped: list[str]) -> Iterator[tuple[str, Path]]:
     """The regular files under ``root``: each one's relative POSIX path and where to read it.
 
-    Symbolic links are not followed out of ``root``; what is not stored is said in a warning."""
+    Symbolic links are not followed out of ``root``; what is not stored is said in a warning,
+    and in a line appended to ``skipped``."""
+
+    def skip(line: str) -> None:
+        log.warning("%s", line)
+        skipped.append(line)
+
+    def unreadable(exc: OSError) -> None:
+        skip(f"{exc.filename} is skipped: {exc.strerror}")
+
     inside = os.path.realpath(root)
-    for dirpath, dirnames, filenames in os.walk(root, onerror=_skipped_unreadable):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         here = Path(dirpath)
         for name in [d for d in dirnames if (here / d).is_symlink()]:
             dirnames.remove(name)  # os.walk does not enter it either; say so
             link = here / name
-            log.warning("%s is skipped: a symbolic link to a directory (%s)", link, os.readlink(link))
+            skip(f"{link} is skipped: a symbolic link to a directory ({os.readlink(link)})")
         for name in filenames:
             f = here / name
             rel = f.relative_to(root).as_posix()
             problem = file_name_problem(rel)
             if problem:
                 shown = os.fsencode(f).decode("utf-8", "backslashreplace")  # a name that is no UTF-8 too
-                log.warning("%s is skipped: its name %s", shown, problem)
+                skip(f"{shown} is skipped: its name {problem}")
             elif f.is_symlink():
                 target = os.path.realpath(f)
                 if os.path.commonpath([inside, target]) == inside and os.path.isfile(target):
@@ -253,15 +264,11 @@ def _regular_files(root: Path) -> Iterator[tuple[str, Path]]:
                         if os.path.exists(target)
                         else "which does not exist"
                     )
-                    log.warning("%s is skipped: a symbolic link to %s, %s", f, os.readlink(f), where)
+                    skip(f"{f} is skipped: a symbolic link to {os.readlink(f)}, {where}")
             elif f.is_file():
                 yield rel, f
             else:
-                log.warning("%s is skipped: not a regular file", f)
-
-
-def _skipped_unreadable(exc: OSError) -> None:
-    log.warning("%s is skipped: %s", exc.filename, exc.strerror)
+                skip(f"{f} is skipped: not a regular file")
 
 
 def _metrics_at(history: list[dict[str, Any]], step: int) -> dict[str, float]:

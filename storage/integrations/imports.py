@@ -23,7 +23,10 @@ The epoch and step default to what the source records (Lightning's ``epoch`` and
 from __future__ import annotations
 
 import json
+import math
 import os
+import posixpath
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +62,32 @@ def source_kind(source: Path) -> str:
     )
 
 
+@dataclass
+class Imported:
+    """A checkpoint read for an import, all of it checked, nothing written yet."""
+
+    state: Any
+    epoch: int | None
+    step: int | None
+    user: dict[str, Any]
+    skipped: list[str] = field(default_factory=list)  # one line per entry of a directory not stored
+
+
+def read_import(
+    source: str | os.PathLike[str], *, epoch: int | None = None, step: int | None = None
+) -> Imported:
+    """Read and check the checkpoint at ``source`` (see the module note): a file or directory that
+    cannot be imported is refused here, before any store is touched."""
+    path = Path(source)
+    kind = source_kind(path)
+    skipped: list[str] = []
+    state, facts = _read(path, kind, skipped)
+    epoch = epoch if epoch is not None else _known(facts.get("epoch"))
+    step = step if step is not None else _known(facts.get("step"))
+    user = {"imported_from": str(path.absolute()), "import_kind": kind}
+    return Imported(state, epoch, step, user, skipped)
+
+
 def import_checkpoint(
     store: CheckpointStore,
     source: str | os.PathLike[str],
@@ -67,20 +96,52 @@ def import_checkpoint(
     step: int | None = None,
 ) -> VersionInfo:
     """Commit the checkpoint at ``source`` as a new version of ``store`` (see the module note)."""
-    path = Path(source)
-    kind = source_kind(path)
-    state, facts = _read(path, kind)
-    epoch = epoch if epoch is not None else facts.get("epoch")
-    step = step if step is not None else facts.get("step")
-    user = {"imported_from": str(path.absolute()), "import_kind": kind}
-    return store.save(state, epoch=epoch, step=step, user=user)
+    found = read_import(source, epoch=epoch, step=step)
+    return store.save(found.state, epoch=found.epoch, step=found.step, user=found.user)
 
 
-def _read(path: Path, kind: str) -> tuple[Any, dict[str, int]]:
+def _check_indexes(path: Path, files: list[dict[str, Any]], kept: set[str]) -> None:
+    """Refuse a Hugging Face directory whose shard index (``*.index.json``) names a file outside it
+    or one it does not hold: ``from_pretrained`` would fail on what the import committed."""
+    from .hfdir import file_name_problem
+
+    for entry in files:
+        name = entry["path"]
+        if not name.endswith(".index.json") or entry["kind"] != "bytes":
+            continue
+        where = f"{path / name}"
+        try:
+            index = json.loads(bytes(entry["value"].numpy()))
+        except (ValueError, RecursionError) as exc:
+            raise CheckpointError(f"{where} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{where} has no weight_map: not a shard index of save_pretrained")
+        for shard in sorted({json.dumps(v) if not isinstance(v, str) else v for v in weight_map.values()}):
+            rel = posixpath.normpath(posixpath.join(posixpath.dirname(name), shard))
+            if shard.startswith("/") or rel.startswith("../") or file_name_problem(rel):
+                raise CheckpointError(
+                    f"{where} names the shard {shard!r}, outside the directory: import reads only what "
+                    "the directory holds"
+                )
+            if rel not in kept:
+                raise CheckpointError(
+                    f"{where} names the shard {shard!r}, which {path} does not hold (or only as a link "
+                    "out of it): the checkpoint is incomplete; copy the shard in, or import another one"
+                )
+
+
+def _known(fact: int | CheckpointError | None) -> int | None:
+    if isinstance(fact, CheckpointError):
+        raise fact
+    return fact
+
+
+def _read(path: Path, kind: str, skipped: list[str]) -> tuple[Any, dict[str, int | CheckpointError]]:
     if kind == "safetensors":
-        from safetensors.torch import load_file
+        from .foreign import read_safetensors
 
-        return load_file(path), {}
+        return read_safetensors(path), {}
     if kind == "torch":
         return _torch_file(path)
     if kind == "hf":
@@ -92,8 +153,9 @@ def _read(path: Path, kind: str) -> tuple[Any, dict[str, int]]:
             ) from None
         from .hfdir import KEY
 
-        saved = read_checkpoint_dir(path)
+        saved = read_checkpoint_dir(path, skipped)
         kept = {f["path"] for f in saved["files"]}
+        _check_indexes(path, saved["files"], kept)
         left = sorted(  # torch files that hold more than tensors (the Trainer's pickled arguments aside)
             p.relative_to(path).as_posix()
             for p in path.rglob("*")
@@ -113,13 +175,10 @@ def _read(path: Path, kind: str) -> tuple[Any, dict[str, int]]:
     )
 
 
-def _torch_file(path: Path) -> tuple[Any, dict[str, int]]:
-    import pickle
-
-    import torch
-
+def _torch_file(path: Path) -> tuple[Any, dict[str, int | CheckpointError]]:
+    from .foreign import read_torch_file
     from .pointers import lightning_pointer
-    from .pyvalues import SAFE_CLASSES, to_storable
+    from .pyvalues import to_storable
 
     try:
         pointer = lightning_pointer(str(path), {})
@@ -130,33 +189,60 @@ def _torch_file(path: Path) -> tuple[Any, dict[str, int]]:
             f"{path} is a pointer of ckptflow's Lightning plugin: its checkpoint is version "
             f"{pointer.version} of {pointer.store_url} already (ckptflow show {path})"
         )
-    try:
-        with torch.serialization.safe_globals(list(SAFE_CLASSES)):
-            value = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(
-            f"{path} holds more than tensors and plain values ({first[:200]}), and ckptflow never "
-            "unpickles (it would run the code the file holds): save the state as tensors, numbers, "
-            "strings and containers (a state_dict), or as safetensors"
-        ) from None
-    facts = {}
+    value = read_torch_file(path)
+    facts: dict[str, int | CheckpointError] = {}
     if isinstance(value, dict):
         for key, fact in (("epoch", "epoch"), ("global_step", "step")):
-            if isinstance(value.get(key), int) and value[key] >= 0:
-                facts[fact] = value[key]
+            if key in value:
+                facts[fact] = _fact(value[key], f"{path}'s {key}", fact)
     return to_storable(value, omit_under=("hyper_parameters", "datamodule_hyper_parameters")), facts
 
 
-def _trainer_facts(path: Path) -> dict[str, int]:
-    """A Trainer checkpoint's epoch and step, from its ``trainer_state.json``."""
-    try:
-        state = json.loads((path / "trainer_state.json").read_text())
-    except (OSError, ValueError):
+def _trainer_facts(path: Path) -> dict[str, int | CheckpointError]:
+    """A Trainer checkpoint's epoch and step, from its ``trainer_state.json``: refused, naming the
+    field, when it holds something that is no epoch or step (``--epoch``/``--step`` say them instead)."""
+    state_file = path / "trainer_state.json"
+    if not state_file.is_file():
         return {}
-    facts = {}
-    if isinstance(state.get("global_step"), int):
-        facts["step"] = state["global_step"]
-    if isinstance(state.get("epoch"), (int, float)):
-        facts["epoch"] = int(state["epoch"])
+    where = str(state_file)
+    try:
+        with state_file.open("rb") as f:
+            data = f.read(MAX_STATE_BYTES + 1)
+        if len(data) > MAX_STATE_BYTES:
+            raise CheckpointError(f"{where} is more than {MAX_STATE_BYTES:,} bytes: not a Trainer's state")
+        state = json.loads(data)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {where}: {exc.strerror or exc}") from None
+    except RecursionError:
+        raise CheckpointError(f"{where} is nested too deeply to be a Trainer's state") from None
+    except ValueError as exc:
+        raise CheckpointError(f"{where} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(
+            f"{where} holds a JSON {type(state).__name__}, not a Trainer's state (an object)"
+        )
+    facts: dict[str, int | CheckpointError] = {}
+    if "global_step" in state:
+        facts["step"] = _fact(state["global_step"], f"{where}'s global_step", "step")
+    if "epoch" in state:
+        epoch = state["epoch"]
+        if isinstance(epoch, float) and math.isfinite(epoch) and epoch >= 0:
+            epoch = int(epoch)  # a Trainer's epoch counts fractions of epochs
+        facts["epoch"] = _fact(epoch, f"{where}'s epoch", "epoch")
     return facts
+
+
+MAX_STATE_BYTES = 64 << 20  # a trainer_state.json (its log history grows with the run)
+LIMITS = {"epoch": 10**9, "step": (1 << 63) - 1}  # as a save takes them
+
+
+def _fact(value: Any, what: str, fact: str) -> int | CheckpointError:
+    """An epoch or step a source records, checked: a whole number in the range a save takes; else
+    the error to raise if the import needs it (``--epoch``/``--step`` given, it does not)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= LIMITS[fact]:
+        shown = repr(value) if isinstance(value, float) else json.dumps(value)[:40]
+        return CheckpointError(
+            f"{what} is {shown}, not a {fact} (a whole number from 0 to {LIMITS[fact]:,}): give "
+            f"--{fact} to import it with one of your own"
+        )
+    return value

@@ -83,6 +83,12 @@ class SaveJob:
     claimed: bool = True  # False: its number is claimed when the write starts (a solo async save)
 
 
+# An epoch is a version number by default: a bound keeps directory names and dates sane.
+MAX_EPOCH = 10**9
+MAX_VERSION = 10**9
+MAX_STEP = (1 << 63) - 1
+
+
 def checked(request: SaveRequest) -> SaveRequest:
     """``request`` with its metrics as finite floats; raises before any I/O on what a manifest
     could not hold (a bad metric, metadata nested too deep)."""
@@ -90,6 +96,12 @@ def checked(request: SaveRequest) -> SaveRequest:
         raise UnsupportedValueError(
             "user", f"the metadata nests more than the {MAX_DOCUMENT_DEPTH - 1} levels it may hold"
         )
+    for name, bound in (("epoch", MAX_EPOCH), ("step", MAX_STEP), ("version", MAX_VERSION)):
+        value = getattr(request, name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= bound
+        ):
+            raise ValueError(f"{name} must be an integer from 0 to {bound:,}, got {value!r}")
     return dataclasses.replace(
         request,
         metrics=clean_metrics(request.metrics),
