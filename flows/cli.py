@@ -538,6 +538,13 @@ def restore_command(
         _fail(f"{out} exists; pass --force to overwrite it")
     if out.is_dir() and max_shard_size is None and file_format is not Format.hf:
         _fail(f"{out} is a directory; give a file name (or --max-shard-size for a sharded directory)")
+    from ckptflow.storage.versions.nearby import store_holding
+
+    around = store_holding(out.absolute().parent)
+    if around is not None:  # a file there would be a leftover, or part of a version, of that store
+        _fail(
+            f"{out} is inside the checkpoint store {around}: give an --out outside stores"
+        )
     missing_dirs = _missing_directories(out)
     store = _open(url, storage_options, command="restore")
     if out.is_dir() and _holds_a_store(out, store):  # --force replaces the directory OUT

@@ -328,3 +328,40 @@ def _hf_dir(path: Path) -> Path:
     (path / "config.json").write_text(json.dumps({"model_type": "test"}))
     save_file({"a": torch.zeros(2), "b": torch.ones(3)}, str(path / "model.safetensors"))
     return path
+
+
+class TestWhereOutputGoes:
+    def test_restore_and_extract_refuse_an_out_inside_any_store(self, ckptflow):
+        """Before: ``restore --out`` inside the source store was accepted: it wrote into a committed
+        version's directory, or left what ``ls`` calls uncommitted leftovers."""
+        import torch
+
+        from ckptflow.storage import CheckpointStore
+
+        store_dir = ckptflow.work / "store"
+        store = CheckpointStore(store_dir)
+        for epoch in (1, 2):
+            store.save({"w": torch.full((4,), float(epoch))}, epoch=epoch)
+        store.archive([1, 2])
+        before = sorted(str(p.relative_to(store_dir)) for p in store_dir.rglob("*"))
+        for out in ("store/model.pt", "store/v000001/model.pt", "store/archive/x/model.pt"):
+            result = ckptflow("restore", str(store_dir), "--out", out)
+            one_line_error(result, out, f"inside the checkpoint store {store_dir}")
+        tar = next((store_dir / "archive").glob("*.tar"))
+        for out in ("store/extracted", "store/v000001/extracted"):
+            result = ckptflow("extract", str(tar), "--epoch", "1", "--out", out)
+            one_line_error(result, out, f"inside the checkpoint store {store_dir}")
+        assert sorted(str(p.relative_to(store_dir)) for p in store_dir.rglob("*")) == before
+        assert ckptflow("restore", str(store_dir), "--out", "model.pt").returncode == 0  # beside it: fine
+
+    def test_a_store_named_like_a_checkpoint_file_is_listed(self, ckptflow):
+        """Before: a store at ``run.ckpt`` was read as a Lightning pointer: "is not a ckptflow
+        checkpoint pointer", and it could not be listed."""
+        import torch
+
+        from ckptflow.storage import CheckpointStore
+
+        CheckpointStore(ckptflow.work / "run.ckpt").save({"w": torch.zeros(2)}, epoch=1)
+        listed = ckptflow("ls", "run.ckpt", "--json")
+        assert listed.returncode == 0, listed.stderr
+        assert [v["version"] for v in json.loads(listed.stdout)["versions"]] == [1]

@@ -85,8 +85,17 @@ def extract_epoch(
 
 
 def check_new_target(out_dir: str) -> None:
-    """Refuse ``out_dir`` unless it is missing or an empty directory, and no symbolic link."""
+    """Refuse ``out_dir`` unless it is missing or an empty directory, no symbolic link, and inside
+    no store (the store would take the extracted version for a leftover, or a version of its own)."""
+    from ..versions.nearby import store_holding
+
     _refuse_link_or_file(out_dir)
+    around = store_holding(os.path.dirname(os.path.abspath(out_dir)))
+    if around is not None:
+        raise CheckpointError(
+            f"{out_dir} is inside the checkpoint store {around}: extract writes a store of its own, "
+            "outside any other; choose a directory elsewhere"
+        )
     try:
         names = sorted(os.listdir(out_dir))
     except FileNotFoundError:

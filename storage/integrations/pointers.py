@@ -39,6 +39,8 @@ def read_pointer(path: str, storage_options: dict[str, Any]) -> Pointer | None:
     """The pointer at ``path`` with its store's URL resolved, or None if there is no file;
     CheckpointError if the file is no pointer."""
     loc, name = pointer_location(path, storage_options)
+    if loc.fs.isdir(loc.path(name)):
+        return None  # a directory named like a checkpoint file (a store at run.ckpt): no pointer
     try:
         pointer = read_json(loc, name)  # None: no file
     except ManifestError:  # not JSON, too big or too deep

@@ -16,6 +16,7 @@ those and is no version directory (named ``vNNNNNN`` or holding a
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..archive.tarballs import ARCHIVE_DIR
@@ -87,3 +88,24 @@ def _parent_url(loc: Location) -> str:
     """The URL of the directory above ``loc`` (without credentials)."""
     head = loc.display().rpartition("/")[0]
     return head if head and not head.endswith(("/", ":")) else f"{head}/"
+
+
+def store_holding(path: str | os.PathLike[str]) -> str | None:
+    """The local store that ``path`` is, or lies inside, if any: the nearest directory at or above
+    it (symbolic links resolved) that holds what a store holds. What is written there would be
+    taken for a store's file (a leftover, or part of a version): restore and extract write
+    elsewhere. One listing of each directory on the way up; a directory that cannot be listed
+    holds no store."""
+    here = os.path.realpath(os.fspath(path))
+    while True:
+        try:
+            with os.scandir(here) as entries:
+                names = {e.name: e.is_dir(follow_symlinks=False) for e in entries}
+        except OSError:  # not there yet, a file, or unreadable
+            names = None
+        if names is not None and _holds_a_store(names):
+            return here
+        parent = os.path.dirname(here)
+        if parent == here:
+            return None
+        here = parent
