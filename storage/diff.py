@@ -7,9 +7,13 @@ matched by key path (``model/fc.weight``; a safetensors file's names are such pa
 checksum tells whether its bytes changed, so nothing is read unless values are asked for; a file's
 tensors are hashed the same way. Where the checksums cannot tell (a tensor stored as a view of a
 larger blob, or chunked differently by sharded saves of other world sizes), both tensors are read
-and compared. With ``values=True``, the tensors that changed are read, a batch at a time, and the
-bytes that differ, the largest absolute difference and the relative norm of the difference are
-reported.
+and compared. With ``values=True``, the tensors that changed are read, and the bytes that differ,
+the largest absolute difference and the relative norm of the difference are reported.
+
+Memory stays bounded whatever the tensors' sizes: small tensors are read a batch of about
+``READ_BATCH`` bytes per side at a time; a tensor of ``WINDOW`` bytes or more is compared a window
+at a time (a stored chunk, or a range of its blob, verified as it streams), its figures summed over
+the windows, so two versions of a 512 MiB tensor never hold more than a few windows in memory.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ if TYPE_CHECKING:
     from .format.manifest import Manifest
     from .store import CheckpointStore
 
-READ_BATCH = 256 << 20  # tensors read together, per side, when values are compared
+READ_BATCH = 64 << 20  # small tensors read together, per side, when values are compared
+WINDOW = 8 << 20  # a tensor this large is compared this many bytes at a time, per side
 FILE_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".safetensors")
 
 
@@ -114,6 +119,17 @@ class _Side:
     def read(self, paths: list[str]) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def windows(self, path: str) -> Iterator[torch.Tensor]:
+        """The tensor at ``path`` as consecutive flat pieces of at most about WINDOW bytes."""
+        yield from _flat_windows(self.read([path])[path])
+
+
+def _flat_windows(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    flat = tensor.detach().reshape(-1)
+    step = max(1, WINDOW // max(1, flat.element_size()))
+    for start in range(0, flat.numel(), step):
+        yield flat[start : start + step]
+
 
 class _VersionSide(_Side):
     def __init__(self, store: CheckpointStore, version: int | None) -> None:
@@ -129,6 +145,58 @@ class _VersionSide(_Side):
         state = self.store._reads.load(self.version, keys=paths)  # not store.load: no parent for a save
         _, leaves = encode(state)
         return {leaf.path: leaf.tensor for leaf in leaves}
+
+    def windows(self, path: str) -> Iterator[torch.Tensor]:
+        """Chunk by chunk for a chunked tensor of whole rows (each chunk read and verified on its
+        own); a range of its blob at a time for a tensor that is one whole blob (verified as it
+        streams: the blob's checksum over the ranges, checked after the last); else whole."""
+        from .format.dtypes import dtype_from_name
+        from .load.reader import Span, read_blobs, read_spans
+
+        reads = self.store._reads
+        located = reads.locate(self.version)
+        manifest, loc = located.manifest, self.store.loc
+        sources = located.sources(loc)
+        threads = self.store.options.threads
+        chunked = next((c for c in manifest.chunked if c.path == path), None)
+        tensor = next((t for t in manifest.tensors if t.path == path), None)
+        if chunked is not None and all(k.sizes[1:] == chunked.shape[1:] for k in chunked.chunks):
+            dtype = dtype_from_name(chunked.dtype)
+            for k in sorted(chunked.chunks, key=lambda k: k.offsets):
+                data = read_blobs(loc, sources, manifest, [k.blob], verify=True, threads=threads)[k.blob]
+                yield from _flat_windows(data.view(dtype))
+            return
+        blob = manifest.blobs[tensor.blob] if tensor is not None else None
+        whole = (
+            tensor is not None
+            and blob is not None
+            and blob.offset is not None
+            and tensor.stride is None
+            and tensor.offset == 0
+            and blob.dtype == tensor.dtype
+            and blob.nbytes == tensor.nbytes
+        )
+        if not whole or tensor is None or blob is None:
+            yield from super().windows(path)
+            return
+        from .errors import CorruptShardError
+        from .format.checksum import blob_hasher
+
+        dtype = dtype_from_name(tensor.dtype)
+        item = dtype.itemsize if hasattr(dtype, "itemsize") else 1
+        step = max(item, WINDOW // item * item)
+        hasher = blob_hasher(blob.checksum)
+        for start in range(0, blob.nbytes, step):
+            span = Span(tensor.blob, start, min(blob.nbytes, start + step))
+            [data] = read_spans(loc, sources, manifest, [span], verify=False, threads=threads)
+            hasher.update(data.numpy().data)
+            yield data.view(dtype)
+        if hasher.hexdigest() != blob.checksum:
+            raise CorruptShardError(
+                f"{sources[blob.shard].name} (dataset {blob.dataset})",
+                expected=blob.checksum,
+                actual=hasher.hexdigest(),
+            )
 
 
 class _FileSide(_Side):
@@ -277,8 +345,13 @@ def compare(before: _Side, after: _Side, *, values: bool = False) -> StateDiff:
         if path not in before.facts:
             changes[path] = TensorChange(path, "added", None, new, new.nbytes)
     to_read = unknown + ([p for p, c in changes.items() if c.kind == "values"] if values else [])
-    for path, (old_tensor, new_tensor) in _read_pairs(before, after, to_read):
-        measured = _measure(old_tensor, new_tensor, values)
+    large = [p for p in to_read if before.facts[p].nbytes >= WINDOW]
+    small = [p for p in to_read if before.facts[p].nbytes < WINDOW]
+    measures = (
+        *((p, _measure_windows(before.windows(p), after.windows(p), values)) for p in large),
+        *((p, _measure(a, b, values)) for p, (a, b) in _read_pairs(before, after, small)),
+    )
+    for path, measured in measures:
         if measured is None:
             unchanged.append(path)
         else:
@@ -332,6 +405,70 @@ def _read_pairs(
             for p in batch:
                 yield p, (olds[p], news[p])
         batch, size = [], 0
+
+
+def _measure_windows(
+    olds: Iterator[torch.Tensor], news: Iterator[torch.Tensor], values: bool
+) -> tuple[int, float | None, float | None] | None:
+    """:func:`_measure` of two tensors given as flat windows (of any lengths), summed window by
+    window: the bytes that differ, the largest absolute difference, the relative norm."""
+
+    differing, max_abs, delta_sq, old_sq, numbers = 0, None, 0.0, 0.0, True
+    for old, new in _aligned(olds, news):
+        part = _window_figures(old, new, values)
+        differing += part[0]
+        numbers = numbers and part[1] is not None
+        if part[1] is not None:
+            found = part[1][0]
+            max_abs = found if max_abs is None or (found is not None and found > max_abs) else max_abs
+            delta_sq += part[1][1]
+            old_sq += part[1][2]
+    if differing == 0:
+        return None
+    if not values or not numbers:
+        return differing, None, None
+    return differing, max_abs, (math.sqrt(delta_sq) / math.sqrt(old_sq) if old_sq else None)
+
+
+def _aligned(
+    olds: Iterator[torch.Tensor], news: Iterator[torch.Tensor]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Pairs of equal-length pieces of two flat tensors given as windows of different lengths."""
+    old_rest = new_rest = None
+    while True:
+        if old_rest is None or old_rest.numel() == 0:
+            old_rest = next(olds, None)
+        if new_rest is None or new_rest.numel() == 0:
+            new_rest = next(news, None)
+        if old_rest is None or new_rest is None:
+            return
+        n = min(old_rest.numel(), new_rest.numel())
+        yield old_rest[:n], new_rest[:n]
+        old_rest, new_rest = old_rest[n:], new_rest[n:]
+
+
+def _window_figures(
+    a: torch.Tensor, b: torch.Tensor, values: bool
+) -> tuple[int, tuple[float | None, float, float] | None]:
+    """One window's bytes that differ, and (for numbers, with ``values``) its largest finite
+    absolute difference and the sums of squares of the finite differences and old values. Its
+    temporaries are a few times the window's bytes (in place where it can)."""
+    import torch
+
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    differing = int(torch.ne(a.view(torch.uint8), b.view(torch.uint8)).sum()) if a.numel() else 0
+    if not values or a.dtype == torch.bool or a.is_complex():
+        return differing, None
+    old = a.double()
+    old_sq = float(torch.where(torch.isfinite(old), old, 0.0).square_().sum())
+    if differing == 0:
+        return 0, (None, 0.0, old_sq)
+    delta = b.double().sub_(old).abs_()
+    del old
+    finite = torch.isfinite(delta)
+    max_abs = float(delta[finite].max()) if bool(finite.any()) else None
+    delta = torch.where(finite, delta, 0.0)
+    return differing, (max_abs, float(delta.square_().sum()), old_sq)
 
 
 def _measure(a: torch.Tensor, b: torch.Tensor, values: bool) -> tuple[int, float | None, float | None] | None:

@@ -233,3 +233,67 @@ def test_a_diff_that_reads_leaves_the_next_saves_parent_alone(tmp_path: Path) ->
     store.save({"v": base[:4] + 1, "u": base[4:]})
     assert store.diff(0, 1, values=True).changes
     assert store.save({"w": torch.ones(1)}).parent == 1
+
+
+class TestBoundedMemory:
+    """Issue 59: ``diff --values`` of two versions of one 512 MiB tensor peaked at 6.9 GB (and of a
+    1 GiB tensor at 13.4 GB) though the README said 256 MiB per side at a time. A large tensor is
+    now compared a window at a time (a stored chunk, or a range of its blob verified as it streams)."""
+
+    # VmHWM, the peak of this process's own memory (ru_maxrss keeps the parent's from before exec)
+    CHILD = (
+        "import sys\n"
+        "from ckptflow.storage import CheckpointStore\n"
+        "d = CheckpointStore(sys.argv[1]).diff(0, 1, values=True)\n"
+        "[c] = d.changes\n"
+        "peak = open('/proc/self/status').read().split('VmHWM:')[1].split()[0]\n"
+        "print(peak, c.differing_bytes, c.max_abs, c.rel_norm)\n"
+    )
+
+    @pytest.mark.parametrize("dedup", [True, False], ids=["chunks", "one-blob"])
+    def test_two_versions_of_a_512_mib_tensor_diff_under_1_2_gb(self, tmp_path: Path, dedup: bool) -> None:
+        import subprocess
+        import sys
+
+        from ckptflow.storage import CheckpointStore, StoreOptions
+
+        store = CheckpointStore(tmp_path / "s", options=StoreOptions(dedup=dedup))
+        elements = 128 << 20  # 512 MiB of float32
+        w = torch.zeros(elements)
+        store.save({"w": w}, version=0)
+        w[::1000] = 1.0  # every thousandth element changes by 1
+        w[-1] = 3.0
+        store.save({"w": w}, version=1)
+        del w
+        done = subprocess.run(
+            [sys.executable, "-c", self.CHILD, str(tmp_path / "s")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        peak_kib, differing, max_abs, rel_norm = done.stdout.split()
+        assert int(peak_kib) < 1_200_000, f"peak {int(peak_kib) / 1024:.0f} MiB"
+        changed = len(range(0, elements, 1000)) + 1
+        assert 0 < int(differing) <= 4 * changed  # the changed elements' bytes (a float's 1.0 differs in 2)
+        assert float(max_abs) == 3.0
+        assert rel_norm == "None"  # the older tensor is all zeros: no relative norm
+
+    def test_windowed_figures_equal_the_whole_tensor_s(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """The same bytes, largest difference and relative norm, window by window as whole,
+        NaN and infinities included, with windows of unequal lengths on the two sides."""
+        from ckptflow.storage import diff
+
+        gen = torch.Generator().manual_seed(3)
+        a = torch.randn(10_000, generator=gen)
+        b = a.clone()
+        b[::7] += torch.randn(len(range(0, 10_000, 7)), generator=gen)
+        a[5], b[9], b[11] = float("nan"), float("inf"), float("-inf")
+        whole = diff._measure(a, b, True)
+        monkeypatch.setattr(diff, "WINDOW", 4 * 1000)
+        windowed = diff._measure_windows(
+            diff._flat_windows(a), iter([b[:3333], b[3333:8000], b[8000:]]), True
+        )
+        assert whole is not None and windowed is not None
+        assert windowed[0] == whole[0] and windowed[1] == whole[1]
+        assert windowed[2] == pytest.approx(whole[2], rel=1e-12)
