@@ -11,6 +11,7 @@ console script runs as a user runs it (:mod:`tests.test_cli_errors`'s launcher).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -365,3 +366,118 @@ class TestWhereOutputGoes:
         listed = ckptflow("ls", "run.ckpt", "--json")
         assert listed.returncode == 0, listed.stderr
         assert [v["version"] for v in json.loads(listed.stdout)["versions"]] == [1]
+
+
+# -- fuzzing: whatever the bytes, one clear refusal or a value -------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=30,
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.one_of(st.text(max_size=200), JSON_VALUES.map(lambda v: json.dumps(v, allow_nan=True))))
+def test_any_json_option_is_a_value_or_one_usage_error(text: str) -> None:
+    """``--spec-config`` and friends: any text is either a JSON value within the config's limits or a
+    ``typer.BadParameter`` (a usage error, exit 2), never another exception."""
+    import typer
+
+    from ckptflow.flows.inputs import parse_json_option
+    from ckptflow.tasks.config import value_problem
+
+    try:
+        value = parse_json_option(text, option="--spec-config")
+    except typer.BadParameter as exc:
+        assert "\n" not in exc.format_message()
+        return
+    assert value_problem(value) is None
+
+
+@settings(
+    max_examples=200,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(document=JSON_VALUES, kind=st.sampled_from(["json", "yaml", "toml"]))
+def test_any_config_document_is_a_config_or_one_usage_error(
+    tmp_path_factory, document: Any, kind: str
+) -> None:
+    """A config file of any content: the run's config, or one usage error naming the file; nothing
+    is started or written (the config is read before anything else)."""
+    import typer
+    from pydantic import ValidationError
+
+    from ckptflow.flows.run_cmd import read_config_file
+    from ckptflow.tasks.config import PipelineConfig
+
+    folder = tmp_path_factory.mktemp("cfg")
+    path = folder / f"run.{kind}"
+    if kind == "json":
+        path.write_text(json.dumps(document, allow_nan=True))
+    elif kind == "yaml":
+        import yaml
+
+        path.write_text(yaml.safe_dump(document))
+    else:
+        if not isinstance(document, dict):
+            document = {"spec_config": {"v": document}}
+        path.write_text(_toml(document))
+    try:
+        raw = read_config_file(str(path))
+    except typer.BadParameter as exc:
+        assert str(path) in exc.format_message() and "\n" not in exc.format_message()
+        return
+    with contextlib.suppress(ValidationError):  # the CLI names the field then (a usage error)
+        PipelineConfig.model_validate({"storage": str(folder / "store"), **raw})
+    assert not (folder / "store").exists()
+
+
+def _toml(doc: dict[str, Any]) -> str:
+    """A TOML document of ``doc``'s scalars and tables, as far as TOML can say them (else JSON-ish text)."""
+    lines = []
+    for key, value in doc.items():
+        lines.append(f"{json.dumps(str(key))} = {json.dumps(value, allow_nan=True)}")
+    return "\n".join(lines) + "\n"
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    header=st.one_of(st.binary(max_size=300), JSON_VALUES.map(lambda v: json.dumps(v).encode())),
+    length=st.integers(0, 2**64 - 1) | st.none(),
+    body=st.binary(max_size=64),
+)
+def test_any_safetensors_bytes_read_or_one_refusal_and_nothing_written(
+    tmp_path_factory, header: bytes, length: int | None, body: bytes
+) -> None:
+    """A ``.safetensors`` file of any header: its tensors, or one CheckpointError naming the file;
+    an import of it writes nothing, not even the store's directory."""
+    import struct
+
+    from ckptflow.storage import CheckpointError, CheckpointStore
+    from ckptflow.storage.integrations.foreign import read_safetensors
+    from ckptflow.storage.integrations.imports import read_import
+
+    folder = tmp_path_factory.mktemp("st")
+    path = folder / "f.safetensors"
+    size = len(header) if length is None else length
+    path.write_bytes(struct.pack("<Q", size) + header + body)
+    try:
+        read_safetensors(path)
+    except CheckpointError as exc:
+        assert str(path) in str(exc) and "\n" not in str(exc)
+        try:
+            read_import(path)
+        except CheckpointError as again:
+            assert str(again) == str(exc)  # import refuses it the same way, before any store
+        else:
+            raise AssertionError("import read what read_safetensors refused")
+        assert not (folder / "store").exists()
+        return
+    store = CheckpointStore(folder / "store")
+    info = store.save(read_import(path).state)
+    assert store.verify(info.version).version == info.version
