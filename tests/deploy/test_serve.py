@@ -181,7 +181,28 @@ def test_sigterm_stops_a_served_run_with_a_save_and_ends_it_cancelled(stack, tmp
     assert before is not None and last is not None and last.version > before.version, output[-3000:]
     assert last.epoch == 2 and last.in_epoch, (last.epoch, last.in_epoch)  # the stop-save, mid-epoch
     assert_ended_cleanly(run_id, f"committed version {last.version} (epoch 2, step {last.in_epoch:,}/")
-    assert "Traceback" not in output, output[-4000:]
+    assert _tracebacks(output) == [], output[-4000:]
     for name in ("ckptflow-train/train-served", "ckptflow-maintenance/maintenance-served"):
         deployment = read_deployment(name)
         assert deployment is not None and deployment.paused, (name, output[-2000:])
+
+
+def _tracebacks(output: str) -> list[str]:
+    """The tracebacks in serve.py's output, but Prefect 3.8's own: its engine ends the process of a
+    run that returns its Cancelled state with "Execution of flow run ... exited with unexpected
+    exception" and the CancelledRun's traceback (3.9 exits 0; the README says so)."""
+    import prefect
+
+    old = tuple(int(p) for p in prefect.__version__.split(".")[:2]) < (3, 9)
+    lines = output.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback"):
+            before = lines[i - 1] if i else ""
+            if not (
+                old
+                and "prefect.engine - Execution of flow run" in before
+                and "unexpected exception" in before
+            ):
+                found.append("\n".join(lines[max(0, i - 1) : i + 3]))
+    return found
