@@ -542,9 +542,7 @@ def restore_command(
 
     around = store_holding(out.absolute().parent)
     if around is not None:  # a file there would be a leftover, or part of a version, of that store
-        _fail(
-            f"{out} is inside the checkpoint store {around}: give an --out outside stores"
-        )
+        _fail(f"{out} is inside the checkpoint store {around}: give an --out outside stores")
     missing_dirs = _missing_directories(out)
     store = _open(url, storage_options, command="restore")
     if out.is_dir() and _holds_a_store(out, store):  # --force replaces the directory OUT
@@ -916,17 +914,19 @@ def main() -> None:
     """The ``ckptflow`` console script: what click does, but a usage error is one ``error:`` line and
     where to look (click prints the usage block, a blank line and ``Error: ...``), exit 2."""
     # click's classes, from typer's (typer may carry its own copy of click)
-    bases = {c.__name__: c for c in typer.BadParameter.__mro__}
+    bases: dict[str, type[Exception]] = {
+        c.__name__: c for c in typer.BadParameter.__mro__ if issubclass(c, Exception)
+    }
     usage_error, click_exception = bases["UsageError"], bases["ClickException"]
     try:
         code = app(prog_name="ckptflow", standalone_mode=False)
     except click_exception as exc:
         if not isinstance(exc, usage_error) or type(exc).__name__ == "NoArgsIsHelpError":
-            exc.show()  # the help of `ckptflow` alone; click's other errors as click says them
-            sys.exit(exc.exit_code)
+            exc.show()  # type: ignore[attr-defined]  # `ckptflow` alone: its help; click's other errors
+            sys.exit(exc.exit_code)  # type: ignore[attr-defined]
         ctx = getattr(exc, "ctx", None)
         command = ctx.command_path if ctx is not None else "ckptflow"
-        typer.echo(f"error: {' '.join(exc.format_message().split())}", err=True)
+        typer.echo(f"error: {' '.join(exc.format_message().split())}", err=True)  # type: ignore[attr-defined]
         typer.echo(f"  (`{command} -h` lists the options)", err=True)
         sys.exit(exits.USAGE)
     except typer.Abort:
