@@ -538,7 +538,7 @@ def restore_command(
         _fail(f"{out} exists; pass --force to overwrite it")
     if out.is_dir() and max_shard_size is None and file_format is not Format.hf:
         _fail(f"{out} is a directory; give a file name (or --max-shard-size for a sharded directory)")
-    from ckptflow.storage.versions.nearby import store_holding
+    from ckptflow.storage import store_holding
 
     around = store_holding(out.absolute().parent)
     if around is not None:  # a file there would be a leftover, or part of a version, of that store
@@ -708,8 +708,7 @@ def import_command(
     storage_options: StorageOptions = None,
 ) -> None:
     """Commit a checkpoint another tool made as a new version of the store at URL (created if new)."""
-    from ckptflow.storage import CheckpointStore
-    from ckptflow.storage.integrations.imports import read_import
+    from ckptflow.storage import CheckpointStore, read_import
 
     found = read_import(source, epoch=epoch, step=step)  # refused here: no store is touched
     for line in found.skipped:  # a link out of a directory, a name that cannot come back, ...

@@ -48,7 +48,7 @@ from .save.async_save import SaveHandle
 from .store import CheckpointStore, StoreOptions, VersionInfo
 from .versions.commit import VersionState
 from .versions.lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
-from .versions.nearby import StoresBelow, VersionDirectory
+from .versions.nearby import StoresBelow, VersionDirectory, store_holding
 from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:
@@ -69,6 +69,14 @@ def import_checkpoint(store: CheckpointStore, source: Any, **facts: Any) -> Vers
     from .integrations.imports import import_checkpoint as run
 
     return run(store, source, **facts)
+
+
+def read_import(source: Any, **facts: Any) -> Any:
+    """Read and check a checkpoint another tool made, writing nothing: ``import_checkpoint`` without
+    the save, for a caller that takes a store's lease only once it is read (:mod:`.integrations.imports`)."""
+    from .integrations.imports import read_import as run
+
+    return run(source, **facts)
 
 
 def __getattr__(name: str) -> Any:
@@ -124,8 +132,10 @@ __all__ = [
     "lightning_pointer",
     "process_ended",
     "quick_answer_options",
+    "read_import",
     "read_lease",
     "redact",
     "refuse_if_held",
+    "store_holding",
     "upload_storage_options",
 ]

@@ -16,7 +16,9 @@ epochs, a different save cadence or shard count) may change freely.
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import types
 import typing
 from typing import TYPE_CHECKING, Any, Literal
@@ -54,10 +56,16 @@ def value_problem(value: Any) -> str | None:
             if not math.isfinite(node):
                 return f"{node} is not a finite number{at}"
         elif isinstance(node, dict):
-            stack += [(v, depth + 1, f"{where}.{k}" if where else str(k)) for k, v in node.items()]
+            stack += [(v, depth + 1, f"{where}.{_key(k)}" if where else _key(k)) for k, v in node.items()]
         elif isinstance(node, list):
             stack += [(v, depth + 1, f"{where}[{i}]") for i, v in enumerate(node)]
     return None
+
+
+def _key(key: object) -> str:
+    """A key as a message names it: plain, or as JSON where it holds anything else (a newline)."""
+    text = str(key)
+    return text if re.fullmatch(r"[A-Za-z0-9_.-]{1,40}", text) else json.dumps(text)[:42]
 
 
 class _Strict(BaseModel):
