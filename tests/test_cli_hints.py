@@ -171,7 +171,12 @@ class TestReadme:
         assert run_examples, "the README shows no `ckptflow run` with an S3 endpoint"
 
     def test_it_speaks_of_the_project_not_of_sessions(self):
-        for path in [README, REPO / "bench" / "README.md"]:
+        for path in [
+            README,
+            REPO / "bench" / "README.md",
+            REPO / "CHANGELOG.md",
+            *(REPO / "docs").glob("*.md"),
+        ]:
             if path.exists():
                 text = path.read_text().replace("boto3 session", "")
                 assert not re.findall(r"(?i)\bsessions?\b", text), path

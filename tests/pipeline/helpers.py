@@ -306,12 +306,19 @@ def gone(pid: int) -> bool:
     return "\nState:\tZ" in status
 
 
+def documented_block(marker: str) -> str:
+    """The text after ``marker`` in the README or a page of docs/ (the one that holds it): the
+    documentation's code blocks are tested where they stand."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    holding = [p for p in pages if marker in p.read_text()]
+    assert len(holding) == 1, f"the marker {marker!r} is in {len(holding)} pages, not one: {holding}"
+    return holding[0].read_text().split(marker, 1)[1].lstrip()
+
+
 def readme_module(marker: str, module: str, tmp_path: Path, monkeypatch: Any) -> None:
-    """The python block after ``marker`` in the README, as written, as importable module ``module``
-    (here, and in training processes through PYTHONPATH); pop it from ``sys.modules`` after."""
-    text = (REPO / "README.md").read_text()
-    assert marker in text, f"the README lost the marker {marker!r}"
-    block = text.split(marker, 1)[1].lstrip()
+    """The python block after ``marker`` in the README or docs/, as written, as importable module
+    ``module`` (here, and in training processes through PYTHONPATH); pop it from ``sys.modules`` after."""
+    block = documented_block(marker)
     assert block.startswith("```python\n"), "the README's marker is not followed by a python block"
     (tmp_path / f"{module}.py").write_text(block[len("```python\n") :].split("\n```", 1)[0] + "\n")
     monkeypatch.syspath_prepend(str(tmp_path))
