@@ -48,7 +48,7 @@ from tests.prefect_server import prefect_env, start_prefect_server  # noqa: E402
 PLAIN = r"""
 import sys
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.training_state import capture, seed_everything, split_ranked
+from ckptflow.tasks.training.training_state import capture, seed_everything, split_ranked
 from bench.timing_spec import TimedDigits
 RANKS = "--ranks" in sys.argv
 if RANKS:

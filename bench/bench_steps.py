@@ -341,7 +341,7 @@ def digits_save_seconds(root: Path, saves: int) -> float:
     """What a save of the digits demo's state costs outside Prefect (save_async, waited for)."""
     from ckptflow.flows.demo import DigitsSpec
     from ckptflow.storage import CheckpointStore
-    from ckptflow.tasks.training_state import capture
+    from ckptflow.tasks.training.training_state import capture
 
     spec = DigitsSpec({}, seed=0)
     trainable = spec.build()

@@ -39,7 +39,7 @@ import urllib.request
 from pathlib import Path
 from typing import IO
 
-from ckptflow.tasks.lifetime import command
+from ckptflow.tasks.training.lifetime import command
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The ``ckptflow`` console script.
 
-For ``ckptflow run`` it starts the trainers' launcher (:mod:`ckptflow.tasks.trainer`) before
+For ``ckptflow run`` it starts the trainers' launcher (:mod:`ckptflow.tasks.training.trainer`) before
 anything else is imported, so that torch loads there while this process loads the CLI and
 Prefect; every other command goes straight to :mod:`.cli`.
 
@@ -57,7 +57,7 @@ def main() -> None:
         sys.exit(2)
     os.environ.setdefault("TYPER_USE_RICH", "0")  # read when typer is imported, below
     if trains_in_a_child(sys.argv[1:]):
-        from ckptflow.tasks.trainer import spawn_early
+        from ckptflow.tasks.training.trainer import spawn_early
 
         spawn_early()
     from .cli import main as cli_main

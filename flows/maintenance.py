@@ -35,7 +35,6 @@ from prefect.runtime import flow_run
 
 from ckptflow.tasks.archiving import ArchiveQueue, next_groups
 from ckptflow.tasks.config import ArchiveConfig
-from ckptflow.tasks.crashed import summarize_crashed_runs
 from ckptflow.tasks.maintenance import (
     MaintenanceConfig,
     active_training_runs,
@@ -46,6 +45,7 @@ from ckptflow.tasks.maintenance import (
     open_maintained_store,
     publish_checkpoints,
 )
+from ckptflow.tasks.reporting.crashed import summarize_crashed_runs
 
 NOT_THERE = "nothing is stored there yet"
 

@@ -12,7 +12,7 @@ as ``python -m`` puts it there), and the module's top level must bind the
 class's name. A module with no way to make names at run time (a star import,
 ``globals()``, ``setattr``, ``exec``, a module ``__getattr__``) that does not
 bind it surely lacks it. When the source cannot tell, the spec is imported: by the training process, which
-imports torch anyway (:func:`ckptflow.tasks.trainer.spec_check`), or here.
+imports torch anyway (:func:`ckptflow.tasks.training.trainer.spec_check`), or here.
 Either way, ``ckptflow run`` waits for the training process's verdict before it
 creates the flow run (:func:`wait_for_spec`).
 
@@ -112,7 +112,7 @@ def _binds(tree: ast.Module, name: str) -> bool:
 def check_store(config: PipelineConfig) -> None:
     """List the run's store (bounded attempts); refuse a resumed run whose identity changed."""
     from ckptflow.storage import CheckpointStore, quick_answer_options
-    from ckptflow.tasks.run_state import check_run_identity, nothing_to_resume
+    from ckptflow.tasks.training.run_state import check_run_identity, nothing_to_resume
 
     if config.storage_secret is not None:
         # opening it checks the scheme; listing it needs the credentials, from Prefect
@@ -137,7 +137,7 @@ def check_store(config: PipelineConfig) -> None:
 
 def import_spec(config: PipelineConfig) -> None:
     """Import the spec: the training process's verdict if one is on its way, else here."""
-    from ckptflow.tasks.trainer import spec_check
+    from ckptflow.tasks.training.trainer import spec_check
 
     pending = spec_check()
     if pending is not None:
@@ -148,7 +148,7 @@ def import_spec(config: PipelineConfig) -> None:
 
 def wait_for_spec() -> Any:
     """The training process's verdict on the spec (it raises what the process raised), if it has one."""
-    from ckptflow.tasks.trainer import spec_check
+    from ckptflow.tasks.training.trainer import spec_check
 
     pending = spec_check()
     return pending.result() if pending is not None else None

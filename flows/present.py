@@ -7,7 +7,7 @@ comes from the store's ``display`` form, which carries no credentials.
 
 Every version shows its epoch and global step. A save made inside an epoch
 shows how far into it it was (``3 (1,200/4,000)``) in the words of
-:func:`~ckptflow.tasks.formatting.epoch_text`, which the Prefect artifacts use
+:func:`~ckptflow.tasks.reporting.formatting.epoch_text`, which the Prefect artifacts use
 too; a save at an epoch's end shows the bare epoch, as before.
 """
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from ckptflow.tasks.formatting import epoch_text, human_size, metric_value, metrics_text
+from ckptflow.tasks.reporting.formatting import epoch_text, human_size, metric_value, metrics_text
 
 if TYPE_CHECKING:
     from ckptflow.storage import (

@@ -1,7 +1,7 @@
 """`ckptflow run`: the training pipeline, run locally with a progress display.
 
 The flow runs in this process; the model trains in a child process started
-first (``train_process``, :mod:`ckptflow.tasks.trainer`), so that importing
+first (``train_process``, :mod:`ckptflow.tasks.training.trainer`), so that importing
 torch and building the model overlap importing Prefect and creating the flow
 run (``--in-process`` keeps the model here, for a debugger). Without a
 configured API, a temporary local API server is started in a subprocess right
@@ -363,7 +363,7 @@ def run_command(
     spec_defined = _before_the_flow_run(verbose, lambda: preflight.spec_defined(config.spec))
     _before_the_flow_run(verbose, lambda: preflight.check_store(config))
     if config.uses_trainers:
-        from ckptflow.tasks.trainer import prestart
+        from ckptflow.tasks.training.trainer import prestart
 
         prestart(config)  # torch, the spec and the model, while this process imports Prefect
     if not spec_defined:  # only importing it can tell
@@ -507,7 +507,7 @@ def _warm_up_torch() -> None:
 def _server_unless_the_spec_failed(warmup: _ApiWarmup, verbose: bool) -> None:
     """Wait for the temporary API server, but report a spec that failed to import at once (a first
     start of the server creates its database: seconds a broken spec need not wait)."""
-    from ckptflow.tasks.trainer import spec_check
+    from ckptflow.tasks.training.trainer import spec_check
 
     pending = spec_check()
     while not warmup.ready.wait(0.05):
@@ -519,9 +519,9 @@ def _before_the_flow_run(verbose: bool, check: Callable[[], T]) -> T:
     """``check()``; a bad spec or store ends the command before any flow run exists: one ``error:``
     line, exit 1 (75 for a store another writer holds)."""
     from ckptflow.storage import CheckpointError, StoreLockedError
-    from ckptflow.tasks.run_state import ConfigMismatchError, NothingToResumeError
     from ckptflow.tasks.spec import SpecError
-    from ckptflow.tasks.trainer import TrainerDiedError, TrainerError
+    from ckptflow.tasks.training.run_state import ConfigMismatchError, NothingToResumeError
+    from ckptflow.tasks.training.trainer import TrainerDiedError, TrainerError
 
     refused = (CheckpointError, OSError, SpecError, ConfigMismatchError, NothingToResumeError)
     try:
@@ -556,8 +556,8 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ckptflow.tasks.formatting import human_size, metrics_text
-    from ckptflow.tasks.monitoring import add_listener, resume_text
+    from ckptflow.tasks.reporting.formatting import human_size, metrics_text
+    from ckptflow.tasks.reporting.monitoring import add_listener, resume_text
 
     console = Console(stderr=True)
     progress = Progress(
@@ -587,7 +587,7 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
             progress.update(task_id, completed=data["epoch"], description=metrics_text(data["metrics"]))
             console.print(f"epoch {data['epoch']:>4}  {metrics_text(data['metrics'])}")
         elif kind == "step":
-            from ckptflow.tasks.monitoring import step_text
+            from ckptflow.tasks.reporting.monitoring import step_text
 
             length, done = data["epoch_steps"], data["in_epoch"]
             where = data["epoch"] - 1 + (done / length if length else 0)

@@ -132,7 +132,7 @@ def setup_server_command(
 ) -> None:
     """Create the work pool and the crashed-run automation on the Prefect server (idempotent)."""
     _, ui = _api_settings()
-    from ckptflow.tasks.prefect_runs import prefect_client
+    from ckptflow.tasks.reporting.prefect_runs import prefect_client
 
     with prefect_client() as client:
         done = ensure_work_pool(client, pool)
@@ -173,7 +173,7 @@ def publish_command(
     _, ui = _api_settings()
     from ckptflow.flows.maintenance import publish_store_checkpoints
     from ckptflow.tasks.maintenance import private_storage_options
-    from ckptflow.tasks.monitoring import store_key
+    from ckptflow.tasks.reporting.monitoring import store_key
 
     with private_storage_options(options):
         state = publish_store_checkpoints(storage=url, storage_secret=storage_secret, return_state=True)

@@ -27,9 +27,9 @@ same way (an in-process step it cuts short is not saved) and ends Interrupted.
 The model trains in the flow's process (``train_process`` off: for a
 debugger) or in trainers: a torch.distributed world of ``nproc`` ranks per
 machine (one is the plain case; ``nnodes`` machines), launched by torch's
-elastic launcher (``ckptflow.tasks.trainer``). ``init_model`` decides which,
+elastic launcher (``ckptflow.tasks.training.trainer``). ``init_model`` decides which,
 once; the same loop and the same tasks drive either through one trainer
-protocol (``ckptflow.tasks.protocol``): one ``train_epoch`` task run per epoch
+protocol (``ckptflow.tasks.training.protocol``): one ``train_epoch`` task run per epoch
 at every world size, and where the run stands is the trainer's last answer.
 Every rank writes its share of each checkpoint and rank 0 commits; this
 process archives, uploads and applies retention. A rank that dies fails the
@@ -38,7 +38,7 @@ commit. An interrupted flow stops them after the save in flight commits.
 
 Every run labels its flow run with the process that runs it and marks
 Crashed the training runs of this host whose process is gone (a SIGKILL
-leaves them Running; see ``ckptflow.tasks.crashed``).
+leaves them Running; see ``ckptflow.tasks.reporting.crashed``).
 
 One run per store: the flow holds the store's writer lease (``lease.json``,
 see ``ckptflow.storage.versions.lease``) from before init builds or writes anything
@@ -67,13 +67,11 @@ from prefect.utilities.annotations import quote
 
 from ckptflow.storage import CheckpointStore, StoreLease, VersionInfo, redact
 from ckptflow.tasks.archiving import ArchiveQueue
-from ckptflow.tasks.clean_stop import cancel_stopped_task_runs, ended_cancelled, handling_stops
 from ckptflow.tasks.config import PipelineConfig
-from ckptflow.tasks.crashed import record_this_run
-from ckptflow.tasks.formatting import metrics_text
-from ckptflow.tasks.monitoring import RunMonitor, step_text
-from ckptflow.tasks.protocol import PendingSave
-from ckptflow.tasks.run_state import nothing_to_resume
+from ckptflow.tasks.reporting.clean_stop import cancel_stopped_task_runs, ended_cancelled, handling_stops
+from ckptflow.tasks.reporting.crashed import record_this_run
+from ckptflow.tasks.reporting.formatting import metrics_text
+from ckptflow.tasks.reporting.monitoring import RunMonitor, step_text
 from ckptflow.tasks.steps import (
     EpochTries,
     TrainingRun,
@@ -85,6 +83,8 @@ from ckptflow.tasks.steps import (
     train_epoch,
 )
 from ckptflow.tasks.stopping import CANCELLED, SIGTERM_STOP, StopTracker, note_stop_signal
+from ckptflow.tasks.training.protocol import PendingSave
+from ckptflow.tasks.training.run_state import nothing_to_resume
 
 
 @flow(name="ckptflow-train", validate_parameters=True)
@@ -299,7 +299,7 @@ def _told_to_stop(exc: BaseException) -> bool:
     notice; Ctrl-C) rather than failed: then the trainer saves where the run stands."""
     from prefect.exceptions import TerminationSignal
 
-    from ckptflow.tasks.rank import Preempted
+    from ckptflow.tasks.training.rank import Preempted
 
     return isinstance(exc, (TerminationSignal, KeyboardInterrupt, Preempted))
 
@@ -389,7 +389,7 @@ def _how_it_ended(exc: BaseException, in_flight: int | None, monitor: RunMonitor
 
 def _cancel_requested() -> bool:
     """Whether this flow run is Cancelling or Cancelled (False if the API cannot say)."""
-    from ckptflow.tasks.prefect_runs import cancel_requested
+    from ckptflow.tasks.reporting.prefect_runs import cancel_requested
 
     run_id = flow_run.get_id()
     if run_id is None:
@@ -455,7 +455,7 @@ class CancelWatch:
         self._stop.set()
 
     def _watch(self, run_id: UUID) -> None:
-        from ckptflow.tasks.prefect_runs import cancel_requested
+        from ckptflow.tasks.reporting.prefect_runs import cancel_requested
 
         while not self._stop.wait(self._every):
             try:

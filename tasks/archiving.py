@@ -46,7 +46,7 @@ from ckptflow.storage import (
 
 from .config import ArchiveConfig
 from .credentials import with_secret
-from .mirroring import MirrorStatus, check_mirror, mirrored_versions, version_ranges
+from .reporting.mirroring import MirrorStatus, check_mirror, mirrored_versions, version_ranges
 from .retrying import io_task
 
 

@@ -301,7 +301,7 @@ class PipelineConfig(_Strict):
         ge=1,
         le=4096,
         description="machines the run trains on: this one leads; the others join with torchrun "
-        "(--nnodes N --rdzv-backend c10d --rdzv-endpoint ENDPOINT -m ckptflow.tasks.rank_worker)",
+        "(--nnodes N --rdzv-backend c10d --rdzv-endpoint ENDPOINT -m ckptflow.tasks.training.rank_worker)",
     )
     rdzv_endpoint: str | None = Field(
         None,

@@ -41,9 +41,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from ckptflow.storage import CheckpointStore, StoreLockedError
 
 from .config import ArchiveConfig, PipelineConfig, RetentionConfig
-from .formatting import retention_line
-from .monitoring import publish_store
-from .prefect_runs import active_train_runs, on_store, prefect_client
+from .reporting.formatting import retention_line
+from .reporting.monitoring import publish_store
+from .reporting.prefect_runs import active_train_runs, on_store, prefect_client
 
 _private_options: ContextVar[dict[str, Any] | None] = ContextVar("ckptflow_private_options", default=None)
 

@@ -21,7 +21,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.tasks import exponential_backoff
 
-from .compat import add_note
+from .training.compat import add_note
 
 _REFUSED = "ckptflow_not_retried"  # the attribute that marks an exception no retry can fix
 
@@ -41,7 +41,7 @@ def io_task(name: str, *, retries: int = 3, backoff: float = 1.0, **options: Any
 def failure_key(exc: BaseException) -> tuple[str, str, str]:
     """What makes two failures the same: the error's type, its message and the line that raised it
     (in the training process, for an error raised there)."""
-    from .protocol import origin
+    from .training.protocol import origin
 
     raised = origin(exc)
     if raised is not None:
@@ -57,7 +57,7 @@ TRANSIENT = (OSError, TimeoutError, ConnectionError)  # a data loader's network 
 def is_transient(exc: BaseException) -> bool:
     """Whether ``exc`` may pass on its own however often it repeats (I/O of the epoch's data), so
     that a repetition does not end the retries."""
-    from .protocol import TrainerError
+    from .training.protocol import TrainerError
 
     if isinstance(exc, TrainerError) and exc.kind:
         import builtins

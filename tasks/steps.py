@@ -64,14 +64,14 @@ from ckptflow.storage import (
     VersionInfo,
 )
 
-from . import run_state
 from .config import PipelineConfig, RetentionConfig
-from .formatting import retention_line
-from .monitoring import notify
-from .protocol import Built, Notes, PendingSave, Progress, Trained, Trainer, TrainerDiedError
+from .reporting.formatting import retention_line
+from .reporting.monitoring import notify
 from .retrying import failure_key, io_task, is_transient, refuse_retries, unless_refused
-from .run_state import RUN_FILE, ConfigMismatchError, NothingToResumeError
 from .spec import SpecError
+from .training import run_state
+from .training.protocol import Built, Notes, PendingSave, Progress, Trained, Trainer, TrainerDiedError
+from .training.run_state import RUN_FILE, ConfigMismatchError, NothingToResumeError
 
 
 class SaveTimeoutError(TimeoutError):
@@ -179,10 +179,10 @@ def init_model(config: PipelineConfig) -> TrainingRun:
 
 def _trainer_for(config: PipelineConfig) -> Trainer:
     if config.uses_trainers:
-        from .trainer import ProcessTrainer
+        from .training.trainer import ProcessTrainer
 
         return ProcessTrainer.take(config)
-    from .in_process import InProcessTrainer
+    from .training.in_process import InProcessTrainer
 
     return InProcessTrainer(config)
 

@@ -22,8 +22,8 @@ from typer.testing import CliRunner
 
 from ckptflow.flows.cli import app
 from ckptflow.storage import CheckpointStore, StoreOptions, VersionNotFoundError
-from ckptflow.tasks.artifacts import checkpoint_row
-from ckptflow.tasks.formatting import epoch_text
+from ckptflow.tasks.reporting.artifacts import checkpoint_row
+from ckptflow.tasks.reporting.formatting import epoch_text
 from tests.conftest import assert_same_state
 
 WIDE = {"COLUMNS": "250"}  # rich tables wrap cells to the terminal's width

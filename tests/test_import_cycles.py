@@ -38,7 +38,7 @@ DIRECTORIES = ("storage", "tasks", "flows")
 
 @dataclass(frozen=True)
 class Edge:
-    """Module ``source`` imports module ``target``, at ``where`` ("tasks/crashed.py:123")."""
+    """Module ``source`` imports module ``target``, at ``where`` ("tasks/reporting/crashed.py:123")."""
 
     source: str
     target: str
@@ -250,4 +250,4 @@ class TestTheCheckItself:
         assert module_name(REPO / "storage/__init__.py", mapped) == ("ckptflow.storage", True)
         assert module_name(REPO / "flows/toplevel/__main__.py", mapped) == ("ckptflow.__main__", False)
         names = {m.name for m in project_modules()}
-        assert {"ckptflow.storage.store", "ckptflow.tasks.crashed", "ckptflow.flows.cli"} <= names
+        assert {"ckptflow.storage.store", "ckptflow.tasks.reporting.crashed", "ckptflow.flows.cli"} <= names

@@ -104,6 +104,37 @@ def test_tasks_import_nothing_from_flows() -> None:
     assert not offending, "\n".join(offending)
 
 
+def test_the_training_processes_import_no_prefect_and_no_reporting() -> None:
+    """tasks/training runs where the model lives (the ranks, the launcher, the in-process rank):
+    Prefect never loads there (its import costs seconds and its threads draw from Python's RNG),
+    and neither does what a run shows in Prefect. It may use the shared config and spec contract."""
+    allowed = {"ckptflow.tasks.config", "ckptflow.tasks.spec", "ckptflow.tasks.credentials"}
+    offending = [
+        str(i)
+        for i in package_imports("tasks")
+        if i.where.startswith("tasks/training/")
+        and (
+            within(i.module, "prefect")
+            or (
+                within(i.module, "ckptflow.tasks")
+                and not within(i.module, "ckptflow.tasks.training")
+                and i.module not in allowed
+                and f"{i.module}.{i.name}" not in allowed
+            )
+        )
+    ]
+    assert not offending, "\n".join(offending)
+
+
+def test_reporting_imports_nothing_of_the_training_processes() -> None:
+    offending = [
+        str(i)
+        for i in package_imports("tasks")
+        if i.where.startswith("tasks/reporting/") and within(i.module, "ckptflow.tasks.training")
+    ]
+    assert not offending, "\n".join(offending)
+
+
 def test_every_name_storage_exports_exists() -> None:
     missing = [name for name in ckptflow.storage.__all__ if not hasattr(ckptflow.storage, name)]
     assert missing == []

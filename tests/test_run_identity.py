@@ -4,7 +4,7 @@ The bug: the run's identity was written before the spec was imported, so a
 spec that failed (a typo, a build error, a failing ``--allow-config-change``)
 left a ``run.json`` behind, and the corrected command was then refused as a
 configuration change on a store with no checkpoints. These tests build runs
-the way every mode does (:func:`ckptflow.tasks.run_state.build_run`, in this
+the way every mode does (:func:`ckptflow.tasks.training.run_state.build_run`, in this
 process and in a training process), without Prefect.
 """
 
@@ -19,8 +19,8 @@ import pytest
 from ckptflow.flows.demo import DigitsSpec
 from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.config import PipelineConfig
-from ckptflow.tasks.run_state import ConfigMismatchError, build_run, capture_run, open_store
 from ckptflow.tasks.spec import Trainable
+from ckptflow.tasks.training.run_state import ConfigMismatchError, build_run, capture_run, open_store
 
 CONFIG = {"hidden": 16, "batch_size": 256}
 GOOD = "ckptflow.flows.demo:DigitsSpec"
@@ -99,7 +99,7 @@ class TestFailedBuildsLeaveNoIdentity:
             build(config(storage, seed=3))  # a store with a committed version still refuses
 
     def test_the_training_process_writes_nothing_for_a_failed_build(self, tmp_path):
-        from ckptflow.tasks.trainer import TrainerProcess
+        from ckptflow.tasks.training.trainer import TrainerProcess
 
         storage = tmp_path / "store"
         process = TrainerProcess().start(config(storage, spec=BUILD_FAILS), {})

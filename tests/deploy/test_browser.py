@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.chart import PANEL, WIDTH
-from ckptflow.tasks.formatting import human_size, metric_value
-from ckptflow.tasks.monitoring import slug, store_key, table_card_text
+from ckptflow.tasks.reporting.chart import PANEL, WIDTH
+from ckptflow.tasks.reporting.formatting import human_size, metric_value
+from ckptflow.tasks.reporting.monitoring import slug, store_key, table_card_text
 from tests.deploy.browser import CHROMIUM, Browser
 from tests.deploy.helpers import run_artifact
 

@@ -28,7 +28,7 @@ import time
 import pytest
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.monitoring import COMMITTED_EVENT, slug
+from ckptflow.tasks.reporting.monitoring import COMMITTED_EVENT, slug
 from tests.deploy.helpers import (
     TRAIN,
     Worker,

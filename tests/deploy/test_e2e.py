@@ -22,8 +22,8 @@ from prefect.client.orchestration import get_client
 
 from ckptflow.flows.server_cmd import AUTOMATION_NAME
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.formatting import human_size
-from ckptflow.tasks.monitoring import COMMITTED_EVENT, RunMonitor, slug, store_key
+from ckptflow.tasks.reporting.formatting import human_size
+from ckptflow.tasks.reporting.monitoring import COMMITTED_EVENT, RunMonitor, slug, store_key
 from tests.deploy.conftest import TRAINED_EPOCHS
 from tests.deploy.helpers import (
     MAINTENANCE,

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from ckptflow.tasks.monitoring import slug
+from ckptflow.tasks.reporting.monitoring import slug
 from tests.deploy.helpers import (
     TRAIN,
     Worker,

@@ -15,7 +15,7 @@ import signal
 
 import pytest
 
-from ckptflow.tasks.monitoring import slug
+from ckptflow.tasks.reporting.monitoring import slug
 from tests.deploy.helpers import (
     TRAIN,
     Worker,

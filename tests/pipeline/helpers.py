@@ -213,7 +213,7 @@ def committed_events(store_url: str) -> list[Any]:
     from prefect.client.orchestration import get_client
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
 
-    from ckptflow.tasks.monitoring import COMMITTED_EVENT
+    from ckptflow.tasks.reporting.monitoring import COMMITTED_EVENT
 
     query = EventFilter(
         event=EventNameFilter(name=[COMMITTED_EVENT]),

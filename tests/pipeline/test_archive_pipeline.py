@@ -37,7 +37,7 @@ from ckptflow.storage.remote.etag import MiB
 from ckptflow.storage.remote.transfer import upload_file
 from ckptflow.tasks.archiving import next_groups
 from ckptflow.tasks.config import ArchiveConfig
-from ckptflow.tasks.formatting import human_size
+from ckptflow.tasks.reporting.formatting import human_size
 from tests.children import hang_child
 from tests.conftest import assert_same_state
 from tests.pipeline.helpers import (
@@ -633,7 +633,7 @@ class TestCrashes:
 
 
 def _slug(text: str) -> str:
-    from ckptflow.tasks.monitoring import slug
+    from ckptflow.tasks.reporting.monitoring import slug
 
     return slug(text)
 

@@ -17,7 +17,7 @@ from prefect import flow
 from prefect.client.orchestration import get_client
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.monitoring import COMMITTED_EVENT
+from ckptflow.tasks.reporting.monitoring import COMMITTED_EVENT
 from tests.pipeline.helpers import make_config, open_store, poll, run_summary
 
 pytestmark = pytest.mark.prefect

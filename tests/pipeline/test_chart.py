@@ -20,8 +20,16 @@ from dataclasses import dataclass
 
 import pytest
 
-from ckptflow.tasks.chart import GRID, MAX_PANELS, MAX_POINTS, PANEL, WIDTH, curve_markdown, curve_svg
-from ckptflow.tasks.formatting import metric_value
+from ckptflow.tasks.reporting.chart import (
+    GRID,
+    MAX_PANELS,
+    MAX_POINTS,
+    PANEL,
+    WIDTH,
+    curve_markdown,
+    curve_svg,
+)
+from ckptflow.tasks.reporting.formatting import metric_value
 
 NS = "{http://www.w3.org/2000/svg}"
 EPOCHS = range(1, 31)

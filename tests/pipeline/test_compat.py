@@ -1,4 +1,4 @@
-"""tasks/compat.py: notes on errors read the same on Python 3.10, which has no add_note."""
+"""tasks/training/compat.py: notes on errors read the same on Python 3.10, which has no add_note."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import traceback
 
 import pytest
 
-from ckptflow.tasks.compat import add_note
+from ckptflow.tasks.training.compat import add_note
 
 
 def test_a_note_is_shown_with_its_error():

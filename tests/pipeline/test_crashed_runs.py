@@ -31,7 +31,7 @@ from uuid import UUID
 import pytest
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.crashed import ProcessRecord, is_gone, this_process
+from ckptflow.tasks.reporting.crashed import ProcessRecord, is_gone, this_process
 from tests.pipeline.helpers import REPO, assert_only_committed, committed_events, poll, task_runs, wait_until
 from tests.pipeline.specs import (
     MARKED_SPEC,
@@ -259,7 +259,7 @@ def test_the_sweep_line_names_the_earlier_run_not_this_one(prefect_server, tmp_p
     """Bug fix (issue 34): the run that marks an earlier one logged "marked Crashed: flow runs whose
     process on HOST is gone (NAME)", shown as "Flow run 'THIS-RUN' - marked Crashed ...": it read as
     if the current run had crashed. The line now names the earlier run, when it started and its process."""
-    from ckptflow.tasks.crashed import record_and_sweep
+    from ckptflow.tasks.reporting.crashed import record_and_sweep
 
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     ended.wait()
@@ -326,7 +326,7 @@ WORKER_CRASH = "Flow run infrastructure exited with non-zero status code -9."  #
 
 def set_crashed(run_id: UUID | str, message: str = WORKER_CRASH) -> None:
     """Set the flow run Crashed, as the worker does when it sees its flow run process die."""
-    from ckptflow.tasks.prefect_runs import mark_crashed, prefect_client
+    from ckptflow.tasks.reporting.prefect_runs import mark_crashed, prefect_client
 
     with prefect_client() as client:
         mark_crashed(client, UUID(str(run_id)), message)
@@ -362,7 +362,7 @@ def running_epoch(run_id: UUID) -> None:
 
 
 def put_artifact(run_id: UUID, key: str, kind: str, data: Any, description: str) -> None:
-    from ckptflow.tasks.prefect_runs import create_artifact
+    from ckptflow.tasks.reporting.prefect_runs import create_artifact
 
     create_artifact(
         key=key, kind=kind, data=data, description=description, flow_run_id=run_id, task_run_id=None
@@ -380,8 +380,8 @@ def test_the_next_run_finishes_the_runs_of_this_host_prefect_marked_crashed_firs
     finishes it (once), and leaves the Crashed runs of other hosts and those with a summary alone."""
     import torch
 
-    from ckptflow.tasks.artifacts import run_key
-    from ckptflow.tasks.crashed import record_and_sweep
+    from ckptflow.tasks.reporting.artifacts import run_key
+    from ckptflow.tasks.reporting.crashed import record_and_sweep
 
     store = CheckpointStore(str(tmp_path / "store"))
     for epoch in (1, 2):
@@ -495,7 +495,7 @@ def test_a_crashed_run_s_summary_says_what_it_committed_not_what_the_store_holds
 
     from ckptflow.flows.maintenance import maintain_stores
     from ckptflow.tasks.maintenance import MaintenanceConfig
-    from ckptflow.tasks.prefect_runs import record_commit
+    from ckptflow.tasks.reporting.prefect_runs import record_commit
 
     store = CheckpointStore(str(tmp_path / "store"))
     run_id = decoy_run({}, tmp_path / "store", epochs=6)

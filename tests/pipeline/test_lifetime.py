@@ -1,8 +1,8 @@
-"""Children that end with the process that started them (:mod:`ckptflow.tasks.lifetime`).
+"""Children that end with the process that started them (:mod:`ckptflow.tasks.training.lifetime`).
 
 The flow's process starts its training process and its temporary API server so;
 those cases, end to end, are in test_trainer_process.py and test_api_server.py.
-Here the launcher itself, ``python -m ckptflow.tasks.lifetime SIGNAL PARENT MODULE ARGS...``:
+Here the launcher itself, ``python -m ckptflow.tasks.training.lifetime SIGNAL PARENT MODULE ARGS...``:
 
 - with PARENT its parent, it runs ``python -m MODULE ARGS...``;
 - with PARENT ended before the child asked for its signal (the kernel would
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 
-from ckptflow.tasks.lifetime import command
+from ckptflow.tasks.training.lifetime import command
 from tests.pipeline.helpers import gone, wait_until
 
 
@@ -52,7 +52,7 @@ def test_a_killed_parent_takes_the_child_along():
             sys.executable,
             "-c",
             "import signal, subprocess, sys, time\n"
-            "from ckptflow.tasks.lifetime import command\n"
+            "from ckptflow.tasks.training.lifetime import command\n"
             "child = subprocess.Popen(command(signal.SIGTERM, 'timeit', '-n1', '-r1', '-s', 'import time',"
             " 'time.sleep(600)'))\n"
             "print(child.pid, flush=True)\n"

@@ -13,7 +13,7 @@ import sys
 from typer.testing import CliRunner
 
 from ckptflow.flows.cli import app
-from ckptflow.tasks.lineage import code_commit, config_hash
+from ckptflow.tasks.training.lineage import code_commit, config_hash
 from tests.pipeline.helpers import committed_events, make_config, open_store, poll, run_summary
 
 REPO_COMMIT = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -58,6 +58,6 @@ def test_a_fork_from_an_older_version_shows_in_the_log(prefect_server, tmp_path)
 
 def test_the_lineage_module_needs_no_prefect():
     """Trainers compute the lineage in every rank: it must not import Prefect."""
-    code = "import sys, ckptflow.tasks.lineage; print('prefect' in sys.modules)"
+    code = "import sys, ckptflow.tasks.training.lineage; print('prefect' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

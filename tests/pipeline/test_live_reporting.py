@@ -24,7 +24,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import ArtifactCollectionFilter, ArtifactCollectionFilterKey
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.monitoring import event_id, slug, store_key
+from ckptflow.tasks.reporting.monitoring import event_id, slug, store_key
 from tests.pipeline.helpers import committed_events, make_config, open_store, poll, run_flow, run_summary
 from tests.pipeline.specs import MARKERS_ENV, SLOW_FROM_ENV, SLOW_SECONDS_ENV
 

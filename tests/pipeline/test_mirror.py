@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from ckptflow.storage import CheckpointStore
 from ckptflow.storage.archive.tarballs import list_archived
 from ckptflow.tasks.config import ArchiveConfig
-from ckptflow.tasks.mirroring import check_mirror, mirrored_versions, version_ranges
+from ckptflow.tasks.reporting.mirroring import check_mirror, mirrored_versions, version_ranges
 from tests.conftest import assert_same_state
 from tests.pipeline.helpers import make_config, poll, run_summary, version_dirs
 from tests.pipeline.specs import MARKED_SPEC, SPEC_CONFIG
@@ -48,7 +48,7 @@ def summary_markdown(storage: str) -> str:
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
     from prefect.client.schemas.sorting import FlowRunSort
 
-    from ckptflow.tasks.monitoring import slug
+    from ckptflow.tasks.reporting.monitoring import slug
 
     with get_client(sync_client=True) as client:
         runs = client.read_flow_runs(sort=FlowRunSort.START_TIME_DESC)

@@ -33,8 +33,8 @@ from prefect.client.schemas.filters import (
 from prefect.events.filters import EventFilter, EventNameFilter, EventRelatedFilter
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.formatting import human_size, metric_value
-from ckptflow.tasks.monitoring import COMMITTED_EVENT, event_id, slug, store_key
+from ckptflow.tasks.reporting.formatting import human_size, metric_value
+from ckptflow.tasks.reporting.monitoring import COMMITTED_EVENT, event_id, slug, store_key
 from tests.pipeline.helpers import make_config, poll, run_summary
 
 pytestmark = pytest.mark.prefect
@@ -228,7 +228,7 @@ class TestSecrets:
 def test_a_place_is_a_link_only_where_a_browser_opens_it():
     """Bug: every checkpoint URL was a markdown link; the UI resolved a local path against its own
     address ("Page not found"), and s3:// or file:// open nothing from its page."""
-    from ckptflow.tasks.artifacts import link_or_text
+    from ckptflow.tasks.reporting.artifacts import link_or_text
 
     assert link_or_text("https://console.example/run1", "run1") == "[run1](https://console.example/run1)"
     assert link_or_text("/data/run1/v000003") == "`/data/run1/v000003`"

@@ -48,7 +48,7 @@ WORLD = 2
 
 def rank_processes(flow: int) -> dict[int, int]:
     """rank -> pid of the ranks the flow process ``flow`` launched (its launcher forks them in order)."""
-    launchers = [pid for pid in children(flow) if b"ckptflow.tasks.launcher" in cmdline(pid)]
+    launchers = [pid for pid in children(flow) if b"ckptflow.tasks.training.launcher" in cmdline(pid)]
     assert len(launchers) <= 1, launchers
     ranks = sorted(children(launchers[0])) if launchers else []
     return dict(enumerate(ranks))
@@ -207,7 +207,10 @@ def test_a_second_machine_joins_the_run_through_c10d_rendezvous(prefect_server, 
     other += ["--log-dir", str(tmp_path / "other-logs")]  # torchrun's per-rank records (else in /tmp)
     with open(tmp_path / "other.log", "wb") as log:
         machine = subprocess.Popen(
-            [*other, "-m", "ckptflow.tasks.rank_worker"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT
+            [*other, "-m", "ckptflow.tasks.training.rank_worker"],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
         )
     try:
         summary, run_id = run_summary(config)
@@ -255,7 +258,7 @@ def test_a_rank_is_interrupted_once_however_many_stops_arrive():
     ``signal.signal`` ran was given the old handler, whose exception escaped the cleanup as a
     traceback (seen in CI: test_cli_failures' failed build). One handler now serves the whole
     life: it interrupts once, then only counts, and only counts once the work has ended."""
-    from ckptflow.tasks.rank_worker import _Interrupted, _Stops
+    from ckptflow.tasks.training.rank_worker import _Interrupted, _Stops
 
     stops = _Stops()
     with pytest.raises(_Interrupted):

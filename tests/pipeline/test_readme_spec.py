@@ -33,8 +33,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.config import PipelineConfig
-from ckptflow.tasks.run_state import EpochAttempts, build_run, capture_run, open_store, train_attempt
 from ckptflow.tasks.spec import Trainable, TrainingSpec, epoch_generator
+from ckptflow.tasks.training.run_state import EpochAttempts, build_run, capture_run, open_store, train_attempt
 from tests.pipeline.helpers import (
     REPO,
     assert_same_checkpoint,

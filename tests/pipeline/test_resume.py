@@ -80,7 +80,7 @@ def test_rng_draws_between_epochs_do_not_reach_the_training_state(prefect_server
     import numpy as np
     import torch
 
-    from ckptflow.tasks.monitoring import add_listener
+    from ckptflow.tasks.reporting.monitoring import add_listener
 
     clean = make_config(tmp_path / "clean", epochs=3)
     noisy = make_config(tmp_path / "noisy", epochs=3)
@@ -110,7 +110,7 @@ def test_rng_states_round_trip_through_a_checkpoint(tmp_path):
     import torch
 
     from ckptflow.flows.demo import DigitsSpec
-    from ckptflow.tasks.training_state import capture, restore, rng_state
+    from ckptflow.tasks.training.training_state import capture, restore, rng_state
     from tests.conftest import assert_same_state
 
     spec = DigitsSpec({"hidden": 8}, seed=3)

@@ -258,7 +258,7 @@ class TestWhatIsNotRetried:
         """Bug fixed: a transient error of the epoch's data (a reset connection, a read timeout at the
         same line) repeated once ended the epoch's retries as if it were a bug in the spec."""
         from ckptflow.tasks.retrying import is_transient
-        from ckptflow.tasks.trainer import TrainerError
+        from ckptflow.tasks.training.trainer import TrainerError
 
         assert is_transient(ConnectionResetError(104, "reset"))
         assert is_transient(TimeoutError("read timed out"))
@@ -272,7 +272,7 @@ class TestWhatIsNotRetried:
         training process (TrainerError) was retried, rewriting every shard to be refused again."""
         from ckptflow.storage import LeaseLostError, SaveFailedError, StoreLockedError
         from ckptflow.tasks.steps import _save_may_pass
-        from ckptflow.tasks.trainer import _remote_error
+        from ckptflow.tasks.training.trainer import _remote_error
 
         class State:
             def __init__(self, error: BaseException) -> None:

@@ -21,8 +21,8 @@ from pathlib import Path
 from ckptflow.flows.demo import DigitsSpec
 from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.config import PipelineConfig
-from ckptflow.tasks.run_state import build_run, open_store
 from ckptflow.tasks.spec import Trainable
+from ckptflow.tasks.training.run_state import build_run, open_store
 from tests.pipeline.helpers import REPO
 from tests.pipeline.specs import SPEC_CONFIG
 
@@ -95,7 +95,7 @@ def test_training_longer_is_the_same_run_and_the_spec_sees_the_new_target(prefec
 
 
 def test_in_the_flows_process(tmp_path):
-    from ckptflow.tasks.run_state import EpochAttempts, train_attempt
+    from ckptflow.tasks.training.run_state import EpochAttempts, train_attempt
 
     config = PipelineConfig(
         storage=str(tmp_path / "store"), spec=FACTS_SPEC, spec_config=SPEC_CONFIG, epochs=7, save_every=3

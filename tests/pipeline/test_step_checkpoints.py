@@ -221,7 +221,7 @@ def test_sigterm_inside_an_epoch_commits_the_step_and_the_run_resumes_there(
 def test_retention_applies_as_the_run_goes(prefect_server, tmp_path, saves):
     """With keep_last=2, the store never holds more than the 2 newest and the save in flight
     (before: the policy ran at the run's end only, and a run of 8 epochs held 8 versions)."""
-    from ckptflow.tasks.monitoring import add_listener
+    from ckptflow.tasks.reporting.monitoring import add_listener
 
     if saves == "steps":
         config = stepped(tmp_path / "s", train_process=False, save_every_steps=2)

@@ -13,7 +13,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 from prefect.logging.handlers import APILogHandler
 
-from ckptflow.tasks.threads import intra_op_threads
+from ckptflow.tasks.training.threads import intra_op_threads
 from tests.pipeline.helpers import make_config, poll, run_summary
 
 

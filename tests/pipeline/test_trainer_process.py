@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 
 from ckptflow.storage import CheckpointStore
-from ckptflow.tasks.run_state import ConfigMismatchError
 from ckptflow.tasks.spec import SpecError
+from ckptflow.tasks.training.run_state import ConfigMismatchError
 from tests.pipeline.helpers import (
     REPO,
     assert_only_committed,
@@ -389,7 +389,7 @@ def test_the_training_process_is_deaf_to_ctrl_c_from_its_start():
     """A terminal's Ctrl-C reaches the training process too, and the flow decides. One that comes
     before the process's main ignores SIGINT (while Python starts, or imports) ends nothing either:
     the process starts with SIGINT blocked, and drops it when it ignores it."""
-    from ckptflow.tasks.trainer import TrainerProcess
+    from ckptflow.tasks.training.trainer import TrainerProcess
 
     trainer = TrainerProcess()
     deadline = time.monotonic() + 3  # from its fork to well into its imports

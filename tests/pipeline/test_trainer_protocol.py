@@ -81,7 +81,7 @@ class TestErrorsCrossAsThemselves:
     """Pure checks of the error envelope: JSON out of one process, the same error in the other."""
 
     def crossed(self, exc: BaseException) -> BaseException:
-        from ckptflow.tasks.protocol import RemoteError
+        from ckptflow.tasks.training.protocol import RemoteError
 
         try:
             raise exc
@@ -135,8 +135,8 @@ class TestErrorsCrossAsThemselves:
         assert type(got) is ManifestError and str(got) == "SpecsManifestError: no shards"
 
     def test_any_other_error_is_a_trainer_error_naming_its_type_and_line(self):
-        from ckptflow.tasks.protocol import TrainerError
         from ckptflow.tasks.retrying import failure_key
+        from ckptflow.tasks.training.protocol import TrainerError
 
         got = self.crossed(ValueError("Tried to step 97 times"))
         assert type(got) is TrainerError
@@ -147,7 +147,7 @@ class TestErrorsCrossAsThemselves:
 
 class TestTheJobIsValidated:
     def job(self, tmp_path, **changes):
-        from ckptflow.tasks.protocol import TrainerJob
+        from ckptflow.tasks.training.protocol import TrainerJob
 
         job = json.loads(TrainerJob.for_run(make_config(tmp_path / "s"), {}, writers=[1]).model_dump_json())
         for dotted, value in changes.items():
@@ -159,7 +159,7 @@ class TestTheJobIsValidated:
         return json.dumps(job)
 
     def test_a_valid_job_round_trips(self, tmp_path):
-        from ckptflow.tasks.protocol import TrainerJob
+        from ckptflow.tasks.training.protocol import TrainerJob
 
         job = TrainerJob.parse(self.job(tmp_path))
         assert job.config == make_config(tmp_path / "s") and job.writers == [1] and job.storage_options == {}
@@ -177,7 +177,7 @@ class TestTheJobIsValidated:
         ids=["nproc", "backend", "writers", "epochs", "storage-options", "extra"],
     )
     def test_a_malformed_job_is_refused_naming_the_field(self, tmp_path, changes, named):
-        from ckptflow.tasks.protocol import JobError, TrainerJob
+        from ckptflow.tasks.training.protocol import JobError, TrainerJob
 
         with pytest.raises(JobError) as refused:
             TrainerJob.parse(self.job(tmp_path, **changes))
@@ -186,7 +186,7 @@ class TestTheJobIsValidated:
         assert message.endswith("nothing was built")
 
     def test_a_job_that_is_not_json_is_refused(self):
-        from ckptflow.tasks.protocol import JobError, TrainerJob
+        from ckptflow.tasks.training.protocol import JobError, TrainerJob
 
         with pytest.raises(JobError, match="the trainers' job is malformed"):
             TrainerJob.parse(b"{'config': None}")
@@ -194,7 +194,7 @@ class TestTheJobIsValidated:
     def test_the_launcher_refuses_a_malformed_job_and_the_flow_is_told_why(self, tmp_path):
         """Through the real launcher: the build fails with the refusal as the launcher's record,
         and no rank is started (nothing is written in the store)."""
-        from ckptflow.tasks.trainer import TrainerDiedError, TrainerProcess
+        from ckptflow.tasks.training.trainer import TrainerDiedError, TrainerProcess
 
         process = TrainerProcess()
         try:
@@ -216,8 +216,8 @@ class TestTheChannel:
         """A rank killed while it wrote leaves half a frame: the flow reads what came before it."""
         from multiprocessing.connection import Pipe
 
-        from ckptflow.tasks.protocol import Note
-        from ckptflow.tasks.trainer import _received
+        from ckptflow.tasks.training.protocol import Note
+        from ckptflow.tasks.training.trainer import _received
 
         flow, rank = Pipe()
         rank.send_bytes(Note(id=1, level="info", message="resuming").model_dump_json().encode())
@@ -230,8 +230,8 @@ class TestTheChannel:
 
         from pydantic import ValidationError
 
-        from ckptflow.tasks.protocol import problems
-        from ckptflow.tasks.trainer import _received
+        from ckptflow.tasks.training.protocol import problems
+        from ckptflow.tasks.training.trainer import _received
 
         flow, rank = Pipe()
         rank.send_bytes(json.dumps({"frame": "answer", "id": 2, "ok": {"step": 3}}).encode())
@@ -246,7 +246,7 @@ class TestSavesWaitedForLate:
 
     @pytest.mark.parametrize("async_save", [True, False])
     def test_an_ended_save_is_still_answered_after_the_next_one_started(self, tmp_path, async_save):
-        from ckptflow.tasks.in_process import InProcessTrainer
+        from ckptflow.tasks.training.in_process import InProcessTrainer
 
         trainer = InProcessTrainer(make_config(tmp_path / "s", epochs=3, async_save=async_save))
         log = lambda level, message: None  # noqa: E731

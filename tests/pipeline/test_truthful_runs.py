@@ -19,7 +19,7 @@ from prefect.logging.handlers import APILogHandler
 
 from ckptflow.storage import CheckpointStore
 from ckptflow.tasks.config import ArchiveConfig, RetentionConfig
-from ckptflow.tasks.monitoring import add_listener
+from ckptflow.tasks.reporting.monitoring import add_listener
 from tests.pipeline.helpers import make_config, poll, run_summary
 
 pytestmark = pytest.mark.prefect
@@ -121,7 +121,7 @@ def test_frequent_saves_say_what_retention_removed_once_a_minute_not_at_every_sa
     said = sorted(v for r in heard for v in r["removed"])
     assert said == sorted(summary["pruned"])  # every removal said, once
     assert heard[-1]["kept"] == kept
-    from ckptflow.tasks.formatting import version_ranges
+    from ckptflow.tasks.reporting.formatting import version_ranges
 
     for report in heard:  # spans, not one number per version: "removed versions 3-17"
         assert f"removed versions {version_ranges(report['removed'])}; kept " in report["text"], report

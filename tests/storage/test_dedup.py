@@ -558,7 +558,7 @@ def test_a_chunked_version_reads_through_dcp_and_exports_whole(tmp_path: Path) -
 def test_the_checkpoint_table_s_throughput_counts_the_bytes_a_save_wrote(tmp_path: Path) -> None:
     """Bug: the Prefect table's throughput divided the bytes a version reads (its references
     included) by the save's time, claiming GB/s for a save that wrote a few KiB."""
-    from ckptflow.tasks.artifacts import checkpoint_row
+    from ckptflow.tasks.reporting.artifacts import checkpoint_row
 
     store = CheckpointStore(tmp_path / "s")
     store.save(fine_tune(0))

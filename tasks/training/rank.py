@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 from ckptflow.storage import CheckpointStore, VersionInfo
 
-from .config import PipelineConfig
+from ..config import PipelineConfig
 from .protocol import Built, Committed, Done, Notes, Progress, Staged, Trained
 from .run_state import (
     EpochAttempts,
@@ -154,7 +154,7 @@ class Rank:
         self.grace = config.stop_grace_seconds
         self._saved = _position(run)  # its commit, or nothing trained yet: nothing to save on a stop
         self._set_progress(run)
-        from .spec import trains_by_steps
+        from ..spec import trains_by_steps
 
         if (
             self.rank == 0
@@ -189,7 +189,7 @@ class Rank:
                 )
             self._attempts = EpochAttempts(run, keep_snapshot=keep_snapshot, saved=self._saved_here(run))
         self._attempts.count += 1
-        from .spec import trains_by_steps
+        from ..spec import trains_by_steps
 
         self.in_steps = trains_by_steps(run.spec)
         try:

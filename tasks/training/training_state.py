@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .spec import Trainable, TrainingSpec, epoch_generator
+from ..spec import Trainable, TrainingSpec, epoch_generator
 
 
 def seed_everything(seed: int) -> None:

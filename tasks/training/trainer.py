@@ -57,8 +57,8 @@ from pydantic import BaseModel, ValidationError
 
 from ckptflow.storage import VersionInfo
 
+from ..config import PipelineConfig
 from .childenv import TRAINER_FD_ENV
-from .config import PipelineConfig
 from .lifetime import blocked_in_children
 from .protocol import (
     FRAMES,
@@ -114,7 +114,7 @@ class TrainerProcess:
         env = {**os.environ, TRAINER_FD_ENV: str(child.fileno())}
         with blocked_in_children(signal.SIGINT):  # until the child ignores it (see the launcher's main)
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "ckptflow.tasks.launcher", str(os.getpid())],
+                [sys.executable, "-m", "ckptflow.tasks.training.launcher", str(os.getpid())],
                 stdin=subprocess.PIPE,
                 env=env,
                 pass_fds=(child.fileno(),),

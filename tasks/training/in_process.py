@@ -29,7 +29,7 @@ from typing import Any
 
 from ckptflow.storage import VersionInfo
 
-from .config import PipelineConfig
+from ..config import PipelineConfig
 from .protocol import Built, Notes, PendingSave, Progress, Trained
 from .rank import Preempted, Rank
 from .run_state import open_store
@@ -50,7 +50,13 @@ class InProcessTrainer:
         return self._rank.progress
 
     def build(self, *, flow_run: str | None, log: Notes) -> Built:
+        from .childenv import FLOW_RUN_ENV
         from .threads import torch_threads
+
+        if flow_run:  # the run its saves record (lineage), as a rank worker has it
+            os.environ[FLOW_RUN_ENV] = flow_run
+        else:
+            os.environ.pop(FLOW_RUN_ENV, None)
 
         threads = self._threads.enter_context(torch_threads(self.config.torch_threads))
         log("info", f"torch intra-op threads: {threads} of {os.cpu_count() or 1} cores")

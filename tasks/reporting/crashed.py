@@ -60,8 +60,8 @@ from uuid import UUID
 
 from ckptflow.storage import CheckpointStore, VersionInfo, current_process, process_ended
 
+from ..config import PipelineConfig
 from .artifacts import ArtifactSet, committed_at, ending_markdown, run_key
-from .config import PipelineConfig
 from .monitoring import progress_of
 from .prefect_runs import (
     STORE_LABEL,

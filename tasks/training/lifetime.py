@@ -19,7 +19,7 @@ What must hold:
   it unblocks it: a signal that came meanwhile was pending, and is dropped.
 
 Neither torch nor Prefect is imported here: both sides import this module.
-Run as ``python -m ckptflow.tasks.lifetime SIGNAL PARENT MODULE ARGS...``, it
+Run as ``python -m ckptflow.tasks.training.lifetime SIGNAL PARENT MODULE ARGS...``, it
 runs ``python -m MODULE ARGS...`` that gets SIGNAL when PARENT ends
 (:func:`command` builds that line), for a child whose main is not ours.
 """
@@ -34,7 +34,7 @@ import sys
 from collections.abc import Iterator
 
 PR_SET_PDEATHSIG = 1
-MODULE = "ckptflow.tasks.lifetime"
+MODULE = "ckptflow.tasks.training.lifetime"
 
 
 def die_with_parent(sig: signal.Signals, parent: int) -> None:

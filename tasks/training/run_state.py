@@ -35,10 +35,10 @@ from ckptflow.storage import (
     VersionInfo,
 )
 
-from .config import PipelineConfig, identity_differences
+from ..config import PipelineConfig, identity_differences
 
 if TYPE_CHECKING:  # what trains imports torch; the flow's side of a training process does not
-    from .spec import Trainable, TrainingSpec
+    from ..spec import Trainable, TrainingSpec
     from .training_state import Snapshot
 
 RUN_FILE = "run.json"
@@ -151,7 +151,7 @@ def build_run(
     In a rank of a world of ``world_size`` > 1 (``store`` distributed), every rank builds the
     same model and restores the replicated state, then its own state (see :mod:`.rank_worker`).
     """
-    from .spec import RunFacts, load_spec_class, make_spec
+    from ..spec import RunFacts, load_spec_class, make_spec
     from .training_state import (
         capture,
         generator_seeds,
@@ -381,7 +381,7 @@ def train_attempt(
     """Attempt ``attempts.count`` of ``epoch`` from where the run stands: to the epoch's end, or,
     for a spec that trains by steps, to the first step after which ``pause`` says a save is due or
     a stop was asked (``until``: exactly to that global step, or the epoch's end)."""
-    from .spec import trains_by_steps
+    from ..spec import trains_by_steps
     from .training_state import run_epoch
 
     spec, trainable = run.local()

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ckptflow.storage import PrunePlan, VersionInfo
 
-    from .config import RetentionConfig
+    from ..config import RetentionConfig
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 

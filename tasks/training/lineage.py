@@ -14,14 +14,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ..config import PipelineConfig
 from .childenv import FLOW_RUN_ENV
-from .config import PipelineConfig
 
 
 def run_lineage(config: PipelineConfig) -> dict[str, Any]:
     """The lineage fields of a save of this run (all but the parent)."""
     lineage: dict[str, Any] = {"spec": config.spec, "config_hash": config_hash(config)}
-    run = os.environ.get(FLOW_RUN_ENV) or _flow_run_here()
+    run = os.environ.get(FLOW_RUN_ENV)  # the flow's run: set by the rank worker and the in-process trainer
     if run:
         lineage["run"] = run
     commit = code_commit(config.spec.partition(":")[0])
@@ -37,21 +37,6 @@ def config_hash(config: PipelineConfig) -> str:
 
     text = json.dumps(config.identity(), sort_keys=True, separators=(",", ":"), default=str)
     return xxhash.xxh3_64_hexdigest(text.encode())
-
-
-def _flow_run_here() -> str | None:
-    """The flow run this process runs in (an in-process run), if Prefect is already loaded."""
-    import sys
-
-    if "prefect" not in sys.modules:
-        return None
-    try:
-        from prefect.runtime import flow_run
-
-        found = flow_run.id
-    except Exception:
-        return None
-    return str(found) if found else None
 
 
 @functools.cache

@@ -20,7 +20,7 @@ from ckptflow.storage import CheckpointStore, redact
 from .formatting import version_ranges
 
 if TYPE_CHECKING:
-    from .config import ArchiveConfig
+    from ..config import ArchiveConfig
 
 
 @dataclass(frozen=True)

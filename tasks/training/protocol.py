@@ -40,8 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from ckptflow.storage import CheckpointError, CheckpointStore, VersionInfo
 
+from ..config import PipelineConfig
 from .compat import add_note
-from .config import PipelineConfig
 
 Notes = Callable[[str, str], None]  # where a trainer's notes for the run's log go: (level name, message)
 Level = Literal["debug", "info", "warning", "error"]
@@ -299,8 +299,8 @@ def origin(exc: BaseException) -> tuple[str, str] | None:
 def known_errors() -> dict[str, type[BaseException]]:
     """The error types that cross as themselves, by class name: every ``CheckpointError`` that
     ckptflow defines (and has imported), and the pipeline's refusals of a run."""
+    from ..spec import SpecError
     from .run_state import ConfigMismatchError, NothingToResumeError
-    from .spec import SpecError
 
     known: dict[str, type[BaseException]] = {}
     pending: list[type[BaseException]] = [CheckpointError]

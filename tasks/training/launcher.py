@@ -1,4 +1,4 @@
-"""The trainers' launcher: ``python -m ckptflow.tasks.launcher PARENT``, the flow's one child.
+"""The trainers' launcher: ``python -m ckptflow.tasks.training.launcher PARENT``, the flow's one child.
 
 The flow starts it early (before Prefect is imported, see :mod:`.trainer`): it
 imports torch and the training code while it waits for its job on stdin, then
@@ -63,8 +63,8 @@ def _import_spec(job: TrainerJob, fd: int) -> None:
 
     if torch.version.cuda is not None or torch.version.hip is not None:
         return
+    from ..spec import load_spec_class
     from .protocol import SpecImported
-    from .spec import load_spec_class
 
     try:
         load_spec_class(job.config.spec)
