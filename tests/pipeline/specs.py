@@ -47,6 +47,7 @@ FAIL_EPOCH_ENV = "CKPTFLOW_TEST_FAIL_EPOCH"
 EXTRA_HIDDEN_ENV = "CKPTFLOW_TEST_EXTRA_HIDDEN"
 STEPPED_SPEC = "tests.pipeline.specs:SteppedDigitsSpec"
 STEP_SECONDS_ENV = "CKPTFLOW_TEST_STEP_SECONDS"  # SteppedDigitsSpec: each step of slow epochs sleeps so long
+MODULES_ENV = "CKPTFLOW_TEST_MODULES"  # MarkedDigitsSpec: a directory; each epoch lists the modules loaded
 EVALUATING_ENV = "CKPTFLOW_TEST_EVALUATING"  # SteppedDigitsSpec: a directory; evaluate marks it, sleeps 3 s
 
 # Small and fast: an epoch of the digits MLP takes a few tens of milliseconds.
@@ -76,6 +77,11 @@ class MarkedDigitsSpec(DigitsSpec):
             partial.replace(done)
             if epoch >= int(os.environ.get(SLOW_FROM_ENV, "1")):
                 time.sleep(float(os.environ.get(SLOW_SECONDS_ENV, "0")))
+        loaded = os.environ.get(MODULES_ENV)
+        if loaded:  # what this training process has imported, by rank
+            rank = os.environ.get("RANK", "solo")
+            names = sorted(name for name in sys.modules if name.split(".")[0] in ("prefect", "ckptflow"))
+            Path(loaded, f"modules-{rank}-epoch-{epoch}.txt").write_text("\n".join(names))
         return super().train_epoch(trainable, epoch)
 
 

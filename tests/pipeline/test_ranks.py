@@ -236,9 +236,12 @@ def test_ckptflow_run_nproc_trains_on_ranks_and_archives_their_commits(prefect_s
     from typer.testing import CliRunner
 
     from ckptflow.flows.cli import app
-    from tests.pipeline.specs import MARKED_SPEC, SPEC_CONFIG
+    from tests.pipeline.specs import MARKED_SPEC, MODULES_ENV, SPEC_CONFIG
 
     monkeypatch.setenv("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")  # run sets it otherwise
+    modules = tmp_path / "modules"
+    modules.mkdir()
+    monkeypatch.setenv(MODULES_ENV, str(modules))
     storage = tmp_path / "cli"
     args = ["run", "--storage", str(storage), "--epochs", "3", "--nproc", "2", "--shards", "2"]
     args += ["--spec", MARKED_SPEC, "--spec-config", json.dumps(SPEC_CONFIG), "--archive-every", "2"]
@@ -251,6 +254,12 @@ def test_ckptflow_run_nproc_trains_on_ranks_and_archives_their_commits(prefect_s
         assert store.manifest(v).world_size == 2
         store.verify(v)
         assert store.load_rank_state(v, rank=1, world_size=2)["rng"]["torch"].dtype.is_floating_point is False
+    # the training processes import no Prefect (tasks/training's rule, checked at run time)
+    listed = {path.name: path.read_text().split() for path in modules.iterdir()}
+    assert sorted(listed) == [f"modules-{r}-epoch-{e}.txt" for r in (0, 1) for e in (1, 2, 3)]
+    for name, loaded in listed.items():
+        assert "ckptflow.tasks.training.rank_worker" in loaded, name  # a rank worker, not the flow
+        assert not [m for m in loaded if m.split(".")[0] == "prefect" or ".reporting" in m], name
 
 
 def test_a_rank_is_interrupted_once_however_many_stops_arrive():
