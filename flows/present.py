@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import shlex
 from collections.abc import Callable
-from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
-from ckptflow.tasks.reporting.formatting import epoch_text, human_size, metric_value, metrics_text
+from ckptflow.tasks.reporting.formatting import epoch_text, human_size, metric_value, metrics_text, utc_text
 
 if TYPE_CHECKING:
     from ckptflow.storage import (
@@ -32,17 +31,6 @@ if TYPE_CHECKING:
         VersionDirectory,
         VersionInfo,
     )
-
-
-def created_text(iso: str, *, zone: bool = True) -> str:
-    """A manifest's ISO timestamp as ``2025-11-22 02:09:07 UTC`` (unparseable text is kept)."""
-    try:
-        moment = datetime.fromisoformat(iso)
-    except ValueError:
-        return iso
-    if moment.tzinfo is not None:
-        moment = moment.astimezone(timezone.utc)
-    return moment.strftime("%Y-%m-%d %H:%M:%S") + (" UTC" if zone and moment.tzinfo is not None else "")
 
 
 def optional(value: object) -> str:
@@ -186,7 +174,7 @@ def versions_table(infos: list[VersionInfo], *, store: str) -> Table:
     for info in infos:
         table.add_row(
             *(cell(info) for _, cell in columns),
-            created_text(info.created, zone=False)[:16],  # to the minute: 2026-11-29 04:07
+            utc_text(info.created, seconds=False, zone=False),  # to the minute: 2026-11-29 04:07
             metrics_text(info.metrics),
             *([where(info)] if placed else []),
         )
@@ -208,7 +196,7 @@ def summary_table(manifest: Manifest, url: str) -> Table:
         ("in epoch", in_epoch_text(info)),
         ("step", optional(manifest.step)),
         ("metrics", metrics_text(manifest.metrics) or "-"),
-        ("created", created_text(manifest.created)),
+        ("created", utc_text(manifest.created)),
         (
             "size",
             f"{human_size(manifest.total_size)} on storage{_shared_text(manifest)}, "

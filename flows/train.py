@@ -67,6 +67,7 @@ from prefect.utilities.annotations import quote
 
 from ckptflow.storage import CheckpointStore, StoreLease, VersionInfo, redact
 from ckptflow.tasks.archiving import ArchiveQueue
+from ckptflow.tasks.cadence import Cadence
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.reporting.clean_stop import cancel_stopped_task_runs, ended_cancelled, handling_stops
 from ckptflow.tasks.reporting.crashed import record_this_run
@@ -177,6 +178,7 @@ def _run_epochs(
     existing = run.store.versions()
     monitor.start(existing, first_epoch=run.first_epoch, resumed=run.resumed_from)
     stopper = StopTracker(config.stop, config.epochs)
+    cadence = Cadence.of(config)
     stopper.seed(run.metrics)
     reason = f"already at epoch {run.epoch}" if run.epoch >= config.epochs else None
     pending: PendingSave | None = None
@@ -198,7 +200,7 @@ def _run_epochs(
                     "epoch %d/%d: %s%s", epoch, config.epochs, metrics_text(trained.metrics), _status(monitor)
                 )
                 reason = stopper.update(epoch, trained.metrics) or stopped
-                due = epoch % config.save_every == 0 or reason is not None or trained.due
+                due = cadence.epoch_end_due(epoch, stopping=reason is not None, inside=trained.due)
             else:  # a save point, or a stop, inside the epoch
                 progress = run.progress
                 where = step_text(progress.in_epoch, progress.epoch_steps)

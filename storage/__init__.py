@@ -37,22 +37,22 @@ from .errors import (
     VersionTakenError,
 )
 from .files.location import redact
+from .files.nearby import StoresBelow, VersionDirectory, store_holding
 from .files.processes import has_ended as process_ended
 from .files.processes import this_process as current_process
+from .files.s3options import quick_answer_options, upload_storage_options
 from .format.manifest import FORMAT_VERSION, Manifest
 from .info import EPOCH_STEPS, IN_EPOCH
 from .integrations.pointers import check_pointed, lightning_pointer
 from .load.restore import RankStateWarning
-from .remote.options import quick_answer_options, upload_storage_options
 from .save.async_save import SaveHandle
 from .store import CheckpointStore, StoreOptions, VersionInfo
 from .versions.commit import VersionState
 from .versions.lease import LeaseInfo, StoreLease, read_lease, refuse_if_held
-from .versions.nearby import StoresBelow, VersionDirectory, store_holding
 from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:
-    from .save.distributed import RankGroup
+    from .save.group import RankGroup
 
 
 def export_pretrained(state: Any, out: Any) -> list[str]:
@@ -81,7 +81,7 @@ def read_import(source: Any, **facts: Any) -> Any:
 
 def __getattr__(name: str) -> Any:
     if name == "RankGroup":
-        from .save.distributed import RankGroup
+        from .save.group import RankGroup
 
         return RankGroup
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -26,12 +26,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CheckpointError
+from .format.names import version_dir
 
 if TYPE_CHECKING:
     import torch
 
     from .format.manifest import Manifest
-    from .store import CheckpointStore
+    from .load.store_reader import StoreReader
 
 READ_BATCH = 64 << 20  # small tensors read together, per side, when values are compared
 WINDOW = 8 << 20  # a tensor this large is compared this many bytes at a time, per side
@@ -132,17 +133,17 @@ def _flat_windows(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
 
 
 class _VersionSide(_Side):
-    def __init__(self, store: CheckpointStore, version: int | None) -> None:
-        manifest = store.manifest(version)
-        self.store, self.version = store, manifest.version
-        self.label = store.version_url(manifest.version)
+    def __init__(self, reads: StoreReader, version: int | None) -> None:
+        manifest = reads.manifest(version)
+        self.reads, self.version = reads, manifest.version
+        self.label = reads.loc.display(version_dir(manifest.version))
         self.facts, self.prints = _manifest_tensors(manifest)
         self.values = dict(_leaf_values(manifest.structure))
 
     def read(self, paths: list[str]) -> dict[str, torch.Tensor]:
         from .format.structure import encode
 
-        state = self.store._reads.load(self.version, keys=paths)  # not store.load: no parent for a save
+        state = self.reads.load(self.version, keys=paths)
         _, leaves = encode(state)
         return {leaf.path: leaf.tensor for leaf in leaves}
 
@@ -153,11 +154,10 @@ class _VersionSide(_Side):
         from .format.dtypes import dtype_from_name
         from .load.reader import Span, read_blobs, read_spans
 
-        reads = self.store._reads
-        located = reads.locate(self.version)
-        manifest, loc = located.manifest, self.store.loc
+        located = self.reads.locate(self.version)
+        manifest, loc = located.manifest, self.reads.loc
         sources = located.sources(loc)
-        threads = self.store.options.threads
+        threads = self.reads.options.threads
         chunked = next((c for c in manifest.chunked if c.path == path), None)
         tensor = next((t for t in manifest.tensors if t.path == path), None)
         if chunked is not None and all(k.sizes[1:] == chunked.shape[1:] for k in chunked.chunks):
@@ -205,7 +205,7 @@ class _FileSide(_Side):
         from .format.checksum import KEY_ALGORITHM, content_key
         from .format.dtypes import dtype_name
         from .format.structure import encode
-        from .integrations.foreign import read_safetensors, read_torch_file
+        from .load.foreign import read_safetensors, read_torch_file
 
         self.label = str(path)
         # as import reads them: the two accept and refuse the same files
@@ -298,9 +298,9 @@ def file_side(spec: str | os.PathLike[str]) -> _Side | None:
     return _FileSide(path) if path.suffix in FILE_SUFFIXES and path.is_file() else None
 
 
-def version_side(store: CheckpointStore, version: int | None) -> _Side:
-    """A committed version of ``store`` (None: the newest)."""
-    return _VersionSide(store, version)
+def version_side(reads: StoreReader, version: int | None) -> _Side:
+    """A committed version of the store ``reads`` reads (None: the newest)."""
+    return _VersionSide(reads, version)
 
 
 def split_version(spec: str) -> tuple[str, int | None]:

@@ -1,7 +1,7 @@
 """CheckpointStore: save, load, list, verify, prune and collect garbage at one URL.
 
 This is the library's front door, a facade over three parts with one job each:
-a :class:`~.save.store_saver.StoreSaver` (the save path, its staging buffer and
+a :class:`~.saver.StoreSaver` (the save path, its staging buffer and
 the async save in flight: every save, plain, from ranks or of sharded state,
 runs the same phases), a :class:`~.load.store_reader.StoreReader` (the catalog
 of versions and reading states back, DCP's loads included) and an
@@ -25,15 +25,17 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .archive.tarballs import archive_location
 from .errors import CheckpointError, VersionNotFoundError
+from .files import nearby
 from .files.location import open_location, probe, translate_errors
 from .format.manifest import Manifest
 from .info import SaveRequest, StoreOptions, VersionInfo
 from .load.store_reader import StoreReader
 from .save.async_save import SaveHandle
-from .save.store_saver import StoreSaver
-from .sharded.kinds import holds_sharded
+from .save.group import RankGroup
+from .save.kinds import holds_sharded
+from .saver import StoreSaver
 from .upkeep import Upkeep
-from .versions import catalog, metadata, nearby
+from .versions import catalog, metadata
 from .versions import commit as protocol
 from .versions.lease import DEFAULT_TIMEOUT as DEFAULT_LEASE_TIMEOUT
 from .versions.lease import LEASE_KEY, StoreLease, refuse_if_held
@@ -44,7 +46,6 @@ if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, p
     from .archive.tarballs import ArchivedVersion
     from .archive.tarindex import TarIndex
     from .diff import StateDiff
-    from .save.distributed import RankGroup
     from .sharded.reader import DcpReader
     from .sharded.writer import DcpWriter
     from .versions.housekeeping import GarbageReport
@@ -72,10 +73,9 @@ class CheckpointStore:
     ) -> None:
         self.loc = open_location(url, storage_options)
         self.options = options or StoreOptions()
-        self.group: RankGroup | None = None
+        # One process is the group of one (RankGroup.solo): every save and load runs the same phases.
+        self.group = RankGroup.solo()
         if distributed:
-            from .save.distributed import RankGroup
-
             self.group = distributed if isinstance(distributed, RankGroup) else RankGroup.create()
         self._saves = StoreSaver(self.loc, self.options, self.group)
         self._reads = StoreReader(self.loc, self.options, self.group)
@@ -83,11 +83,11 @@ class CheckpointStore:
 
     @property
     def rank(self) -> int:
-        return self.group.rank if self.group else 0
+        return self.group.rank
 
     @property
     def world_size(self) -> int:
-        return self.group.world_size if self.group else 1
+        return self.group.world_size
 
     @property
     def url(self) -> str:
@@ -389,13 +389,13 @@ class CheckpointStore:
         """
         from .diff import compare, file_side, no_side, split_version, version_side
 
-        before = version_side(self, a)
+        before = version_side(self._reads, a)  # read by the store's reader: a diff sets no parent
         if b is None or isinstance(b, int):
-            after = version_side(self, b)
+            after = version_side(self._reads, b)
         elif isinstance(b, CheckpointStore):
-            after = version_side(b, None)
+            after = version_side(b._reads, None)
         elif str(b).isdigit() or str(b) == "latest":
-            after = version_side(self, None if str(b) == "latest" else int(str(b)))
+            after = version_side(self._reads, None if str(b) == "latest" else int(str(b)))
         else:
             found = file_side(b)
             if found is None:
@@ -403,7 +403,7 @@ class CheckpointStore:
                 other = CheckpointStore(url, storage_options=storage_options)
                 if not other.probe(must_exist=False):
                     raise no_side(os.fspath(b))
-                found = version_side(other, number)
+                found = version_side(other._reads, number)
             after = found
         return compare(before, after, values=values)
 

@@ -34,7 +34,7 @@ from .versions.retention import PrunePlan, RetentionPolicy
 
 if TYPE_CHECKING:
     from .load.store_reader import StoreReader
-    from .save.store_saver import StoreSaver
+    from .saver import StoreSaver
     from .versions.lease import StoreLease
 
 log = logging.getLogger("ckptflow.storage.store")

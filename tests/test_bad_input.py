@@ -461,8 +461,8 @@ def test_any_safetensors_bytes_read_or_one_refusal_and_nothing_written(
     import struct
 
     from ckptflow.storage import CheckpointError, CheckpointStore
-    from ckptflow.storage.integrations.foreign import read_safetensors
     from ckptflow.storage.integrations.imports import read_import
+    from ckptflow.storage.load.foreign import read_safetensors
 
     folder = tmp_path_factory.mktemp("st")
     path = folder / "f.safetensors"

@@ -88,15 +88,16 @@ def _is_type_checking(test: ast.expr) -> bool:
     )
 
 
-def _import_nodes(nodes: Iterable[ast.AST]) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement in ``nodes``, at any depth, except under ``if TYPE_CHECKING:``."""
+def _import_nodes(nodes: Iterable[ast.AST], *, typing: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement in ``nodes``, at any depth, except under ``if TYPE_CHECKING:``
+    (``typing``: those too)."""
     for node in nodes:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             yield node
-        elif isinstance(node, ast.If) and _is_type_checking(node.test):
+        elif isinstance(node, ast.If) and _is_type_checking(node.test) and not typing:
             yield from _import_nodes(node.orelse)
         else:
-            yield from _import_nodes(ast.iter_child_nodes(node))
+            yield from _import_nodes(ast.iter_child_nodes(node), typing=typing)
 
 
 def _resolve(module: Module, node: ast.ImportFrom) -> str:
@@ -110,9 +111,10 @@ def _resolve(module: Module, node: ast.ImportFrom) -> str:
     return ".".join([*base, *([node.module] if node.module else [])])
 
 
-def imports_of(module: Module, known: set[str]) -> Iterator[Edge]:
-    """The edges from ``module`` to the ``known`` modules it imports."""
-    for node in _import_nodes([ast.parse(module.source)]):
+def imports_of(module: Module, known: set[str], *, typing: bool = False) -> Iterator[Edge]:
+    """The edges from ``module`` to the ``known`` modules it imports (``typing``: counting those
+    under ``if TYPE_CHECKING:``)."""
+    for node in _import_nodes([ast.parse(module.source)], typing=typing):
         where = f"{module.where}:{node.lineno}"
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
@@ -124,10 +126,28 @@ def imports_of(module: Module, known: set[str]) -> Iterator[Edge]:
                 yield Edge(module.name, target, where)
 
 
-def import_graph(modules: Iterable[Module]) -> list[Edge]:
+def import_graph(modules: Iterable[Module], *, typing: bool = False) -> list[Edge]:
     modules = list(modules)
     known = {m.name for m in modules}
-    return [edge for m in modules for edge in imports_of(m, known)]
+    return [edge for m in modules for edge in imports_of(m, known, typing=typing)]
+
+
+def part_of(module: str, top: str) -> str | None:
+    """The part of package ``top`` that ``module`` belongs to: its sub-package, or the module
+    itself for one directly under ``top`` (the package's ``__init__`` is no part)."""
+    if not module.startswith(top + "."):
+        return None
+    return module[len(top) + 1 :].split(".")[0]
+
+
+def part_edges(edges: Iterable[Edge], top: str) -> list[Edge]:
+    """The imports between different parts of ``top``, as edges between the parts."""
+    joined = []
+    for edge in edges:
+        source, target = part_of(edge.source, top), part_of(edge.target, top)
+        if source is not None and target is not None and source != target:
+            joined.append(Edge(source, target, edge.where))
+    return joined
 
 
 def strongly_connected(edges: list[Edge]) -> list[list[str]]:
@@ -189,6 +209,17 @@ def test_no_import_cycles() -> None:
     )
 
 
+def test_the_parts_of_storage_import_each_other_one_way() -> None:
+    """storage's sub-packages (format, files, save, load, ...) and top-level modules (store, info,
+    diff, ...) form layers: no two of them import each other, counting every import, in functions
+    and under ``if TYPE_CHECKING:`` too (a type that one side needs belongs below both)."""
+    edges = part_edges(import_graph(project_modules(), typing=True), "ckptflow.storage")
+    ties = strongly_connected(edges)
+    assert not ties, "storage's parts import each other (move the shared code below both):\n" + "\n".join(
+        describe(c, edges) for c in ties
+    )
+
+
 class TestTheCheckItself:
     """The check sees every kind of import and finds a cycle where there is one; else the test above
     could never fail."""
@@ -243,6 +274,20 @@ class TestTheCheckItself:
             ("pkg.sub.y", "pkg.z"),
         }
         assert strongly_connected(edges) == []
+
+    def test_parts_tie_through_typing_and_function_imports(self) -> None:
+        edges = import_graph(
+            self.modules(
+                __init__="",
+                a__x="from ..b.y import T\n",
+                b__y="from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..a import x\n",
+                c="def f():\n    from .b import y\n",
+            ),
+            typing=True,
+        )
+        parts = part_edges(edges, "pkg")
+        assert {(e.source, e.target) for e in parts} == {("a", "b"), ("b", "a"), ("c", "b")}
+        assert strongly_connected(parts) == [["a", "b"]]
 
     def test_files_are_named_as_installed(self) -> None:
         mapped = package_dirs()

@@ -53,6 +53,7 @@ from ..errors import (
 from ..files.byteio import CHUNK, MAX_REQUEST, ReadRange, fsync_dir, read_ranges
 from ..files.localfs import open_regular
 from ..files.location import Location, open_location
+from ..files.nearby import store_holding
 from ..format.checksum import new_hasher
 from ..format.manifest import MANIFEST_FILE, parse_manifest
 from ..format.names import parse_version_dir, version_dir
@@ -87,8 +88,6 @@ def extract_epoch(
 def check_new_target(out_dir: str) -> None:
     """Refuse ``out_dir`` unless it is missing or an empty directory, no symbolic link, and inside
     no store (the store would take the extracted version for a leftover, or a version of its own)."""
-    from ..versions.nearby import store_holding
-
     _refuse_link_or_file(out_dir)
     around = store_holding(os.path.dirname(os.path.abspath(out_dir)))
     if around is not None:

@@ -26,8 +26,7 @@ from ..files.location import Location
 from ..format.checksum import digest, new_hasher
 from ..format.manifest import MANIFEST_FILE, Manifest, parse_manifest, utc_now
 from ..format.manifest_checks import MAX_BYTES
-from ..format.names import is_plain_name
-from ..versions.commit import aside_name, parse_version_dir
+from ..format.names import aside_name, is_plain_name, parse_version_dir
 from .tarcheck import check_tarball
 from .tarindex import IndexEntry, TarIndex, check_member_name, index_name, write_index
 

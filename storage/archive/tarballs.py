@@ -25,17 +25,15 @@ from dataclasses import dataclass
 
 from ..errors import CheckpointError, FormatVersionError, ManifestError, UnsafeArchiveError
 from ..files.location import Location
+from ..files.sources import ShardSource
 from ..format.checksum import digest
 from ..format.manifest import MANIFEST_FILE, Manifest
 from ..format.manifest_checks import MAX_BYTES
-from ..format.names import version_dir
-from ..load.reader import ShardSource
+from ..format.names import ARCHIVE_DIR, version_dir
 from .tarindex import INDEX_SUFFIX, TarIndex, index_name, parse_index, write_index
 from .tarwriter import Member, write_tar
 
 log = logging.getLogger(__name__)
-
-ARCHIVE_DIR = "archive"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ module imports neither: a store on a local disk never loads them.
 :func:`probe` asks one question of a store (is anything there?) with bounded
 connection attempts, so a command on a wrong URL fails within seconds. Every S3
 store is opened with bounded timeouts and attempts, shaped by
-:mod:`ckptflow.storage.remote.options` (the one place S3 client options are).
+:mod:`ckptflow.storage.files.s3options` (the one place S3 client options are).
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from ..errors import StorageUnavailableError
-from ..remote.options import S3_SCHEMES, S3FS_RETRIES, bounded_s3_options
 
 # storage/__init__.py imports it from here
 from .localfs import ConfinedLocalFileSystem
+from .s3options import S3_SCHEMES, S3FS_RETRIES, bounded_s3_options
 
 
 def redact(url: str) -> str:
@@ -116,7 +116,7 @@ def open_location(url: str | os.PathLike[str], storage_options: dict[str, Any] |
         )
     options = bounded_s3_options(text, storage_options)
     if scheme in S3_SCHEMES:
-        from ..remote.roles import s3fs_options
+        from .s3roles import s3fs_options
 
         options = s3fs_options(options)
     try:

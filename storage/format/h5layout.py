@@ -31,7 +31,7 @@ import math
 import struct
 from dataclasses import dataclass
 
-from ..save.planner import Blob
+from .blob import Blob
 from .dtypes import dtype_name, storage_dtype
 
 SHARD_FORMAT = "ckptflow-shard"

@@ -32,14 +32,12 @@ import binascii
 import math
 import re
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from ..errors import ManifestError
 from .dtypenames import NATIVE, itemsize
+from .entries import BlobEntry, ChunkedEntry, RankPart, ShardEntry, TensorEntry
 from .names import is_plain_name
-
-if TYPE_CHECKING:
-    from .manifest import BlobEntry, ChunkedEntry, Manifest, ShardEntry, TensorEntry
 
 MAX_DEPTH = 64  # nesting of the structure; real training states are a few levels deep
 MAX_DOCUMENT_DEPTH = MAX_DEPTH + 16  # nesting of a whole manifest or index (a structure inside)
@@ -53,7 +51,38 @@ MAX_CHUNKS = 1 << 16  # chunks of one tensor: a mesh of this many ranks is far b
 _FLOATS = {"nan", "inf", "-inf"}
 
 
-def check_manifest(m: Manifest, where: str) -> None:
+class Checked(Protocol):
+    """What :func:`check_manifest` reads of a manifest (:class:`.manifest.Manifest`)."""
+
+    @property
+    def version(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def metrics(self) -> dict[str, float]: ...
+
+    @property
+    def shards(self) -> list[ShardEntry]: ...
+
+    @property
+    def blobs(self) -> list[BlobEntry]: ...
+
+    @property
+    def tensors(self) -> list[TensorEntry]: ...
+
+    @property
+    def chunked(self) -> list[ChunkedEntry]: ...
+
+    @property
+    def ranks(self) -> list[RankPart]: ...
+
+    @property
+    def structure(self) -> Any: ...
+
+
+def check_manifest(m: Checked, where: str) -> None:
     """Raise :class:`ManifestError` for the first thing in ``m`` that cannot be trusted."""
     for name, value in m.metrics.items():
         if not math.isfinite(value):  # saving refuses them too; JSON output has no NaN

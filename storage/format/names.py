@@ -78,3 +78,29 @@ def file_identity(name: str) -> str | None:
     """The identity token a shard file's name carries; None for a file of an older save (no token)."""
     match = _IDENTIFIED.fullmatch(name)
     return match.group(1) if match else None
+
+
+# What a store holds beside its version directories (each module that owns one says what it is).
+LATEST_FILE = "latest"  # the newest committed version's number (versions/commit.py)
+ARCHIVE_DIR = "archive"  # the tarballs (archive/tarballs.py)
+LEASE_FILE = "lease.json"  # the writer's lease (versions/lease.py)
+STORE_FILE = "store.json"  # the store's identity, and a mirror's (versions/identity.py)
+RUN_FILE = "run.json"  # the run's identity, which ckptflow's pipeline writes beside its versions
+
+# An unreadable file or directory set aside by a writer: ``v000003.unreadable-<UTC time>-<6 hex>``.
+_SET_ASIDE_DIR = re.compile(r"v([0-9]{6,})\.unreadable-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")
+
+
+def aside_name(name: str) -> str:
+    """``name.unreadable-<UTC time>-<6 hex>``: where an unreadable file or directory is kept, a name
+    nothing lists, reads or removes, unique so that two set-asides never merge."""
+    import time
+    import uuid
+
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    return f"{name}.unreadable-{stamp}-{uuid.uuid4().hex[:6]}"
+
+
+def is_set_aside_dir(name: str) -> bool:
+    """Whether ``name`` is a directory a writer set aside as unreadable."""
+    return _SET_ASIDE_DIR.fullmatch(name) is not None

@@ -58,8 +58,8 @@ from transformers.trainer_pt_utils import safe_globals
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..errors import CheckpointError, VersionNotFoundError
+from ..load.foreign import read_safetensors
 from ..store import CheckpointStore
-from .foreign import read_safetensors
 from .hfdir import KEY, file_name_problem, write_checkpoint
 
 log = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ What it reads, by what the source is:
 - a **safetensors** file: its tensors, flat, as safetensors keys them;
 - a **torch.save** file (``.pt``, ``.pth``, ``.bin``, ``.ckpt``): with ``torch.load(weights_only=True)``,
   which rebuilds tensors, containers and plain values and runs no code, allowing besides them
-  only the values :mod:`.pyvalues` stores (namespaces, paths: a Lightning checkpoint's
+  only the values :mod:`..format.pyvalues` stores (namespaces, paths: a Lightning checkpoint's
   hyper-parameters, kept as the Lightning plugin keeps them); a file that needs more (a pickled
   class) is refused: ckptflow never unpickles;
 - a **Hugging Face** directory (``config.json`` or ``*.safetensors`` in it: a model saved with
@@ -139,7 +139,7 @@ def _known(fact: int | CheckpointError | None) -> int | None:
 
 def _read(path: Path, kind: str, skipped: list[str]) -> tuple[Any, dict[str, int | CheckpointError]]:
     if kind == "safetensors":
-        from .foreign import read_safetensors
+        from ..load.foreign import read_safetensors
 
         return read_safetensors(path), {}
     if kind == "torch":
@@ -176,9 +176,9 @@ def _read(path: Path, kind: str, skipped: list[str]) -> tuple[Any, dict[str, int
 
 
 def _torch_file(path: Path) -> tuple[Any, dict[str, int | CheckpointError]]:
-    from .foreign import read_torch_file
+    from ..format.pyvalues import to_storable
+    from ..load.foreign import read_torch_file
     from .pointers import lightning_pointer
-    from .pyvalues import to_storable
 
     try:
         pointer = lightning_pointer(str(path), {})

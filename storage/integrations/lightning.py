@@ -40,6 +40,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ..errors import CheckpointError
 from ..files.location import redact, translate_errors
+from ..format.pyvalues import from_storable, to_storable
 from ..save.async_save import SaveHandle
 from ..store import CheckpointStore
 from ..versions.metadata import write_json
@@ -52,7 +53,6 @@ from .pointers import (
     pointer_location,
     read_pointer,
 )
-from .pyvalues import from_storable, to_storable
 
 log = logging.getLogger(__name__)
 

@@ -31,6 +31,7 @@ from ..files.byteio import (
 )
 from ..files.localfs import open_regular
 from ..files.location import Location
+from ..files.sources import ShardSource
 from ..format.checksum import blob_digest, blob_hasher, new_hasher
 from ..format.manifest import BlobEntry, Manifest
 
@@ -42,25 +43,6 @@ FUSED_MAX = 256 << 20  # verified local blobs up to this size are read and hashe
 SMALL = 64 << 10  # neighbouring blobs up to this size are read together ...
 GAP = 4 << 10  # ... when at most this many bytes lie between them ...
 BATCH = 4 << 20  # ... in requests of up to this many bytes
-
-
-@dataclass(frozen=True)
-class ShardSource:
-    """Where a shard's bytes are: a whole file (``offset`` 0) or a member of a tarball."""
-
-    path: str  # the file in the store's filesystem
-    offset: int  # where the shard starts in that file
-    file_size: int  # the size that file must have
-    name: str  # for messages: the shard's URL, or the tarball's URL and the member
-
-
-def loose_sources(loc: Location, manifest: Manifest) -> list[ShardSource]:
-    """The shards of a loose version: files in its directory, and the files of other versions'
-    directories whose bytes it references."""
-    return [
-        ShardSource(loc.path(where, name), 0, s.size, loc.display(where, name))
-        for s, (where, name) in zip(manifest.shards, manifest.shard_files(), strict=True)
-    ]
 
 
 def read_blobs(

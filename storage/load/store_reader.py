@@ -27,10 +27,11 @@ from ..errors import (
     UnreadableVersionError,
     VersionNotFoundError,
 )
+from ..files import nearby
 from ..files.location import Location, translate_errors
 from ..format.manifest import Manifest
 from ..info import StoreOptions, VersionInfo
-from ..versions import catalog, nearby
+from ..versions import catalog
 from ..versions import commit as protocol
 from .restore import rank_manifest, read_state
 from .verifying import verify_version
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..archive.tarballs import ArchivedVersion
-    from ..save.distributed import RankGroup
+    from ..save.group import RankGroup
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -48,7 +49,7 @@ T = TypeVar("T")
 class StoreReader:
     """What a store reads: its catalog of versions and their states."""
 
-    def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
+    def __init__(self, loc: Location, options: StoreOptions, group: RankGroup) -> None:
         self.loc, self.options, self.group = loc, options, group
         self._told: set[int] = set()  # versions read from their tarball: said once
 
@@ -135,8 +136,8 @@ class StoreReader:
     ) -> Any:
         """The ``rank_state`` rank ``rank`` saved (default: this store's rank), or None if none was saved."""
         located = self.locate(version)
-        rank = (self.group.rank if self.group else 0) if rank is None else rank
-        world = (self.group.world_size if self.group else 1) if world_size is None else world_size
+        rank = self.group.rank if rank is None else rank
+        world = self.group.world_size if world_size is None else world_size
         manifest = rank_manifest(located.manifest, rank, world, stacklevel=2)
         if manifest is None:
             return None

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 from ..errors import CorruptShardError
 from ..files.byteio import read_chunks
 from ..files.location import Location
+from ..files.sources import ShardSource
 from ..format.checksum import blob_hasher, new_hasher
 from ..format.manifest import BlobEntry, Manifest
-from .reader import ShardSource, check_size
+from .reader import check_size
 
 
 def verify_version(loc: Location, manifest: Manifest, sources: list[ShardSource]) -> None:

@@ -26,9 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-MiB = 1 << 20
-MIN_PART = 5 * MiB  # S3's smallest part (except the last)
-MAX_PART = 5 << 30  # S3's largest part, and largest single PUT
+from ..files.s3options import MiB
+
 MAX_PARTS = 10_000
 COMMON_PART_SIZES = tuple(n * MiB for n in (5, 8, 10, 16, 32, 50, 64, 100, 128, 256, 512))
 

@@ -27,10 +27,10 @@ from ..archive.tarballs import archive_location
 from ..archive.tarindex import index_name, read_index
 from ..errors import CheckpointError
 from ..files.location import Location, open_location
+from ..files.s3options import TransferOptions
 from ..format.manifest import MANIFEST_FILE, Manifest
 from ..format.names import file_identity, version_dir
 from ..versions.identity import bind_mirror, check_mirror
-from .options import TransferOptions
 
 # storage/__init__.py imports it from here
 

@@ -36,6 +36,7 @@ from s3transfer.subscribers import BaseSubscriber
 
 from ..errors import StorageUnavailableError
 from ..files.location import open_location, redact
+from ..files.s3options import TransferOptions
 from .etag import (
     PartPlan,
     b64,
@@ -49,7 +50,6 @@ from .etag import (
     plan_parts,
     same_checksum,
 )
-from .options import TransferOptions
 from .results import TransferVerifyError
 from .s3client import DENIED, DIGEST_ERRORS, client_for, error_code, translate_s3_errors
 

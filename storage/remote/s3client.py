@@ -26,8 +26,8 @@ from s3transfer.exceptions import RetriesExceededError
 
 from ..errors import StorageUnavailableError
 from ..files.location import redact, store_failure
-from .options import TransferOptions, client_arguments
-from .roles import boto3_session
+from ..files.s3options import TransferOptions, client_arguments
+from ..files.s3roles import boto3_session
 
 log = logging.getLogger(__name__)
 

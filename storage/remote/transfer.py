@@ -42,7 +42,7 @@ from fsspec.implementations.local import LocalFileSystem
 from ..errors import StorageUnavailableError
 from ..files.byteio import fsync_dir, hash_file
 from ..files.location import Location, open_location, redact, translate_errors
-from .options import TransferOptions, is_s3_url
+from ..files.s3options import TransferOptions, is_s3_url
 from .results import TransferResult, TransferVerifyError
 
 log = logging.getLogger(__name__)

@@ -30,13 +30,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..format.blob import Blob, BlobBytes
 from ..format.checksum import KEY_DIGITS, content_key, new_hasher
 from ..format.dtypes import dtype_name
 from ..format.manifest import BlobEntry, ShardEntry
 from ..format.names import file_identity
-from .planner import Blob, SavePlan, assign_shards
+from .planner import SavePlan, assign_shards
 
-BlobBytes = Callable[[Blob], memoryview]
 MIN_SHARE = 4  # a referenced shard file supplies at least 1/MIN_SHARE of its bytes
 
 Key = tuple[str, str, int]  # (xxh3-128 of the bytes, dtype name, bytes)

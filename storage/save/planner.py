@@ -13,29 +13,14 @@ shard. Nothing here does I/O; the writer follows the plan.
 
 from __future__ import annotations
 
-import functools
 import heapq
 from dataclasses import dataclass, field
 
 import torch
 
+from ..format.blob import Blob
 from ..format.dtypes import storage_dtype
 from ..format.structure import Leaf
-
-
-@dataclass(frozen=True)
-class Blob:
-    """Bytes written as one dataset: ``numel`` elements of ``dtype``, laid out as ``shape``."""
-
-    index: int
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    source: torch.Tensor  # the data, viewed so that ``source.contiguous()`` is exactly the bytes
-
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return self.source.numel() * self.source.element_size()
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +39,7 @@ from ..errors import (
     VersionTakenError,
 )
 from ..files.location import Location, translate_errors
+from ..format.blob import Blob, BlobBytes
 from ..format.checksum import ALGORITHM, digest
 from ..format.dtypes import dtype_name
 from ..format.manifest import (
@@ -60,12 +60,13 @@ from ..versions.catalog import archived_for_writing
 from ..versions.housekeeping import last_change
 from ..versions.lease import DEFAULT_TIMEOUT, LEASE_KEY, StoreLease, commit_lease, fence, read_lease
 from . import dedup
-from .distributed import RankGroup, RankPlan, RankReport, assemble, plan_rank, tensor_entries
-from .planner import CHUNK_BYTES, Blob, ChunkPlan
+from .distributed import OwnPlan, RankPlan, RankReport, assemble, plan_rank, tensor_entries
+from .group import RankGroup
+from .planner import CHUNK_BYTES, ChunkPlan
+from .planner import SavePlan as BlobPlan
 
 log = logging.getLogger(__name__)
 
-BlobBytes = Callable[[Blob], memoryview]
 
 CLAIM_TRIES = 100  # new numbers tried when other writers keep taking the next one
 STALE_CLAIM_SECONDS = DEFAULT_TIMEOUT  # a claim on a version unchanged for this long is garbage
@@ -517,11 +518,58 @@ class VersionWriter:
         error.__cause__ = exc
         return error
 
+    def write_share(
+        self,
+        version: int,
+        plan: BlobPlan,
+        blob_bytes: BlobBytes,
+        parent: int | None,
+        *,
+        rank: int | None = None,
+        piece_bytes: int | None = None,
+    ) -> tuple[list[ShardEntry], dict[int, dict[str, Any]]]:
+        """Write this rank's share of a version's tensors: with dedup, reference the chunks the
+        store already holds (from ``parent`` on) and write the rest; return the shard entries and
+        blob entries, as :func:`.write_shards` does. Plain and DCP saves both write through here
+        (``rank``: the writing rank, when DCP's numbering is not the group's)."""
+        from .writer import write_shards
+
+        rank = self.rank if rank is None else rank
+        split = None
+        if self.options.dedup and plan.shards:
+            index = self.content_index(parent)
+            split = dedup.split(plan, blob_bytes, index, rank=rank, shard_bytes=self.options.shard_bytes)
+            plan = split.plan
+        files, written = write_shards(
+            self.loc,
+            version_dir(version),
+            plan,
+            blob_bytes,
+            threads=self.options.threads,
+            rank=rank,
+            piece_bytes=piece_bytes,
+            keys=split.keys if split is not None else None,
+        )
+        if split is not None:
+            files, written = split.merge(files, written)
+            self.keep_samples(version, split)
+        return files, written
+
+    def write_own(
+        self, version: int, own: OwnPlan, own_bytes: BlobBytes, *, rank: int | None = None
+    ) -> dict[str, Any]:
+        """Write this rank's own state (its RNG, its loader) in its own file; its report."""
+        from .writer import write_shards
+
+        rank = self.rank if rank is None else rank
+        files, written = write_shards(
+            self.loc, version_dir(version), own.plan, own_bytes, threads=1, rank=rank
+        )
+        return own.report(files, written)
+
     def write(self, job: SaveJob, shared_bytes: BlobBytes, own_bytes: BlobBytes) -> VersionInfo:
         """Write this rank's files and report them to rank 0, which commits if every rank succeeded;
         every rank returns the committed version, or raises (its own failure, if it had one)."""
-        from .writer import write_shards
-
         start = time.perf_counter()
         vdir = version_dir(job.version)
         failure: BaseException | None = None
@@ -531,35 +579,11 @@ class VersionWriter:
                     self.claim(job.version, job.request.epoch)
                 elif self.rank == 0:
                     self.ensure_claim(job.version)
-                threads = self.options.threads
-                plan, split = job.plan.shared, None
-                if self.options.dedup and plan.shards:  # reference what the store holds, write the rest
-                    split = dedup.split(
-                        plan,
-                        shared_bytes,
-                        self.content_index((job.request.lineage or {}).get("parent")),
-                        rank=self.rank,
-                        shard_bytes=self.options.shard_bytes,
-                    )
-                    plan = split.plan
-                shards, written = write_shards(
-                    self.loc,
-                    vdir,
-                    plan,
-                    shared_bytes,
-                    threads=threads,
-                    rank=self.rank,
-                    keys=split.keys if split is not None else None,
-                )
-                if split is not None:
-                    shards, written = split.merge(shards, written)
-                    self.keep_samples(job.version, split)
+                parent = (job.request.lineage or {}).get("parent")
+                shards, written = self.write_share(job.version, job.plan.shared, shared_bytes, parent)
                 own = None
                 if job.plan.own is not None:
-                    files, own_written = write_shards(
-                        self.loc, vdir, job.plan.own.plan, own_bytes, threads=1, rank=self.rank
-                    )
-                    own = job.plan.own.report(files, own_written)
+                    own = self.write_own(job.version, job.plan.own, own_bytes)
             mine = RankReport(shards, written, own)
         except BaseException as exc:  # tell rank 0, so that it does not commit and nobody waits forever
             failure = self._vanished(job.version, exc) if isinstance(exc, FileNotFoundError) else exc

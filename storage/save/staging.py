@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..files.byteio import tensor_bytes
-from .planner import Blob
+from ..format.blob import Blob
 
 ALIGN = 64
 PIECE = 16 << 20  # host copies are cut into pieces of this size, copied by a few threads at once
@@ -160,7 +160,7 @@ def stage_state(buffer: StagingBuffer, state: object) -> object:
     ``Stateful`` objects as their ``state_dict()``. Valid until the buffer stages again."""
     import copy
 
-    from ..sharded.kinds import is_stateful
+    from .kinds import is_stateful
 
     dtensor = _dtensor_type()
 

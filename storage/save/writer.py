@@ -16,22 +16,21 @@ mirror skips it and a removal keeps it only under that name (:mod:`.dedup`, :mod
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from ..files.byteio import open_sink, write_hashed
 from ..files.location import Location
+from ..format.blob import Blob, BlobBytes
 from ..format.checksum import content_key, digest, key_hasher, new_hasher, piece_size
 from ..format.dtypes import dtype_name
 from ..format.h5layout import build_shard_image
 from ..format.manifest import ShardEntry, blob_doc
 from ..format.names import identified_name, new_file_token
-from .planner import Blob, SavePlan, ShardPlan
+from .planner import SavePlan, ShardPlan
 
 log = logging.getLogger(__name__)
 
-BlobBytes = Callable[[Blob], memoryview]
 SMALL = 64 << 10  # segments up to this size are gathered ...
 BATCH = 4 << 20  # ... into writes of about this size
 

@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import CheckpointError, RankFailedError
 from ..info import SaveRequest, StoreOptions, VersionInfo
-from .kinds import is_stateful, leaves
+from ..save.kinds import is_stateful, leaves
 
 if TYPE_CHECKING:
     from ..files.location import Location
     from ..save.async_save import AsyncSaver, SaveHandle
-    from ..save.distributed import RankGroup
+    from ..save.group import RankGroup
     from ..save.saving import VersionWriter
     from ..save.staging import StagingBuffer
     from ..versions import catalog
@@ -115,7 +115,7 @@ def _version_committed(writer: DcpWriter) -> VersionInfo:
 def load(
     loc: Location,
     options: StoreOptions,
-    group: RankGroup | None,
+    group: RankGroup,
     locate: Callable[[int | None], catalog.Located],
     version: int | None,
     into: object,
@@ -148,7 +148,7 @@ def load(
                 state[key] = plain[key]
 
     with _collector_paused():
-        if group is None or group.is_solo:
+        if group.is_solo:
             load_from(lambda: locate(version))
             put_back()
             return into
@@ -190,7 +190,7 @@ def _save_failures(writer: DcpWriter) -> Iterator[None]:
     """
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from ..save.distributed import collective_failed
+    from ..save.group import collective_failed
 
     rank = writer.versions.rank
     try:

@@ -26,7 +26,8 @@ import torch
 
 from ..errors import UnsupportedValueError
 from ..format.dtypes import dtype_from_name
-from ..format.manifest import ChunkedEntry, ChunkEntry, Manifest
+from ..format.entries import ChunkedEntry, ChunkEntry
+from ..format.manifest import Manifest
 from ..format.structure import ChunkedRef, Json, decode, encode
 
 Path = tuple[str | int, ...]

@@ -46,16 +46,16 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from ..errors import CheckpointError, UnsupportedValueError
 from ..files.byteio import tensor_bytes
 from ..files.location import translate_errors
+from ..format.blob import Blob
 from ..format.checksum import PIECE_BYTES
 from ..format.dtypes import dtype_name
 from ..format.manifest import ChunkedEntry, ManifestDraft, ShardEntry
 from ..format.names import version_dir
 from ..format.structure import decode, encode
 from ..info import SaveRequest, VersionInfo
-from ..save import dedup
 from ..save.distributed import OwnPlan
-from ..save.planner import Blob, assign_shards, dataset_name, shards_per_rank
 from ..save.planner import SavePlan as BlobPlan
+from ..save.planner import assign_shards, dataset_name, shards_per_rank
 from ..save.saving import checked, new_manifest
 from ..versions.commit import read_record
 from .ids import checkpoint_version
@@ -134,7 +134,6 @@ class DcpWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future[list[WriteResult]]:
         """This rank's chunks as HDF5 shards, its non-tensor values as JSON results."""
         from ..save.staging import written_bytes
-        from ..save.writer import write_shards
 
         version, rank = int(plan.storage_data["version"]), int(plan.storage_data["rank"])
         self.version = version
@@ -161,25 +160,10 @@ class DcpWriter(StorageWriter):
         with translate_errors(self.versions.loc, "saving to"):
             if rank == 0:
                 self.versions.ensure_claim(version)
-            split = None
-            if options.dedup and blob_plan.shards:  # reference the chunks the store holds, write the rest
-                parent = (self.request.lineage or {}).get("parent")
-                index = self.versions.content_index(parent)
-                split = dedup.split(blob_plan, blob_bytes, index, rank=rank, shard_bytes=options.shard_bytes)
-                blob_plan = split.plan
-            files, written = write_shards(
-                self.versions.loc,
-                version_dir(version),
-                blob_plan,
-                blob_bytes,
-                threads=options.threads,
-                rank=rank,
-                piece_bytes=PIECE_BYTES,
-                keys=split.keys if split is not None else None,
+            parent = (self.request.lineage or {}).get("parent")
+            files, written = self.versions.write_share(
+                version, blob_plan, blob_bytes, parent, rank=rank, piece_bytes=PIECE_BYTES
             )
-            if split is not None:
-                files, written = split.merge(files, written)
-                self.versions.keep_samples(version, split)
         if self.own is not None:
             results.append(self._write_own(self.own, version, rank))
         file_docs = [f.model_dump(mode="json") for f in files]
@@ -208,18 +192,9 @@ class DcpWriter(StorageWriter):
 
     def _write_own(self, own: OwnPlan, version: int, rank: int) -> WriteResult:
         """This rank's own state, in its file ``state-r<rank>.h5``, as a write result of its own."""
-        from ..save.writer import write_shards
-
         with translate_errors(self.versions.loc, "saving to"):
-            files, written = write_shards(
-                self.versions.loc,
-                version_dir(version),
-                own.plan,
-                lambda b: tensor_bytes(b.source),
-                threads=1,
-                rank=rank,
-            )
-        data = {"rank": rank, **own.report(files, written)}
+            report = self.versions.write_own(version, own, lambda b: tensor_bytes(b.source), rank=rank)
+        data = {"rank": rank, **report}
         return WriteResult(
             index=MetadataIndex(f"{OWN_KEY}{rank}"), size_in_bytes=own.plan.nbytes, storage_data=data
         )

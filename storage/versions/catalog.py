@@ -17,9 +17,9 @@ from ..archive.tarcheck import check_members, check_tarball
 from ..archive.tarindex import index_name
 from ..errors import CheckpointError, VersionNotFoundError
 from ..files.location import Location
+from ..files.sources import ShardSource, loose_sources
 from ..format.manifest import Manifest
 from ..format.names import version_dir
-from ..load.reader import ShardSource, loose_sources
 from . import commit as protocol
 
 

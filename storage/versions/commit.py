@@ -33,9 +33,6 @@ from __future__ import annotations
 import enum
 import logging
 import os
-import re
-import time
-import uuid
 from dataclasses import dataclass
 
 from ..errors import CheckpointError, FormatVersionError, ManifestError, VersionTakenError
@@ -44,13 +41,10 @@ from ..files.byteio import fsync_dir
 from ..files.location import Location, bucket_missing, missing_bucket_error
 from ..format.manifest import MANIFEST_FILE, Manifest, ManifestDraft, ShardEntry, parse_manifest
 from ..format.manifest_checks import MAX_BYTES
-from ..format.names import parse_version_dir, version_dir
+from ..format.names import LATEST_FILE, aside_name, is_set_aside_dir, parse_version_dir, version_dir
 from .claims import check_claim, drop_claim
 
 log = logging.getLogger(__name__)
-
-LATEST_FILE = "latest"
-_SET_ASIDE_DIR = re.compile(r"v([0-9]{6,})\.unreadable-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")
 
 
 class VersionState(enum.Enum):
@@ -416,18 +410,6 @@ def set_aside(loc: Location, version: int, *, keep: frozenset[str] = frozenset()
             if file not in keep:
                 loc.fs.mv(f"{source}/{file}", f"{target}/{file}")
     return name
-
-
-def aside_name(name: str) -> str:
-    """``name.unreadable-<UTC time>-<6 hex>``: where an unreadable file or directory is kept, a name
-    nothing lists, reads or removes, unique so that two set-asides never merge."""
-    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-    return f"{name}.unreadable-{stamp}-{uuid.uuid4().hex[:6]}"
-
-
-def is_set_aside_dir(name: str) -> bool:
-    """Whether ``name`` is a directory :func:`set_aside` made."""
-    return _SET_ASIDE_DIR.fullmatch(name) is not None
 
 
 def list_set_aside(loc: Location) -> list[str]:

@@ -26,10 +26,9 @@ from ..files.atomic import exclusive_local_write, exclusive_remote_write
 from ..files.location import Location, translate_errors
 from ..format.manifest import MANIFEST_FILE
 from ..format.manifest_checks import MAX_BYTES
-from ..format.names import version_dir
+from ..format.names import STORE_FILE, version_dir
 from . import commit as protocol
 
-STORE_FILE = "store.json"
 FORMAT = "ckptflow-store"
 
 

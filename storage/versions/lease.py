@@ -48,11 +48,11 @@ from ..files.byteio import fsync_dir
 from ..files.localfs import open_regular
 from ..files.location import Location
 from ..files.processes import ancestors, is_this_space, this_process
+from ..format.names import LEASE_FILE
 from .lease_info import MAX_LEASE_BYTES, LeaseInfo, default_owner
 
 log = logging.getLogger(__name__)
 
-LEASE_FILE = "lease.json"
 LEASE_KEY = "lease"  # in a manifest's ``writer``: the token of the lease it was committed under
 DEFAULT_TIMEOUT = 180.0  # seconds without renewal after which a lease may be taken over
 RENEWALS_PER_TIMEOUT = 6  # renew every timeout / 6 seconds (30 s by default)

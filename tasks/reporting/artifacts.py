@@ -27,7 +27,7 @@ from uuid import UUID
 
 from ckptflow.storage import VersionInfo
 
-from .formatting import epoch_text, human_size, metric_value, metrics_text
+from .formatting import epoch_text, human_size, metric_value, metrics_text, utc_text
 from .prefect_runs import create_artifact, current_run_ids, update_artifact
 
 log = logging.getLogger(__name__)
@@ -86,17 +86,6 @@ def committed_at(info: VersionInfo) -> datetime:
     return when if when.tzinfo is not None else when.replace(tzinfo=timezone.utc)
 
 
-def readable_time(iso: str) -> str:
-    """``2026-11-25T12:01:02.345+00:00`` -> ``2026-11-25 12:01:02 UTC`` (the text as given if not ISO)."""
-    try:
-        when = datetime.fromisoformat(iso)
-    except (TypeError, ValueError):
-        return str(iso)
-    if when.tzinfo is not None:
-        when = when.astimezone(timezone.utc)
-    return when.strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
 def checkpoint_row(info: VersionInfo) -> dict[str, Any]:
     """One row of a checkpoint table: each metric a numeric column of its own (sortable); the epoch
     as ``ckptflow ls`` shows it (a number for a save at an epoch's end, ``3 (1,200/4,000)`` inside one)."""
@@ -110,7 +99,7 @@ def checkpoint_row(info: VersionInfo) -> dict[str, Any]:
             "save seconds": round(seconds, 3) if seconds is not None else None,
             # what the save wrote: a version that references older versions' bytes wrote only its own
             "throughput": f"{info.new_bytes / seconds / 1e6:.0f} MB/s" if seconds else "",
-            "committed": readable_time(info.created),
+            "committed": utc_text(info.created),
             "url": info.url,
         }
     )
@@ -214,7 +203,7 @@ def latest_markdown(store_url: str, info: VersionInfo | None, *, count: int, sou
             "|---|---|",
             f"| version | {info.version} (epoch {info.epoch}) |",
             f"| size | {human_size(info.size)} |",
-            f"| committed | {readable_time(info.created)} |",
+            f"| committed | {utc_text(info.created)} |",
             f"| metrics | {cell(metrics_text(info.metrics)) or 'none'} |",
             f"| URL | {cell(link_or_text(info.url))} |",
             f"| committed checkpoints in the store | {count} |",

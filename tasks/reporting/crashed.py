@@ -62,6 +62,7 @@ from ckptflow.storage import CheckpointStore, VersionInfo, current_process, proc
 
 from ..config import PipelineConfig
 from .artifacts import ArtifactSet, committed_at, ending_markdown, run_key
+from .formatting import utc_text
 from .monitoring import progress_of
 from .prefect_runs import (
     STORE_LABEL,
@@ -156,9 +157,7 @@ def earlier_run_line(run: Any, record: ProcessRecord, what: str = MARKED) -> str
     """``an earlier flow run 'NAME' (started ..., process PID on HOST) had ended without a final
     state: marked Crashed`` (or what else ``what`` says); the line this run logs after its own name."""
     moment = run.start_time or run.created
-    started = (
-        moment.astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") if moment else "at an unknown time"
-    )
+    started = utc_text(moment)
     return (
         f"an earlier flow run '{run.name}' (started {started}, process {record.pid} on {record.host}) {what}"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -13,6 +14,24 @@ if TYPE_CHECKING:
     from ..config import RetentionConfig
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def utc_text(moment: datetime | str | None, *, seconds: bool = True, zone: bool = True) -> str:
+    """A moment as ``2026-11-25 12:01:02 UTC``: a datetime (naive ones are taken as UTC) or an ISO
+    text (kept as given when it is none); ``seconds=False`` drops the seconds, ``zone=False`` the
+    `` UTC``. The one way ckptflow writes a time (run cards, logs, ``ckptflow ls``)."""
+    if moment is None:
+        return "at an unknown time"
+    if isinstance(moment, str):
+        try:
+            parsed = datetime.fromisoformat(moment)
+        except ValueError:
+            return moment
+        moment = parsed
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(timezone.utc)
+    text = moment.strftime("%Y-%m-%d %H:%M:%S" if seconds else "%Y-%m-%d %H:%M")
+    return f"{text} UTC" if zone else text
 
 
 def human_size(nbytes: int | float) -> str:

@@ -71,7 +71,7 @@ from .artifacts import (
     table_rows,
 )
 from .chart import curve_markdown
-from .formatting import human_size, metric_value
+from .formatting import human_size, metric_value, utc_text
 from .prefect_runs import events_with_ids, prefect_client, record_commit
 
 log = logging.getLogger(__name__)
@@ -516,8 +516,8 @@ def _eta(times: list[tuple[int, float]], total: int, *, short: bool = False) -> 
     left = (total - times[-1][0]) * per_epoch
     finish = datetime.fromtimestamp(datetime.now(timezone.utc).timestamp() + left, timezone.utc)
     if short:
-        return f"ETA {finish.strftime('%Y-%m-%d %H:%M UTC')}"
-    return f"ETA {finish.strftime('%Y-%m-%d %H:%M:%S UTC')} (in {_duration(left)})"
+        return f"ETA {utc_text(finish, seconds=False)}"
+    return f"ETA {utc_text(finish)} (in {_duration(left)})"
 
 
 CARD_CHARS = 40  # what one line of a card's description holds in the Prefect UI at 1600 px

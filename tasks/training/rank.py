@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 from ckptflow.storage import CheckpointStore, VersionInfo
 
+from ..cadence import Cadence
 from ..config import PipelineConfig
 from .protocol import Built, Committed, Done, Notes, Progress, Staged, Trained
 from .run_state import (
@@ -156,11 +157,7 @@ class Rank:
         self._set_progress(run)
         from ..spec import trains_by_steps
 
-        if (
-            self.rank == 0
-            and (config.save_every_steps or config.save_every_minutes)
-            and not trains_by_steps(run.spec)
-        ):
+        if self.rank == 0 and Cadence.of(config).inside_epochs and not trains_by_steps(run.spec):
             log(
                 "warning",
                 f"{type(run.spec).__name__} implements train_epoch, not train_steps: step and minute "
@@ -246,11 +243,9 @@ class Rank:
 
     def _pause(self, run: RunState) -> tuple[bool, bool]:
         """After a step: (a step or minute save is due, a stop was asked), the same on every rank."""
-        config = run.config
-        every = config.save_every_steps
-        due = every is not None and run.step % every == 0
-        minutes = config.save_every_minutes
-        timed = minutes is not None and time.monotonic() - run.saved_at >= minutes * 60
+        cadence = Cadence.of(run.config)
+        due = cadence.steps_due(run.step - 1, run.step)
+        timed = cadence.time_due(time.monotonic() - run.saved_at)
         stop, terminating = self.stop.is_set(), self.terminating is not None
         if self.world_size > 1:  # every rank pauses after the same step
             timed, stop, terminating = _agreed(timed, stop, terminating)

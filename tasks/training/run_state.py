@@ -35,6 +35,7 @@ from ckptflow.storage import (
     VersionInfo,
 )
 
+from ..cadence import Cadence
 from ..config import PipelineConfig, identity_differences
 
 if TYPE_CHECKING:  # what trains imports torch; the flow's side of a training process does not
@@ -404,17 +405,11 @@ def train_attempt(
     clean, steps, run.rng = run_epoch(spec, trainable, epoch, run.rng)
     run.epoch, run.step = epoch, run.step + steps
     run.metrics[epoch] = clean
-    due = _due_in_epoch(run, before)
+    due = Cadence.of(run.config).steps_due(before, run.step)  # a step save fell due in the epoch
     if pause is not None:
         timed, stopped = pause(run)
         return Stretch(clean, stopped=stopped, due=due or timed)
     return Stretch(clean, due=due)
-
-
-def _due_in_epoch(run: RunState, before: int) -> bool:
-    """Whether a step save fell due in the steps an epoch trained (a spec that trains whole epochs)."""
-    every = run.config.save_every_steps
-    return every is not None and run.step // every > before // every
 
 
 def _train_steps(run: RunState, epoch: int, pause: Pause | None, until: int | None) -> Stretch:

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointError, CheckpointStore, UnsupportedValueError
+from ckptflow.storage.format.pyvalues import TAG
 from ckptflow.storage.integrations.lightning import CkptflowCheckpointIO
-from ckptflow.storage.integrations.pyvalues import TAG
 from tests.children import CHILDREN
 
 CHILD = CHILDREN / "lightning_child.py"

@@ -135,7 +135,7 @@ class TestPipelineWithAwsCredentialsBlock:
     ):
         """``ckptflow run`` starts its training process before anything can resolve a block; the
         flow's init gives it its job, with the block's keys, on its stdin (never its environment)."""
-        from ckptflow.tasks import trainer
+        from ckptflow.tasks.training import trainer
 
         markers = tmp_path / "markers"
         markers.mkdir()

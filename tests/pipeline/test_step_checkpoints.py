@@ -370,7 +370,7 @@ def test_a_failed_stretch_is_retried_from_the_save_it_began_at(prefect_server, t
     retries: a retry reads that save back. The run retried at step 7 of epoch 2 (after the save of
     step 15, 3 steps into it) ends bitwise where a straight run ends, and only the run's first
     stretch (nothing saved yet) copied the state."""
-    from ckptflow.tasks import training_state
+    from ckptflow.tasks.training import training_state
     from tests.pipeline.specs import FlakySteppedSpec
 
     straight = stepped(tmp_path / "A", train_process=False, epoch_retries=1)

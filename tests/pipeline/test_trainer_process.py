@@ -370,7 +370,7 @@ def test_a_process_started_early_that_gets_no_job_ends_without_a_word(tmp_path):
     """A config that trains in the flow's process: the launcher started on the guess is discarded."""
     code = (
         "import sys\n"
-        "from ckptflow.tasks import trainer\n"
+        "from ckptflow.tasks.training import trainer\n"
         "from ckptflow.tasks.config import PipelineConfig\n"
         "trainer.spawn_early()\n"
         "spare = trainer._spare\n"

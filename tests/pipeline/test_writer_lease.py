@@ -131,7 +131,7 @@ def test_a_training_process_built_before_the_lease_resumes_from_the_newest_versi
     (v1); the first run then committed v2 and v3 and ended; the second flow took the lease and
     trained on from v1, "resuming from v000001" while v3 was committed. Now a flow that takes the
     lease checks what its training process restored, and builds it again from the newest version."""
-    from ckptflow.tasks import trainer
+    from ckptflow.tasks.training import trainer
 
     run_summary(make_config(tmp_path / "store", epochs=1, train_process=True))
     late = make_config(tmp_path / "store", epochs=4, train_process=True)

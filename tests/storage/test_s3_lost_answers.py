@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from ckptflow.storage import CheckpointStore, LeaseInfo, StorageUnavailableError, read_lease
-from ckptflow.storage.remote.options import S3_ATTEMPTS, S3FS_RETRIES
+from ckptflow.storage.files.s3options import S3_ATTEMPTS, S3FS_RETRIES
 from ckptflow.storage.versions.commit import LATEST_FILE
 from ckptflow.storage.versions.lease import LEASE_FILE
 from tests.conftest import assert_same_state

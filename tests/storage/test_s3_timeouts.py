@@ -12,7 +12,7 @@ import pytest
 
 from ckptflow.storage import CheckpointStore, StorageUnavailableError
 from ckptflow.storage.files.location import open_location
-from ckptflow.storage.remote.options import S3_ATTEMPTS, S3FS_RETRIES
+from ckptflow.storage.files.s3options import S3_ATTEMPTS, S3FS_RETRIES
 
 
 def _options(endpoint: str, **config: object) -> dict[str, object]:

@@ -33,6 +33,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 
 from ckptflow.storage import StorageUnavailableError
+from ckptflow.storage.files.s3options import s3_storage_options
 from ckptflow.storage.remote import s3 as s3_module
 from ckptflow.storage.remote import s3client
 from ckptflow.storage.remote import transfer as transfer_module
@@ -46,7 +47,6 @@ from ckptflow.storage.remote.etag import (
     plan_parts,
     same_checksum,
 )
-from ckptflow.storage.remote.options import s3_storage_options
 from ckptflow.storage.remote.transfer import (
     TransferOptions,
     TransferVerifyError,

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ..errors import UnsupportedValueError
-from ..format.structure import join_path
+from .structure import join_path
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ def read_torch_file(path: Path) -> Any:
     :mod:`.pyvalues`' classes); CheckpointError naming the file when it is not such a file."""
     import torch
 
-    from .pyvalues import SAFE_CLASSES
+    from ..format.pyvalues import SAFE_CLASSES
 
     try:
         with torch.serialization.safe_globals(list(SAFE_CLASSES)):

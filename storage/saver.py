@@ -4,7 +4,7 @@ A store makes its :class:`VersionWriter` and its one staging buffer on the first
 import torch; listing, pruning and archiving must not), keeps the one async save in
 flight, and hands its writer the lease its commits need. Every save goes through here, in
 one of two ways decided by the state alone: the store's own planner, or DCP's for a state
-that holds DTensors or ``Stateful`` objects (:mod:`..sharded.dcp_calls`); both run the
+that holds DTensors or ``Stateful`` objects (:mod:`.sharded.dcp_calls`); both run the
 writer's phases and stage through the same buffer.
 
 Always: at most one save is in flight, and every save waits for the previous one (raising
@@ -17,28 +17,28 @@ import dataclasses
 import threading
 from typing import TYPE_CHECKING
 
-from ..collector import collector_paused
-from ..errors import CheckpointError
-from ..files.location import Location
-from ..info import SaveRequest, StoreOptions, VersionInfo
-from ..sharded.kinds import holds_sharded
-from .async_save import AsyncSaver, SaveHandle
+from .collector import collector_paused
+from .errors import CheckpointError
+from .files.location import Location
+from .info import SaveRequest, StoreOptions, VersionInfo
+from .save.async_save import AsyncSaver, SaveHandle
+from .save.kinds import holds_sharded
 
 if TYPE_CHECKING:
-    from ..sharded.writer import DcpWriter
-    from ..versions.lease import StoreLease
-    from .distributed import RankGroup
-    from .saving import VersionWriter
-    from .staging import StagingBuffer
+    from .save.group import RankGroup
+    from .save.saving import VersionWriter
+    from .save.staging import StagingBuffer
+    from .sharded.writer import DcpWriter
+    from .versions.lease import StoreLease
 
 
 class StoreSaver:
     """The writer, the staging buffer and the async save in flight of one store."""
 
-    def __init__(self, loc: Location, options: StoreOptions, group: RankGroup | None) -> None:
+    def __init__(self, loc: Location, options: StoreOptions, group: RankGroup) -> None:
         self.loc = loc
         self.options = options
-        self.group = group  # None: one process (the writer's group of one)
+        self.group = group
         self.saver = AsyncSaver(self._committed)
         # The version this store last loaded or committed: the parent of its next save's lineage.
         self.parent: int | None = None
@@ -54,10 +54,9 @@ class StoreSaver:
         """The save path (made on the first save, with torch)."""
         with self._lock:
             if self._made_writer is None:
-                from .distributed import RankGroup
-                from .saving import VersionWriter
+                from .save.saving import VersionWriter
 
-                writer = VersionWriter(self.loc, self.options, self.group or RankGroup.solo())
+                writer = VersionWriter(self.loc, self.options, self.group)
                 writer.lease, writer.writes_for = self._lease, self._writes_for
                 self._made_writer = writer
             return self._made_writer
@@ -66,7 +65,7 @@ class StoreSaver:
     def staging(self) -> StagingBuffer:
         with self._lock:
             if self._made_staging is None:
-                from .staging import StagingBuffer
+                from .save.staging import StagingBuffer
 
                 self._made_staging = StagingBuffer()
             return self._made_staging
@@ -99,11 +98,11 @@ class StoreSaver:
 
     def _save(self, state: object, request: SaveRequest) -> VersionInfo:
         if holds_sharded(state):  # DTensors, or objects with state_dict(): DCP plans the save
-            from ..sharded import dcp_calls
+            from .sharded import dcp_calls
 
             return dcp_calls.save(self.writer, state, request, lambda: self.staging)
-        from ..files.byteio import tensor_bytes
-        from .staging import written_bytes
+        from .files.byteio import tensor_bytes
+        from .save.staging import written_bytes
 
         job = self.writer.prepare(state, request)
         shared = written_bytes(job.plan.mine, lambda: self.staging)  # this rank's share only
@@ -117,10 +116,10 @@ class StoreSaver:
 
     def _save_async(self, state: object, request: SaveRequest) -> SaveHandle:
         if holds_sharded(state):
-            from ..sharded import dcp_calls
+            from .sharded import dcp_calls
 
             return dcp_calls.save_async(self.writer, state, request, self.staging, self.saver)
-        from .distributed import staged_blobs
+        from .save.distributed import staged_blobs
 
         job = self.writer.prepare(state, request, defer_claim=True)  # claimed in the background
         blobs, offset = staged_blobs(job.plan)  # only this rank's share and its own state
@@ -144,7 +143,7 @@ class StoreSaver:
 
     def dcp_writer(self, request: SaveRequest) -> DcpWriter:
         """A StorageWriter for one ``dcp.save``/``dcp.async_save`` of the caller's own."""
-        from ..sharded import dcp_calls
+        from .sharded import dcp_calls
 
         writer = dcp_calls.new_writer(self.writer, self._with_parent(request), lambda: self.staging)
         with self._lock:

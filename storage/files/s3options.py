@@ -25,7 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from .etag import MAX_PART, MIN_PART, MiB
+MiB = 1 << 20
+MIN_PART = 5 * MiB  # S3's smallest part (except the last)
+MAX_PART = 5 << 30  # S3's largest part, and largest single PUT
+
 
 S3_SCHEMES = ("s3", "s3a")
 

@@ -19,15 +19,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..archive.tarballs import ARCHIVE_DIR
-from ..files.location import Location
 from ..format.manifest import MANIFEST_FILE
-from ..format.names import parse_version_dir
-from .commit import LATEST_FILE, is_set_aside_dir
-from .identity import STORE_FILE
-from .lease import LEASE_FILE
+from ..format.names import (
+    ARCHIVE_DIR,
+    LATEST_FILE,
+    LEASE_FILE,
+    RUN_FILE,
+    STORE_FILE,
+    is_set_aside_dir,
+    parse_version_dir,
+)
+from .location import Location
 
-RUN_FILE = "run.json"  # the run's identity, which ckptflow's pipeline writes beside its versions
 STORE_FILES = frozenset({LATEST_FILE, ARCHIVE_DIR, LEASE_FILE, RUN_FILE, STORE_FILE})
 MAX_CHILDREN = 100  # subdirectories looked into for stores (a directory of many runs: the first, by name)
 

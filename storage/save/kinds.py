@@ -1,6 +1,6 @@
 """Which states DCP must plan: those that hold a DTensor or a DCP ``Stateful`` object.
 
-A store routes a save or a load through DCP (:mod:`.dcp_calls`) only for these; every other
+A store routes a save or a load through DCP (:mod:`..sharded.dcp_calls`) only for these; every other
 state takes the store's own planner. Nothing here imports torch.distributed: a plain save must
 not pay for importing torch.distributed.checkpoint (0.7 s here).
 """
