@@ -41,6 +41,7 @@ from .files.nearby import StoresBelow, VersionDirectory, store_holding
 from .files.processes import has_ended as process_ended
 from .files.processes import this_process as current_process
 from .files.s3options import quick_answer_options, upload_storage_options
+from .format.entries import Lineage
 from .format.manifest import FORMAT_VERSION, Manifest
 from .info import EPOCH_STEPS, IN_EPOCH
 from .integrations.pointers import check_pointed, lightning_pointer
@@ -98,6 +99,7 @@ __all__ = [
     "FormatVersionError",
     "LeaseInfo",
     "LeaseLostError",
+    "Lineage",
     "Manifest",
     "ManifestError",
     "PrunePlan",

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from .format.entries import Lineage
 from .format.manifest import Manifest, ManifestDraft
 
 
@@ -53,7 +54,7 @@ class SaveRequest:
     version: int | None = None
     user: dict[str, Any] | None = None
     rank_state: object = None
-    lineage: dict[str, Any] | None = None  # :class:`.Lineage`'s fields (the parent filled in by the store)
+    lineage: Lineage | None = None  # where the state came from (the parent filled in by the store)
 
 
 @dataclass(frozen=True)

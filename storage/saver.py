@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 from .collector import collector_paused
 from .errors import CheckpointError
 from .files.location import Location
+from .format.entries import Lineage
 from .info import SaveRequest, StoreOptions, VersionInfo
 from .save.async_save import AsyncSaver, SaveHandle
 from .save.kinds import holds_sharded
@@ -84,10 +85,8 @@ class StoreSaver:
         with self._lock:
             self._settle()
             parent = self.parent
-        lineage = dict(request.lineage or {})
-        if "parent" not in lineage and parent is not None:
-            lineage["parent"] = parent
-        return dataclasses.replace(request, lineage=lineage or None)
+        lineage = (request.lineage or Lineage()).with_parent(parent)
+        return dataclasses.replace(request, lineage=Lineage.given(lineage))
 
     def _committed(self, info: VersionInfo) -> None:
         """A save of this store committed (an async one from its writing thread): the next parent,

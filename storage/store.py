@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from .archive.tarballs import archive_location
 from .errors import CheckpointError, VersionNotFoundError
 from .files import nearby
 from .files.location import open_location, probe, translate_errors
+from .format.entries import Lineage
 from .format.manifest import Manifest
 from .info import SaveRequest, StoreOptions, VersionInfo
 from .load.store_reader import StoreReader
@@ -143,7 +144,7 @@ class CheckpointStore:
         version: int | None = None,
         user: dict[str, Any] | None = None,
         rank_state: object = None,
-        lineage: dict[str, Any] | None = None,
+        lineage: Lineage | Mapping[str, Any] | None = None,
     ) -> VersionInfo:
         """Write ``state`` as a new committed version and return it.
 
@@ -151,11 +152,12 @@ class CheckpointStore:
         from ``state``; in a distributed store ``state`` is the replicated state, the
         same on every rank, and each rank passes its own ``rank_state``.
 
-        ``lineage``: where the state came from (``parent``, ``run``, ``spec``, ``config_hash``,
-        ``code``); the parent defaults to the version this store object last loaded or
-        committed, so that resumes and forks show in ``ckptflow log``.
+        ``lineage``: where the state came from, a :class:`Lineage` or a dict of its fields
+        (``parent``, ``run``, ``spec``, ``config_hash``, ``code``); the parent defaults to the
+        version this store object last loaded or committed, so that resumes and forks show in
+        ``ckptflow log``.
         """
-        request = SaveRequest(epoch, step, metrics, version, user, rank_state, lineage)
+        request = SaveRequest(epoch, step, metrics, version, user, rank_state, Lineage.given(lineage))
         return self._saves.save(state, request)
 
     def save_async(
@@ -168,7 +170,7 @@ class CheckpointStore:
         version: int | None = None,
         user: dict[str, Any] | None = None,
         rank_state: object = None,
-        lineage: dict[str, Any] | None = None,
+        lineage: Lineage | Mapping[str, Any] | None = None,
     ) -> SaveHandle:
         """Copy ``state`` to host memory, then write and commit it in the background.
 
@@ -177,7 +179,7 @@ class CheckpointStore:
         raises its failure, if it failed and nobody called ``wait()``. In a
         distributed store each rank copies only the share it writes.
         """
-        request = SaveRequest(epoch, step, metrics, version, user, rank_state, lineage)
+        request = SaveRequest(epoch, step, metrics, version, user, rank_state, Lineage.given(lineage))
         return self._saves.save_async(state, request)
 
     def dcp_writer(

@@ -8,10 +8,12 @@ manifest itself, which holds them, is :mod:`.manifest`.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..errors import UnsupportedValueError
 from .dtypenames import itemsize
 
 
@@ -114,5 +116,45 @@ class Lineage(_Model):
     config_hash: str | None = None
     code: dict[str, str] = Field(default_factory=dict)
 
+    @classmethod
+    def given(cls, value: Lineage | Mapping[str, Any] | None) -> Lineage | None:
+        """A save's lineage as a caller gives it (a Lineage, a dict of its fields, or None; an empty
+        one is none); :class:`UnsupportedValueError` for one a manifest could not hold."""
+        if value is None or isinstance(value, Lineage):
+            return value if value is None or value.model_fields_set else None
+        if not value:
+            return None
+        try:
+            return cls.model_validate(dict(value))
+        except ValidationError as exc:
+            raise UnsupportedValueError(
+                "lineage", f"{validation_problems(exc)} (its fields: parent, run, spec, config_hash, code)"
+            ) from None
 
-__all__ = ["BlobEntry", "ChunkEntry", "ChunkedEntry", "Lineage", "RankPart", "ShardEntry", "TensorEntry"]
+    def with_parent(self, parent: int | None) -> Lineage:
+        """This lineage with ``parent`` as its parent, unless it names one (even None)."""
+        if parent is None or "parent" in self.model_fields_set:
+            return self
+        return Lineage(**self.model_dump(exclude_unset=True), parent=parent)
+
+
+def validation_problems(exc: ValidationError) -> str:
+    """The first five problems pydantic found, ``field.path: message``, and how many more."""
+    problems = "; ".join(
+        f"{'.'.join(str(part) for part in e['loc']) or '<root>'}: {e['msg']}"
+        for e in exc.errors(include_url=False)[:5]
+    )
+    more = f" (and {exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
+    return problems + more
+
+
+__all__ = [
+    "BlobEntry",
+    "ChunkEntry",
+    "ChunkedEntry",
+    "Lineage",
+    "RankPart",
+    "ShardEntry",
+    "TensorEntry",
+    "validation_problems",
+]

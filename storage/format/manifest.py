@@ -25,7 +25,16 @@ from pydantic import Field, ValidationError
 
 from ..errors import FormatVersionError, ManifestError
 from .checksum import KEY_DIGITS
-from .entries import BlobEntry, ChunkedEntry, Lineage, RankPart, ShardEntry, TensorEntry, _Model
+from .entries import (
+    BlobEntry,
+    ChunkedEntry,
+    Lineage,
+    RankPart,
+    ShardEntry,
+    TensorEntry,
+    _Model,
+    validation_problems,
+)
 from .manifest_checks import MAX_BYTES, check_manifest, document_depth_problem
 
 FORMAT_NAME = "ckptflow-checkpoint"
@@ -421,13 +430,3 @@ def validate_manifest(raw: object, where: str) -> Manifest:
         raise ManifestError(f"manifest {where} is invalid: {validation_problems(exc)}") from None
     check_manifest(manifest, where)
     return manifest
-
-
-def validation_problems(exc: ValidationError) -> str:
-    """The first five problems pydantic found, ``field.path: message``, and how many more."""
-    problems = "; ".join(
-        f"{'.'.join(str(part) for part in e['loc']) or '<root>'}: {e['msg']}"
-        for e in exc.errors(include_url=False)[:5]
-    )
-    more = f" (and {exc.error_count() - 5} more)" if exc.error_count() > 5 else ""
-    return problems + more

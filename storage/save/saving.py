@@ -107,7 +107,6 @@ def checked(request: SaveRequest) -> SaveRequest:
         request,
         metrics=clean_metrics(request.metrics),
         user=dict(request.user or {}),
-        lineage=_lineage(request.lineage),
     )
 
 
@@ -140,7 +139,7 @@ def new_manifest(
         tensors=tensors,
         structure=structure,
         user={**(request.user or {}), "save_seconds": round(seconds, 4)},
-        lineage=request.lineage,
+        lineage=request.lineage.model_dump(mode="json") if request.lineage else None,
         **extra,
     )
 
@@ -188,23 +187,6 @@ def chunked_docs(chunks: list[ChunkPlan]) -> list[dict[str, Any]]:
             }
         )
     return docs
-
-
-def _lineage(given: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The manifest's lineage: :class:`.Lineage`'s fields in its order (None: none given);
-    UnsupportedValueError for one a manifest could not hold."""
-    if not given:
-        return None
-    from pydantic import ValidationError
-
-    from ..format.manifest import Lineage, validation_problems
-
-    try:
-        return Lineage.model_validate(given).model_dump(mode="json")
-    except ValidationError as exc:
-        raise UnsupportedValueError(
-            "lineage", f"{validation_problems(exc)} (its fields: parent, run, spec, config_hash, code)"
-        ) from None
 
 
 # Fields of fsspec's file info that change with every write: local (mtime, ino), s3fs (ETag,
@@ -579,7 +561,7 @@ class VersionWriter:
                     self.claim(job.version, job.request.epoch)
                 elif self.rank == 0:
                     self.ensure_claim(job.version)
-                parent = (job.request.lineage or {}).get("parent")
+                parent = job.request.lineage.parent if job.request.lineage else None
                 shards, written = self.write_share(job.version, job.plan.shared, shared_bytes, parent)
                 own = None
                 if job.plan.own is not None:

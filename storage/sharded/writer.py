@@ -160,7 +160,7 @@ class DcpWriter(StorageWriter):
         with translate_errors(self.versions.loc, "saving to"):
             if rank == 0:
                 self.versions.ensure_claim(version)
-            parent = (self.request.lineage or {}).get("parent")
+            parent = self.request.lineage.parent if self.request.lineage else None
             files, written = self.versions.write_share(
                 version, blob_plan, blob_bytes, parent, rank=rank, piece_bytes=PIECE_BYTES
             )

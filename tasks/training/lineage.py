@@ -12,22 +12,23 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Any
+
+from ckptflow.storage import Lineage
 
 from ..config import PipelineConfig
 from .childenv import FLOW_RUN_ENV
 
 
-def run_lineage(config: PipelineConfig) -> dict[str, Any]:
-    """The lineage fields of a save of this run (all but the parent)."""
-    lineage: dict[str, Any] = {"spec": config.spec, "config_hash": config_hash(config)}
-    run = os.environ.get(FLOW_RUN_ENV)  # the flow's run: set by the rank worker and the in-process trainer
-    if run:
-        lineage["run"] = run
+def run_lineage(config: PipelineConfig) -> Lineage:
+    """The lineage of a save of this run (all but the parent, which the store fills in)."""
     commit = code_commit(config.spec.partition(":")[0])
-    if commit:
-        lineage["code"] = {"git": commit}
-    return lineage
+    return Lineage(
+        spec=config.spec,
+        config_hash=config_hash(config),
+        run=os.environ.get(FLOW_RUN_ENV)
+        or None,  # the flow's run: set by the rank worker and the in-process trainer
+        code={"git": commit} if commit else {},
+    )
 
 
 def config_hash(config: PipelineConfig) -> str:

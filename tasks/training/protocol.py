@@ -366,7 +366,9 @@ FRAMES: TypeAdapter[Answer | Note | SpecImported | LaunchFailed] = TypeAdapter(F
 
 
 class PendingSave(Protocol):
-    """A save in flight: committed (:meth:`wait`) or failed, and written again (:meth:`resubmit`)."""
+    """A save in flight, the one shape of it: committed (:meth:`wait`) or failed, and written again
+    (:meth:`resubmit`). An async save's storage ``SaveHandle``, a rank's sync write and a save in
+    the trainer processes (seen from the flow) are each one."""
 
     version: int
 
@@ -380,6 +382,14 @@ class PendingSave(Protocol):
 
     def resubmit(self) -> None:
         """Write a failed save again, from the state it staged."""
+        ...
+
+    def done(self) -> bool:
+        """Whether it has ended, committed or failed."""
+        ...
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for it to end without raising; True if it ended within ``timeout``."""
         ...
 
 

@@ -34,13 +34,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, Protocol
+from typing import Any
 
 from ckptflow.storage import CheckpointStore, VersionInfo
 
 from ..cadence import Cadence
 from ..config import PipelineConfig
-from .protocol import Built, Committed, Done, Notes, Progress, Staged, Trained
+from .protocol import Built, Committed, Done, Notes, PendingSave, Progress, Staged, Trained
 from .run_state import (
     EpochAttempts,
     RunState,
@@ -56,25 +56,10 @@ class Preempted(BaseException):
     """SIGTERM stopped the training: where it stood is saved (or the grace period ran out)."""
 
 
-class _Saving(Protocol):
-    """A save in flight in this rank: a storage SaveHandle (async) or a :class:`_Writing` (sync)."""
-
-    version: int
-
-    def wait(self, timeout: float | None = None) -> VersionInfo: ...
-
-    def on_commit(self, callback: Callable[[VersionInfo], None]) -> None: ...
-
-    def done(self) -> bool: ...
-
-    def join(self, timeout: float | None = None) -> bool: ...
-
-    def resubmit(self) -> None: ...
-
-
 class _Writing:
     """A sync save, written from the live tensors in a thread of its own (not a daemon: a save in
-    progress holds the process open). ``wait`` raises the write's own error."""
+    progress holds the process open): a :class:`PendingSave`, as an async save's storage
+    ``SaveHandle`` is. ``wait`` raises the write's own error."""
 
     def __init__(self, version: int, write: Callable[[], VersionInfo]) -> None:
         self.version = version
@@ -125,7 +110,7 @@ class Rank:
         self.terminating: float | None = None  # when SIGTERM came (time.monotonic)
         self.grace = 25.0
         self._attempts: EpochAttempts | None = None
-        self._saves: dict[int, _Saving] = {}
+        self._saves: dict[int, PendingSave] = {}
         self._saved: tuple[int, int, int] | None = None  # where the run stood at the last save started
         self._saved_version: int | None = None  # ... and its version (None: the position it was built at)
 
@@ -272,12 +257,12 @@ class Rank:
         began = self.terminating if self.terminating is not None else time.monotonic()
         log = _quiet(log)  # the flow may be gone: its notes must not stop the save
         info = None
-        started = self._saving_of(_position(run))
-        if started is not None:  # saved already: its write must commit, or it is made again below
+        saved = self._saved == _position(run)  # a save of where the run stands was started, or it
+        started = self._saves.get(self._saved_version) if saved and self._saved_version is not None else None
+        if started is not None:  # ... its write must commit, or it is made again below
             started.join(max(0.0, self.grace - (time.monotonic() - began)))
-            if _failed(started):
-                started = None
-        if started is None:
+            saved = not _failed(started)
+        if not saved:
             where = f"step {run.in_epoch} of epoch {run.epoch + 1}" if run.in_epoch else f"epoch {run.epoch}"
             log("info", f"stopping: saving {where} before the process ends")
             (shared, own), kwargs = self._capture(None, log)
@@ -293,20 +278,11 @@ class Rank:
             saving.join(max(0.0, self.grace - (time.monotonic() - began)))
         return info
 
-    def _saving_of(self, position: tuple[int, int, int]) -> _Saving | None:
-        """The save started of ``position``, if the last save started was of it (a sentinel for the
-        position a run was built at: its commit, or nothing trained yet)."""
-        if self._saved != position:
-            return None
-        if self._saved_version is None:
-            return _COMMITTED
-        return self._saves.get(self._saved_version, _COMMITTED)
-
     def save(self, version: int, *, log: Notes) -> Staged:
         """Start the save of where the run stands as ``version``, in the run's mode."""
         run = self._built()
         (shared, own), kwargs = self._capture(version, log)
-        saving: _Saving
+        saving: PendingSave
         if self.async_save:
             saving = run.store.save_async(shared, rank_state=own, **kwargs)
         else:
@@ -337,7 +313,7 @@ class Rank:
         self.saving(version).resubmit()
         return Done()
 
-    def saving(self, version: int) -> _Saving:
+    def saving(self, version: int) -> PendingSave:
         """The save of ``version`` that this rank started (in flight, or ended since)."""
         saving = self._saves.get(version)
         if saving is None:
@@ -356,23 +332,7 @@ class Rank:
             self.run.store.close()
 
 
-class _Committed:
-    """The save of the position a run was built at: committed (or nothing to save)."""
-
-    def join(self, timeout: float | None = None) -> bool:
-        return True
-
-    def done(self) -> bool:
-        return True
-
-    def wait(self, timeout: float | None = None) -> None:
-        return None
-
-
-_COMMITTED: Any = _Committed()
-
-
-def _failed(saving: Any) -> bool:
+def _failed(saving: PendingSave) -> bool:
     """Whether a save that ended failed (one still running has not)."""
     if not saving.done():
         return False

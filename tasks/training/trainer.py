@@ -476,6 +476,7 @@ class _ProcessSave:
         self.version = version
         self.trainer = trainer  # its store: where to look for the version if the trainers die
         self._callbacks: list[Callable[[VersionInfo], None]] = []
+        self._answer: Future[Any] | None = None  # the write in progress: its Wait, once asked
 
     def wait(self, timeout: float | None = None) -> VersionInfo | None:
         """The committed version; None if the trainers that wrote it died before it committed."""
@@ -497,9 +498,26 @@ class _ProcessSave:
 
         self.process.call(Wait(version=self.version)).add_done_callback(done)
 
+    def done(self) -> bool:
+        return self._ended().done()
+
+    def join(self, timeout: float | None = None) -> bool:
+        try:
+            self._ended().exception(timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _ended(self) -> Future[Any]:
+        """The answer to one Wait for the write in progress (asked once per write)."""
+        if self._answer is None:
+            self._answer = self.process.call(Wait(version=self.version))
+        return self._answer
+
     def resubmit(self) -> None:
         if not self.process.dead():
             _reply(self.process.call(Resubmit(version=self.version)), Done)
+            self._answer = None  # a new write: a new Wait
             for callback in self._callbacks:  # the failed write's wait ended with its error
                 self._watch(callback)
 

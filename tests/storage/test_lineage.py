@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptflow.storage import CheckpointStore, StoreOptions, UnsupportedValueError
+from ckptflow.storage import CheckpointStore, Lineage, StoreOptions, UnsupportedValueError
 from ckptflow.storage.format.manifest import FORMAT_VERSION, LINEAGE_FORMAT_VERSION
 
 
@@ -56,6 +56,10 @@ def test_what_the_caller_gives_is_kept_and_the_format_says_it(tmp_path: Path) ->
     assert raw_manifest(store, plain.version)["format_version"] == 6  # older ckptflow still reads it
     explicit = store.save(state(3), lineage={"parent": plain.version})
     assert explicit.parent == plain.version, "an explicit parent wins over the store's last save"
+    typed = store.save(state(4), lineage=Lineage(spec="m:Spec"))  # the type, as the pipeline gives it
+    assert typed.lineage == {"spec": "m:Spec", "parent": explicit.version}
+    orphan = store.save_async(state(5), lineage=Lineage(parent=None)).wait()  # None given: no parent
+    assert orphan.parent is None
 
 
 @pytest.mark.parametrize(
