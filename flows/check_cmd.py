@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Annotated
 
@@ -37,6 +38,8 @@ def check_command(
 
     from .inputs import parse_json_option
 
+    if os.getcwd() not in sys.path:  # the spec's module, as the training processes find it (python -m)
+        sys.path.insert(0, os.getcwd())
     config = parse_json_option(spec_config, option="--spec-config")
     if not isinstance(config, dict):
         raise typer.BadParameter("--spec-config must be a JSON object")

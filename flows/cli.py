@@ -34,6 +34,7 @@ from typer.core import TyperGroup
 
 from . import exits, present
 from .archive_cmd import archive_command, extract_command
+from .check_cmd import check_command
 from .deployments_cmd import app as deployments_app
 from .options import BEST_MODE_HELP, StorageOptions, best_mode_needed
 from .run_cmd import run_command
@@ -901,6 +902,7 @@ def _writer_lease(store: CheckpointStore, *, command: str, dry_run: bool) -> Ite
 # -- run ------------------------------------------------------------------------
 # The training pipeline; flows/run_cmd.py imports Prefect only inside the command's body.
 app.command("run")(run_command)
+app.command("check")(check_command)
 app.command("archive")(archive_command)
 app.command("extract")(extract_command)
 # Commands for a Prefect server (flows/server_cmd.py, Prefect imported inside their bodies as well).

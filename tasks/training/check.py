@@ -172,19 +172,19 @@ def check_resume(
         say(f"training {spec} straight through, saving every {unit}, in {nproc} process(es)")
         warnings: list[str] = []
         train = functools.partial(_train, by_steps=by_steps, limit=steps, say=say, warnings=warnings)
-        straight = train(config("straight"), stops=())
+        straight, _ = train(config("straight"), stops=())
         end = max(straight, key=lambda p: p.step)
         chosen = (
             sorted(set(stops)) if stops is not None else _draw_stops(straight, by_steps, random.Random(draw))
         )
         chosen = [s for s in chosen if 0 < s < end.step]
         say(f"training again, stopped and resumed at step(s) {', '.join(map(str, chosen)) or 'none'}")
-        resumed = train(config("resumed"), stops=chosen)
+        resumed, stopped = train(config("resumed"), stops=chosen)
         report = _compare(
             CheckpointStore(scratch / "straight"), straight, CheckpointStore(scratch / "resumed"), resumed
         )
         report.spec, report.world_size, report.trained, report.warnings = spec, nproc, end, warnings
-        report.stops = [p for p in resumed if p.step in chosen and p in straight]
+        report.stops = stopped
         report.cause = None if report.passed else _cause(report, by_steps)
         report.seconds = time.monotonic() - began
         return report
@@ -203,14 +203,15 @@ def _train(
     stops: Sequence[int],
     say: Log,
     warnings: list[str],
-) -> dict[Position, int]:
+) -> tuple[dict[Position, int], list[Position]]:
     """Train ``config``'s run, saving after every stretch (each step, or each epoch); at each step of
     ``stops``, end the training processes and resume in new ones. The positions saved, with their
-    versions."""
+    versions, and those it stopped and resumed at."""
     from .trainer import ProcessTrainer
 
     notes = _notes(say, warnings)
     saved: dict[Position, int] = {}
+    stopped: list[Position] = []
     pending = sorted(stops)
     trainer = ProcessTrainer.take(config)
     try:
@@ -229,6 +230,7 @@ def _train(
             saved[at] = version
             if pending and at.step >= pending[0]:
                 pending = [s for s in pending if s > at.step]
+                stopped.append(at)
                 trainer.stop()  # the processes end here; new ones restore what was just committed
                 trainer = ProcessTrainer.take(config)
                 built = trainer.build(flow_run=None, log=notes)
@@ -239,7 +241,7 @@ def _train(
                     )
     finally:
         trainer.stop()
-    return saved
+    return saved, stopped
 
 
 def _notes(say: Log, warnings: list[str]) -> Notes:
@@ -336,6 +338,8 @@ def _same(a: Any, b: Any) -> bool:
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
         return bool(torch.equal(_bits(a), _bits(b)))
+    if type(a).__module__ == "numpy" or type(b).__module__ == "numpy":  # arrays, numpy scalars
+        return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
     if isinstance(a, float) and isinstance(b, float):
         return a == b or (math.isnan(a) and math.isnan(b))
     return type(a) is type(b) and a == b

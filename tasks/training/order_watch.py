@@ -50,7 +50,9 @@ class OrderWatch:
         before, first, second = self._states[:3]
         for name, generator in self._generators.items():
             drew_at_start = not _equal(before[name], first[name])
-            if drew_at_start and _equal(first[name], second[name]) and generator.initial_seed() == self._seeds[name]:
+            per_step = not _equal(first[name], second[name])
+            seeded_again = generator.initial_seed() != self._seeds[name]
+            if drew_at_start and not per_step and not seeded_again:
                 self.warned = True
                 return (
                     f"{type(spec).__name__} keeps the generator extras[{name!r}], which drew this epoch's "
@@ -73,9 +75,8 @@ def _watched(trainable: Trainable) -> dict[str, Any]:
     resumable = {
         id(getattr(v, "generator", None)) for v in extras.values() if callable(getattr(v, "state_dict", None))
     }  # a loader in extras restores its own position
-    return {
-        str(name): v for name, v in extras.items() if isinstance(v, torch.Generator) and id(v) not in resumable
-    }
+    generators = {str(name): v for name, v in extras.items() if isinstance(v, torch.Generator)}
+    return {name: g for name, g in generators.items() if id(g) not in resumable}
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:

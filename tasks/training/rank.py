@@ -281,6 +281,10 @@ class Rank:
     def save(self, version: int, *, log: Notes) -> Staged:
         """Start the save of where the run stands as ``version``, in the run's mode."""
         run = self._built()
+        if self.rank == 0 and run.order is not None and run.in_epoch:  # told once, at a save inside an epoch
+            trap = run.order.trap(run.spec)
+            if trap is not None:
+                log("warning", trap)
         (shared, own), kwargs = self._capture(version, log)
         saving: PendingSave
         if self.async_save:

@@ -37,6 +37,7 @@ from ckptflow.storage import (
 
 from ..cadence import Cadence
 from ..config import PipelineConfig, identity_differences
+from .order_watch import OrderWatch
 
 if TYPE_CHECKING:  # what trains imports torch; the flow's side of a training process does not
     from ..spec import Trainable, TrainingSpec
@@ -79,6 +80,7 @@ class RunState:
     resumed_from: VersionInfo | None = None
     metrics: dict[int, dict[str, float]] = field(default_factory=dict)
     rng: dict[str, Any] | None = None  # the training RNG states, as the last epoch (or init) left them
+    order: OrderWatch | None = None  # the data-order trap, watched over each epoch's first steps
     planned_epochs: int = 0  # the epochs the run was started for (RunFacts.planned_epochs)
     generator_seeds: dict[int, int] | None = None  # the spec's generators' seeds after build; None: checked
     identity: dict[str, Any] | None = None  # what run.json must hold (None: it does already)
@@ -420,6 +422,9 @@ def _train_steps(run: RunState, epoch: int, pause: Pause | None, until: int | No
     if run.rng is not None:  # what ran since the last step (a save, Prefect's threads) draws nothing here
         set_rng_state(run.rng)
     if run.steps is None:
+        if run.order is None:
+            run.order = OrderWatch(trainable)
+        run.order.epoch_begins()
         run.steps = iter(spec.train_steps(trainable, epoch, run.in_epoch))
     length = spec.steps_per_epoch(epoch)
     due_at_end = False
@@ -428,6 +433,8 @@ def _train_steps(run: RunState, epoch: int, pause: Pause | None, until: int | No
             next(run.steps)
             run.step += 1
             run.in_epoch += 1
+            if run.order is not None:
+                run.order.stepped()
             if until is not None:
                 if run.step >= until:
                     break

@@ -10,6 +10,7 @@
   dropout): restoring it is right, so it resumes bitwise and is not warned.
 - :class:`ForgetfulSpec` sums the epoch's loss in a plain attribute its ``state_dict`` leaves out:
   the epoch's metrics differ after a resume inside it.
+- :class:`UnseededSpec` adds noise from a generator seeded by the clock: not deterministic at all.
 - :class:`AccumulatingSpec` accumulates gradients over ``accumulate`` batches per optimizer step;
   with ``skip_batches`` it skips ``start`` batches instead of ``start * accumulate`` (a miscount).
 
@@ -158,3 +159,13 @@ class AccumulatingSpec(ReseededLoaderSpec):
     def steps_per_epoch(self, epoch: int) -> int:
         batches = -(-len(self.dataset) // self.batch)
         return -(-batches // int(self.config.get("accumulate", 2)))
+
+
+class UnseededSpec(ReseededLoaderSpec):
+    """Noise from a generator seeded from the OS at every step: two runs differ from their first step."""
+
+    def step(self, t: Trainable, x: torch.Tensor, y: torch.Tensor) -> float:
+        import os
+
+        noise = torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little"))
+        return super().step(t, x + 0.01 * torch.randn(x.shape, generator=noise), y)
