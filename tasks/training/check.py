@@ -57,6 +57,12 @@ class Position:
     def of(cls, progress: Progress) -> Position:
         return cls(progress.epoch, progress.in_epoch, progress.step)
 
+    @property
+    def order(self) -> tuple[int, int]:
+        """Training order: the last step of an epoch comes before the epoch's end, which has the
+        same step count."""
+        return (self.step, self.epoch)
+
     def text(self) -> str:
         if self.in_epoch:
             return f"step {self.step} (step {self.in_epoch} of epoch {self.epoch + 1})"
@@ -173,7 +179,7 @@ def check_resume(
         warnings: list[str] = []
         train = functools.partial(_train, by_steps=by_steps, limit=steps, say=say, warnings=warnings)
         straight, _ = train(config("straight"), stops=())
-        end = max(straight, key=lambda p: p.step)
+        end = max(straight, key=lambda p: p.order)
         chosen = (
             sorted(set(stops)) if stops is not None else _draw_stops(straight, by_steps, random.Random(draw))
         )
@@ -280,7 +286,7 @@ def _draw_stops(saved: Mapping[Position, int], by_steps: bool, draw: random.Rand
 def _compare(
     left: CheckpointStore, straight: dict[Position, int], right: CheckpointStore, resumed: dict[Position, int]
 ) -> CheckReport:
-    common = sorted(set(straight) & set(resumed), key=lambda p: p.step)
+    common = sorted(set(straight) & set(resumed), key=lambda p: p.order)
     report = CheckReport(spec="", world_size=1, trained=common[-1], stops=[], leaves=0)
     for position in common:
         a, b = _leaves(left, straight[position]), _leaves(right, resumed[position])
@@ -289,7 +295,7 @@ def _compare(
             report.first, report.first_differences = position, differing
         if position == common[-1]:
             report.leaves, report.differences = len(a), differing
-    missing = sorted(set(straight) ^ set(resumed), key=lambda p: p.step)
+    missing = sorted(set(straight) ^ set(resumed), key=lambda p: p.order)
     if missing and report.first is None:  # one run saved where the other did not: its steps differ
         report.first, report.first_differences = missing[0], ["progress"]
     return report

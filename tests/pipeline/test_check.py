@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptflow.tasks.training.check import check_resume
+from ckptflow.tasks.training.check import Position, check_resume
 from ckptflow.tasks.training.order_watch import TRAP_TEXT
 from tests.clirun import assert_prefect_never_started, ckptflow  # noqa: F401 (the fixture)
 from tests.pipeline.helpers import readme_module
@@ -145,3 +145,11 @@ def test_a_spec_that_trains_whole_epochs_is_stopped_at_an_epoch_end(tmp_path, mo
     report = check_resume("readme_epochs:MySpec", {"batch_size": 256}, epochs=3, draw=7)
     assert report.passed, report.text()
     assert [(p.epoch, p.in_epoch) for p in report.stops] == [(1, 0)], report.stops
+
+
+def test_the_last_step_of_an_epoch_comes_before_the_epoch_s_end_of_the_same_step() -> None:
+    """Both are saved at step 40; the check reports and compares up to the later (the epoch's end)."""
+    inside, end = Position(epoch=1, in_epoch=20, step=40), Position(epoch=2, in_epoch=0, step=40)
+    assert max([end, inside], key=lambda p: p.order) == end
+    assert max([inside, end], key=lambda p: p.order) == end
+    assert sorted([end, inside, Position(1, 0, 20)], key=lambda p: p.order)[1:] == [inside, end]
