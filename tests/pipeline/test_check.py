@@ -112,7 +112,7 @@ def test_a_stateful_loader_in_extras_resumes_bitwise_unwarned() -> None:
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_the_readme_step_specs_and_the_demo_resume_bitwise(tmp_path, monkeypatch, nproc: int) -> None:
-    """Every step-level spec the README and the demo show passes ckptflow check."""
+    """Every step-level spec the README and the demos show passes ckptflow check."""
     readme_module(
         HABITS_MARKER,
         "readme_habits",
@@ -129,6 +129,7 @@ def test_the_readme_step_specs_and_the_demo_resume_bitwise(tmp_path, monkeypatch
         ("readme_habits:StepSpec", {}),
         ("readme_steps:MySpec", {"batch_size": 256}),
         ("ckptflow.flows.demo:DigitsSpec", {"hidden": 32}),
+        ("ckptflow.flows.demo_lm:TinyLMSpec", {}),  # FSDP2-sharded state at 2 processes
     ]:
         report = check_resume(spec, config, nproc=nproc, draw=6)
         assert report.passed, report.text()
