@@ -131,8 +131,32 @@ def check_store(config: PipelineConfig) -> None:
         with contextlib.suppress(StorageUnavailableError):
             options = quick_answer_options(target, config.archive.upload_options)
             store.check_mirror(target, storage_options=options)
-    if config.resume_only and store.latest() is None:
+        from ckptflow.tasks.archiving import check_durable_run
+
+        with contextlib.suppress(StorageUnavailableError):  # a durable tier holding another run
+            check_durable_run(config, store, warn=lambda message: None)
+    if config.resume_only and store.latest() is None and not _durable_holds(config):
         raise nothing_to_resume(store.url)
+
+
+def _durable_holds(config: PipelineConfig) -> bool:
+    from ckptflow.tasks.archiving import durable_holds_versions
+
+    return durable_holds_versions(config.archive)
+
+
+def may_fetch(config: PipelineConfig) -> bool:
+    """Whether the run may begin by fetching its newest version from the durable tier: it has one
+    (``upload_to``) and the store holds no committed version (a new machine, a wiped disk). The
+    training processes then start once it has (started before, they would build twice)."""
+    from ckptflow.storage import CheckpointStore
+
+    if not config.archive.upload_to:
+        return False
+    try:
+        return CheckpointStore(config.storage, storage_options=config.storage_options).latest() is None
+    except Exception:
+        return False
 
 
 def import_spec(config: PipelineConfig) -> None:

@@ -362,7 +362,7 @@ def run_command(
     config = config_of(ctx)
     spec_defined = _before_the_flow_run(verbose, lambda: preflight.spec_defined(config.spec))
     _before_the_flow_run(verbose, lambda: preflight.check_store(config))
-    if config.uses_trainers:
+    if config.uses_trainers and not preflight.may_fetch(config):
         from ckptflow.tasks.training.trainer import prestart
 
         prestart(config)  # torch, the spec and the model, while this process imports Prefect
@@ -574,6 +574,14 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
     def on_event(kind: str, data: dict[str, Any]) -> None:
         if kind == "start":
             progress.update(task_id, completed=data["first_epoch"] - 1, description="training")
+            if data.get("fetched") is not None:  # the fast tier lacked the newest version
+                got = data["fetched"]
+                console.print(
+                    f"fetched version {got['version']} from the durable tier {got['source']}: {got['files']} "
+                    f"file(s), {human_size(got['bytes'])} in {got['seconds']:.1f}s",
+                    markup=False,
+                    highlight=False,
+                )
             if data.get("resumed") is not None:  # inside epoch 1 too, with the step it stands at
                 console.print(f"resuming from {resume_text(data['resumed'])} in {data['url']}", markup=False)
             elif not data.get("committed"):  # a mistyped --storage would otherwise train from scratch unseen

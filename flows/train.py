@@ -65,8 +65,8 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelled, Failed, State
 from prefect.utilities.annotations import quote
 
-from ckptflow.storage import CheckpointStore, StoreLease, VersionInfo, redact
-from ckptflow.tasks.archiving import ArchiveQueue
+from ckptflow.storage import CheckpointStore, Fetched, StoreLease, VersionInfo, redact
+from ckptflow.tasks.archiving import ArchiveQueue, durable_holds_versions, fetch_from_durable, fetched_json
 from ckptflow.tasks.cadence import Cadence
 from ckptflow.tasks.config import PipelineConfig
 from ckptflow.tasks.reporting.clean_stop import cancel_stopped_task_runs, ended_cancelled, handling_stops
@@ -118,8 +118,8 @@ def _writer_lease(config: PipelineConfig) -> Iterator[tuple[CheckpointStore, Sto
     name = flow_run.get_name() or "local"
     owner = f"ckptflow run (flow run {name}, {flow_run.get_id() or 'no id'})"
     store = open_store(config)
-    if config.resume_only and store.latest() is None:  # before the lease creates anything there
-        raise nothing_to_resume(store.url)
+    if config.resume_only and store.latest() is None and not durable_holds_versions(config.archive):
+        raise nothing_to_resume(store.url)  # before the lease creates anything there
     with store.lease(owner=owner, timeout=config.lease_timeout_seconds) as lease:
         if lease.took_over is not None:  # in the run's own log, not only on its process's console
             get_run_logger().warning("%s", lease.took_over)
@@ -138,7 +138,7 @@ def _train(config: PipelineConfig, store: CheckpointStore, lease: StoreLease) ->
         world_size=config.nproc * config.nnodes,
         run_id=flow_run.get_id(),
     )
-    reached = Reached()
+    reached = Reached(fetched=fetch_from_durable(store, config))
     try:
         return _run_epochs(config, lease, monitor, reached)
     except BaseException as exc:
@@ -166,6 +166,7 @@ class Reached:
 
     run: TrainingRun | None = None  # once init has built it
     in_flight: int | None = None  # the version whose async save was in flight when it was interrupted
+    fetched: Fetched | None = None  # the version brought back from the durable tier before init
 
 
 def _run_epochs(
@@ -176,7 +177,8 @@ def _run_epochs(
     run = reached.run = init_model(config)
     run.store.write_under(lease)  # a commit after the lease was lost fails
     existing = run.store.versions()
-    monitor.start(existing, first_epoch=run.first_epoch, resumed=run.resumed_from)
+    fetched = fetched_json(reached.fetched)
+    monitor.start(existing, first_epoch=run.first_epoch, resumed=run.resumed_from, fetched=fetched)
     stopper = StopTracker(config.stop, config.epochs)
     cadence = Cadence.of(config)
     stopper.seed(run.metrics)
@@ -254,7 +256,17 @@ def _run_epochs(
     archiver.drain(strict=False)  # a failed job is reported by _finish
     removed = sorted({*removed_early, *finalize(run.store, config.retention)})
     resumed_from = run.resumed_from.version if run.resumed_from else None
-    ended = _finish(run.store, monitor, run.first_epoch, run.epoch, resumed_from, reason, removed, archiver)
+    ended = _finish(
+        run.store,
+        monitor,
+        run.first_epoch,
+        run.epoch,
+        resumed_from,
+        reason,
+        removed,
+        archiver,
+        reached.fetched,
+    )
     if isinstance(ended, dict):  # what a schedule is sized by (RunFacts.planned_epochs), for the hint
         ended["planned_epochs"] = run.planned_epochs
     return ended
@@ -269,9 +281,11 @@ def _finish(
     reason: str | None,
     removed: list[int],
     archiver: ArchiveQueue,
+    fetched: Fetched | None,
 ) -> dict[str, Any] | State:
     latest, unreadable = _latest(store, monitor)
     summary = _summary(store.url, latest, first_epoch, last_epoch, resumed_from, reason, removed)
+    summary["fetched"] = fetched_json(fetched)
     mirror = archiver.mirror_status()
     if mirror is not None:  # every run with an upload target says what the mirror lacks
         summary.update(mirror.as_dict())
@@ -288,6 +302,8 @@ def _finish(
         why = f"training ended at epoch {last_epoch}, but {archiver.failures[0]}"
         state, ending = "Failed", Failed(message=why)
     resumed = f"resumed from version {resumed_from}" if resumed_from is not None else "a new run"
+    if fetched is not None and fetched.version == resumed_from:
+        resumed += f", fetched from {fetched.source}"
     rows = [
         ("epochs", f"{_epochs(first_epoch, last_epoch)} ({resumed})"),
         ("pruned versions", ", ".join(map(str, removed)) or "none"),

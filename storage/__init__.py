@@ -46,6 +46,7 @@ from .format.manifest import FORMAT_VERSION, Manifest
 from .info import EPOCH_STEPS, IN_EPOCH
 from .integrations.pointers import check_pointed, lightning_pointer
 from .load.restore import RankStateWarning
+from .remote.fetch import Fetched
 from .save.async_save import SaveHandle
 from .store import CheckpointStore, StoreOptions, VersionInfo
 from .versions.commit import VersionState
@@ -96,6 +97,7 @@ __all__ = [
     "CheckpointStore",
     "CorruptArchiveError",
     "CorruptShardError",
+    "Fetched",
     "FormatVersionError",
     "LeaseInfo",
     "LeaseLostError",

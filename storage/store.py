@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the save and load paths import torch: not needed to list, p
     from .archive.tarballs import ArchivedVersion
     from .archive.tarindex import TarIndex
     from .diff import StateDiff
+    from .remote.fetch import Fetched
     from .sharded.reader import DcpReader
     from .sharded.writer import DcpWriter
     from .versions.housekeeping import GarbageReport
@@ -529,6 +530,15 @@ class CheckpointStore:
         ``storage_options`` made by :func:`upload_storage_options`.
         """
         return self._upkeep.mirror_version(version, url, storage_options=storage_options)
+
+    def fetch_newest(self, url: str, *, storage_options: dict[str, Any] | None = None) -> Fetched | None:
+        """Bring the newest committed version of this store's mirror at ``url`` (its durable tier)
+        here when it is newer than the newest this store holds: the files it needs and this store
+        lacks, each verified, then its manifest, as a save commits. Returns what was fetched, or
+        None when this store is as new. An empty store takes the mirror's identity; a store
+        holding another store's versions is refused. Under the writer lease, as removals are.
+        """
+        return self._upkeep.fetch_newest(url, storage_options=storage_options or {})
 
     def check_mirror(self, url: str, *, storage_options: dict[str, Any]) -> None:
         """Raise CheckpointError, naming both stores, if ``url`` is another store's mirror (a mirror

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .archive.tarindex import TarIndex
 from .errors import CheckpointError, FormatVersionError, ManifestError
 from .files.location import Location, translate_errors
-from .remote import mirror
+from .remote import fetch, mirror
 from .versions import catalog, housekeeping
 from .versions import commit as protocol
 from .versions.housekeeping import GarbageReport
@@ -171,6 +171,15 @@ class Upkeep:
         """Upload a committed loose version to the store at ``url``."""
         mirror.require_local(self.loc)
         return mirror.mirror_version(self.loc, self._reads.manifest(version), url, storage_options)
+
+    def fetch_newest(self, url: str, *, storage_options: dict[str, Any]) -> fetch.Fetched | None:
+        """Bring the newest committed version of the mirror at ``url`` here when it is newer."""
+        if not self.loc.is_local:
+            raise CheckpointError(
+                f"{self.loc.display()} is not a local directory: a durable tier is fetched into a local one"
+            )
+        with self._removing(), self._failures("fetching into"):  # under the writer lease
+            return fetch.fetch_newest(self.loc, url, storage_options)
 
     def check_mirror(self, url: str, *, storage_options: dict[str, Any]) -> None:
         """Refuse ``url`` if it is the mirror of another store; write nothing."""

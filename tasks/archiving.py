@@ -38,16 +38,19 @@ from prefect import get_run_logger
 from ckptflow.storage import (
     CheckpointError,
     CheckpointStore,
+    Fetched,
     TarIndex,
     VersionInfo,
     redact,
     upload_storage_options,
 )
 
-from .config import ArchiveConfig
+from .config import ArchiveConfig, PipelineConfig
 from .credentials import with_secret
+from .reporting.formatting import human_size
 from .reporting.mirroring import MirrorStatus, check_mirror, mirrored_versions, version_ranges
 from .retrying import io_task
+from .training.run_state import RUN_FILE, ConfigMismatchError, check_run_identity
 
 
 def next_groups(loose: list[VersionInfo], config: ArchiveConfig, busy: set[int]) -> list[list[int]]:
@@ -130,6 +133,98 @@ def upload_version(store: CheckpointStore, version: int, config: ArchiveConfig) 
         raise ValueError("upload_version needs archive.upload_to")
     url, options = target
     return store.mirror_version(version, url, storage_options=options)
+
+
+def fetch_from_durable(store: CheckpointStore, config: PipelineConfig) -> Fetched | None:
+    """Before a run builds anything: bring the durable tier's (``upload_to``'s) newest version into
+    the store when it is newer than the store's newest (a new machine, a wiped fast tier), so the
+    run resumes from it. The caller holds the store's writer lease.
+
+    A durable tier that cannot be read is tolerated when the store holds versions of its own (the
+    run resumes from those, with a warning); with an empty store it fails the run: starting over
+    beside a durable tier that may hold the run's checkpoints would lose them."""
+    target = upload_target(config.archive)
+    if target is None:
+        return None
+    url, options = target
+    logger = get_run_logger()
+    try:
+        check_durable_run(config, store, warn=logger.warning)
+        fetched = _fetch.with_options(task_run_name="fetch_from_durable")(store, url, options)
+    except ConfigMismatchError:
+        raise
+    except Exception as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        if store.latest() is None:
+            raise CheckpointError(
+                f"cannot read the durable tier {redact(url)} ({why}); this run's fast tier {store.url} is "
+                "empty, so the run would start over beside checkpoints it cannot see. Fix access to "
+                "it, or give --upload-to a new URL to start a new run"
+            ) from exc
+        logger.warning(
+            "could not read the durable tier %s (%s): resuming from %s", redact(url), why, store.url
+        )
+        return None
+    if fetched is not None:
+        logger.info(
+            "fetched version %d from the durable tier %s into %s: %d file(s), %s, %.1f s (%d kept)",
+            fetched.version,
+            fetched.source,
+            store.url,
+            fetched.files,
+            human_size(fetched.bytes),
+            fetched.seconds,
+            fetched.kept,
+        )
+    return fetched
+
+
+def check_durable_run(
+    pipeline: PipelineConfig, store: CheckpointStore, *, warn: Callable[[str], None]
+) -> None:
+    """Before a run with an empty store resumes from its durable tier: refuse (ConfigMismatchError)
+    a durable tier that holds another run, one with a different configuration or checkpoints that
+    no ckptflow run wrote (no ``run.json`` there), as a store of its own would be refused."""
+    target = upload_target(pipeline.archive)
+    if target is None or store.latest() is not None:
+        return
+    durable = CheckpointStore(target[0], storage_options=target[1])
+    if durable.latest() is None:
+        return
+    if durable.read_json(RUN_FILE) is None:
+        raise ConfigMismatchError(
+            f"not resuming {store.url} from {redact(target[0])}: it holds checkpoints that no ckptflow "
+            "run wrote (no run.json there): another store's. Give --upload-to a URL of its own"
+        )
+    check_run_identity(durable, pipeline, warn)
+
+
+def durable_holds_versions(config: ArchiveConfig) -> bool:
+    """Whether ``upload_to`` holds a committed version (False without one, or when unreadable)."""
+    target = upload_target(config.archive)
+    if target is None:
+        return False
+    try:
+        return CheckpointStore(target[0], storage_options=target[1]).latest() is not None
+    except Exception:
+        return False
+
+
+@io_task("fetch_from_durable", backoff=2)
+def _fetch(store: CheckpointStore, url: str, options: dict[str, Any]) -> Fetched | None:
+    return store.fetch_newest(url, storage_options=options)
+
+
+def fetched_json(fetched: Fetched | None) -> dict[str, Any] | None:
+    if fetched is None:
+        return None
+    return {
+        "version": fetched.version,
+        "source": fetched.source,
+        "files": fetched.files,
+        "bytes": fetched.bytes,
+        "seconds": round(fetched.seconds, 3),
+    }
 
 
 def _archive_once(store: CheckpointStore, versions: list[int]) -> TarIndex:

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 from ..archive.tarballs import archive_location
 from ..archive.tarindex import index_name, read_index
 from ..errors import CheckpointError
-from ..files.location import Location, open_location
+from ..files.location import Location, open_location, translate_errors
 from ..files.s3options import TransferOptions
 from ..format.manifest import MANIFEST_FILE, Manifest
-from ..format.names import file_identity, version_dir
+from ..format.names import RUN_FILE, file_identity, version_dir
 from ..versions.identity import bind_mirror, check_mirror
 
 # storage/__init__.py imports it from here
@@ -64,10 +64,29 @@ def mirror_version(loc: Location, manifest: Manifest, url: str, storage_options:
         if identified and _mirrored(f"{root}/{where}/{name}", shard.size, storage_options):
             continue
         upload_file(loc.path(where, name), f"{root}/{where}/{name}", storage_options=storage_options)
+    mirror_beside(loc, root, storage_options)
     upload_file(
         loc.path(vdir, MANIFEST_FILE), f"{root}/{vdir}/{MANIFEST_FILE}", storage_options=storage_options
     )
     return f"{root}/{vdir}"
+
+
+def mirror_beside(loc: Location, root: str, storage_options: dict[str, Any]) -> None:
+    """The run's identity (``run.json``, which ckptflow's pipeline writes beside the versions) on
+    the mirror too, before a version that the run wrote commits there: a run resumed from the
+    mirror on another machine is checked against it. Written only when it changed."""
+    try:
+        ours = bytes(loc.fs.cat_file(loc.path(RUN_FILE)))
+    except FileNotFoundError:
+        return
+    there = open_location(root, storage_options)
+    try:
+        if bytes(there.fs.cat_file(there.path(RUN_FILE))) == ours:
+            return
+    except FileNotFoundError:
+        pass
+    with translate_errors(there, "writing the run's identity to"):
+        there.fs.pipe_file(there.path(RUN_FILE), ours)
 
 
 def _refuse_another_version(loc: Location, vdir: str, root: str, storage_options: dict[str, Any]) -> None:
@@ -103,6 +122,7 @@ def mirror_archive(loc: Location, tar: str, url: str, storage_options: dict[str,
     aloc = archive_location(loc)
     bind(loc, url.rstrip("/"), storage_options)
     remote = f"{url.rstrip('/')}/archive"
+    mirror_beside(loc, url.rstrip("/"), storage_options)
     for name in (tar, index_name(tar)):
         upload_file(aloc.path(name), f"{remote}/{name}", storage_options=storage_options)
     read_index(aloc, tar)  # still committed here, after the upload

@@ -6,7 +6,9 @@ its own, a random id in ``store.json`` beside its versions, created (exclusively
 agree on one) the first time something needs it. A mirror holds the same document with the id
 of the store it mirrors and that store's URL (``mirror_of``), written before its first byte.
 
-What always holds: nothing of one store is written into a mirror of another. A mirror without
+What always holds: nothing of one store is written into a mirror of another. A store that holds
+nothing yet (a fast tier on a new machine) takes its mirror's identity: it is that store again,
+filled from its mirror. A mirror without
 the document (empty, or written by an older ckptflow) is taken only when it holds no version, or
 when every manifest it holds of a version the store also holds is the store's own, byte for byte;
 anything else is refused before a byte is written, naming both stores.
@@ -101,9 +103,12 @@ def bind_mirror(store: Location, mirror: Location, *, ours_at: Callable[[str], b
     ``ours_at(path)``: the bytes of the store's file at a path relative to its root (None: it has
     none), to recognise a mirror an older ckptflow wrote without an identity.
     """
-    ours = store_identity(store)
     with translate_errors(mirror, "reading the identity of"):
         theirs = read_identity(mirror)
+    if theirs is not None and read_identity(store) is None and holds_nothing(store):
+        _create(store, StoreIdentity(theirs.id))  # a new fast tier of the store the mirror holds
+    ours = store_identity(store)
+    with translate_errors(mirror, "reading the identity of"):
         if theirs is None:
             _check_unmarked(store, mirror, ours_at)
             theirs = _create(mirror, StoreIdentity(ours.id, store.display()))
@@ -118,8 +123,18 @@ def check_mirror(store: Location, mirror: Location, *, ours_at: Callable[[str], 
         theirs = read_identity(mirror)
         if theirs is None:
             _check_unmarked(store, mirror, ours_at)
-    if theirs is not None:
+    if theirs is not None and not (ours is None and holds_nothing(store)):
         _refuse_another(store, mirror, ours, theirs)
+
+
+def holds_nothing(loc: Location) -> bool:
+    """Whether ``loc`` holds no committed version and no tarball: a store with nothing of its own
+    to protect, which may become a new fast tier of the store a mirror holds (the mirror's
+    identity is then its own; see :mod:`..remote.fetch`)."""
+    if any(protocol.list_dirs(loc).values()):
+        return False
+    committed, _ = list_tarballs(loc)
+    return not committed
 
 
 def _refuse_another(

@@ -214,10 +214,15 @@ class RunMonitor:
         return run_key(self.run_name)
 
     def start(
-        self, existing: list[VersionInfo], first_epoch: int, resumed: VersionInfo | None = None
+        self,
+        existing: list[VersionInfo],
+        first_epoch: int,
+        resumed: VersionInfo | None = None,
+        fetched: dict[str, Any] | None = None,
     ) -> None:
-        """The run begins after ``existing`` commits (``resumed``: the one it resumes from): show
-        them, and report those never reported."""
+        """The run begins after ``existing`` commits (``resumed``: the one it resumes from;
+        ``fetched``: what came from the durable tier first, see ``tasks.archiving.fetched_json``):
+        show them, and report those never reported."""
         self._epoch_times = [(first_epoch - 1, time.monotonic())]
         with self._lock:
             self.versions = {v.version: v for v in existing}
@@ -227,7 +232,7 @@ class RunMonitor:
         self._reporter.put(self._publish_tables if existing else lambda: None)
         self._reporter.soon()
         start = {"first_epoch": first_epoch, "total": self.total_epochs, "url": self.store_url}
-        notify("start", {**start, "committed": len(existing), "resumed": resumed})
+        notify("start", {**start, "committed": len(existing), "resumed": resumed, "fetched": fetched})
 
     def epoch_done(self, epoch: int, metrics: dict[str, float]) -> None:
         with self._lock:

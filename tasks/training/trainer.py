@@ -377,11 +377,12 @@ class ProcessTrainer:
         restored = built.resumed_from.version if built.resumed_from is not None else None
         if (latest.version if latest is not None else None) == restored:
             return built
+        newest = latest.url if latest is not None else "none"
         log(
             "warning",
             f"the training process restored {f'version {restored}' if restored is not None else 'nothing'} "
-            "before this run held the store, and another run has committed since (newest: "
-            f"{latest.url if latest is not None else 'none'}): building it again from the newest",
+            "before this run held the store, and a newer version is there since (committed by another "
+            f"run, or fetched from the durable tier): building it again from {newest}",
         )
         self._process.close(interrupted=True)
         self._process = relaunch(self.config, self._process.storage_options)
