@@ -110,8 +110,10 @@ class TestRunFailsBeforePrefect:
         assert not (storage / "run.json").exists()
 
     def test_an_upload_target_that_mirrors_another_store(self, ckptflow):
-        """Issue 52: a reused mirror URL (an earlier run's) was written into, and its versions mixed
-        with the new store's; now the run is refused before anything is written, naming both."""
+        """Issue 52: a reused mirror URL (an earlier store's) was written into, and its versions mixed
+        with the new store's; now the run is refused before anything is written, naming both. (Issue
+        56: an empty --storage resumes from its --upload-to, the durable tier, when that holds this
+        run; the earlier store is no run's: refused.)"""
         from ckptflow.storage import CheckpointStore
 
         earlier, mirror = ckptflow.work / "earlier", ckptflow.work / "mirror"
@@ -120,7 +122,9 @@ class TestRunFailsBeforePrefect:
         old.mirror_version(0, str(mirror), storage_options={})
         storage = ckptflow.work / "checkpoints"
         result = ckptflow("run", "--storage", str(storage), "--upload-to", str(mirror), "--epochs", "1")
-        result.assert_one_error_line(f"belongs to the store at {earlier}", "a mirror URL of its own")
+        result.assert_one_error_line(
+            f"not resuming {storage} from {mirror}", "no ckptflow run wrote", "a URL of its own"
+        )
         assert_prefect_never_started(ckptflow, result)
         assert not storage.exists()
 
