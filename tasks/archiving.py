@@ -210,7 +210,7 @@ def durable_holds_versions(config: ArchiveConfig) -> bool:
         return False
 
 
-@io_task("fetch_from_durable", backoff=2)
+@io_task("fetch_from_durable", retries=2, backoff=2)
 def _fetch(store: CheckpointStore, url: str, options: dict[str, Any]) -> Fetched | None:
     return store.fetch_newest(url, storage_options=options)
 

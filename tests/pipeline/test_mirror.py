@@ -196,7 +196,9 @@ def test_a_refusing_target_ends_the_run_with_the_versions_not_mirrored(prefect_s
     which committed versions the mirror lacked. Training now goes on; the run ends Failed with
     the reason, and one line names the versions not mirrored (log and summary artifact).
 
-    The flow runs here directly: the target fails during the run, past any check before it.
+    The flow runs here directly: the target fails during the run, past any check before it. The
+    store holds a version of its own first: a run that cannot read its durable tier goes on from
+    it (with an empty store it would fail at once, tests/pipeline/test_tiers.py).
     """
     from ckptflow.tasks import archiving
     from tests.pipeline.helpers import run_flow
@@ -211,6 +213,7 @@ def test_a_refusing_target_ends_the_run_with_the_versions_not_mirrored(prefect_s
         "config_kwargs": {"retries": {"total_max_attempts": 2}},
     }
     archive = {"upload_to": mirror, "upload_options": refused}
+    run_flow(make_config(tmp_path / "store", epochs=1))  # the fast tier holds a version: the run goes on
     config = make_config(tmp_path / "store", epochs=3, archive=archive)
     state, _ = run_flow(config)
     assert state.is_failed(), state
@@ -256,6 +259,7 @@ def test_a_silent_target_never_holds_training_up(prefect_server, silent_endpoint
         "config_kwargs": {"connect_timeout": 2, "read_timeout": 2, "retries": {"total_max_attempts": 1}},
     }
     archive = {"upload_to": mirror, "upload_options": silent}
+    run_flow(make_config(tmp_path / "store", epochs=1))  # as above: the run goes on from its own
     config = make_config(tmp_path / "store", epochs=6, archive=archive)
     state, _ = run_flow(config)
 

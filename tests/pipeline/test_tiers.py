@@ -82,3 +82,40 @@ def test_a_killed_run_whose_fast_tier_is_gone_resumes_from_the_durable_tier_bitw
     # the durable tier holds every version, the ones before the loss and the ones after it
     assert positions(durable) == expected_positions()
     assert summary["not_mirrored"] == [], summary
+
+
+def test_an_empty_fast_tier_whose_durable_tier_cannot_be_read_fails_at_once_naming_both(
+    prefect_server, tmp_path
+):
+    """Starting over beside a durable tier that may hold the run would fork it: the run fails."""
+    from tests.pipeline.helpers import run_flow
+    from tests.pipeline.test_mirror import refused_endpoint
+
+    refused = {
+        "client_kwargs": {"endpoint_url": refused_endpoint()},
+        "config_kwargs": {"retries": {"total_max_attempts": 1}},
+    }
+    config = stepped(tmp_path / "fast", archive={"upload_to": "s3://durable/run", "upload_options": refused})
+    state, _ = run_flow(config)
+    assert state.is_failed(), state
+    message = state.message or ""
+    assert "cannot read the durable tier s3://durable/run" in message, message
+    assert f"fast tier {config.storage} is empty" in message, message
+    assert CheckpointStore(config.storage).latest() is None
+
+
+def test_a_durable_tier_holding_another_configuration_is_refused_before_anything_is_fetched(
+    prefect_server, tmp_path
+):
+    from ckptflow.tasks.training.run_state import ConfigMismatchError
+    from tests.pipeline.helpers import run_flow
+
+    archive = {"upload_to": str(tmp_path / "durable")}
+    run_summary(stepped(tmp_path / "fast", archive=archive, epochs=1, train_process=False))
+    shutil.rmtree(tmp_path / "fast")
+    other = stepped(tmp_path / "fast", archive=archive, epochs=2, seed=7, train_process=False)
+    state, _ = run_flow(other)
+    assert state.is_failed() and "different configuration" in (state.message or ""), state
+    with pytest.raises(ConfigMismatchError):
+        state.result()
+    assert CheckpointStore(other.storage).latest() is None  # nothing fetched
