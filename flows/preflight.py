@@ -112,7 +112,7 @@ def _binds(tree: ast.Module, name: str) -> bool:
 def check_store(config: PipelineConfig) -> None:
     """List the run's store (bounded attempts); refuse a resumed run whose identity changed."""
     from ckptflow.storage import CheckpointStore, quick_answer_options
-    from ckptflow.tasks.training.run_state import check_run_identity, nothing_to_resume
+    from ckptflow.tasks.training.run_state import check_durable_run, check_run_identity, nothing_to_resume
 
     if config.storage_secret is not None:
         # opening it checks the scheme; listing it needs the credentials, from Prefect
@@ -131,18 +131,25 @@ def check_store(config: PipelineConfig) -> None:
         with contextlib.suppress(StorageUnavailableError):
             options = quick_answer_options(target, config.archive.upload_options)
             store.check_mirror(target, storage_options=options)
-        from ckptflow.tasks.archiving import check_durable_run
-
         with contextlib.suppress(StorageUnavailableError):  # a durable tier holding another run
-            check_durable_run(config, store, warn=lambda message: None)
+            durable = CheckpointStore(target, storage_options=options)
+            check_durable_run(store, durable, config, lambda message: None)
     if config.resume_only and store.latest() is None and not _durable_holds(config):
         raise nothing_to_resume(store.url)
 
 
 def _durable_holds(config: PipelineConfig) -> bool:
-    from ckptflow.tasks.archiving import durable_holds_versions
+    """Whether ``upload_to`` holds a committed version (False when it cannot be read now)."""
+    from ckptflow.storage import CheckpointStore, quick_answer_options
 
-    return durable_holds_versions(config.archive)
+    target = config.archive.upload_to
+    if not target or config.archive.upload_secret is not None:
+        return bool(target)  # the secret's credentials need Prefect: the run finds out
+    try:
+        options = quick_answer_options(target, config.archive.upload_options)
+        return CheckpointStore(target, storage_options=options).latest() is not None
+    except Exception:
+        return False
 
 
 def may_fetch(config: PipelineConfig) -> bool:

@@ -178,7 +178,7 @@ class Upkeep:
             raise CheckpointError(
                 f"{self.loc.display()} is not a local directory: a durable tier is fetched into a local one"
             )
-        with self._removing(), self._failures("fetching into"):  # under the writer lease
+        with self._removing(), translate_errors(self.loc, "fetching into"):  # under the writer lease
             return fetch.fetch_newest(self.loc, url, storage_options)
 
     def check_mirror(self, url: str, *, storage_options: dict[str, Any]) -> None:

@@ -50,7 +50,7 @@ from .credentials import with_secret
 from .reporting.formatting import human_size
 from .reporting.mirroring import MirrorStatus, check_mirror, mirrored_versions, version_ranges
 from .retrying import io_task
-from .training.run_state import RUN_FILE, ConfigMismatchError, check_run_identity
+from .training.run_state import ConfigMismatchError, check_durable_run
 
 
 def next_groups(loose: list[VersionInfo], config: ArchiveConfig, busy: set[int]) -> list[list[int]]:
@@ -149,8 +149,12 @@ def fetch_from_durable(store: CheckpointStore, config: PipelineConfig) -> Fetche
     url, options = target
     logger = get_run_logger()
     try:
-        check_durable_run(config, store, warn=logger.warning)
-        fetched = _fetch.with_options(task_run_name="fetch_from_durable")(store, url, options)
+        check_durable_run(store, CheckpointStore(url, storage_options=options), config, logger.warning)
+        # with versions of its own, a run waits for one attempt only: a silent tier holds it up little
+        retries = 2 if store.latest() is None else 0
+        fetched = _fetch.with_options(task_run_name="fetch_from_durable", retries=retries)(
+            store, url, options
+        )
     except ConfigMismatchError:
         raise
     except Exception as exc:
@@ -177,26 +181,6 @@ def fetch_from_durable(store: CheckpointStore, config: PipelineConfig) -> Fetche
             fetched.kept,
         )
     return fetched
-
-
-def check_durable_run(
-    pipeline: PipelineConfig, store: CheckpointStore, *, warn: Callable[[str], None]
-) -> None:
-    """Before a run with an empty store resumes from its durable tier: refuse (ConfigMismatchError)
-    a durable tier that holds another run, one with a different configuration or checkpoints that
-    no ckptflow run wrote (no ``run.json`` there), as a store of its own would be refused."""
-    target = upload_target(pipeline.archive)
-    if target is None or store.latest() is not None:
-        return
-    durable = CheckpointStore(target[0], storage_options=target[1])
-    if durable.latest() is None:
-        return
-    if durable.read_json(RUN_FILE) is None:
-        raise ConfigMismatchError(
-            f"not resuming {store.url} from {redact(target[0])}: it holds checkpoints that no ckptflow "
-            "run wrote (no run.json there): another store's. Give --upload-to a URL of its own"
-        )
-    check_run_identity(durable, pipeline, warn)
 
 
 def durable_holds_versions(config: ArchiveConfig) -> bool:

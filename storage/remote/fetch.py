@@ -28,7 +28,7 @@ from ..archive.tarindex import index_name, read_index
 from ..errors import CheckpointError
 from ..files.atomic import write_file_atomic
 from ..files.byteio import hash_file
-from ..files.location import Location, open_location, redact
+from ..files.location import Location, open_location, redact, translate_errors
 from ..files.s3options import TransferOptions
 from ..format.manifest import Manifest, ShardEntry
 from ..format.manifest_checks import MAX_BYTES
@@ -66,7 +66,8 @@ def fetch_newest(loc: Location, url: str, storage_options: dict[str, Any]) -> Fe
     started = time.monotonic()
     root = url.rstrip("/")
     there = open_location(root, storage_options)
-    theirs = catalog.newest(there)
+    with translate_errors(there, "reading the newest version of"):
+        theirs = catalog.newest(there)
     if theirs is None:
         return None
     ours = catalog.newest(loc)

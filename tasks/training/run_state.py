@@ -128,6 +128,22 @@ def check_run_identity(store: CheckpointStore, config: PipelineConfig, warn: Log
     return current
 
 
+def check_durable_run(
+    store: CheckpointStore, durable: CheckpointStore, config: PipelineConfig, warn: Log
+) -> None:
+    """Before a run with an empty store resumes from its durable tier ``durable`` (``upload_to``):
+    refuse (ConfigMismatchError) one that holds another run, one with a different configuration or
+    checkpoints that no ckptflow run wrote (no ``run.json`` there), as such a store is refused."""
+    if store.latest() is not None or durable.latest() is None:
+        return
+    if durable.read_json(RUN_FILE) is None:
+        raise ConfigMismatchError(
+            f"not resuming {store.url} from {durable.url}: it holds checkpoints that no ckptflow run "
+            "wrote (no run.json there): another store's. Give --upload-to a URL of its own"
+        )
+    check_run_identity(durable, config, warn)
+
+
 def record_run_identity(store: CheckpointStore, identity: dict[str, Any] | None) -> None:
     """Write ``run.json`` (after the run was built and restored); None: it is up to date."""
     if identity is not None:
