@@ -39,7 +39,7 @@ def tiered(tmp_path: Path, target: StoreTarget, steps: int) -> tuple[CheckpointS
     url, options = durable_of(target)
     fast = CheckpointStore(tmp_path / "fast")
     for step in range(steps):
-        fast.save(fine_tune(step), epoch=step + 1)
+        fast.save(fine_tune(step))
         fast.mirror_version(step, url, storage_options=options)
     return fast, url, options
 
@@ -51,7 +51,7 @@ def shard_bytes(store: CheckpointStore, version: int) -> dict[str, int]:
 def test_an_empty_fast_tier_gets_the_newest_version_with_only_the_bytes_it_needs(
     tmp_path: Path, target: StoreTarget
 ) -> None:
-    fast, url, options = tiered(tmp_path, target, 4)
+    _, url, options = tiered(tmp_path, target, 4)
     shutil.rmtree(tmp_path / "fast")  # the machine is gone
     new = CheckpointStore(tmp_path / "fast")
     got = new.fetch_newest(url, storage_options=options)
@@ -63,7 +63,7 @@ def test_an_empty_fast_tier_gets_the_newest_version_with_only_the_bytes_it_needs
     assert verify_all(new) == {3: None}
     assert new.fetch_newest(url, storage_options=options) is None  # as new as the durable tier
     # it is the same store: it saves on and mirrors to the same URL, which loads the new version
-    new.save(fine_tune(4), epoch=5)
+    new.save(fine_tune(4))
     new.mirror_version(4, url, storage_options=options)
     assert_same_state(CheckpointStore(url, storage_options=options).load(4), fine_tune(4))
 
@@ -71,11 +71,11 @@ def test_an_empty_fast_tier_gets_the_newest_version_with_only_the_bytes_it_needs
 def test_an_older_fast_tier_keeps_the_files_it_holds_after_hashing_them(
     tmp_path: Path, target: StoreTarget
 ) -> None:
-    fast, url, options = tiered(tmp_path, target, 2)
+    _, url, options = tiered(tmp_path, target, 2)
     keep = CheckpointStore(tmp_path / "keep")
     shutil.copytree(tmp_path / "fast", tmp_path / "keep", dirs_exist_ok=True)  # at version 1
     for step in (2, 3):
-        fast.save(fine_tune(step), epoch=step + 1)
+        fast.save(fine_tune(step))
         fast.mirror_version(step, url, storage_options=options)
     got = keep.fetch_newest(url, storage_options=options)
     assert got is not None and got.version == 3
@@ -86,7 +86,7 @@ def test_an_older_fast_tier_keeps_the_files_it_holds_after_hashing_them(
 def test_a_file_of_the_right_name_and_size_but_other_bytes_is_fetched_again(
     tmp_path: Path, target: StoreTarget
 ) -> None:
-    fast, url, options = tiered(tmp_path, target, 2)
+    _, url, options = tiered(tmp_path, target, 2)
     shutil.copytree(tmp_path / "fast", tmp_path / "old")
     old = CheckpointStore(tmp_path / "old")
     base = next((tmp_path / "old" / "v000000").glob("*.h5"))
@@ -101,7 +101,7 @@ def test_a_file_of_the_right_name_and_size_but_other_bytes_is_fetched_again(
 
 
 def test_a_damaged_durable_copy_is_refused_and_nothing_commits(tmp_path: Path) -> None:
-    fast, url, options = tiered(tmp_path, local(tmp_path / "durable"), 2)
+    _, url, options = tiered(tmp_path, local(tmp_path / "durable"), 2)
     head = sorted((Path(url) / "v000001").glob("*.h5"))[-1]
     data = bytearray(head.read_bytes())
     data[-10] ^= 0xFF
@@ -114,7 +114,7 @@ def test_a_damaged_durable_copy_is_refused_and_nothing_commits(tmp_path: Path) -
 
 
 def test_a_fast_tier_holding_another_store_is_refused_before_a_byte_is_written(tmp_path: Path) -> None:
-    fast, url, options = tiered(tmp_path, local(tmp_path / "durable"), 2)
+    _, url, options = tiered(tmp_path, local(tmp_path / "durable"), 2)
     other = CheckpointStore(tmp_path / "other")
     other.save(dense(0))
     other.mirror_version(0, str(tmp_path / "its-mirror"), storage_options={})  # it has an identity
@@ -128,7 +128,7 @@ def test_a_version_the_durable_tier_holds_in_a_tarball_comes_back_as_the_tarball
     url = str(tmp_path / "durable")
     fast = CheckpointStore(tmp_path / "fast")
     for step in range(3):
-        fast.save(dense(step), epoch=step + 1)
+        fast.save(dense(step))
     index = fast.archive([0, 1, 2])
     fast.mirror_archive(index.tar, url, storage_options={})
     shutil.rmtree(tmp_path / "fast")
@@ -157,7 +157,7 @@ def test_a_drain_killed_at_random_instants_leaves_only_versions_that_load(tmp_pa
     states = {}
     for step in range(8):
         states[step] = {"w": torch.randn(512, 1024), "b": torch.full((64,), float(step))}
-        fast.save(states[step], epoch=step + 1)
+        fast.save(states[step])
     url = str(tmp_path / "durable")
     rng = random.Random(56)
     kills = 0
