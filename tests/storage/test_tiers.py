@@ -157,18 +157,21 @@ def test_a_drain_killed_at_random_instants_leaves_only_versions_that_load(tmp_pa
     url = str(tmp_path / "durable")
     states: dict[int, dict] = {}
     rng = random.Random(56)
-    kills = 0
+    kills, took = 0, 1.0  # took: how long the last drain that ended on its own ran
     for _ in range(10):
         for _ in range(2):  # new versions each round: the drain always has work
             state = {"w": torch.randn(2048, 1024), "b": torch.full((64,), float(len(states)))}
             states[fast.save(state).version] = state
+        began = time.monotonic()
         drain = subprocess.Popen(
             [sys.executable, "-c", DRAIN, str(tmp_path / "fast"), url], env=dict(os.environ)
         )
-        time.sleep(rng.uniform(0.1, 0.8))
+        time.sleep(rng.uniform(0.1, 0.9) * took)  # an instant inside a drain as long as the last
         if drain.poll() is None:
             os.kill(drain.pid, signal.SIGKILL)
             kills += 1
+        else:
+            took = time.monotonic() - began
         drain.wait()
         durable = CheckpointStore(url)
         held = [v.version for v in durable.versions()]
