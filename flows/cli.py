@@ -36,7 +36,7 @@ from . import exits, present
 from .archive_cmd import archive_command, extract_command
 from .check_cmd import check_command
 from .deployments_cmd import app as deployments_app
-from .options import BEST_MODE_HELP, StorageOptions, best_mode_needed
+from .options import BEST_MODE_HELP, StorageOptions, best_mode_needed, parse_storage_options
 from .run_cmd import run_command
 from .server_cmd import publish_command, setup_server_command
 
@@ -202,17 +202,52 @@ def _chosen(store: CheckpointStore, version: int | None, step: int | None) -> in
 # -- ls -------------------------------------------------------------------------
 
 
+DurableUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--durable",
+        metavar="URL",
+        help="The store's durable tier (a run's --upload-to): show which tiers hold each version.",
+        show_default=False,
+    ),
+]
+DurableOptions = Annotated[
+    Any,
+    typer.Option(
+        "--durable-options",
+        metavar="JSON",
+        parser=parse_storage_options,
+        help="fsspec options for --durable (no credentials).",
+        show_default=False,
+    ),
+]
+
+
 @app.command("ls")
-def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOptions = None) -> None:
-    """List the committed versions of a store, oldest first."""
+def ls_command(
+    url: Url,
+    as_json: JsonFlag = False,
+    storage_options: StorageOptions = None,
+    durable: DurableUrl = None,
+    durable_options: DurableOptions = None,
+) -> None:
+    """List the committed versions of a store, oldest first (with --durable: in both tiers)."""
     store = _open(url, storage_options, command="ls")
     survey = store.survey()
     infos = [store.info_of(located) for located in survey.committed.values()]
     unreadable = {v: _one_line(e) for v, e in survey.unreadable.items()}
+    tiers, lag, durable_url = None, None, None
+    if durable:
+        tiers, lag, durable_url, only_there = _tiers(infos, durable, durable_options)
+        infos = sorted(infos + only_there, key=lambda i: i.version)
     if as_json:
         document = {
             "url": store.url,
-            "versions": [present.version_json(i) for i in infos],
+            **({"durable": durable_url, "not_durable": lag} if tiers is not None else {}),
+            "versions": [
+                {**present.version_json(i), **({"tiers": tiers[i.version].split("+")} if tiers else {})}
+                for i in infos
+            ],
             "uncommitted": survey.writing,
             "unreadable": [{"version": v, "error": e} for v, e in unreadable.items()],
             "set_aside": [store.display(name) for name in survey.set_aside],
@@ -225,9 +260,13 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
     console = _console()
     if infos:
         console.print(store.url, markup=False, soft_wrap=True)
-        console.print(present.versions_table(infos, store=store.url), markup=False)
+        console.print(present.versions_table(infos, store=store.url, tiers=tiers), markup=False)
     else:
         console.print(f"no committed versions in {store.url}", markup=False, soft_wrap=True)
+    if lag is not None:
+        named = f"{'versions' if len(lag) > 1 else 'version'} {', '.join(map(str, lag))}"
+        behind = f"{named} not durable yet" if lag else "it holds the newest version"
+        console.print(f"durable tier {durable_url}: {behind}", markup=False, soft_wrap=True)
     if survey.writing:
         listing = ", ".join(str(v) for v in survey.writing)
         console.print(
@@ -252,6 +291,26 @@ def ls_command(url: Url, as_json: JsonFlag = False, storage_options: StorageOpti
             markup=False,
             soft_wrap=True,
         )
+
+
+def _tiers(
+    infos: list[Any], url: str, options: dict[str, Any] | None
+) -> tuple[dict[int, str], list[int], str, list[Any]]:
+    """Which tiers hold each version ("fast", "durable", "fast+durable"), the fast tier's versions
+    newer than the durable tier's newest (not durable yet), the durable tier's URL, and the
+    versions only the durable tier holds."""
+    from ckptflow.storage import CheckpointStore, quick_answer_options
+
+    durable = CheckpointStore(url, storage_options=quick_answer_options(url, options))
+    found = durable.versions()
+    there, here = {i.version for i in found}, {i.version for i in infos}
+    tiers = {
+        v: "+".join(t for t, held in (("fast", v in here), ("durable", v in there)) if held)
+        for v in here | there
+    }
+    newest = max(there, default=-1)
+    lag = sorted(v for v in here if v not in there and v > newest)
+    return tiers, lag, durable.url, [i for i in found if i.version not in here]
 
 
 # -- show -----------------------------------------------------------------------

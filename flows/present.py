@@ -143,11 +143,12 @@ def version_json(info: VersionInfo) -> dict[str, Any]:
     }
 
 
-def versions_table(infos: list[VersionInfo], *, store: str) -> Table:
+def versions_table(infos: list[VersionInfo], *, store: str, tiers: dict[int, str] | None = None) -> Table:
     """The versions of ``store`` (printed above the table, whole), each one's place in it
     (``v000003``, or ``archive/<tar>[v000003]``), so that the table reads at 80 columns
     (``ls --json``: full URLs). ``new`` (the bytes a version's save wrote) is there only when a
-    version references others' bytes; the place is then left out while every version is loose."""
+    version references others' bytes; the place is then left out while every version is loose.
+    ``tiers``: which tiers hold each version (``ls --durable``), a column of its own."""
     columns: list[tuple[str, Callable[[VersionInfo], str]]] = [
         ("version", lambda i: str(i.version)),
         ("epoch", epoch_text),
@@ -162,13 +163,15 @@ def versions_table(infos: list[VersionInfo], *, store: str) -> Table:
     shared = any(i.new_bytes != i.size for i in infos)
     if shared:
         columns.append(("new", lambda i: human_size(i.new_bytes)))
+    if tiers is not None:
+        columns.append(("tiers", lambda i: tiers.get(i.version, "")))
     table = Table()
     for name, _ in columns:
         table.add_column(name, justify="right", no_wrap=True)
     table.add_column("created (UTC)", no_wrap=True)
     table.add_column("metrics", overflow="fold")
     # Every version loose: its place is its number's directory. Left out beside ``new``, for room.
-    placed = not shared or any(where(i) != f"v{i.version:06d}" for i in infos)
+    placed = tiers is None and (not shared or any(where(i) != f"v{i.version:06d}" for i in infos))
     if placed:
         table.add_column("where", overflow="fold")
     for info in infos:

@@ -183,3 +183,23 @@ def test_a_drain_killed_at_random_instants_leaves_only_versions_that_load(tmp_pa
         [sys.executable, "-c", DRAIN, str(tmp_path / "fast"), url], env=dict(os.environ), check=True
     )
     assert [v.version for v in CheckpointStore(url).versions()] == sorted(states)
+
+
+def test_ls_durable_shows_which_tiers_hold_each_version_and_what_is_not_durable_yet(tmp_path: Path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from ckptflow.flows.cli import app
+
+    fast, url, _ = tiered(tmp_path, local(tmp_path / "durable"), 3)
+    fast.delete(0)  # retention on the fast tier: only the durable tier keeps it
+    fast.save(fine_tune(3))  # committed, not mirrored yet
+    result = CliRunner().invoke(app, ["ls", str(tmp_path / "fast"), "--durable", url, "--json"])
+    assert result.exit_code == 0, result.output
+    document = json.loads(result.output)
+    tiers = {v["version"]: v["tiers"] for v in document["versions"]}
+    assert tiers == {0: ["durable"], 1: ["fast", "durable"], 2: ["fast", "durable"], 3: ["fast"]}
+    assert document["not_durable"] == [3]
+    text = CliRunner().invoke(app, ["ls", str(tmp_path / "fast"), "--durable", url])
+    assert f"durable tier {url}: version 3 not durable yet" in text.output
