@@ -203,3 +203,12 @@ def test_ls_durable_shows_which_tiers_hold_each_version_and_what_is_not_durable_
     assert document["not_durable"] == [3]
     text = CliRunner().invoke(app, ["ls", str(tmp_path / "fast"), "--durable", url])
     assert f"durable tier {url}: version 3 not durable yet" in text.output
+
+
+def test_the_documented_library_calls_run_as_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.pipeline.helpers import documented_block
+
+    block = documented_block("<!-- tests/storage/test_tiers.py runs the next code block as written -->")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(block[len("```python\n") :].split("\n```", 1)[0], "docs/storage.md", "exec"), {})
+    assert CheckpointStore(tmp_path / "fast").latest() is not None
