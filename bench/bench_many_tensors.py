@@ -34,7 +34,8 @@ their directory fsynced:
   ckptflow's modules are compiled to bytecode first, as installing a package leaves
   them (a source tree run with ``PYTHONDONTWRITEBYTECODE`` set would compile the
   modules of a save in every fresh process: about 12 ms more);
-- save, in one process, median of ``--repeats``: ckptflow ``save`` into a store
+- save, in one process, median of ``--repeats``, every tensor changed (untimed) before each
+  save, as a training step changes them: ckptflow ``save`` into a store
   that holds one earlier version of the state (one untimed save first; older
   versions pruned between saves, untimed), ``torch.save`` + fsync (a new file each
   time), safetensors ``save_file`` + fsync (the state flattened to dotted keys;
@@ -266,6 +267,13 @@ def flat_tensors(state: Any) -> dict[str, torch.Tensor]:
     return {key: value for key, value in leaves(state) if isinstance(value, torch.Tensor)}
 
 
+def change(state: dict[str, Any]) -> None:
+    """Change every tensor of the state in place (untimed, before each timed save): a training
+    step changes them, and a save of unchanged bytes would measure ckptflow's dedup, not a save."""
+    for tensor in flat_tensors(state).values():
+        tensor.add_(1)
+
+
 def describe(shape: str, state: dict[str, Any]) -> str:
     tensors = flat_tensors(state).values()
     return f"{shape} ({len(tensors):,} tensors, {sum(t.nbytes for t in tensors) / MiB:.1f} MiB)"
@@ -339,6 +347,7 @@ def timed_saves(
     paths = [work / f"save-{i}" for i in range(repeats)]
     times = []
     for i, path in enumerate(paths):
+        change(state)
         os.sync()
         times.append(seconds(save, state, path))
         if i:
@@ -380,6 +389,7 @@ def ckptflow_times(state: dict[str, Any], args: argparse.Namespace, work: Path) 
         store.save(state, epoch=0)  # untimed: later saves find what a process's first save builds
         times = []
         for epoch in range(1, args.repeats + 1):
+            change(state)
             os.sync()
             times.append(seconds(functools.partial(store.save, state, epoch=epoch)))
             store.prune(keep_last=1)
