@@ -582,6 +582,13 @@ def _run_with_progress(config: Any, warmup: _ApiWarmup | None, *, verbose: bool 
                     markup=False,
                     highlight=False,
                 )
+                if got.get("lost"):
+                    console.print(
+                        f"versions {got['lost'][0]}-{got['lost'][-1]} were committed on the lost fast tier "
+                        "only: they are trained again",
+                        markup=False,
+                        highlight=False,
+                    )
             if data.get("resumed") is not None:  # inside epoch 1 too, with the step it stands at
                 console.print(f"resuming from {resume_text(data['resumed'])} in {data['url']}", markup=False)
             elif not data.get("committed"):  # a mistyped --storage would otherwise train from scratch unseen

@@ -43,6 +43,7 @@ from .files.processes import this_process as current_process
 from .files.s3options import quick_answer_options, upload_storage_options
 from .format.entries import Lineage
 from .format.manifest import FORMAT_VERSION, Manifest
+from .format.names import FAST_TIER_FILE
 from .info import EPOCH_STEPS, IN_EPOCH
 from .integrations.pointers import check_pointed, lightning_pointer
 from .load.restore import RankStateWarning
@@ -91,6 +92,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "EPOCH_STEPS",
+    "FAST_TIER_FILE",
     "FORMAT_VERSION",
     "IN_EPOCH",
     "CheckpointError",

@@ -28,6 +28,8 @@ the versions the mirror lacks (:mod:`.mirroring`).
 
 from __future__ import annotations
 
+import dataclasses
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +38,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from ckptflow.storage import (
+    FAST_TIER_FILE,
     CheckpointError,
     CheckpointStore,
     Fetched,
@@ -132,7 +135,25 @@ def upload_version(store: CheckpointStore, version: int, config: ArchiveConfig) 
     if target is None:
         raise ValueError("upload_version needs archive.upload_to")
     url, options = target
+    note_fast_tier(url, options, version)
     return store.mirror_version(version, url, storage_options=options)
+
+
+def note_fast_tier(url: str, options: dict[str, Any], version: int) -> None:
+    """Record on the durable tier that the fast tier committed ``version`` (before it goes up):
+    a run that loses the fast tier then names the versions that were only there."""
+    durable = CheckpointStore(url, storage_options=options)
+    noted = durable.read_json(FAST_TIER_FILE) or {}
+    if isinstance(noted, dict) and isinstance(noted.get("newest"), int) and noted["newest"] >= version:
+        return
+    durable.write_json(FAST_TIER_FILE, {"newest": version, "host": socket.gethostname()})
+
+
+def lost_versions(url: str, options: dict[str, Any], fetched: int) -> list[int]:
+    """The versions newer than ``fetched`` that the lost fast tier had committed (from its note)."""
+    noted = CheckpointStore(url, storage_options=options).read_json(FAST_TIER_FILE)
+    newest = noted.get("newest") if isinstance(noted, dict) else None
+    return list(range(fetched + 1, newest + 1)) if isinstance(newest, int) else []
 
 
 def fetch_from_durable(store: CheckpointStore, config: PipelineConfig) -> Fetched | None:
@@ -170,6 +191,13 @@ def fetch_from_durable(store: CheckpointStore, config: PipelineConfig) -> Fetche
         )
         return None
     if fetched is not None:
+        lost = _quiet_lost(url, options, fetched.version)
+        if lost:
+            logger.warning(
+                "versions %s were committed on the fast tier only, which is gone: they are trained again",
+                version_ranges(lost),
+            )
+        fetched = dataclasses.replace(fetched, lost=tuple(lost))
         logger.info(
             "fetched version %d from the durable tier %s into %s: %d file(s), %s, %.1f s (%d kept)",
             fetched.version,
@@ -199,10 +227,18 @@ def _fetch(store: CheckpointStore, url: str, options: dict[str, Any]) -> Fetched
     return store.fetch_newest(url, storage_options=options)
 
 
+def _quiet_lost(url: str, options: dict[str, Any], fetched: int) -> list[int]:
+    try:
+        return lost_versions(url, options, fetched)
+    except Exception:  # a note that cannot be read names nothing; the fetch stands
+        return []
+
+
 def fetched_json(fetched: Fetched | None) -> dict[str, Any] | None:
     if fetched is None:
         return None
     return {
+        "lost": list(fetched.lost),
         "version": fetched.version,
         "source": fetched.source,
         "files": fetched.files,

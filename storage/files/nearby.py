@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from ..format.manifest import MANIFEST_FILE
 from ..format.names import (
     ARCHIVE_DIR,
+    FAST_TIER_FILE,
     LATEST_FILE,
     LEASE_FILE,
     RUN_FILE,
@@ -31,7 +32,7 @@ from ..format.names import (
 )
 from .location import Location
 
-STORE_FILES = frozenset({LATEST_FILE, ARCHIVE_DIR, LEASE_FILE, RUN_FILE, STORE_FILE})
+STORE_FILES = frozenset({LATEST_FILE, ARCHIVE_DIR, LEASE_FILE, RUN_FILE, STORE_FILE, FAST_TIER_FILE})
 MAX_CHILDREN = 100  # subdirectories looked into for stores (a directory of many runs: the first, by name)
 
 

@@ -86,6 +86,9 @@ ARCHIVE_DIR = "archive"  # the tarballs (archive/tarballs.py)
 LEASE_FILE = "lease.json"  # the writer's lease (versions/lease.py)
 STORE_FILE = "store.json"  # the store's identity, and a mirror's (versions/identity.py)
 RUN_FILE = "run.json"  # the run's identity, which ckptflow's pipeline writes beside its versions
+FAST_TIER_FILE = (
+    "fast-tier.json"  # in a durable tier: the newest version its fast tier committed (tasks/archiving.py)
+)
 
 # An unreadable file or directory set aside by a writer: ``v000003.unreadable-<UTC time>-<6 hex>``.
 _SET_ASIDE_DIR = re.compile(r"v([0-9]{6,})\.unreadable-[0-9]{8}T[0-9]{6}Z-[0-9a-f]{6}")

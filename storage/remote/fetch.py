@@ -51,6 +51,7 @@ class Fetched:
     kept: int  # files the fast tier held already, verified
     seconds: float
     archived: bool  # it came as a tarball
+    lost: tuple[int, ...] = ()  # newer versions the lost fast tier had committed (known to a pipeline)
 
 
 def newest_there(url: str, storage_options: dict[str, Any]) -> catalog.Located | None:
