@@ -213,7 +213,7 @@ def fetch_from_durable(store: CheckpointStore, config: PipelineConfig) -> Fetche
 
 def durable_holds_versions(config: ArchiveConfig) -> bool:
     """Whether ``upload_to`` holds a committed version (False without one, or when unreadable)."""
-    target = upload_target(config.archive)
+    target = upload_target(config)
     if target is None:
         return False
     try:

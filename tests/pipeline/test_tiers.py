@@ -124,3 +124,15 @@ def test_a_durable_tier_holding_another_configuration_is_refused_before_anything
     with pytest.raises(ConfigMismatchError):
         state.result()
     assert CheckpointStore(other.storage).latest() is None  # nothing fetched
+
+
+def test_resume_only_resumes_from_the_durable_tier_when_the_fast_tier_is_empty(prefect_server, tmp_path):
+    archive = {"upload_to": str(tmp_path / "durable")}
+    run_summary(stepped(tmp_path / "fast", archive=archive, epochs=1, train_process=False))
+    shutil.rmtree(tmp_path / "fast")
+    summary, _ = run_summary(
+        stepped(tmp_path / "fast", archive=archive, epochs=2, resume_only=True, train_process=False)
+    )
+    newest = CheckpointStore(tmp_path / "durable").versions()
+    assert summary["fetched"]["version"] == summary["resumed_from"] and summary["last_epoch"] == 2
+    assert newest[-1].epoch == 2
