@@ -323,6 +323,7 @@ class TestUpload:
         keys = sorted(o["Key"] for o in s3_client(s3_server).list_objects_v2(Bucket=bucket)["Contents"])
         assert keys == [
             *(f"run/archive/{n}" for n in sorted([TAR_12, index_name(TAR_12), TAR_34, index_name(TAR_34)])),
+            "run/run.json",  # the run's identity: a resume from this durable tier is checked (issue 56)
             "run/store.json",  # the store it mirrors (issue 52)
         ]
         assert open_multipart_uploads(s3_server, bucket) == []
