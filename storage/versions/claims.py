@@ -27,6 +27,7 @@ from ..format.names import parse_version_dir, version_dir
 log = logging.getLogger(__name__)
 
 CLAIM_FILE = ".claim.json"  # inside a version directory while it is written; removed by the commit
+CLAIM_DIR_TRIES = 5  # makes of a version directory a gc beside the writer removed while empty
 
 
 @dataclass(frozen=True)
@@ -68,14 +69,7 @@ def claim_version(loc: Location, version: int, claim: Claim) -> bool:
     data = json.dumps(dataclasses.asdict(claim), sort_keys=True).encode()
     try:
         if loc.is_local:
-            os.makedirs(loc.path(vdir), exist_ok=True)
-            # The version's directory entry must survive a crash of the machine once its manifest
-            # is fsynced: the root is fsynced now, once per version. The claim itself is not: it
-            # stands for a live writer, and after a crash of the machine every writer of it is gone,
-            # so a claim that did not survive changes nothing (its leftovers are garbage either way,
-            # and their directory keeps the number from being reused).
-            fsync_dir(loc.root)
-            exclusive_local_write(loc.path(vdir), CLAIM_FILE, data, durable=False)
+            _claim_local(loc, vdir, data)
         else:
             exclusive_remote_write(loc.fs, loc.path(vdir, CLAIM_FILE), data)
     except FileExistsError:
@@ -91,6 +85,27 @@ def claim_version(loc: Location, version: int, claim: Claim) -> bool:
         drop_claim(loc, version)
         return False
     return True
+
+
+def _claim_local(loc: Location, vdir: str, data: bytes) -> None:
+    """Make the version's directory and create its claim in it. A ``gc(min_age=0)`` beside this
+    writer may remove the directory while it is still empty (it holds nothing of anyone yet): it
+    is made again, a few times, before the claim gives up."""
+    for attempt in range(CLAIM_DIR_TRIES):
+        os.makedirs(loc.path(vdir), exist_ok=True)
+        # The version's directory entry must survive a crash of the machine once its manifest
+        # is fsynced: the root is fsynced now, once per version. The claim itself is not: it
+        # stands for a live writer, and after a crash of the machine every writer of it is gone,
+        # so a claim that did not survive changes nothing (its leftovers are garbage either way,
+        # and their directory keeps the number from being reused).
+        fsync_dir(loc.root)
+        try:
+            exclusive_local_write(loc.path(vdir), CLAIM_FILE, data, durable=False)
+            return
+        except FileNotFoundError:
+            if attempt == CLAIM_DIR_TRIES - 1 or os.path.isdir(loc.path(vdir)):
+                raise
+            log.info("%s was removed before its claim was written; making it again", loc.display(vdir))
 
 
 def _read_back(loc: Location, version: int) -> Claim | None:

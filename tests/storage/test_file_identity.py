@@ -178,6 +178,32 @@ class TestHousekeepingBesideAWriter:
         kept = [v.version for v in fresh.versions()]
         assert kept and all(error is None for error in verify_all(fresh).values())
 
+    def test_a_version_directory_gc_removes_before_its_claim_is_made_again(
+        self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """The instant the test above met at random: ``gc(min_age=0)`` removed the new, still empty
+        version directory between its making and the claim. Before, the save failed with a raw
+        ``FileNotFoundError``."""
+        from ckptflow.storage.versions import claims
+
+        store = CheckpointStore(tmp_path / "s")
+        store.save(dense(0))
+        real, removed = claims.fsync_dir, []
+
+        def gc_meanwhile(path: str) -> None:
+            real(path)
+            empties = [p for p in Path(path).iterdir() if p.is_dir() and not any(p.iterdir())]
+            for empty in empties[: 1 - len(removed)]:  # once, as a gc beside the writer would
+                removed.append(empty.name)
+                assert store.gc(min_age=0) == [int(empty.name[1:])]
+
+        monkeypatch.setattr(claims, "fsync_dir", gc_meanwhile)
+        store.save(dense(1))
+        monkeypatch.setattr(claims, "fsync_dir", real)
+        assert removed == ["v000001"]
+        assert [v.version for v in store.versions()] == [0, 1]
+        assert_same_state(CheckpointStore(tmp_path / "s").load(version=1), dense(1))
+
 
 def test_prune_says_what_each_removal_frees_when_other_versions_keep_its_bytes(tmp_path: Path) -> None:
     """Before, ``prune`` printed "removed version 0 (278.6 KiB)" though nearly all of those bytes
