@@ -245,6 +245,18 @@ def run_command(
             show_default=False,
         ),
     ] = config_field("archive.upload_versions"),
+    upload_every: Annotated[
+        str | None,
+        Opt(
+            "--upload-every",
+            metavar="CADENCE",
+            help="With --upload-to: 'epoch', or a duration (10m): the durable tier's cadence.",
+        ),
+    ] = config_field("archive.upload_every"),
+    stop_drain: Annotated[
+        float,
+        Opt("--stop-drain", metavar="SECONDS", help="On SIGTERM: time to make the newest version durable."),
+    ] = config_field("archive.stop_drain_seconds"),
     keep_last: Annotated[int | None, Opt("--keep-last", help="Retention: keep the newest N.")] = config_field(
         "retention.keep_last"
     ),
@@ -673,6 +685,15 @@ def _resume_command(config: Any, url: str) -> str:
         args += ["--storage-secret", config.storage_secret]
     if config.nproc > 1:
         args += ["--nproc", str(config.nproc)]
+    archive = config.archive
+    if archive.upload_to is not None:  # the durable tier: a resume on another machine starts from it
+        args += ["--upload-to", archive.upload_to]
+        if archive.upload_options:
+            args += ["--upload-options", json.dumps(archive.upload_options, separators=(",", ":"))]
+        if archive.upload_secret is not None:
+            args += ["--upload-secret", archive.upload_secret]
+        if archive.upload_every is not None:
+            args += ["--upload-every", archive.upload_every]
     return " ".join(shlex.quote(a) for a in args)
 
 

@@ -184,7 +184,9 @@ def _run_epochs(
     stopper.seed(run.metrics)
     reason = f"already at epoch {run.epoch}" if run.epoch >= config.epochs else None
     pending: PendingSave | None = None
-    archiver = ArchiveQueue(run.store, config.archive, existing, on_result=monitor.archived)
+    archiver = ArchiveQueue(
+        run.store, config.archive, existing, on_result=monitor.archived, on_durable=monitor.durable
+    )
     train = train_epoch.with_options(retries=config.epoch_retries)
     save = save_checkpoint.with_options(retries=config.save_retries)
     watch = CancelWatch(on_cancel=run.trainer.request_stop)
@@ -225,6 +227,7 @@ def _run_epochs(
                     previous=_opaque(pending),
                     timeout=config.save_timeout_seconds,
                     retention=config.retention if config.retention.enabled() and archiver.idle() else None,
+                    durable_from=archiver.not_durable_from(),
                 )
                 run.next_version = version + 1
                 removed_early += result.removed
@@ -240,21 +243,22 @@ def _run_epochs(
         _commit(pending, monitor, config, archiver)
         run.close()
     except BaseException as exc:
-        _quietly("abandon the archive jobs", archiver.abandon)
-        reached.in_flight = pending.version if pending is not None else None
         # the trainer's saves in flight commit before it stops, in an interrupted run too; told to
         # stop (SIGTERM, Ctrl-C), it saves where it stands first...
         preempted = _told_to_stop(exc)
+        bound = config.archive.stop_drain_seconds if preempted else None
+        _quietly("abandon the archive jobs", lambda: archiver.abandon(timeout=bound))
+        reached.in_flight = pending.version if pending is not None else None
         _quietly("close the run", lambda: run.close(interrupted=True, preempted=preempted))
         in_flight = reached.in_flight if preempted else None
         monitor.catch_up(run.store.versions, in_flight=in_flight)  # ...and what committed is reported
         if preempted and not isinstance(exc, KeyboardInterrupt):  # SIGTERM ends the run Cancelled
-            return _stopped_by_signal(exc, run, monitor, reached)
+            return _stopped_by_signal(exc, run, monitor, reached, archiver)
         raise  # the summary: _train
     finally:
         watch.close()
     archiver.drain(strict=False)  # a failed job is reported by _finish
-    removed = sorted({*removed_early, *finalize(run.store, config.retention)})
+    removed = sorted({*removed_early, *finalize(run.store, config.retention, archiver.not_durable_from())})
     resumed_from = run.resumed_from.version if run.resumed_from else None
     ended = _finish(
         run.store,
@@ -289,6 +293,8 @@ def _finish(
     mirror = archiver.mirror_status()
     if mirror is not None:  # every run with an upload target says what the mirror lacks
         summary.update(mirror.as_dict())
+        summary["durable_newest"] = archiver.durable_newest if archiver.durable_known else None
+        summary["upload_skipped"] = sorted(archiver.skipped)
         get_run_logger().info(mirror.line())
         monitor.note(mirror.line())
     get_run_logger().info("stopped: %s; latest checkpoint: %s", reason, summary["latest_url"])
@@ -322,12 +328,18 @@ def _told_to_stop(exc: BaseException) -> bool:
     return isinstance(exc, (TerminationSignal, KeyboardInterrupt, Preempted))
 
 
-def _stopped_by_signal(exc: BaseException, run: TrainingRun, monitor: RunMonitor, reached: Reached) -> State:
-    """The end of a run told to stop: Cancelled, with what it saved (the summary: as any end)."""
+def _stopped_by_signal(
+    exc: BaseException, run: TrainingRun, monitor: RunMonitor, reached: Reached, archiver: ArchiveQueue
+) -> State:
+    """The end of a run told to stop: Cancelled, with what it saved (the summary: as any end), its
+    newest version sent to the durable tier first when it has one and the grace allows."""
     note_stop_signal(getattr(exc, "signal", signal.SIGTERM))  # TerminationSignal's, or a trainer's SIGTERM
     latest, unreadable = _latest(run.store, monitor)
     _, why = _how_it_ended(exc, reached.in_flight, monitor)
     saved = f"; newest committed: {_newest_text(latest)}"
+    if archiver.config.upload_to is not None:
+        _quietly("drain to the durable tier", lambda: archiver.drain_on_stop(latest))
+        saved += "; " + archiver.durable_line()
     message = f"{why}{saved}"
     epochs = _trained(run, latest)
     monitor.ended("Cancelled", message, latest, rows=[("epochs", epochs)], unreadable=unreadable)

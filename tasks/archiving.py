@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import socket
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -273,10 +274,12 @@ class ArchiveQueue:
         config: ArchiveConfig,
         existing: list[VersionInfo],
         on_result: Callable[[ArchiveResult], None] | None = None,
+        on_durable: Callable[[int | None, list[int]], None] | None = None,
     ) -> None:
         self.store = store
         self.config = config
         self.on_result = on_result
+        self.on_durable = on_durable  # (the durable tier's newest version, the versions it lacks)
         # A version in a committed tarball whose loose copy is still there is done when the
         # copies are kept on purpose and nothing is uploaded; else its job was cut off: redo it
         # (the tarball is reused, a verified upload skipped).
@@ -290,13 +293,41 @@ class ArchiveQueue:
         self.mirrored: set[int] = set()  # versions whose upload this run verified
         self.failures: list[str] = []  # "what failed: why", one per failed job
         self.started = False
+        # The durable tier (upload_to): its newest version as last seen (None: none, or not known),
+        # the versions committed here, and the cadence's state (archive.upload_every).
+        self.durable_newest: int | None = None
+        self.durable_known = False  # whether durable_newest was read from the tier or confirmed
+        self.committed_here: list[int] = [v.version for v in existing]
+        self.held: int | None = None  # the newest version the cadence has not sent yet
+        self.skipped: list[int] = []  # versions the cadence let go: a newer one went up instead
+        self._last_sent: float | None = None  # monotonic time the last upload started
 
     def committed(self, info: VersionInfo) -> None:
         """Note a new commit; start whatever the policy says is due and a slot allows. Never waits."""
         self.loose.append(info)
+        self.committed_here.append(info.version)
         if self.config.mirrors_versions():
-            self.waiting.append(info.version)
+            self._hold(info.version)
+            if self._due(info):
+                self._send_held()
         self.catch_up()
+
+    def _hold(self, version: int) -> None:
+        if self.held is not None:
+            self.skipped.append(self.held)
+        self.held = version
+
+    def _due(self, info: VersionInfo) -> bool:
+        """Whether the cadence sends ``info`` up now (else it is held until a later one is due)."""
+        interval = self.config.upload_interval()
+        if interval is None:
+            return not info.in_epoch
+        return self._last_sent is None or time.monotonic() - self._last_sent >= interval
+
+    def _send_held(self) -> None:
+        if self.held is not None:
+            self.waiting.append(self.held)
+            self.held = None
 
     def catch_up(self) -> None:
         """Collect the jobs that ended, then start what is due; at start also what an interrupted
@@ -306,6 +337,11 @@ class ArchiveQueue:
         if not self.started and not self.failures:
             self.started = True
             self.waiting[:0] = [v for v in self._not_mirrored() if v not in self.waiting]
+            self._tell_durable()
+        interval = self.config.upload_interval()
+        last = self._last_sent
+        if self.held is not None and interval and last is not None and time.monotonic() - last >= interval:
+            self._send_held()
         self._start_due()
 
     def _start_due(self) -> None:
@@ -331,6 +367,7 @@ class ArchiveQueue:
         return len(self.pending) < self.config.max_pending
 
     def _upload(self, version: int) -> None:
+        self._last_sent = time.monotonic()
         future = upload_version.submit(self.store, version, self.config)
         self.pending.append(_Job(future, [version], archives=False))
         if self.config.enabled():
@@ -347,8 +384,53 @@ class ArchiveQueue:
         except Exception as exc:  # upload them all: a verified copy is skipped
             log = get_run_logger()
             log.warning("could not list %s (%s): checking every loose version", redact(target[0]), exc)
-            mirrored = set()
-        return [v.version for v in self.loose if v.version not in mirrored]
+            return [v.version for v in self.loose]
+        self.durable_newest, self.durable_known = max(mirrored, default=None), True
+        lacking = [v.version for v in self.loose if v.version not in mirrored]
+        if self.config.upload_every is not None:  # with a cadence, only the newest catches up
+            lacking = lacking[-1:] if lacking and lacking[-1] > (self.durable_newest or -1) else []
+        return lacking
+
+    def _became_durable(self, versions: list[int]) -> None:
+        newest = max(versions)
+        if self.durable_newest is None or newest > self.durable_newest:
+            self.durable_newest = newest
+        self.durable_known = True
+        self._tell_durable()
+
+    def not_durable(self) -> list[int]:
+        """The versions committed here that are newer than the durable tier's newest (all of them
+        when it is not known)."""
+        newest = self.durable_newest if self.durable_known else None
+        return sorted(v for v in set(self.committed_here) if newest is None or v > newest)
+
+    def not_durable_from(self) -> int | None:
+        """The first version retention must keep for the durable tier (None without one)."""
+        if self.config.upload_to is None:
+            return None
+        if not self.durable_known:
+            return 0
+        return (self.durable_newest or -1) + 1
+
+    def durable_line(self) -> str:
+        """Where the durable tier stands: "durable tier URL: holds version 7", or which versions
+        only the fast tier holds."""
+        url = redact(self.config.upload_to or "")
+        newest = self.durable_newest if self.durable_known else None
+        lacking = self.not_durable()
+        held = f"holds version {newest}" if newest is not None else "holds no version"
+        if not self.durable_known:
+            held = "could not be read"
+        if not lacking:
+            return f"durable tier {url}: {held}"
+        return (
+            f"durable tier {url}: {held}; versions {version_ranges(lacking)} are only on the fast tier "
+            f"{self.store.url}"
+        )
+
+    def _tell_durable(self) -> None:
+        if self.on_durable is not None and self.config.upload_to is not None and self.durable_known:
+            self.on_durable(self.durable_newest, self.not_durable())
 
     def _collect_ended(self) -> None:
         for job in [j for j in self.pending if j.ended.is_set()]:
@@ -366,6 +448,7 @@ class ArchiveQueue:
             return  # an archive job's versions stay busy: no other job takes them in this run
         if not job.archives:
             self.mirrored.update(job.versions)
+            self._became_durable(job.versions)
             return
         self.busy.difference_update(job.versions)
         if isinstance(result, ArchiveResult):
@@ -373,6 +456,7 @@ class ArchiveQueue:
             self.results.append(result)
             if result.uploaded:
                 self.mirrored.update(result.versions)
+                self._became_durable(result.versions)
             if self.on_result is not None:
                 self.on_result(result)
 
@@ -382,6 +466,7 @@ class ArchiveQueue:
         Jobs waiting for a slot start as others end, unless one failed. ``strict``: raise if a
         job failed; else the caller reports :attr:`failures`.
         """
+        self._send_held()  # the run's last version goes up whatever the cadence
         self._start_due()
         while self.pending:
             self._finish(self.pending.pop(0))
@@ -402,15 +487,73 @@ class ArchiveQueue:
             return mirrored_versions(url, options)
 
         return check_mirror(
-            self.store, url, held, config=self.config, confirmed=self.mirrored, failures=self.failures
+            self.store,
+            url,
+            held,
+            config=self.config,
+            confirmed=self.mirrored,
+            failures=self.failures,
+            skipped=self.skipped,
         )
 
     def idle(self) -> bool:
-        """Whether no archive or upload job runs or waits (retention may remove versions now)."""
-        return not self.pending and not self.waiting and not self.busy
+        """Whether no archive or upload job runs or waits and none failed (retention may remove
+        versions now: none is waiting to go up)."""
+        return not self.pending and not self.waiting and not self.busy and not self.failures
 
-    def abandon(self) -> None:
-        """On an interrupted run: wait for queued jobs to end, without raising their errors."""
+    def abandon(self, timeout: float | None = None) -> None:
+        """On an interrupted run: wait for queued jobs to end (up to ``timeout`` s in all), without
+        raising their errors."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         for job in self.pending:
-            job.future.wait()  # a PrefectFuture's wait() does not raise the task's error
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            job.future.wait(left)  # a PrefectFuture's wait() does not raise the task's error
+        self._collect_ended()
         self.pending.clear()
+
+    def drain_on_stop(self, newest: VersionInfo | None) -> list[int]:
+        """On SIGTERM: send ``newest`` (the stop's own save) to the durable tier within
+        ``stop_drain_seconds``, in a thread of this process (the flow's task runner is shutting
+        down); return the versions still only on the fast tier."""
+        seconds = self.config.stop_drain_seconds
+        target = upload_target(self.config) if self.config.mirrors_versions() else None
+        if target is None or newest is None:
+            return self.not_durable() if target is not None else []
+        if newest.version not in self.committed_here:
+            self.committed_here.append(newest.version)
+        started = time.monotonic()
+        self.abandon(timeout=seconds)
+        if self.durable_known and self.durable_newest is not None and self.durable_newest >= newest.version:
+            return self.not_durable()
+        left = seconds - (time.monotonic() - started)
+        if left <= 0:
+            return self.not_durable()
+        outcome: list[BaseException | str] = []
+
+        def send() -> None:
+            try:
+                note_fast_tier(target[0], target[1], newest.version)
+                outcome.append(
+                    self.store.mirror_version(newest.version, target[0], storage_options=target[1])
+                )
+            except BaseException as exc:
+                outcome.append(exc)
+
+        thread = threading.Thread(target=send, name="ckptflow-stop-drain", daemon=True)
+        thread.start()
+        thread.join(left)
+        logger = get_run_logger()
+        if outcome and isinstance(outcome[0], str):
+            self.mirrored.add(newest.version)
+            self._became_durable([newest.version])
+            logger.info("version %d is durable: %s", newest.version, redact(outcome[0]))
+        elif outcome:
+            why = " ".join(str(outcome[0]).split()) or type(outcome[0]).__name__
+            logger.warning("could not make version %d durable before the stop: %s", newest.version, why)
+        else:
+            logger.warning(
+                "version %d did not reach the durable tier within %gs (archive.stop_drain_seconds)",
+                newest.version,
+                seconds,
+            )
+        return self.not_durable()

@@ -108,6 +108,11 @@ class RetentionConfig(_Strict):
     best_count: int = Field(
         1, ge=1, le=MAX_EPOCHS, description="with keep_best: keep the best N by its metric"
     )
+    keep_undurable: bool = Field(
+        True,
+        description="with archive.upload_to: keep the versions the durable tier does not hold yet, "
+        "whatever the rest says (false: apply the policy to them too)",
+    )
 
     @model_validator(mode="after")
     def _direction_given(self) -> RetentionConfig:
@@ -123,8 +128,9 @@ class RetentionConfig(_Strict):
     def enabled(self) -> bool:
         return any(v is not None for v in (self.keep_last, self.keep_every, self.keep_best))
 
-    def policy(self) -> RetentionPolicy:
-        """The storage library's policy for these settings."""
+    def policy(self, not_durable_from: int | None = None) -> RetentionPolicy:
+        """The storage library's policy for these settings; ``not_durable_from``: the first version
+        the durable tier does not hold yet (kept, unless ``keep_undurable`` is off)."""
         from ckptflow.storage import RetentionPolicy
 
         return RetentionPolicy(
@@ -133,6 +139,7 @@ class RetentionConfig(_Strict):
             keep_best=self.keep_best,
             best_mode=self.best_mode,
             best_count=self.best_count,
+            keep_from=not_durable_from if self.keep_undurable else None,
         )
 
 
@@ -152,6 +159,27 @@ class StopConfig(_Strict):
         if (self.target is not None or self.patience is not None) and not self.metric:
             raise ValueError("stop.target and stop.patience need stop.metric (e.g. 'val_loss')")
         return self
+
+
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def upload_interval(text: str) -> float | None:
+    """``archive.upload_every`` in seconds: "epoch" is None, "10m" is 600, "90s" (or "90") is 90."""
+    spelled = text.strip().lower()
+    if spelled == "epoch":
+        return None
+    number, unit = (spelled[:-1], spelled[-1]) if spelled[-1:] in _UNITS else (spelled, "s")
+    try:
+        seconds = float(number) * _UNITS[unit]
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds <= 7 * 86400:
+        raise ValueError(
+            f"archive.upload_every {text!r} is not a cadence: give 'epoch' or a duration such as "
+            "'10m', '90s' or '1h' (at most a week)"
+        )
+    return seconds
 
 
 class ArchiveConfig(_Strict):
@@ -179,6 +207,19 @@ class ArchiveConfig(_Strict):
     max_pending: int = Field(
         2, ge=1, le=16, description="archive and upload jobs run at once (more wait; a commit never waits)"
     )
+    upload_every: str | None = Field(
+        None,
+        description="the durable tier's cadence: 'epoch' (versions at epoch ends), or a duration "
+        "('10m', '90s', '1h': the newest version at most that often); unset: every version. The "
+        "run's last version always goes up",
+    )
+    stop_drain_seconds: float = Field(
+        20.0,
+        ge=0,
+        le=3600,
+        description="on SIGTERM: how long the run may spend making its newest version durable "
+        "before it exits (keep it under the platform's grace period)",
+    )
 
     @field_validator("upload_options")
     @classmethod
@@ -190,6 +231,17 @@ class ArchiveConfig(_Strict):
 
     def enabled(self) -> bool:
         return self.every is not None or self.target_bytes is not None
+
+    @field_validator("upload_every")
+    @classmethod
+    def _cadence(cls, value: str | None) -> str | None:
+        if value is not None:
+            upload_interval(value)  # raises naming what is wrong
+        return value
+
+    def upload_interval(self) -> float | None:
+        """The durable tier's cadence in seconds (0: every version; None: at epoch ends)."""
+        return upload_interval(self.upload_every) if self.upload_every is not None else 0.0
 
     def mirrors_versions(self) -> bool:
         """Whether each committed version goes to ``upload_to`` as it commits (unset: yes, with a target)."""

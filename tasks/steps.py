@@ -270,6 +270,7 @@ def save_checkpoint(
     previous: PendingSave | None = None,
     timeout: float | None = None,
     retention: RetentionConfig | None = None,
+    durable_from: int | None = None,
 ) -> SaveResult:
     """Commit the async save in flight, apply ``retention`` to what is committed, then save where
     the run stands as ``version``.
@@ -277,13 +278,13 @@ def save_checkpoint(
     Async saves (the run's mode, ``async_save``) return once the state is copied. Waiting for
     ``previous`` here, not in a task of its own, saves a task run per epoch; if its background
     write failed, it is written again from its staged bytes on the next attempt, before
-    anything else.
+    anything else. ``durable_from``: the first version the durable tier lacks, which retention keeps.
 
     ``timeout`` bounds each wait for a commit (SaveTimeoutError). A write is never started
     twice: a write that outlived its attempt goes on, and the next attempt waits for it.
     """
     committed = _commit_within(previous, timeout) if previous is not None else None
-    removed = _retain(run.store, retention) if retention is not None else ()
+    removed = _retain(run.store, retention, durable_from) if retention is not None else ()
     if run.writing is not None and run.writing[0] == version:
         earlier = run.writing[1]
         try:
@@ -318,7 +319,7 @@ def save_checkpoint(
     if info is None:  # its trainers died before it committed: the retry's new ones save it again
         raise TrainerDiedError(f"the trainers that were writing version {version} died before it committed")
     if retention is not None:
-        removed += _retain(run.store, retention)
+        removed += _retain(run.store, retention, durable_from)
     return SaveResult(info, committed, removed)
 
 
@@ -336,25 +337,27 @@ class _Removed:
 _unsaid: dict[str, _Removed] = {}  # by flow run
 
 
-def _retain(store: CheckpointStore, policy: RetentionConfig) -> tuple[int, ...]:
+def _retain(store: CheckpointStore, policy: RetentionConfig, durable_from: int | None) -> tuple[int, ...]:
     """Apply the retention policy as the run goes; one line for what it removed, at most once a
     minute (a run saving every few seconds would say it at every save), the rest at the run's end."""
     if not policy.enabled():
         return ()
-    plan = store.apply_retention(policy.policy())
+    plan = store.apply_retention(policy.policy(durable_from))
     if plan.remove:
         removed = _unsaid.setdefault(flow_run.get_id() or "", _Removed([]))
         removed.versions += plan.remove
         now = time.monotonic()
         if removed.said_at is None or now - removed.said_at >= RETENTION_LINE_SECONDS:
-            _say_retention(policy, plan, removed.versions)
+            _say_retention(policy, plan, removed.versions, durable_from)
             removed.versions, removed.said_at = [], now
     return tuple(plan.remove)
 
 
-def _say_retention(policy: RetentionConfig, plan: PrunePlan, removed: list[int]) -> None:
+def _say_retention(
+    policy: RetentionConfig, plan: PrunePlan, removed: list[int], durable_from: int | None = None
+) -> None:
     """The retention line, of every version removed since the last one (``removed``)."""
-    line = retention_line(policy, dataclasses.replace(plan, remove=tuple(sorted(removed))))
+    line = retention_line(policy, dataclasses.replace(plan, remove=tuple(sorted(removed))), durable_from)
     get_run_logger().info(line)
     notify("retention", {"text": line, "removed": sorted(removed), "kept": list(plan.remaining)})
 
@@ -385,14 +388,15 @@ def _commit_within(handle: PendingSave, timeout: float | None) -> VersionInfo | 
 
 
 @task(name="finalize", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=exponential_backoff(1))
-def finalize(store: CheckpointStore, policy: RetentionConfig) -> list[int]:
-    """Apply the retention policy, say what it kept and removed; return the versions it removed."""
+def finalize(store: CheckpointStore, policy: RetentionConfig, durable_from: int | None = None) -> list[int]:
+    """Apply the retention policy (keeping the versions from ``durable_from`` on, which the durable
+    tier lacks), say what it kept and removed; return the versions it removed."""
     store.wait()
     if not policy.enabled():
         return []
-    plan = store.apply_retention(policy.policy())
+    plan = store.apply_retention(policy.policy(durable_from))
     unsaid = _unsaid.pop(flow_run.get_id() or "", _Removed([]))
-    _say_retention(policy, plan, [*unsaid.versions, *plan.remove])
+    _say_retention(policy, plan, [*unsaid.versions, *plan.remove], durable_from)
     return list(plan.remove)
 
 

@@ -90,6 +90,23 @@ class TestResumeHint:
         note = out[at + 1]
         assert "RunFacts.planned_epochs stays 10" in note and "Your own model" in note, note
 
+    def test_it_keeps_the_durable_tier(self, tmp_path, capsys):
+        """Bug fix: with ``--upload-to`` the hint left it out, so the resume it offered neither
+        fetched from nor drained to the durable tier (and on a new machine started over)."""
+        storage = str(tmp_path / "fast")
+        archive = {
+            "upload_to": "s3://bucket/run 1",
+            "upload_options": {"endpoint_url": "http://127.0.0.1:8333"},
+            "upload_every": "epoch",
+        }
+        config = PipelineConfig(storage=storage, epochs=2, archive=archive)
+        _print_next_steps(config, {"storage": storage, "latest_url": "x"})
+        line = next(x for x in capsys.readouterr().out.splitlines() if "resume / train longer:" in x)
+        params = parsed_run_command(line.split(":", 1)[1].strip())
+        assert params["upload_to"] == "s3://bucket/run 1"
+        assert json.loads(params["upload_options"]) == archive["upload_options"]
+        assert params["upload_every"] == "epoch"
+
     def test_defaults_are_left_out(self, tmp_path, capsys):
         storage = str(tmp_path / "s")
         _print_next_steps(PipelineConfig(storage=storage, epochs=2), {"storage": storage, "latest_url": "x"})

@@ -42,6 +42,9 @@ class RetentionPolicy:
     keep_best: str | None = None
     best_mode: Literal["min", "max"] | None = None  # required with keep_best: no direction is assumed
     best_count: int = 1
+    # Keep every version numbered at least this, whatever the rest says: those a durable tier does
+    # not hold yet (a run with an upload target), which its fast tier must not drop.
+    keep_from: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("keep_last", "keep_every"):
@@ -74,6 +77,8 @@ def versions_to_keep(manifests: list[Manifest], policy: RetentionPolicy) -> set[
             m.version for m in ordered if in_epoch(m.user) is None and _epoch(m) % policy.keep_every == 0
         )
     keep.update(best_versions(ordered, policy))
+    if policy.keep_from is not None:
+        keep.update(m.version for m in ordered if m.version >= policy.keep_from)
     return keep
 
 

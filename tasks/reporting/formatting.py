@@ -67,9 +67,9 @@ def epoch_text(info: VersionInfo) -> str:
     return f"{info.epoch} ({steps:,}/{length:,})" if length is not None else f"{info.epoch} ({steps:,})"
 
 
-def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:
-    """``retention (keep_last=3): removed versions 1, 2; kept 3, 4, 5``, the best by the metric and
-    what a tarball held back."""
+def retention_line(policy: RetentionConfig, plan: PrunePlan, durable_from: int | None = None) -> str:
+    """``retention (keep_last=3): removed versions 1, 2; kept 3, 4, 5``, the best by the metric,
+    what a tarball held back and what was kept until the durable tier holds it (``durable_from``)."""
     rules = ", ".join(
         f"{name}={value}"
         for name, value in (
@@ -84,6 +84,9 @@ def retention_line(policy: RetentionConfig, plan: PrunePlan) -> str:
     if policy.keep_best is not None:
         best = ", ".join(map(str, plan.best)) or "none (no version has the metric)"
         line += f"; the best by {policy.keep_best} ({policy.best_mode}): {best}"
+    waiting = [v for v in plan.remaining if durable_from is not None and v >= durable_from]
+    if policy.keep_undurable and len(waiting) > 1:  # the newest is kept anyway
+        line += f"; kept until the durable tier holds them: {version_ranges(waiting)}"
     held = plan.describe_held()
     return f"{line}; kept beyond the policy: {held}" if held else line
 

@@ -11,8 +11,8 @@ verified count, and the line says why. No Prefect import: the flow logs it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptflow.storage import CheckpointStore, redact
@@ -31,16 +31,27 @@ class MirrorStatus:
     committed: list[int]
     missing: list[int]
     reason: str | None = None  # why they are missing, when known
+    skipped: list[int] = field(default_factory=list)  # let go by the cadence: a newer one went up
+    cadence: str | None = None  # archive.upload_every
 
     def line(self) -> str:
+        skipped = ""
+        if self.skipped:
+            skipped = f"; versions {version_ranges(self.skipped)} skipped by upload_every {self.cadence!r}"
         if not self.missing:
-            held = f"all {len(self.committed)} committed versions" if self.committed else "nothing to hold"
-            return f"mirror {self.url}: {held} mirrored"
+            count = len(self.committed) - len(self.skipped)
+            held = f"all {count} versions due" if self.skipped else f"all {count} committed versions"
+            return f"mirror {self.url}: {held if self.committed else 'nothing to hold'} mirrored{skipped}"
         why = f" ({self.reason})" if self.reason else ""
-        return f"mirror {self.url}: versions {version_ranges(self.missing)} not mirrored yet{why}"
+        return f"mirror {self.url}: versions {version_ranges(self.missing)} not mirrored yet{why}{skipped}"
 
     def as_dict(self) -> dict[str, Any]:
-        return {"mirror": self.url, "not_mirrored": list(self.missing), "mirror_line": self.line()}
+        return {
+            "mirror": self.url,
+            "not_mirrored": list(self.missing),
+            "mirror_skipped": list(self.skipped),
+            "mirror_line": self.line(),
+        }
 
 
 def check_mirror(
@@ -51,6 +62,7 @@ def check_mirror(
     config: ArchiveConfig,
     confirmed: set[int],
     failures: list[str],
+    skipped: Collection[int] = (),
 ) -> MirrorStatus:
     """The committed versions of ``store`` that ``held()`` (what ``url`` holds) lacks, and why."""
     versions = store.versions()
@@ -62,12 +74,13 @@ def check_mirror(
     except Exception as exc:
         mirrored = set(confirmed)
         listing_error = f"could not list the mirror: {' '.join(str(exc).split()) or type(exc).__name__}"
-    missing = [v for v in committed if v not in mirrored]
+    let_go = [v for v in committed if v in skipped and v not in mirrored]
+    missing = [v for v in committed if v not in mirrored and v not in let_go]
     reason = _reason(missing, config, failures, listing_error)
     if reason and config.mirrors_versions() and not archived_here.intersection(missing):
         # a run uploads the loose versions the mirror lacks when it starts
         reason += "; the next run with this upload target uploads them"
-    return MirrorStatus(redact(url), committed, missing, reason)
+    return MirrorStatus(redact(url), committed, missing, reason, let_go, config.upload_every)
 
 
 def mirrored_versions(url: str, options: dict[str, Any]) -> set[int]:

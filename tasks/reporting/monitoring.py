@@ -206,6 +206,7 @@ class RunMonitor:
         self._ending: str | None = None  # how the run ended, once it has
         self._inside: tuple[int, int, int | None] | None = None  # (epoch, its steps trained, of how many)
         self._last_commit: tuple[VersionInfo, float] | None = None  # and the monotonic time it was seen
+        self._durable: tuple[int | None, list[int]] | None = None  # the durable tier's newest, what it lacks
         self._began = time.monotonic()
         self._reporter = _Reporter(self._publish_epochs, self.min_interval)
 
@@ -300,7 +301,28 @@ class RunMonitor:
         eta = _eta(times, self.total_epochs) if ended is None else None
         if eta is not None:
             parts.append(eta)
+        durable = self.durable_text()
+        if durable:
+            parts.append(durable)
         return ", ".join(parts)
+
+    def durable(self, newest: int | None, lacking: list[int]) -> None:
+        """The durable tier's newest version and the versions committed here it lacks, as they
+        change (an upload verified): the log lines, the progress artifact and listeners show them."""
+        with self._lock:
+            self._durable = (newest, list(lacking))
+        self._reporter.soon()
+        notify("durable", {"newest": newest, "lacking": list(lacking)})
+
+    def durable_text(self) -> str:
+        """ "durable v7", "durable v7 (2 behind)", "durable: none yet" ("" without a durable tier)."""
+        with self._lock:
+            durable = self._durable
+        if durable is None:
+            return ""
+        newest, lacking = durable
+        held = f"durable v{newest}" if newest is not None else "durable: none yet"
+        return f"{held} ({len(lacking)} behind)" if lacking else held
 
     def flush(self, timeout: float = 30.0) -> None:
         """Publish what is pending now and wait for it (up to ``timeout`` s)."""
@@ -433,6 +455,9 @@ class RunMonitor:
         eta = _eta(times, self.total_epochs, short=True) if ended is None else None
         if eta is not None:
             text += f", {eta}"
+        durable = self.durable_text()
+        if durable:
+            text += f", {durable}"
         if ended is not None:
             text += f"; {ended.split(':', 1)[0]}"  # the state; the summary says why
         self.artifacts.progress(f"{self.key_prefix}-progress", percent, text)
