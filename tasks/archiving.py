@@ -419,14 +419,12 @@ class ArchiveQueue:
         newest = self.durable_newest if self.durable_known else None
         lacking = self.not_durable()
         held = f"holds version {newest}" if newest is not None else "holds no version"
+        only = "are only"
         if not self.durable_known:
-            held = "could not be read"
+            held, only = "could not be read", "may be only"
         if not lacking:
             return f"durable tier {url}: {held}"
-        return (
-            f"durable tier {url}: {held}; versions {version_ranges(lacking)} are only on the fast tier "
-            f"{self.store.url}"
-        )
+        return f"durable tier {url}: {held}; versions {version_ranges(lacking)} {only} on the fast tier {self.store.url}"
 
     def _tell_durable(self) -> None:
         if self.on_durable is not None and self.config.upload_to is not None and self.durable_known:

@@ -27,6 +27,7 @@ def main(argv: list[str]) -> int:
         "state": state.type.value,
         "flow_run_id": str(state.state_details.flow_run_id),
         "summary": summary if isinstance(summary, dict) else None,
+        "message": state.message,
     }
     print(RESULT_PREFIX + json.dumps(out), flush=True)
     return 0 if state.is_completed() or state.is_cancelled() else 1

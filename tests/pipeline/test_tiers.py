@@ -9,7 +9,9 @@ SeaweedFS S3 server or a local directory as the durable tier.
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -136,3 +138,126 @@ def test_resume_only_resumes_from_the_durable_tier_when_the_fast_tier_is_empty(p
     newest = CheckpointStore(tmp_path / "durable").versions()
     assert summary["fetched"]["version"] == summary["resumed_from"] and summary["last_epoch"] == 2
     assert newest[-1].epoch == 2
+
+
+def in_epoch_positions(durable: CheckpointStore) -> list[tuple[int | None, int | None, int | None]]:
+    return [p for p in positions(durable) if p[1] is not None]
+
+
+def test_the_durable_tier_keeps_its_own_cadence_and_the_fast_tier_every_save(prefect_server, tmp_path):
+    """``upload_every: epoch``: every step save commits to the fast tier, the durable tier gets
+    the versions at epoch ends only; the run says which versions the cadence let go."""
+    durable = tmp_path / "durable"
+    config = stepped(
+        tmp_path / "fast", train_process=False, archive={"upload_to": str(durable), "upload_every": "epoch"}
+    )
+    summary, _ = run_summary(config)
+    fast = CheckpointStore(config.storage)
+    assert positions(fast) == expected_positions()
+    ends = [p for p in expected_positions() if p[1] is None]
+    assert positions(CheckpointStore(durable)) == ends
+    inside = [v.version for v in fast.versions() if v.in_epoch]
+    assert summary["mirror_skipped"] == inside and summary["not_mirrored"] == [], summary
+    assert summary["durable_newest"] == fast.versions()[-1].version
+    assert "skipped by upload_every 'epoch'" in summary["mirror_line"], summary
+
+
+def test_retention_on_the_fast_tier_keeps_the_versions_the_durable_tier_lacks(
+    prefect_server, tmp_path, monkeypatch
+):
+    """A durable tier that refuses every upload: ``keep_last: 1`` removes nothing it lacks (the
+    run fails, naming the upload); told to (``keep_undurable: false``), the policy applies."""
+    from ckptflow.tasks import archiving
+    from tests.pipeline.helpers import run_flow
+    from tests.pipeline.test_mirror import refused_endpoint
+
+    monkeypatch.setattr(archiving, "upload_version", archiving.upload_version.with_options(retries=0))
+    refused = {
+        "client_kwargs": {"endpoint_url": refused_endpoint()},
+        "config_kwargs": {"retries": {"total_max_attempts": 1}},
+    }
+    archive = {"upload_to": "s3://durable/run", "upload_options": refused}
+    run_summary(stepped(tmp_path / "fast", train_process=False, epochs=1))  # a run without the tier first
+    held = [v.version for v in CheckpointStore(tmp_path / "fast").versions()]
+    config = stepped(
+        tmp_path / "fast", train_process=False, epochs=2, archive=archive, retention={"keep_last": 1}
+    )
+    state, _ = run_flow(config)
+    assert state.is_failed() and "upload of version" in (state.message or ""), state
+    kept = [v.version for v in CheckpointStore(config.storage).versions()]
+    assert kept[: len(held)] == held and len(kept) > len(held) + 1, kept  # nothing removed
+
+    told = config.model_copy(
+        update={"epochs": 3, "retention": config.retention.model_copy(update={"keep_undurable": False})}
+    )
+    state, _ = run_flow(told)
+    assert state.is_failed(), state
+    assert [v.version for v in CheckpointStore(config.storage).versions()] == [kept[-1] + 3]
+
+
+@pytest.mark.crash
+def test_sigterm_makes_the_newest_version_durable_before_the_run_ends(prefect_server, tmp_path):
+    """A durable tier on a cadence far away (``1h``): SIGTERM (a spot notice, a pod evicted) saves
+    where the run stands and sends that version up within ``stop_drain_seconds``; a new machine
+    resumes from it."""
+    durable = tmp_path / "durable"
+    archive = {"upload_to": str(durable), "upload_every": "1h"}
+    config = stepped(tmp_path / "fast", train_process=True, archive=archive)
+    child = Child(
+        prefect_server, config, tmp_path / "child.log", **{SLOW_FROM_ENV: "2", STEP_SECONDS_ENV: "0.5"}
+    )
+    fast = CheckpointStore(config.storage)
+    try:
+        child.wait_for(lambda: any(v.step == 15 for v in fast.versions()), 180, "the save of step 15")
+        os.kill(child.proc.pid, signal.SIGTERM)
+        code = child.wait(60)
+    finally:
+        child.kill()
+    result = child.result()
+    assert code == 0 and result["state"] == "CANCELLED", child.tail()
+    newest = fast.latest()
+    assert newest is not None and newest.step > 15
+    held = CheckpointStore(durable)
+    assert [v.version for v in held.versions()] == [1, newest.version]  # the first, then the stop's
+    assert f"durable tier {durable}: holds version {newest.version}" in result["message"], result
+    shutil.rmtree(config.storage)
+    summary, _ = run_summary(config)
+    assert summary["fetched"]["version"] == newest.version == summary["resumed_from"]
+
+
+@pytest.mark.crash
+def test_sigterm_beside_a_silent_durable_tier_ends_in_the_grace_naming_the_versions_only_local(
+    prefect_server, tmp_path, silent_endpoint, monkeypatch
+):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    silent = {
+        "client_kwargs": {"endpoint_url": silent_endpoint, "region_name": "us-east-1"},
+        "config_kwargs": {"connect_timeout": 1, "read_timeout": 1, "retries": {"total_max_attempts": 1}},
+    }
+    run_summary(stepped(tmp_path / "fast", train_process=False, epochs=1))  # the fast tier holds a run
+    archive = {"upload_to": "s3://durable/run", "upload_options": silent, "stop_drain_seconds": 4}
+    config = stepped(tmp_path / "fast", train_process=False, epochs=6, archive=archive)
+    env = {
+        SLOW_FROM_ENV: "13",
+        STEP_SECONDS_ENV: "0.3",
+        "AWS_ACCESS_KEY_ID": "k",
+        "AWS_SECRET_ACCESS_KEY": "s",
+    }
+    child = Child(prefect_server, config, tmp_path / "child.log", **env)
+    fast = CheckpointStore(config.storage)
+    try:
+        child.wait_for(lambda: any(v.step == 20 for v in fast.versions()), 180, "the save of step 20")
+        signalled = time.monotonic()
+        os.kill(child.proc.pid, signal.SIGTERM)
+        code = child.wait(60)
+        took = time.monotonic() - signalled
+    finally:
+        child.kill()
+    result = child.result()
+    assert code == 0 and result["state"] == "CANCELLED", child.tail()
+    assert took < config.stop_grace_seconds + 2 * 4 + 10, took  # the save, then two bounded waits
+    newest = fast.latest()
+    assert newest is not None and newest.step > 20
+    assert "durable tier s3://durable/run: could not be read" in result["message"], result
+    assert f"versions 1-{newest.version} may be only on the fast tier" in result["message"], result
