@@ -338,7 +338,7 @@ def _stopped_by_signal(
     _, why = _how_it_ended(exc, reached.in_flight, monitor)
     saved = f"; newest committed: {_newest_text(latest)}"
     if archiver.config.upload_to is not None:
-        _quietly("drain to the durable tier", lambda: archiver.drain_on_stop(latest))
+        _quietly("drain to the durable tier", lambda: archiver.drain_on_stop(latest, list(monitor.versions)))
         saved += "; " + archiver.durable_line()
     message = f"{why}{saved}"
     epochs = _trained(run, latest)

@@ -32,7 +32,7 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -510,10 +510,12 @@ class ArchiveQueue:
         self._collect_ended()
         self.pending.clear()
 
-    def drain_on_stop(self, newest: VersionInfo | None) -> list[int]:
+    def drain_on_stop(self, newest: VersionInfo | None, committed: Iterable[int] = ()) -> list[int]:
         """On SIGTERM: send ``newest`` (the stop's own save) to the durable tier within
         ``stop_drain_seconds``, in a thread of this process (the flow's task runner is shutting
-        down); return the versions still only on the fast tier."""
+        down); return the versions still only on the fast tier. ``committed``: the versions the
+        run saw commit (the save in flight at the stop among them)."""
+        self.committed_here.extend(v for v in committed if v not in self.committed_here)
         seconds = self.config.stop_drain_seconds
         target = upload_target(self.config) if self.config.mirrors_versions() else None
         if target is None or newest is None:
