@@ -294,7 +294,7 @@ def _finish(
     if mirror is not None:  # every run with an upload target says what the mirror lacks
         summary.update(mirror.as_dict())
         summary["durable_newest"] = archiver.durable_newest if archiver.durable_known else None
-        summary["upload_skipped"] = sorted(archiver.skipped)
+        summary["durable_outages"] = list(archiver.outages)
         get_run_logger().info(mirror.line())
         monitor.note(mirror.line())
     get_run_logger().info("stopped: %s; latest checkpoint: %s", reason, summary["latest_url"])
@@ -304,8 +304,8 @@ def _finish(
         why = f"cancelled after committing {_newest_text(latest)}"
         state, ending = "Cancelled", Cancelled(message=why)
         ended_cancelled(flow_run.get_id())
-    elif archiver.failures:
-        why = f"training ended at epoch {last_epoch}, but {archiver.failures[0]}"
+    elif archiver.unresolved():
+        why = f"training ended at epoch {last_epoch}, but {archiver.unresolved()[0]}"
         state, ending = "Failed", Failed(message=why)
     resumed = f"resumed from version {resumed_from}" if resumed_from is not None else "a new run"
     if fetched is not None and fetched.version == resumed_from:

@@ -291,7 +291,11 @@ class ArchiveQueue:
         self.results: list[ArchiveResult] = []
         self.uploads: dict[int, Any] = {}  # version -> its upload job, until an archive job waits for it
         self.mirrored: set[int] = set()  # versions whose upload this run verified
-        self.failures: list[str] = []  # "what failed: why", one per failed job
+        self.failures: list[str] = []  # "what failed: why", one per failed job no later one made good
+        # A failed upload (the durable tier not answering, refusing) pauses the uploads for
+        # upload_retry_seconds; then the newest version due goes up. Training never waits for it.
+        self.outages: list[str] = []  # "upload of version N failed: why", each failed upload
+        self.paused_until: float | None = None  # monotonic time before which no job starts
         self.started = False
         # The durable tier (upload_to): its newest version as last seen (None: none, or not known),
         # the versions committed here, and the cadence's state (archive.upload_every).
@@ -348,6 +352,8 @@ class ArchiveQueue:
         """Start waiting uploads (oldest first), then the archive groups due, while slots are free."""
         if self.failures:
             return
+        if self.paused_until is not None and time.monotonic() < self.paused_until:
+            return  # the durable tier failed an upload a moment ago
         while self.waiting and self._has_room():
             self._upload(self.waiting.pop(0))
         if not self.config.enabled():
@@ -390,6 +396,24 @@ class ArchiveQueue:
         if self.config.upload_every is not None:  # with a cadence, only the newest catches up
             lacking = lacking[-1:] if lacking and lacking[-1] > (self.durable_newest or -1) else []
         return lacking
+
+    def _outage(self, versions: list[int], failure: str) -> None:
+        """An upload failed after its retries: wait ``upload_retry_seconds``, then send the newest
+        version due (the backlog is one version; the others stay for the next run's start)."""
+        self.outages.append(failure)
+        pause = self.config.upload_retry_seconds
+        self.paused_until = time.monotonic() + pause
+        due = [*versions, *self.waiting]
+        self.waiting = [max(due)] if due else []
+        get_run_logger().warning(
+            "%s; training goes on, the durable tier is tried again in %gs", failure, pause
+        )
+
+    def unresolved(self) -> list[str]:
+        """The failed jobs that no later one made good: an archive job's, and the failed uploads
+        unless the durable tier caught up with the newest version since."""
+        caught_up = self.durable_known and not self.not_durable()
+        return [*self.failures, *([] if caught_up else self.outages)]
 
     def _became_durable(self, versions: list[int]) -> None:
         newest = max(versions)
@@ -443,11 +467,16 @@ class ArchiveQueue:
         except Exception as exc:
             what = "archive of versions" if job.archives else "upload of version"
             why = " ".join(str(exc).split()) or type(exc).__name__
-            self.failures.append(f"{what} {version_ranges(job.versions)} failed: {why}")
-            return  # an archive job's versions stay busy: no other job takes them in this run
+            failure = f"{what} {version_ranges(job.versions)} failed: {why}"
+            if job.archives:
+                self.failures.append(failure)
+                return  # an archive job's versions stay busy: no other job takes them in this run
+            self._outage(job.versions, failure)
+            return
         if not job.archives:
             self.mirrored.update(job.versions)
             self._became_durable(job.versions)
+            self.paused_until = None
             return
         self.busy.difference_update(job.versions)
         if isinstance(result, ArchiveResult):
@@ -466,13 +495,14 @@ class ArchiveQueue:
         job failed; else the caller reports :attr:`failures`.
         """
         self._send_held()  # the run's last version goes up whatever the cadence
+        self.paused_until = None  # and is tried once more after an outage
         self._start_due()
         while self.pending:
             self._finish(self.pending.pop(0))
             self._collect_ended()
             self._start_due()
-        if strict and self.failures:
-            raise CheckpointError("; ".join(self.failures))
+        if strict and self.unresolved():
+            raise CheckpointError("; ".join(self.unresolved()))
         return self.results
 
     def mirror_status(self) -> MirrorStatus | None:
@@ -491,7 +521,7 @@ class ArchiveQueue:
             held,
             config=self.config,
             confirmed=self.mirrored,
-            failures=self.failures,
+            failures=self.unresolved(),
             skipped=self.skipped,
         )
 

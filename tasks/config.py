@@ -213,6 +213,13 @@ class ArchiveConfig(_Strict):
         "('10m', '90s', '1h': the newest version at most that often); unset: every version. The "
         "run's last version always goes up",
     )
+    upload_retry_seconds: float = Field(
+        30.0,
+        ge=0.1,
+        le=3600,
+        description="after an upload failed (its retries spent): the pause before the durable tier "
+        "is tried again with the newest version; training never waits for it",
+    )
     stop_drain_seconds: float = Field(
         20.0,
         ge=0,

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from ckptflow.storage import CheckpointStore
+from tests.conftest import assert_same_state
 from tests.pipeline.helpers import Child, run_summary
 from tests.pipeline.specs import SLOW_FROM_ENV, STEP_SECONDS_ENV
 from tests.pipeline.test_step_checkpoints import assert_same_run, expected_positions, positions, stepped
@@ -262,3 +263,42 @@ def test_sigterm_beside_a_silent_durable_tier_ends_in_the_grace_naming_the_versi
     assert newest is not None and newest.step > 20
     assert "durable tier s3://durable/run: could not be read" in result["message"], result
     assert f"versions 1-{newest.version} may be only on the fast tier" in result["message"], result
+
+
+def test_a_durable_tier_that_answers_again_is_caught_up_within_the_run(prefect_server, tmp_path, monkeypatch):
+    """The durable tier fails every upload for a while (its path blocked), then answers again:
+    training never waits, the uploads pause ``upload_retry_seconds`` after each failure, and once
+    it answers the newest version goes up; the run ends Completed, saying what failed meanwhile."""
+    from ckptflow.tasks import archiving
+    from ckptflow.tasks.reporting.monitoring import add_listener
+    from tests.pipeline.helpers import run_flow
+
+    monkeypatch.setattr(archiving, "upload_version", archiving.upload_version.with_options(retries=0))
+    monkeypatch.setenv(SLOW_FROM_ENV, "2")
+    monkeypatch.setenv(STEP_SECONDS_ENV, "0.1")
+    blocker = tmp_path / "blocked"
+    durable = blocker / "durable"
+    run_summary(stepped(tmp_path / "fast", train_process=False, epochs=1))
+    blocker.write_text("a file where the durable tier's parent directory should be")
+    archive = {"upload_to": str(durable), "upload_retry_seconds": 0.5}
+    config = stepped(tmp_path / "fast", train_process=False, epochs=3, archive=archive)
+
+    def unblock(kind: str, data: dict) -> None:
+        if kind == "committed" and (data["info"].step or 0) >= 24 and blocker.is_file():
+            blocker.unlink()
+
+    remove = add_listener(unblock)
+    try:
+        state, _ = run_flow(config)
+    finally:
+        remove()
+    assert state.is_completed(), state
+    summary = state.result()
+    outages = summary["durable_outages"]
+    assert outages and all(o.startswith("upload of version") for o in outages), summary
+    fast = CheckpointStore(config.storage)
+    held = CheckpointStore(durable)
+    newest = fast.latest()
+    assert newest is not None and summary["durable_newest"] == newest.version
+    assert held.latest() is not None and held.latest().version == newest.version
+    assert_same_state(held.load(), fast.load())
