@@ -21,6 +21,7 @@ import pytest
 from ckptflow.storage import CheckpointStore
 from tests.conftest import assert_same_state
 from tests.pipeline.helpers import Child, run_summary
+from tests.pipeline.test_crashed_runs import artifacts_of
 from tests.pipeline.specs import SLOW_FROM_ENV, STEP_SECONDS_ENV
 from tests.pipeline.test_step_checkpoints import assert_same_run, expected_positions, positions, stepped
 
@@ -152,7 +153,7 @@ def test_the_durable_tier_keeps_its_own_cadence_and_the_fast_tier_every_save(pre
     config = stepped(
         tmp_path / "fast", train_process=False, archive={"upload_to": str(durable), "upload_every": "epoch"}
     )
-    summary, _ = run_summary(config)
+    summary, run_id = run_summary(config)
     fast = CheckpointStore(config.storage)
     assert positions(fast) == expected_positions()
     ends = [p for p in expected_positions() if p[1] is None]
@@ -161,6 +162,9 @@ def test_the_durable_tier_keeps_its_own_cadence_and_the_fast_tier_every_save(pre
     assert summary["mirror_skipped"] == inside and summary["not_mirrored"] == [], summary
     assert summary["durable_newest"] == fast.versions()[-1].version
     assert "skipped by upload_every 'epoch'" in summary["mirror_line"], summary
+    # the Prefect UI's progress card says where the durable tier stands
+    [progress] = artifacts_of(run_id, "-progress")
+    assert f"durable v{summary['durable_newest']}" in progress.description, progress.description
 
 
 def test_retention_on_the_fast_tier_keeps_the_versions_the_durable_tier_lacks(
