@@ -21,8 +21,8 @@ import pytest
 from ckptflow.storage import CheckpointStore
 from tests.conftest import assert_same_state
 from tests.pipeline.helpers import Child, run_summary
-from tests.pipeline.test_crashed_runs import artifacts_of
 from tests.pipeline.specs import SLOW_FROM_ENV, STEP_SECONDS_ENV
+from tests.pipeline.test_crashed_runs import artifacts_of
 from tests.pipeline.test_step_checkpoints import assert_same_run, expected_positions, positions, stepped
 
 pytestmark = pytest.mark.prefect
