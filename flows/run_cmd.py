@@ -253,6 +253,12 @@ def run_command(
             help="With --upload-to: 'epoch', or a duration (10m): the durable tier's cadence.",
         ),
     ] = config_field("archive.upload_every"),
+    durable_keep_last: Annotated[
+        int | None,
+        Opt(
+            "--durable-keep-last", metavar="N", help="With --upload-to: the durable tier keeps its newest N."
+        ),
+    ] = config_field("archive.durable_keep_last"),
     stop_drain: Annotated[
         float,
         Opt("--stop-drain", metavar="SECONDS", help="On SIGTERM: time to make the newest version durable."),
@@ -694,6 +700,8 @@ def _resume_command(config: Any, url: str) -> str:
             args += ["--upload-secret", archive.upload_secret]
         if archive.upload_every is not None:
             args += ["--upload-every", archive.upload_every]
+        if archive.durable_keep_last is not None:
+            args += ["--durable-keep-last", str(archive.durable_keep_last)]
     return " ".join(shlex.quote(a) for a in args)
 
 

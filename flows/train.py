@@ -258,6 +258,10 @@ def _run_epochs(
     finally:
         watch.close()
     archiver.drain(strict=False)  # a failed job is reported by _finish
+    durable_removed: list[int] = []
+    _quietly(
+        "apply the durable tier's retention", lambda: durable_removed.extend(archiver.durable_retention())
+    )
     removed = sorted({*removed_early, *finalize(run.store, config.retention, archiver.not_durable_from())})
     resumed_from = run.resumed_from.version if run.resumed_from else None
     ended = _finish(
@@ -273,6 +277,8 @@ def _run_epochs(
     )
     if isinstance(ended, dict):  # what a schedule is sized by (RunFacts.planned_epochs), for the hint
         ended["planned_epochs"] = run.planned_epochs
+        if config.archive.durable_keep_last is not None:
+            ended["durable_pruned"] = durable_removed
     return ended
 
 

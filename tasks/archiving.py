@@ -393,7 +393,8 @@ class ArchiveQueue:
             return [v.version for v in self.loose]
         self.durable_newest, self.durable_known = max(mirrored, default=None), True
         lacking = [v.version for v in self.loose if v.version not in mirrored]
-        if self.config.upload_every is not None:  # with a cadence, only the newest catches up
+        if self.config.upload_every is not None or self.config.durable_keep_last is not None:
+            # with a cadence, or a retention of its own, only the newest catches up
             lacking = lacking[-1:] if lacking and lacking[-1] > (self.durable_newest or -1) else []
         return lacking
 
@@ -435,6 +436,26 @@ class ArchiveQueue:
         if not self.durable_known:
             return 0
         return (self.durable_newest or -1) + 1
+
+    def durable_retention(self) -> list[int]:
+        """At the run's end, once every upload is done: apply ``durable_keep_last`` to the durable
+        tier; return the versions it removed (none while an upload failed: it may lack the newest)."""
+        keep = self.config.durable_keep_last
+        target = upload_target(self.config)
+        if keep is None or target is None or self.unresolved() or self.pending or self.waiting:
+            return []
+        from ckptflow.storage import RetentionPolicy
+
+        durable = CheckpointStore(target[0], storage_options=target[1])
+        plan = durable.apply_retention(RetentionPolicy(keep_last=keep))
+        get_run_logger().info(
+            "durable tier %s (keep_last=%d): removed versions %s; kept %s",
+            redact(target[0]),
+            keep,
+            version_ranges(plan.remove),
+            version_ranges(plan.remaining),
+        )
+        return list(plan.remove)
 
     def durable_line(self) -> str:
         """Where the durable tier stands: "durable tier URL: holds version 7", or which versions

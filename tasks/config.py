@@ -213,6 +213,13 @@ class ArchiveConfig(_Strict):
         "('10m', '90s', '1h': the newest version at most that often); unset: every version. The "
         "run's last version always goes up",
     )
+    durable_keep_last: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_EPOCHS,
+        description="the durable tier's retention: keep its newest N versions, applied at the run's "
+        "end once every upload is done (unset: keep all)",
+    )
     upload_retry_seconds: float = Field(
         30.0,
         ge=0.1,
@@ -269,6 +276,9 @@ class ArchiveConfig(_Strict):
             )
         if self.upload_versions is True and not self.upload_to:
             raise ValueError("archive.upload_versions needs archive.upload_to")
+        for name in ("upload_every", "durable_keep_last"):
+            if getattr(self, name) is not None and not self.upload_to:
+                raise ValueError(f"archive.{name} needs archive.upload_to (the durable tier)")
         return self
 
 

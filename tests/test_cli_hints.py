@@ -98,6 +98,7 @@ class TestResumeHint:
             "upload_to": "s3://bucket/run 1",
             "upload_options": {"endpoint_url": "http://127.0.0.1:8333"},
             "upload_every": "epoch",
+            "durable_keep_last": 3,
         }
         config = PipelineConfig(storage=storage, epochs=2, archive=archive)
         _print_next_steps(config, {"storage": storage, "latest_url": "x"})
@@ -105,7 +106,7 @@ class TestResumeHint:
         params = parsed_run_command(line.split(":", 1)[1].strip())
         assert params["upload_to"] == "s3://bucket/run 1"
         assert json.loads(params["upload_options"]) == archive["upload_options"]
-        assert params["upload_every"] == "epoch"
+        assert params["upload_every"] == "epoch" and params["durable_keep_last"] == 3
 
     def test_defaults_are_left_out(self, tmp_path, capsys):
         storage = str(tmp_path / "s")

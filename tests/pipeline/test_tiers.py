@@ -20,7 +20,7 @@ import pytest
 
 from ckptflow.storage import CheckpointStore
 from tests.conftest import assert_same_state
-from tests.pipeline.helpers import Child, run_summary
+from tests.pipeline.helpers import Child, make_config, run_summary
 from tests.pipeline.specs import SLOW_FROM_ENV, STEP_SECONDS_ENV
 from tests.pipeline.test_crashed_runs import artifacts_of
 from tests.pipeline.test_step_checkpoints import assert_same_run, expected_positions, positions, stepped
@@ -306,3 +306,18 @@ def test_a_durable_tier_that_answers_again_is_caught_up_within_the_run(prefect_s
     assert newest is not None and summary["durable_newest"] == newest.version
     assert held.latest() is not None and held.latest().version == newest.version
     assert_same_state(held.load(), fast.load())
+
+
+def test_the_durable_tier_keeps_its_own_retention(prefect_server, tmp_path):
+    """``durable_keep_last: 2`` prunes the durable tier at the run's end; the fast tier keeps its
+    own (every version here); the next run uploads only what is newer than the durable tier's newest."""
+    durable = tmp_path / "durable"
+    archive = {"upload_to": str(durable), "durable_keep_last": 2}
+    summary, _ = run_summary(make_config(tmp_path / "fast", epochs=4, train_process=False, archive=archive))
+    assert [v.version for v in CheckpointStore(durable).versions()] == [3, 4]
+    assert summary["durable_pruned"] == [1, 2], summary
+    assert [v.version for v in CheckpointStore(tmp_path / "fast").versions()] == [1, 2, 3, 4]
+    summary, _ = run_summary(make_config(tmp_path / "fast", epochs=5, train_process=False, archive=archive))
+    assert [v.version for v in CheckpointStore(durable).versions()] == [4, 5]  # 1 and 2 not sent again
+    assert summary["durable_pruned"] == [3], summary
+    assert_same_state(CheckpointStore(durable).load(), CheckpointStore(tmp_path / "fast").load())
