@@ -140,16 +140,13 @@ def check_store(config: PipelineConfig) -> None:
 
 def _durable_holds(config: PipelineConfig) -> bool:
     """Whether ``upload_to`` holds a committed version (False when it cannot be read now)."""
-    from ckptflow.storage import CheckpointStore, quick_answer_options
+    from ckptflow.storage import quick_answer_options
+    from ckptflow.tasks.reporting.mirroring import holds_versions
 
     target = config.archive.upload_to
     if not target or config.archive.upload_secret is not None:
         return bool(target)  # the secret's credentials need Prefect: the run finds out
-    try:
-        options = quick_answer_options(target, config.archive.upload_options)
-        return CheckpointStore(target, storage_options=options).latest() is not None
-    except Exception:
-        return False
+    return holds_versions(target, quick_answer_options(target, config.archive.upload_options))
 
 
 def may_fetch(config: PipelineConfig) -> bool:

@@ -52,7 +52,7 @@ from ckptflow.storage import (
 from .config import ArchiveConfig, PipelineConfig
 from .credentials import with_secret
 from .reporting.formatting import human_size
-from .reporting.mirroring import MirrorStatus, check_mirror, mirrored_versions, version_ranges
+from .reporting.mirroring import MirrorStatus, check_mirror, holds_versions, mirrored_versions, version_ranges
 from .retrying import io_task
 from .training.run_state import ConfigMismatchError, check_durable_run
 
@@ -215,12 +215,7 @@ def fetch_from_durable(store: CheckpointStore, config: PipelineConfig) -> Fetche
 def durable_holds_versions(config: ArchiveConfig) -> bool:
     """Whether ``upload_to`` holds a committed version (False without one, or when unreadable)."""
     target = upload_target(config)
-    if target is None:
-        return False
-    try:
-        return CheckpointStore(target[0], storage_options=target[1]).latest() is not None
-    except Exception:
-        return False
+    return target is not None and holds_versions(*target)
 
 
 @io_task("fetch_from_durable", retries=2, backoff=2)

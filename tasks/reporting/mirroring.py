@@ -83,6 +83,15 @@ def check_mirror(
     return MirrorStatus(redact(url), committed, missing, reason, let_go, config.upload_every)
 
 
+def holds_versions(url: str, options: dict[str, Any]) -> bool:
+    """Whether the store at ``url`` (a durable tier) holds a committed version (False when it
+    cannot be read now)."""
+    try:
+        return CheckpointStore(url, storage_options=options).latest() is not None
+    except Exception:
+        return False
+
+
 def mirrored_versions(url: str, options: dict[str, Any]) -> set[int]:
     """Versions ``url`` holds: loose with a manifest, or in a committed tarball."""
     mirror = CheckpointStore(url, storage_options=options)
