@@ -29,6 +29,7 @@ the versions the mirror lacks (:mod:`.mirroring`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import threading
 import time
@@ -143,11 +144,19 @@ def upload_version(store: CheckpointStore, version: int, config: ArchiveConfig) 
 def note_fast_tier(url: str, options: dict[str, Any], version: int) -> None:
     """Record on the durable tier that the fast tier committed ``version`` (before it goes up):
     a run that loses the fast tier then names the versions that were only there."""
+    key = (url, json.dumps(options, sort_keys=True, default=str))
+    if _noted.get(key, -1) >= version:  # this process noted it: no read of the note per upload
+        return
     durable = CheckpointStore(url, storage_options=options)
     noted = durable.read_json(FAST_TIER_FILE) or {}
     if isinstance(noted, dict) and isinstance(noted.get("newest"), int) and noted["newest"] >= version:
+        _noted[key] = noted["newest"]
         return
     durable.write_json(FAST_TIER_FILE, {"newest": version, "host": socket.gethostname()})
+    _noted[key] = version
+
+
+_noted: dict[tuple[str, str], int] = {}  # (durable tier, its options) -> the newest version noted there
 
 
 def lost_versions(url: str, options: dict[str, Any], fetched: int) -> list[int]:
