@@ -314,6 +314,7 @@ class ArchiveQueue:
         """Note a new commit; start whatever the policy says is due and a slot allows. Never waits."""
         self.loose.append(info)
         self.committed_here.append(info.version)
+        self._tell_durable()  # one more version behind, until its upload is verified
         if self.config.mirrors_versions():
             self._hold(info.version)
             if self._due(info):
