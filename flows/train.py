@@ -87,6 +87,11 @@ from ckptflow.tasks.stopping import CANCELLED, SIGTERM_STOP, StopTracker, note_s
 from ckptflow.tasks.training.protocol import PendingSave
 from ckptflow.tasks.training.run_state import nothing_to_resume
 
+# What a stopping run waits for each of its own Prefect API calls (the wording of its end, the
+# stopped task runs, its summary): after SIGTERM the process must leave within the grace period,
+# and a busy server answers one call in minutes (Prefect's own final state still waits for it).
+STOP_API_SECONDS = 10.0
+
 
 @flow(name="ckptflow-train", validate_parameters=True)
 def train_pipeline(config: PipelineConfig) -> dict[str, Any] | State:
@@ -348,9 +353,12 @@ def _stopped_by_signal(
         saved += "; " + archiver.durable_line()
     message = f"{why}{saved}"
     epochs = _trained(run, latest)
-    monitor.ended("Cancelled", message, latest, rows=[("epochs", epochs)], unreadable=unreadable)
+    monitor.ended(
+        "Cancelled", message, latest, rows=[("epochs", epochs)], unreadable=unreadable, flush=STOP_API_SECONDS
+    )
     get_run_logger().info("stopped: %s", message)
-    for name in cancel_stopped_task_runs(flow_run.get_id(), f"stopped by the run's stop: {message}"):
+    run_id, note = flow_run.get_id(), f"stopped by the run's stop: {message}"
+    for name in _within(STOP_API_SECONDS, lambda: cancel_stopped_task_runs(run_id, note), []):
         get_run_logger().info("task run %s: stopped by SIGTERM, marked Cancelled", name)
     ended_cancelled(flow_run.get_id())
     return Cancelled(message=message)
@@ -413,7 +421,7 @@ def _how_it_ended(exc: BaseException, in_flight: int | None, monitor: RunMonitor
         done = "committed" if in_flight in monitor.versions else "did not commit"
         saved = f"; the save of version {in_flight} that was in flight {done}"
     if isinstance(exc, TerminationSignal):
-        if _cancel_requested():
+        if _within(STOP_API_SECONDS, _cancel_requested, False):
             return "Cancelled", f"cancelled from Prefect (the worker's SIGTERM){saved}"
         return "Stopped", f"the process got SIGTERM, not a cancellation from Prefect{saved}"
     if isinstance(exc, KeyboardInterrupt):
@@ -434,6 +442,19 @@ def _cancel_requested() -> bool:
         return cancel_requested(UUID(run_id))
     except Exception:
         return False
+
+
+def _within(seconds: float, call: Callable[[], Any], default: Any) -> Any:
+    """``call()``'s result if it returns within ``seconds``, else ``default`` (it goes on in a daemon
+    thread, in this thread's context: the run's API settings and logger)."""
+    box: list[Any] = []
+    context = contextvars.copy_context()
+    thread = threading.Thread(
+        target=context.run, args=(lambda: box.append(call()),), name="ckptflow-stop-call", daemon=True
+    )
+    thread.start()
+    thread.join(seconds)
+    return box[0] if box else default
 
 
 def _opaque(value: Any) -> Any:

@@ -365,6 +365,7 @@ class RunMonitor:
         rows: list[tuple[str, str]] = (),  # type: ignore[assignment]
         removed: list[int] | tuple[int, ...] = (),
         unreadable: str | None = None,
+        flush: float = 30.0,
     ) -> None:
         """Publish the run's summary (however it ended) and drop the versions retention ``removed``.
 
@@ -389,7 +390,7 @@ class RunMonitor:
         self._reporter.put(self._publish_progress)
         key = f"{self.key_prefix}-summary"
         self._reporter.put(lambda: self.artifacts.markdown(key, text, f"ckptflow run summary: {state}"))
-        self.flush()
+        self.flush(flush)
         self._reporter.close()
 
     # -- in the reporter's thread --

@@ -10,13 +10,16 @@ environment (``PrefectServer.env()``).
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 
 RESULT_PREFIX = "RESULT "
 
 
 def main(argv: list[str]) -> int:
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # Child.wait's timeout: where it waits
     from ckptflow.flows.train import train_pipeline
     from ckptflow.tasks.config import PipelineConfig
 

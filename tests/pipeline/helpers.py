@@ -97,8 +97,10 @@ class Child:
         try:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
+            os.kill(self.proc.pid, signal.SIGUSR2)  # its threads' stacks (tests/children/run_flow.py)
+            time.sleep(1)
             self.kill()
-            raise AssertionError(f"child still running after {timeout:.0f}s:\n{self.tail()}") from None
+            raise AssertionError(f"child still running after {timeout:.0f}s:\n{self.tail(12000)}") from None
 
     def result(self) -> dict[str, Any]:
         lines = [ln for ln in self.output().splitlines() if ln.startswith(RESULT_PREFIX)]
