@@ -21,6 +21,12 @@ What must hold:
   Linux the kernel stops it if this process dies (SIGKILL included). That
   signal comes when the *thread* that started the server ends, so start it
   from a thread that lives as long as the process.
+- The server outlives a stop of this process: a Ctrl-C reaches the terminal's
+  whole process group, and SLURM's ``scancel --signal=TERM`` every process of
+  the job step. The run saves where it stands and reports it through the
+  server, so the server runs in a session of its own and ignores SIGINT and
+  SIGTERM (:data:`STOP_SIGNAL`, SIGUSR1, stops it). Before, it died with the
+  run, and the run then waited for hours on an API that was gone.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ NO_EPHEMERAL = "no-ephemeral"  # no API configured, and the user turned temporar
 # other housekeeping services (foreman, repossessor, cancellation cleanup, pause expirations) run
 # as on any server, on the database under PREFECT_HOME.
 SERVER_FLAGS = ("--no-ui", "--no-scheduler", "--no-late-runs", "--log-level", "ERROR")
+STOP_SIGNAL = signal.SIGUSR1  # what stops the server (uvicorn's graceful exit); it ignores the rest
 
 
 class ApiServerError(RuntimeError):
@@ -118,7 +125,7 @@ class TemporaryApiServer:
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
+            self.process.send_signal(STOP_SIGNAL)
             try:
                 self.process.wait(10)
             except subprocess.TimeoutExpired:
@@ -130,9 +137,9 @@ class TemporaryApiServer:
         self._output.seek(0)
         self._output.truncate()
         self.process = subprocess.Popen(
-            command(  # the kernel sends SIGTERM when this process dies (PR_SET_PDEATHSIG)
-                signal.SIGTERM,
-                "prefect",
+            command(  # the kernel sends STOP_SIGNAL when this process dies (PR_SET_PDEATHSIG)
+                STOP_SIGNAL,
+                __name__,  # main() below: `prefect server start`, shielded from stop signals
                 *("server", "start", "--host", "127.0.0.1", "--port", str(self.port)),
                 *SERVER_FLAGS,
             ),
@@ -140,6 +147,7 @@ class TemporaryApiServer:
             stdin=subprocess.DEVNULL,
             stdout=self._output,
             stderr=subprocess.STDOUT,
+            start_new_session=True,  # a Ctrl-C to the terminal's process group does not reach it
         )
 
     def _wait(self, deadline: float) -> str:
@@ -228,3 +236,22 @@ def start_for_cli() -> TemporaryApiServer | None:
     server.start(max(timeout, 20.0))
     os.environ["PREFECT_API_URL"] = server.api_url
     return server
+
+
+def main(args: list[str]) -> None:
+    """``prefect server start ARGS`` ignoring SIGINT and SIGTERM, which are meant for the run that
+    started it (a Ctrl-C, SLURM's signal to every process of a job step); :data:`STOP_SIGNAL` is
+    the one uvicorn handles, as it would handle those."""
+    import runpy
+
+    import uvicorn.server
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    uvicorn.server.HANDLED_SIGNALS = (STOP_SIGNAL,)  # type: ignore[assignment]
+    sys.argv = ["prefect", *args]
+    runpy.run_module("prefect", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

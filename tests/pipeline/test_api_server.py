@@ -27,7 +27,8 @@ CKPTFLOW = str(Path(sys.executable).parent / "ckptflow")
 
 
 def servers_of(home: Path) -> list[int]:
-    """Pids of `prefect server start` processes whose environment has PREFECT_HOME=home."""
+    """Pids of `server start` processes (ckptflow's shielded `prefect server start`) whose environment
+    has PREFECT_HOME=home."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -37,7 +38,7 @@ def servers_of(home: Path) -> list[int]:
             environ = (entry / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"\0prefect\0server\0start\0" in cmdline and f"PREFECT_HOME={home}".encode() in environ:
+        if b"\0server\0start\0--host\0" in cmdline and f"PREFECT_HOME={home}".encode() in environ:
             found.append(int(entry.name))
     return found
 
@@ -92,6 +93,44 @@ def test_the_server_dies_with_a_killed_run(tmp_path):
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
+    assert wait_until(lambda: servers_of(home) == [], 15), servers_of(home)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["TERM", "INT"])
+def test_a_signal_to_the_whole_process_group_stops_the_run_not_its_server(tmp_path, sig):
+    """SLURM's ``scancel --signal=TERM`` reaches every process of the job step, a Ctrl-C the
+    terminal's whole process group, ``kill -- -PGID`` the same. Before, the temporary server died
+    with the run it serves: the run saved where it stood and then waited (hours) on an API that
+    was gone. Now the server ignores them: the run saves, reports, ends with 128+N at once, and
+    then stops its server."""
+    home = tmp_path / "prefect-home"
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    env = {**spec_env(home), MARKERS_ENV: str(markers), SLOW_FROM_ENV: "1", SLOW_SECONDS_ENV: "0.5"}
+    with open(tmp_path / "run.log", "wb") as log:
+        proc = subprocess.Popen(
+            run_args(tmp_path / "store", 50),
+            env=env,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group, as a shell gives a command
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # a terminal's Ctrl-C
+        )
+    try:
+        started = wait_until(lambda: len(list(markers.iterdir())) >= 2, 240)
+        assert started, (tmp_path / "run.log").read_text(errors="replace")[-3000:]
+        assert len(servers_of(home)) == 1
+        os.killpg(proc.pid, sig)
+        code = proc.wait(90)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+    out = (tmp_path / "run.log").read_text(errors="replace")
+    assert code == 128 + sig, out[-3000:]
+    assert "Error logging to API" not in out and "All connection attempts failed" not in out, out[-3000:]
+    assert sorted(p.name for p in (tmp_path / "store").glob("v*")), out[-3000:]
     assert wait_until(lambda: servers_of(home) == [], 15), servers_of(home)
 
 
