@@ -19,7 +19,7 @@ import pytest
 
 from ckptflow.storage import CheckpointStore
 from tests.pipeline.helpers import REPO
-from tests.pipeline.specs import SLOW_FROM_ENV, STEP_SECONDS_ENV, STEPPED_SPEC
+from tests.pipeline.specs import SLOW_FROM_ENV, SPEC_CONFIG, STEP_SECONDS_ENV, STEPPED_SPEC
 from tests.pipeline.test_step_checkpoints import EPOCHS, EVERY, assert_same_run, expected_positions, positions
 from tests.prefect_server import prefect_env
 from tests.slurm.conftest import Slurm
@@ -37,7 +37,7 @@ def batch_script(where: Path) -> Path:
         "#SBATCH --job-name=train --nodes=1 --ntasks=1\n"
         "#SBATCH --requeue --signal=TERM@120 --open-mode=append --output=train-%j.out\n"
         f"srun {ckptflow} run --storage ./checkpoints/run1 --epochs {EPOCHS} "
-        f"--spec {STEPPED_SPEC} --save-every-steps {EVERY}\n"
+        f"--spec {STEPPED_SPEC} --spec-config '{json.dumps(SPEC_CONFIG)}' --save-every-steps {EVERY}\n"
     )
     return script
 
