@@ -54,7 +54,7 @@ typecheck: $(STAMP)
 		echo "mypy, Python $$v:"; ../../$(BIN)/mypy --config-file ../../pyproject.toml --python-version $$v -p ckptflow || exit 1; done
 
 pytest: $(STAMP)
-	$(BIN)/pytest -q -p no:cacheprovider -n $(WORKERS) $(ARGS)
+	$(BIN)/pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadgroup $(ARGS)
 
 test: lint typecheck pytest
 

@@ -25,7 +25,7 @@ from tests.prefect_server import prefect_env
 from tests.slurm.conftest import Slurm
 from tests.storage.test_dedup import verify_all
 
-pytestmark = [pytest.mark.slurm, pytest.mark.crash]
+pytestmark = [pytest.mark.slurm, pytest.mark.crash, pytest.mark.xdist_group("slurm")]  # one cluster
 
 
 def batch_script(where: Path) -> Path:
