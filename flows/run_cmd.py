@@ -259,6 +259,12 @@ def run_command(
             "--durable-keep-last", metavar="N", help="With --upload-to: the durable tier keeps its newest N."
         ),
     ] = config_field("archive.durable_keep_last"),
+    upload_retry: Annotated[
+        float,
+        Opt(
+            "--upload-retry", metavar="SECONDS", help="After a failed upload: the pause before trying again."
+        ),
+    ] = config_field("archive.upload_retry_seconds"),
     stop_drain: Annotated[
         float,
         Opt("--stop-drain", metavar="SECONDS", help="On SIGTERM: time to make the newest version durable."),
@@ -266,6 +272,13 @@ def run_command(
     keep_last: Annotated[int | None, Opt("--keep-last", help="Retention: keep the newest N.")] = config_field(
         "retention.keep_last"
     ),
+    keep_undurable: Annotated[
+        bool,
+        Opt(
+            "--keep-undurable/--no-keep-undurable",
+            help="Retention keeps the versions --upload-to lacks (default), or applies to them too.",
+        ),
+    ] = config_field("retention.keep_undurable"),
     keep_every: Annotated[
         int | None, Opt("--keep-every", help="Retention: keep every K-th epoch.")
     ] = config_field("retention.keep_every"),
