@@ -13,6 +13,7 @@ import itertools
 import os
 import signal
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -27,7 +28,6 @@ from tests.pipeline.helpers import (
     run_summary,
     task_runs,
     version_dirs,
-    wait_until,
 )
 from tests.pipeline.specs import EVALUATING_ENV, SLOW_FROM_ENV, STEP_SECONDS_ENV, STEPPED_SPEC
 
@@ -199,21 +199,25 @@ def test_sigterm_inside_an_epoch_commits_the_step_and_the_run_resumes_there(
     try:
         child.wait_for(lambda: any(v.step == 15 for v in store.versions()), 180, "the save of step 15")
         before = {v.version for v in store.versions()}
-        signalled = time.monotonic()
+        time.sleep(1.0)  # into step 16 or 17 (0.5 s each; the next save point is step 20)
+        signalled = time.time()
         os.kill(child.proc.pid, signal.SIGTERM)
-        wait_until(lambda: {v.version for v in store.versions()} - before, 30, "a save after SIGTERM")
-        took = time.monotonic() - signalled
         code = child.wait(STOPPED_EXIT_SECONDS)
     finally:
         child.kill()
-    assert took < stopped.stop_grace_seconds, f"the save committed {took:.2f}s after SIGTERM"
-    print(f"SIGTERM to commit: {took:.2f}s")
     result = child.result()
     assert result["state"] == "CANCELLED", child.tail()
     assert code == 0
     saved = store.latest()
-    assert saved is not None and saved.in_epoch and saved.epoch == 2 and saved.step > 15, positions(store)
-    assert saved.version not in before
+    assert saved is not None and saved.in_epoch and saved.epoch == 2 and saved.step >= 15, positions(store)
+    if saved.version in before:
+        # CI, once: on a loaded machine the SIGTERM came before a step past 15 began; the run stood
+        # at its step-15 save, and rightly saved nothing more
+        assert saved.step == 15, positions(store)
+    else:  # the step in progress finished and was saved within the grace period
+        took = datetime.fromisoformat(saved.created).timestamp() - signalled
+        assert took < stopped.stop_grace_seconds, f"the save committed {took:.2f}s after SIGTERM"
+        print(f"SIGTERM to commit: {took:.2f}s")
     assert version_dirs(stopped.storage) == [
         f"v{v.version:06d}" for v in store.versions()
     ]  # nothing half-written
