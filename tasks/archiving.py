@@ -331,7 +331,12 @@ class ArchiveQueue:
         interval = self.config.upload_interval()
         if interval is None:
             return not info.in_epoch
-        return self._last_sent is None or time.monotonic() - self._last_sent >= interval
+        return not interval or self._last_sent is None or self._interval_passed()
+
+    def _interval_passed(self) -> bool:
+        """Whether a timed cadence's interval has passed since the last upload began."""
+        interval, last = self.config.upload_interval(), self._last_sent
+        return bool(interval) and last is not None and time.monotonic() - last >= (interval or 0.0)
 
     def _send_held(self) -> None:
         if self.held is not None:
@@ -347,9 +352,7 @@ class ArchiveQueue:
             self.started = True
             self.waiting[:0] = [v for v in self._not_mirrored() if v not in self.waiting]
             self._tell_durable()
-        interval = self.config.upload_interval()
-        last = self._last_sent
-        if self.held is not None and interval and last is not None and time.monotonic() - last >= interval:
+        if self.held is not None and self._interval_passed():
             self._send_held()
         self._start_due()
 
@@ -588,11 +591,8 @@ class ArchiveQueue:
         outcome: list[BaseException | str] = []
 
         def send() -> None:
-            try:
-                note_fast_tier(target[0], target[1], newest.version)
-                outcome.append(
-                    self.store.mirror_version(newest.version, target[0], storage_options=target[1])
-                )
+            try:  # the upload task's own body, outside the task runner
+                outcome.append(upload_version.fn(self.store, newest.version, self.config))
             except BaseException as exc:
                 outcome.append(exc)
 
